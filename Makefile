@@ -1,0 +1,32 @@
+# The two newcomer commands:  `make demo`  and  `make test`.
+# Both create .venv and install everything on first use (torch==2.13.0 CPU first,
+# so that the `torch>=2.6` dependency is already satisfied and no CUDA build is pulled).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/elastrain demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check elastrain tests benchmarks examples
+	$(BIN)/ruff format --check elastrain tests benchmarks examples
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Fault injection: in-worker fault points and the launcher's fault schedule."""

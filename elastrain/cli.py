@@ -1,0 +1,176 @@
+"""elastrain's command line: run, demo, coordinator, report, sim.
+
+elastrain demo                                # the elastic demo (about 2 minutes)
+elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
+elastrain coordinator --bind 127.0.0.1:0 --target 4
+elastrain sim --preset llama3-16k
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "-n", "--workers", type=int, default=4, help="workers to keep running (default 4)"
+    )
+    ap.add_argument(
+        "--min",
+        type=int,
+        default=None,
+        dest="min_workers",
+        help="fewest members that may train; fewer pauses the job (default 1)",
+    )
+    ap.add_argument(
+        "--replace-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="seconds before a dead worker is replaced (stands in for pod scheduling)",
+    )
+    ap.add_argument("--no-replace", action="store_true", help="do not replace dead workers")
+    ap.add_argument("--run-dir", default=None, help="run directory (default runs/<job-id>)")
+    ap.add_argument("--steps", type=int, default=None, help="override the script's total steps")
+    ap.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject a fault: KIND@STEP[:MEMBER][/SECONDS], KIND in kill, hang, term "
+        "(e.g. kill@15, hang@30/6); repeatable",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule's choices")
+    ap.add_argument(
+        "--plain", action="store_true", help="plain progress lines instead of a live panel"
+    )
+
+
+def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]) -> object:
+    from elastrain.chaos.schedule import parse_fault
+    from elastrain.launch.launcher import LaunchConfig
+
+    faults = [parse_fault(f) for f in args.fault]
+    return LaunchConfig(
+        script=script,
+        script_args=script_args,
+        workers=args.workers,
+        min_workers=args.min_workers or 1,
+        replace_delay_s=args.replace_delay,
+        replace=not args.no_replace,
+        run_dir=args.run_dir,
+        steps=args.steps,
+        faults=faults,
+        seed=args.seed,
+    )
+
+
+def _run_job(cfg: object, plain: bool, total: int | None) -> object:
+    from elastrain.launch.launcher import LaunchConfig, Launcher
+    from elastrain.launch.progress import Progress
+
+    assert isinstance(cfg, LaunchConfig)
+    with Progress(total, plain=plain or None) as prog:
+        launcher = Launcher(cfg, on_status=prog.update)
+        prog.note(f"run directory: {launcher.run_dir}")
+        result = launcher.run()
+    return result
+
+
+def _summary(result: object) -> None:
+    from elastrain.launch.launcher import RunResult
+    from elastrain.observe.events import read_events
+
+    assert isinstance(result, RunResult)
+    print(f"\njob {result.status}: {result.steps} steps; run directory {result.run_dir}")
+    if result.message:
+        print(result.message)
+    try:
+        from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
+
+        ev = read_events(result.run_dir)
+        recs = recoveries(ev)
+        if recs:
+            print("\nrecovery of the survivors, per fault (seconds):")
+            print(format_recoveries(recs))
+        js = joins(ev)
+        if js:
+            print("\nreplacements (seconds from spawn):")
+            print(format_joins(js))
+    except ImportError:
+        pass
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    try:
+        cfg = _launch_config(args, args.script, script_args)
+    except ValueError as e:
+        print(f"elastrain run: error: {e}", file=sys.stderr)
+        return 2
+    result = _run_job(cfg, args.plain, args.steps)
+    _summary(result)
+    return 0 if getattr(result, "status", "") == "done" else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from elastrain.demo.show import run_demo
+
+    return run_demo(steps=args.steps, run_dir=args.run_dir, plain=args.plain)
+
+
+def cmd_coordinator(argv: list[str]) -> int:
+    from elastrain.control.server import main
+
+    return main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "coordinator":
+        return cmd_coordinator(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="elastrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a training script elastically on this machine")
+    _add_run_args(r)
+    r.add_argument("script", help="the training script")
+    r.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)"
+    )
+    d = sub.add_parser(
+        "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
+    )
+    d.add_argument("--steps", type=int, default=80)
+    d.add_argument("--run-dir", default=None)
+    d.add_argument("--plain", action="store_true")
+    sub.add_parser("coordinator", help="run a standalone coordinator (see --help after it)")
+    s = sub.add_parser("sim", help="simulate failures and goodput at cluster scale")
+    try:
+        from elastrain.sim.cli import add_arguments as sim_args
+
+        sim_args(s)
+    except ImportError:
+        pass
+    args = ap.parse_args(argv)
+    if args.cmd == "run":
+        if not Path(args.script).is_file():
+            ap.error(f"training script not found: {args.script}")
+        return cmd_run(args)
+    if args.cmd == "demo":
+        return cmd_demo(args)
+    if args.cmd == "sim":
+        from elastrain.sim.cli import run as sim_run
+
+        return sim_run(args)
+    ap.error(f"unknown command {args.cmd}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

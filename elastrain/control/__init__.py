@@ -1,0 +1,1 @@
+"""Control plane: the coordinator (membership, quorum, store) and its client."""

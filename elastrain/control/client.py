@@ -1,0 +1,123 @@
+"""Client of the coordinator's wire API (see `protocol`).
+
+One `CoordinatorClient` per process; it keeps one HTTP keep-alive connection
+per calling thread, so the trainer's main thread and its heartbeat thread never
+share a socket. Every call raises `CoordinatorUnavailable` when the coordinator
+cannot be reached (the caller decides whether to retry) and `CoordinatorRefused`
+when it answers with an error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from typing import Any, TypeVar
+
+from elastrain.control import protocol as p
+
+T = TypeVar("T")
+
+
+class CoordinatorError(RuntimeError):
+    pass
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """Connection refused, reset or timed out."""
+
+
+class CoordinatorRefused(CoordinatorError):
+    """The coordinator answered with an error status."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"coordinator refused ({status} {code}): {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, token: str, *, timeout_s: float = 10.0) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+        self.host = host
+        self.port = int(port)
+        self.token = token
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if c is None:
+            c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            self._local.conn = c
+        c.timeout = timeout
+        if c.sock is not None:
+            c.sock.settimeout(timeout)
+        return c
+
+    def _drop_conn(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+    def call(
+        self, method: str, op: str, body: dict[str, Any] | None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else b""
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        t = timeout if timeout is not None else self.timeout_s
+        for attempt in (0, 1):
+            conn = self._conn(t)
+            try:
+                conn.request(method, p.PREFIX + op, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (ConnectionError, OSError, http.client.HTTPException) as e:
+                self._drop_conn()
+                # A stale keep-alive socket fails once; a dead server fails twice.
+                if attempt == 1 or isinstance(e, TimeoutError):
+                    raise CoordinatorUnavailable(f"coordinator {self.host}:{self.port}: {e}") from e
+        try:
+            out = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CoordinatorError(f"coordinator sent invalid JSON: {raw[:200]!r}") from e
+        if resp.status != 200:
+            raise CoordinatorRefused(resp.status, str(out.get("error")), str(out.get("message")))
+        if not isinstance(out, dict):
+            raise CoordinatorError("coordinator response is not an object")
+        return out
+
+    def _op(self, op: str, req: Any, resp_cls: type[T], *, wait_s: float = 0.0) -> T:
+        out = self.call("POST", op, p.encode(req), timeout=self.timeout_s + wait_s)
+        return p.decode(resp_cls, out)
+
+    # ---- typed ops ----------------------------------------------------------
+
+    def register(self, req: p.RegisterRequest) -> p.RegisterResponse:
+        return self._op("register", req, p.RegisterResponse)
+
+    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
+        return self._op("heartbeat", req, p.HeartbeatResponse, wait_s=req.wait_s)
+
+    def rendezvous(self, req: p.RendezvousRequest) -> p.RendezvousResponse:
+        return self._op("rendezvous", req, p.RendezvousResponse, wait_s=req.wait_s)
+
+    def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
+        return self._op("quorum", req, p.QuorumResponse)
+
+    def leave(self, req: p.LeaveRequest) -> p.OkResponse:
+        return self._op("leave", req, p.OkResponse)
+
+    def exit(self, req: p.ExitRequest) -> p.OkResponse:
+        return self._op("exit", req, p.OkResponse)
+
+    def status(self) -> dict[str, Any]:
+        return self.call("GET", "status", None)
+
+    def close(self) -> None:
+        self._drop_conn()

@@ -1,0 +1,1 @@
+"""The demo job: a small GPT on the Python standard library's own source."""

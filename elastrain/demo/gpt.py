@@ -1,0 +1,129 @@
+"""A small GPT-style model trained elastically on the Python stdlib's source.
+
+Run it under the launcher (this is what `elastrain demo` does, with faults):
+
+    elastrain run -n 4 elastrain/demo/gpt.py -- --steps 60
+
+The corpus is available offline on every machine that has Python: the
+standard library's top-level `.py` files, concatenated in sorted order and
+read as bytes (vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastrain import ElasticTrainer, TrainerConfig
+
+
+def stdlib_corpus(max_bytes: int = 2_000_000) -> bytes:
+    root = Path(os.__file__).parent
+    out = bytearray()
+    for path in sorted(root.glob("*.py")):
+        out += path.read_bytes()
+        if len(out) >= max_bytes:
+            break
+    return bytes(out[:max_bytes])
+
+
+class ByteBlocks(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample i: the `block` bytes at offset i*block and the same shifted by one."""
+
+    def __init__(self, data: bytes, block: int) -> None:
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.block = block
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = i * self.block
+        chunk = self.data[s : s + self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        h = self.ln1(x)
+        a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        x = x + a
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab: int = 256, block: int = 64, d: int = 128, layers: int = 2, heads: int = 4
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        x = self.tok(idx) + self.pos(pos)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)  # identical initial weights on every member
+    model = GPT(block=args.block, d=args.dim, layers=args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    data = ByteBlocks(stdlib_corpus(), args.block)
+    cfg = TrainerConfig(
+        global_batch_size=args.batch,
+        micro_batch_size=args.micro,
+        total_steps=args.steps,
+        seed=args.seed,
+    )
+    trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
+    for r in trainer.steps():
+        if r.rank == 0 and (r.step % 10 == 0 or r.step == trainer.config.total_steps - 1):
+            print(
+                f"step {r.step} loss {r.loss:.4f} ppl {math.exp(r.loss):.1f} "
+                f"members {r.members} gen {r.gen}",
+                flush=True,
+            )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Every environment variable elastrain reads or sets, in one place.
+
+The launcher (or a Kubernetes pod spec) sets these for each worker; the worker
+runtime reads them in `ElasticTrainer`. Nothing else in the package spells an
+`ELASTRAIN_*` name.
+"""
+
+from __future__ import annotations
+
+COORDINATOR = "ELASTRAIN_COORDINATOR"
+"""host:port of the coordinator's HTTP API."""
+
+TOKEN = "ELASTRAIN_TOKEN"
+"""The job token; every coordinator call carries it. Never passed on a command line."""
+
+TOKEN_FILE = "ELASTRAIN_TOKEN_FILE"
+"""Path of a file holding the job token (alternative to TOKEN)."""
+
+MEMBER_ID = "ELASTRAIN_MEMBER_ID"
+"""This worker's member id, unique per spawned process (w0, w1, ... replacements continue)."""
+
+RUN_DIR = "ELASTRAIN_RUN_DIR"
+"""The run directory: events, logs, ledger."""
+
+ADVERTISE_HOST = "ELASTRAIN_HOST"
+"""Address this worker's gloo device binds and advertises (default 127.0.0.1)."""
+
+FAULTS = "ELASTRAIN_FAULTS"
+"""JSON list of in-worker fault points (see elastrain.chaos.points); for tests and chaos runs."""
+
+STEPS = "ELASTRAIN_STEPS"
+"""Optional override of the trainer's total step count (the launcher's --steps)."""

@@ -1,0 +1,1 @@
+"""Launching jobs: the local launcher behind `elastrain run`."""

@@ -1,0 +1,1 @@
+"""Observability: structured events, recovery phases, goodput."""

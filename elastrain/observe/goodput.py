@@ -1,0 +1,335 @@
+"""Goodput ledger: every member-second of the job in exactly one bucket.
+
+A first version of issue 4, item 2, computed from the events alone (pure; the
+report and the tests call it on `read_events(run_dir)`).
+
+Capacity is the job's target member count (`job_start.target`). The ledger
+covers the wall interval [job_start, job_end] times the capacity; when more
+processes than the target are alive at once (a hung victim next to its
+replacement) the capacity at that moment is the live count, so the total is
+the integral of max(target, live) and the buckets always sum to it.
+
+Each worker process (one `worker_spawned` member/pid, alive until its
+`worker_exited`) walks through states driven by its own events:
+
+  startup           spawn -> first `generation_start` (an original worker), or
+                    spawn -> `member_registered` (a replacement)
+  regroup           quorum + regroup: after an abort (or registration) until the
+                    next `generation_start`, except the heal
+  healing           `heal_begin` -> `heal_end`, every role
+  productive        a step that was committed (previous mark -> `step_commit`)
+  wasted            a step that was aborted, up to the fault that broke it
+  detection         fault -> the abort that noticed it (survivors); fault ->
+                    expulsion (a hung or killed victim)
+  replacement_wait  capacity missing: empty slots (below target) between the
+                    first generation_start and the last step_commit (before:
+                    startup, after: other), and an expelled, still-hung victim
+  checkpoint        checkpoint blocking (no events yet: always 0)
+  data_wait         waiting for input data (no events yet: always 0)
+  other             the rest: shutdown after the last step, unknown states
+
+Mapping to ml-goodput-measurement (Google): productive = productive training
+time; wasted = "wasted progress from disruption"; detection + regroup +
+healing + replacement_wait = "disruption / badput from failures"; startup =
+"TPU/accelerator initialization + training prep"; checkpoint = "checkpoint
+save (blocking)"; data_wait = "data loading"; other = "other/unknown".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elastrain.observe.recovery import FAULT_KINDS
+
+Event = Mapping[str, Any]
+
+BUCKETS = (
+    "productive",
+    "wasted",
+    "detection",
+    "regroup",
+    "healing",
+    "replacement_wait",
+    "checkpoint",
+    "startup",
+    "data_wait",
+    "other",
+)
+"""Goodput buckets, in report order; `Goodput.buckets` has exactly these keys."""
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The ledger of one run.
+
+    total_s: member-seconds covered (see module docstring); the buckets sum to it.
+    wall_s: job_end - job_start. capacity: target member count.
+    buckets: member-seconds per bucket (every name in BUCKETS).
+    time_goodput: productive / total_s.
+    committed_samples: samples of all committed steps (each step counted once).
+    nominal_samples_per_s: median step throughput while the job ran at full
+    size (None when it never did and no commit says otherwise).
+    throughput_goodput: committed_samples / (nominal_samples_per_s * wall_s).
+    """
+
+    total_s: float
+    wall_s: float
+    capacity: int
+    buckets: dict[str, float]
+    time_goodput: float
+    committed_samples: int
+    nominal_samples_per_s: float | None
+    throughput_goodput: float | None
+
+
+class _Acc:
+    """Adds the time from a moving cursor to named buckets, clipped to [start, end]."""
+
+    def __init__(self, start: float, end: float, into: dict[str, float]) -> None:
+        self.cursor, self.end, self.into = start, end, into
+
+    def to(self, t: float, bucket: str) -> None:
+        t = min(t, self.end)
+        if t > self.cursor:
+            self.into[bucket] += t - self.cursor
+            self.cursor = t
+
+
+def _sorted(events: Iterable[Event]) -> list[Event]:
+    out = [e for e in events if isinstance(e.get("t"), int | float)]
+    out.sort(key=lambda e: float(e["t"]))
+    return out
+
+
+@dataclass
+class _Proc:
+    member: str
+    pid: Any
+    start: float
+    end: float
+    replacement: bool
+
+
+def _processes(evs: Sequence[Event], t_start: float, t_end: float) -> list[_Proc]:
+    """Worker processes and their lifetimes, from the launcher or (without one)
+    from the workers' own events."""
+    procs: list[_Proc] = []
+    for e in evs:
+        if e.get("kind") == "worker_spawned" and e.get("member") is not None:
+            procs.append(_Proc(str(e["member"]), e.get("pid"), float(e["t"]), t_end,
+                               bool(e.get("replacement"))))  # fmt: skip
+    if procs:
+        for e in evs:
+            if e.get("kind") != "worker_exited":
+                continue
+            for p in procs:
+                same_pid = p.pid is None or e.get("pid") in (None, p.pid)
+                open_ = p.end == t_end and float(e["t"]) >= p.start
+                if p.member == e.get("member") and same_pid and open_:
+                    p.end = float(e["t"])
+                    break
+    else:
+        seen: dict[tuple[str, Any], _Proc] = {}
+        for e in evs:
+            proc = e.get("proc")
+            if proc in ("launcher", "coordinator") or not isinstance(proc, str):
+                continue
+            key = (proc, e.get("pid"))
+            if key not in seen:
+                seen[key] = _Proc(proc, e.get("pid"), float(e["t"]), float(e["t"]), False)
+            seen[key].end = float(e["t"])
+        procs = list(seen.values())
+    for p in procs:
+        p.start, p.end = max(p.start, t_start), min(p.end, t_end)
+    return [p for p in procs if p.end > p.start]
+
+
+def goodput(events: Sequence[Event]) -> Goodput:
+    """Build the goodput ledger of a run from its events. Pure; never raises on
+    partial events (an empty list gives an all-zero ledger)."""
+    evs = _sorted(events)
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    if not evs:
+        return Goodput(0.0, 0.0, 0, buckets, 0.0, 0, None, None)
+    js = next((e for e in evs if e.get("kind") == "job_start"), None)
+    je = next((e for e in reversed(evs) if e.get("kind") == "job_end"), None)
+    t_start = float(js["t"]) if js is not None else float(evs[0]["t"])
+    t_end = float(je["t"]) if je is not None else float(evs[-1]["t"])
+    wall = max(0.0, t_end - t_start)
+    sizes = [
+        len(e["members"])
+        for e in evs
+        if e.get("kind") == "generation_ready" and isinstance(e.get("members"), list)
+    ]
+    target = js.get("target") if js is not None else None
+    capacity = int(target) if isinstance(target, int) and target > 0 else max(sizes, default=1)
+
+    faults = [e for e in evs if e.get("kind") == "fault_injected" and e.get("fault") in FAULT_KINDS]
+    fault_ts = sorted(float(f["t"]) for f in faults)
+    by_member: dict[str, list[Event]] = {}
+    for e in evs:
+        proc = e.get("proc")
+        if isinstance(proc, str) and proc not in ("launcher", "coordinator"):
+            by_member.setdefault(proc, []).append(e)
+        elif e.get("kind") in ("member_registered", "member_removed", "fault_injected"):
+            by_member.setdefault(str(e.get("member")), []).append(e)
+    procs = _processes(evs, t_start, t_end)
+    for p in procs:
+        _walk(p, by_member.get(p.member, []), fault_ts, buckets)
+
+    # Empty slots: capacity missing below the target. Before the first generation
+    # starts that is the job's startup; after the last commit, its shutdown.
+    first_start = next((float(e["t"]) for e in evs if e.get("kind") == "generation_start"), t_end)
+    last_commit = next(
+        (float(e["t"]) for e in reversed(evs) if e.get("kind") == "step_commit"), t_end
+    )
+    cuts = {t_start, t_end, first_start, last_commit, *(p.start for p in procs)}
+    points = sorted(x for x in cuts | {p.end for p in procs} if t_start <= x <= t_end)
+    total = 0.0
+    for a, b in zip(points, points[1:], strict=False):
+        mid = (a + b) / 2
+        live = sum(1 for p in procs if p.start <= mid < p.end)
+        empty = "startup" if mid < first_start else "other" if mid > last_commit else None
+        buckets[empty or "replacement_wait"] += max(0, capacity - live) * (b - a)
+        total += max(capacity, live) * (b - a)
+
+    committed: dict[int, int] = {}
+    full_rates: list[float] = []
+    all_rates: list[float] = []
+    ready_size: dict[Any, int] = {}
+    for e in evs:
+        if e.get("kind") == "generation_ready" and isinstance(e.get("members"), list):
+            ready_size[e.get("gen")] = len(e["members"])
+        if e.get("kind") != "step_commit":
+            continue
+        rate, step_s, s = e.get("samples_per_s"), e.get("step_s"), e.get("step")
+        if not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
+            continue
+        all_rates.append(float(rate))
+        if ready_size.get(e.get("gen")) == capacity:
+            full_rates.append(float(rate))
+        if isinstance(s, int) and s not in committed and isinstance(step_s, int | float):
+            committed[s] = round(float(rate) * float(step_s))
+    rates = full_rates or all_rates
+    nominal = statistics.median(rates) if rates else None
+    samples = sum(committed.values())
+    tput = samples / (nominal * wall) if nominal and wall > 0 else None
+    tg = buckets["productive"] / total if total > 0 else 0.0
+    return Goodput(total, wall, capacity, buckets, tg, samples, nominal, tput)
+
+
+def _walk(
+    p: _Proc, evs: Sequence[Event], fault_ts: Sequence[float], buckets: dict[str, float]
+) -> None:
+    """Put one process's lifetime into buckets (see the module docstring). `evs`:
+    the events written by or about this member, in time order."""
+    acc = _Acc(p.start, p.end, buckets)
+    mine: list[tuple[float, str, Event]] = []
+    for e in evs:
+        t = float(e["t"])
+        if t < p.start or t > p.end:
+            continue
+        k = str(e.get("kind"))
+        same_pid = p.pid is None or e.get("pid") in (None, p.pid)
+        if k == "fault_injected":
+            if e.get("fault") in ("kill", "hang") and same_pid:
+                mine.append((t, "@victim", e))
+        elif e.get("proc") == p.member and same_pid:
+            mine.append((t, k, e))
+        elif k == "member_registered" and e.get("member") == p.member:
+            mine.append((t, "@registered", e))
+        elif k == "member_removed" and e.get("member") == p.member:
+            mine.append((t, "@removed", e))
+
+    def aborted(t: float) -> None:
+        """The step running since the cursor was lost at t: wasted up to the last
+        fault inside it, detection after."""
+        t0 = max((x for x in fault_ts if acc.cursor < x <= t), default=None)
+        if t0 is not None:
+            acc.to(t0, "wasted")
+            acc.to(t, "detection")
+        else:
+            acc.to(t, "wasted")
+
+    state = "startup"
+    for t, k, _e in mine:
+        if k == "@victim":
+            if state == "step":
+                acc.to(t, "wasted")
+            else:
+                acc.to(t, _STATE_BUCKET[state])
+            state = "victim"
+        elif state == "victim":
+            if k == "@removed":
+                acc.to(t, "detection")
+                state = "expelled"
+            elif not k.startswith("@"):
+                acc.to(t, "detection")
+                state = "regroup"
+        elif state == "expelled":
+            if not k.startswith("@"):
+                acc.to(t, "replacement_wait")
+                state = "regroup"
+        elif state == "startup":
+            if k == "@registered" and p.replacement:
+                acc.to(t, "startup")
+                state = "regroup"
+            elif k == "generation_start":
+                acc.to(t, "startup")
+                state = "step"
+        elif state in ("regroup", "heal"):
+            if k == "heal_begin":
+                acc.to(t, _STATE_BUCKET[state])
+                state = "heal"
+            elif k in ("heal_end", "rendezvous_begin") and state == "heal":
+                acc.to(t, "healing")
+                state = "regroup"
+            elif k == "generation_start":
+                acc.to(t, _STATE_BUCKET[state])
+                state = "step"
+            elif k == "worker_exit":
+                acc.to(t, _STATE_BUCKET[state])
+                state = "other"
+        elif state == "step":
+            if k == "step_commit":
+                acc.to(t, "productive")
+            elif k in ("step_abort", "watchdog_fired", "rendezvous_begin"):
+                aborted(t)
+                state = "regroup"
+            elif k == "worker_exit":
+                acc.to(t, "other")
+                state = "other"
+    acc.to(p.end, _STATE_BUCKET[state])
+
+
+_STATE_BUCKET = {
+    "startup": "startup",
+    "regroup": "regroup",
+    "heal": "healing",
+    "step": "other",
+    "victim": "detection",
+    "expelled": "replacement_wait",
+    "other": "other",
+}
+
+
+def format_goodput(gp: Goodput) -> str:
+    """Plain-text summary: one line per bucket with seconds and share of the total."""
+    lines = [
+        f"capacity {gp.capacity} x wall {gp.wall_s:.3f} s -> {gp.total_s:.3f} member-s",
+        f"time goodput {gp.time_goodput:.1%}"
+        + (
+            f", throughput goodput {gp.throughput_goodput:.1%}"
+            if gp.throughput_goodput is not None
+            else ""
+        ),
+    ]
+    for b in BUCKETS:
+        s = gp.buckets[b]
+        share = s / gp.total_s if gp.total_s > 0 else 0.0
+        lines.append(f"  {b:<17}{s:>12.3f} s {share:>7.1%}")
+    return "\n".join(lines)

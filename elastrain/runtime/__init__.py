@@ -1,0 +1,1 @@
+"""Worker runtime: the elastic trainer and the step protocol."""

@@ -1,0 +1,142 @@
+"""Per-generation gloo process groups, abortable waits, and a graveyard.
+
+A generation's group is built in-process on the coordinator's TCPStore under
+the prefix `<job>/gen<g>` (no process restart, no default group). Waiting on a
+collective is abortable: the wait returns when the work completes, when the
+member learns its generation broke (coordinator notice), or when the step
+watchdog expires. An aborted group may still have an operation in flight, and
+dropping such a group blocks until that operation times out (see
+ENGINE-NOTES), so it is parked in a graveyard whose reaper thread drops it once
+its pending work has ended. Groups whose work failed are dropped at once: their
+sockets closing is what unblocks peers stuck on them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+
+class CollectiveAborted(RuntimeError):
+    """The wait was abandoned; `reason` is "superseded" or "watchdog"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def build_group(
+    store: dist.Store,
+    prefix: str,
+    rank: int,
+    size: int,
+    *,
+    host: str,
+    connect_timeout_s: float,
+    op_timeout_s: float,
+) -> ProcessGroupGloo:
+    """Build this member's group for one generation. Every member of the
+    generation calls it with the same prefix once the coordinator says all are
+    ready; blocks until all have arrived (at most `connect_timeout_s`)."""
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = datetime.timedelta(seconds=connect_timeout_s)
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    pg = ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+    pg.set_timeout(datetime.timedelta(seconds=op_timeout_s))
+    return pg
+
+
+class Waiter:
+    """Waits for collective work with early wake-ups.
+
+    The blocking `work.wait()` runs on a short-lived helper thread (a Python
+    done-callback on a gloo future stalled gloo's own threads here), so the
+    training thread can give up on it: `interrupt()` (from any thread) wakes
+    the current wait and the waiter asks `should_abort()` whether to abandon.
+    An abandoned helper thread ends when its operation does.
+    """
+
+    def __init__(self) -> None:
+        self._wake = threading.Event()
+
+    def interrupt(self) -> None:
+        self._wake.set()
+
+    def wait(self, works: list[Any], timeout_s: float, should_abort: Callable[[], bool]) -> None:
+        """Block until every work is done (re-raising its error), the
+        generation is superseded, or `timeout_s` passes."""
+        done = threading.Event()
+        errors: list[BaseException] = []
+        wake = self._wake
+
+        def finish() -> None:
+            for w in works:
+                try:
+                    w.wait()
+                except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                    errors.append(e)
+                    break
+            done.set()
+            wake.set()
+
+        threading.Thread(target=finish, name="elastrain-collective", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wake.clear()
+            if done.is_set():
+                if errors:
+                    raise errors[0]
+                return
+            if should_abort():
+                raise CollectiveAborted("superseded", "generation superseded while waiting")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveAborted(
+                    "watchdog", f"collective did not finish in {timeout_s:.2f}s"
+                )
+            self._wake.wait(remaining)
+
+
+class Graveyard:
+    """Destroys dropped groups off the training thread, once their work has ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def bury(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
+        with self._lock:
+            self._count += 1
+        threading.Thread(
+            target=self._reap, args=(pg, list(works)), daemon=True, name="elastrain-graveyard"
+        ).start()
+
+    def _reap(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
+        for w in works:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - the work failed or was abandoned; either way it ended
+                pass
+        works.clear()
+        del pg  # closes its sockets (this is what unblocks peers stuck on it)
+        with self._lock:
+            self._count -= 1
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._count
+
+    def close(self) -> None:
+        pass
+
+
+def tensor_allreduce(pg: ProcessGroupGloo, tensors: list[torch.Tensor]) -> list[Any]:
+    """Issue one sum all-reduce per tensor; returns the works (not waited)."""
+    return [pg.allreduce([t]) for t in tensors]  # type: ignore[attr-defined]

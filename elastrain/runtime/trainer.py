@@ -1,0 +1,519 @@
+"""ElasticTrainer: data-parallel training that survives dead, hung and leaving peers.
+
+Run one per worker process (the launcher starts them with the coordinator's
+address, the job token and a member id in the environment):
+
+    trainer = ElasticTrainer(model, optimizer, dataset, loss_fn,
+                             TrainerConfig(global_batch_size=64, micro_batch_size=8, total_steps=100))
+    for result in trainer.steps():
+        ...
+
+The step protocol (docs/design.md has the full argument):
+1. Rendezvous: ask the coordinator for a generation (ordered members); it
+   answers once every member of it is ready, with each one's committed step.
+2. Build the generation's gloo group; heal members that are behind from the
+   up-to-date ones (striped, checksummed, no pickle); hash the state.
+3. Each step `s`: ask the coordinator's verdict for (gen, s) in the
+   background while computing this rank's share of the step's micro-batches;
+   on "proceed" all-reduce [gradient sum, loss sum, sample count], divide by
+   the global batch, step the optimizer: committed. Anything else (a peer died,
+   the watchdog fired, the coordinator announced a new generation) discards the
+   step's gradients and goes back to 1; the same step is retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import default_collate
+
+from elastrain import env
+from elastrain.chaos.points import FaultPoint, FaultPoints, parse_points
+from elastrain.control import protocol as p
+from elastrain.control.client import CoordinatorClient, CoordinatorError
+from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
+from elastrain.observe.events import EventLog
+from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.group import (
+    CollectiveAborted,
+    Graveyard,
+    Waiter,
+    build_group,
+    tensor_allreduce,
+)
+from elastrain.runtime.session import JoinRefused, MemberSession
+from elastrain.runtime.watchdog import HangTimeout
+from elastrain.transfer import HealError, heal, model_signature, state_hash
+
+log = logging.getLogger("elastrain.trainer")
+
+EXIT_LEFT = 75
+"""Exit status of a worker that left gracefully (SIGTERM): replace it, the job goes on."""
+EXIT_REFUSED = 3
+"""Exit status of a worker the coordinator refused (its model does not match)."""
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class MapDataset(Protocol):
+    """A map-style dataset: `len()` and integer indexing (torch Datasets qualify)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    """0-based index of the step just committed."""
+    loss: float
+    """Mean loss over the step's global batch."""
+    gen: int
+    members: int
+    rank: int
+    step_s: float
+
+
+class _Regroup(Exception):
+    def __init__(self, phase: str, error: str) -> None:
+        super().__init__(f"{phase}: {error}")
+        self.phase = phase
+        self.error = error
+
+
+class ElasticTrainer:
+    """Elastic data-parallel training of one model replica per worker process.
+
+    Contract: every worker of the job constructs it with the same model
+    architecture, optimizer type, dataset and config, then iterates `steps()`.
+    Survivors keep their process and state across failures; a joiner is healed
+    from its peers. `steps()` yields after each committed step and returns when
+    `total_steps` are committed. A SIGTERM makes this worker leave at the next
+    step boundary and exit with EXIT_LEFT.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: MapDataset,
+        loss_fn: LossFn,
+        config: TrainerConfig,
+        *,
+        collate_fn: Callable[[list[Any]], Any] = default_collate,
+        coordinator: str | None = None,
+        token: str | None = None,
+        member_id: str | None = None,
+        run_dir: str | None = None,
+        extra_state: Callable[[], dict[str, Any]] | None = None,
+        load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        steps_override = os.environ.get(env.STEPS)
+        if steps_override:
+            from dataclasses import replace
+
+            config = replace(config, total_steps=int(steps_override))
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.config = config
+        self.collate_fn = collate_fn
+        self.extra_state = extra_state
+        self.load_extra_state = load_extra_state
+        address = coordinator or os.environ.get(env.COORDINATOR)
+        tok = token or os.environ.get(env.TOKEN)
+        if tok is None and os.environ.get(env.TOKEN_FILE):
+            with open(os.environ[env.TOKEN_FILE]) as f:
+                tok = f.read().strip()
+        if not address or not tok:
+            raise ValueError(
+                f"no coordinator: start workers with `elastrain run`, or set {env.COORDINATOR} "
+                f"and {env.TOKEN} (or pass coordinator= and token=)"
+            )
+        self.member = member_id or os.environ.get(env.MEMBER_ID) or f"pid{os.getpid()}"
+        self.host = os.environ.get(env.ADVERTISE_HOST, "127.0.0.1")
+        self.events = EventLog(run_dir or os.environ.get(env.RUN_DIR), self.member)
+        self.client = CoordinatorClient(address, tok, timeout_s=config.coordinator_timeout_s)
+        self.waiter = Waiter()
+        self.session = MemberSession(
+            self.client,
+            self.member,
+            model_signature(model),
+            host=self.host,
+            on_change=self.waiter.interrupt,
+        )
+        self.faults = FaultPoints(
+            self.member, parse_points(os.environ.get(env.FAULTS)), on_fire=self._fault_fired
+        )
+        self.order = GlobalOrder(len(dataset), config.seed, shuffle=config.shuffle)
+        self.hang = HangTimeout(config)
+        self.graveyard = Graveyard()
+        self._quorum_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="elastrain-quorum"
+        )
+        self.committed = 0
+        self.gen = 0
+        self.members: list[str] = []
+        self.rank = 0
+        self._pg: Any = None
+        self._flats: list[torch.Tensor] = []
+        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._last_loss: float | None = None
+        self._last_wait_msg = 0.0
+
+    # ---- public ----------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True on rank 0 of the current generation (for logging, not for correctness)."""
+        return self.rank == 0
+
+    def request_leave(self) -> None:
+        """Leave the job at the next step boundary (what SIGTERM does)."""
+        self.session.request_leave("left")
+        self.waiter.interrupt()
+
+    def steps(self) -> Iterator[StepResult]:
+        """Train until `total_steps` are committed, yielding after each commit."""
+        self._install_sigterm()
+        self.events.emit("worker_start", member=self.member)
+        try:
+            self.session.register()
+        except JoinRefused as e:
+            self._refused(str(e))
+        try:
+            while self.committed < self.config.total_steps:
+                if self._pg is None:
+                    self._join_generation()
+                    continue
+                try:
+                    result = self._run_step()
+                except _Regroup as e:
+                    self._abandon(e.phase, e.error)
+                    continue
+                yield result
+            self._finish()
+        finally:
+            self._shutdown()
+
+    def run(self) -> list[StepResult]:
+        """`steps()` to completion; returns every result."""
+        return list(self.steps())
+
+    # ---- generation ------------------------------------------------------------
+
+    def _join_generation(self) -> None:
+        if self.session.leaving:
+            self._exit_left()
+        if self.session.expelled:
+            log.warning("%s was expelled from the job; registering again", self.member)
+            try:
+                self.session.register()
+            except JoinRefused as e:
+                self._refused(str(e))
+        self.events.emit("rendezvous_begin", known_gen=self.gen, committed=self.committed)
+        try:
+            r = self.client.rendezvous(
+                p.RendezvousRequest(
+                    self.member, self.session.incarnation, self.gen, self.committed, wait_s=5.0
+                )
+            )
+        except CoordinatorError as e:
+            log.warning("rendezvous failed: %s; retrying", e)
+            time.sleep(
+                self.session.heartbeat_s
+            )  # back-off before retrying an unreachable coordinator
+            return
+        if r.status == "finished":
+            log.info("the job finished while %s was waiting", self.member)
+            self.committed = max(self.committed, self.config.total_steps)
+            return
+        if r.status == "expelled":
+            self.session.register()
+            return
+        if r.status != "ready":
+            now = time.monotonic()
+            if r.message and now - self._last_wait_msg > 5:
+                log.warning("waiting: %s", r.message)
+                print(f"[{self.member}] waiting: {r.message}", flush=True)
+                self._last_wait_msg = now
+            return
+        rank = r.members.index(self.member)
+        t0 = time.monotonic()
+        try:
+            store = self.session.store(self.config.rendezvous_timeout_s)
+            pg = build_group(
+                store,
+                f"{self.session.job_id}/gen{r.gen}",
+                rank,
+                len(r.members),
+                host=self.host,
+                connect_timeout_s=self.config.rendezvous_timeout_s,
+                op_timeout_s=self.config.hang_timeout_ceiling_s,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
+            log.warning("building group for generation %d failed: %s", r.gen, e)
+            self.gen = r.gen
+            return
+        self.events.emit(
+            "group_built", gen=r.gen, rank=rank, size=len(r.members), build_s=time.monotonic() - t0
+        )
+        self._pg, self.gen, self.members, self.rank = pg, r.gen, list(r.members), rank
+        self.session.set_gen(r.gen)
+        try:
+            self._heal(r)
+        except (HealError, RuntimeError) as e:
+            self._abandon("heal", str(e))
+            return
+        digest = state_hash(self.model, self.optimizer) if self.config.hash_state else ""
+        self.events.emit(
+            "generation_start",
+            gen=self.gen,
+            step=self.committed,
+            state_hash=digest,
+            members=self.members,
+            rank=self.rank,
+        )
+
+    def _heal(self, r: p.RendezvousResponse) -> None:
+        senders = [i for i, m in enumerate(r.members) if r.committed[m] == r.start_step]
+        receivers = [i for i in range(len(r.members)) if i not in senders]
+        if not receivers:
+            return
+        role = "send" if self.rank in senders else "recv" if self.rank in receivers else "idle"
+        self.events.emit("heal_begin", gen=r.gen, role=role, bytes=0)
+        meta = self._meta() if role == "send" else None
+        got, stats = heal(
+            self._pg,
+            self.rank,
+            senders,
+            receivers,
+            self.model,
+            self.optimizer,
+            meta,
+            self.config.heal_timeout_s,
+        )
+        if role == "recv":
+            self._load_meta(got)
+        self.events.emit(
+            "heal_end",
+            gen=r.gen,
+            role=role,
+            bytes=stats.bytes,
+            seconds=stats.seconds,
+            rate_mb_s=stats.rate_mb_s,
+        )
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "committed": self.committed,
+            "last_loss": self._last_loss,
+            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "extra": self.extra_state() if self.extra_state else None,
+        }
+
+    def _load_meta(self, meta: dict[str, Any]) -> None:
+        self.committed = int(meta["committed"])
+        self._last_loss = meta.get("last_loss")
+        rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
+        torch.set_rng_state(rng)
+        if self.load_extra_state is not None and meta.get("extra") is not None:
+            self.load_extra_state(meta["extra"])
+
+    def _abandon(self, phase: str, error: str) -> None:
+        """Drop the current group (parking it if work is in flight) and forget the generation."""
+        if self._pg is not None:
+            self.graveyard.bury(self._pg, getattr(self, "_inflight", []))
+        self._pg = None
+        self._inflight: list[Any] = []
+        # An abandoned all-reduce may still complete later and write into its
+        # buffer: never reuse it (fresh buffers, fresh .grad views).
+        self._flats, self._views = [], []
+        self.session.set_gen(0)
+        log.warning("%s: generation %d abandoned in %s: %s", self.member, self.gen, phase, error)
+
+    # ---- one step --------------------------------------------------------------
+
+    def _ensure_grad_views(self) -> list[torch.Tensor]:
+        """Point every parameter's .grad at a slice of one flat buffer per dtype,
+        so backward accumulates in place and the all-reduce needs no copy."""
+        if self._flats and all(
+            prm.grad is not None and prm.grad.data_ptr() == v.data_ptr() for prm, v in self._views
+        ):
+            return self._flats
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for q in params:
+            by_dtype.setdefault(q.dtype, []).append(q)
+        flats: list[torch.Tensor] = []
+        views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for i, (dtype, group) in enumerate(by_dtype.items()):
+            extra = 2 if i == 0 else 0  # loss sum and sample count ride with the first buffer
+            flat = torch.zeros(sum(q.numel() for q in group) + extra, dtype=dtype)
+            off = 0
+            for q in group:
+                v = flat[off : off + q.numel()].view_as(q)
+                q.grad = v
+                views.append((q, v))
+                off += q.numel()
+            flats.append(flat)
+        self._flats, self._views = flats, views
+        return flats
+
+    def _run_step(self) -> StepResult:
+        cfg = self.config
+        s = self.committed
+        t0 = time.monotonic()
+        verdict = self._quorum_pool.submit(
+            self.client.quorum,
+            p.QuorumRequest(
+                self.member,
+                self.session.incarnation,
+                self.gen,
+                s,
+                self.session.leaving,
+                self._last_loss,
+            ),
+        )
+        flats = self._ensure_grad_views()
+        for f in flats:
+            f.zero_()
+        mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
+        mine = assign_microbatches(len(mbs), len(self.members), self.rank)
+        samples: list[int] = []
+        loss_sum = 0.0
+        self.model.train()
+        for k, i in enumerate(mine):
+            if self.session.gen_broken(self.gen):
+                raise _Regroup("superseded", "generation changed during compute")
+            ids = self.order.ids(mbs[i].start, mbs[i].stop)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((cfg.seed * 0x9E3779B1 + s * 1_000_003 + i) & 0x7FFF_FFFF_FFFF)
+                batch = self.collate_fn([self.dataset[j] for j in ids])
+                loss = self.loss_fn(self.model, batch)
+                (loss * len(ids)).backward()
+            loss_sum += float(loss.detach()) * len(ids)
+            samples.extend(ids)
+            if k == 0:
+                self.faults.hit(s, "compute")
+        t_compute = time.monotonic()
+        try:
+            v = verdict.result(timeout=cfg.coordinator_timeout_s)
+        except (CoordinatorError, concurrent.futures.TimeoutError) as e:
+            raise _Regroup("quorum", str(e)) from e
+        if v.verdict != "proceed":
+            if self.session.leaving:
+                self._exit_left()
+            self.events.emit("step_abort", step=s, gen=self.gen, error=v.verdict, phase="quorum")
+            raise _Regroup("quorum", v.verdict)
+        flats[0][-2] = loss_sum
+        flats[0][-1] = float(len(samples))
+        self.events.emit("step_contrib", step=s, gen=self.gen, samples=samples)
+        t_ar = time.monotonic()
+        self._inflight = tensor_allreduce(self._pg, flats)
+        self.faults.hit(s, "allreduce")
+        timeout = self.hang.timeout_s
+        try:
+            self.waiter.wait(self._inflight, timeout, lambda: self.session.gen_broken(self.gen))
+        except CollectiveAborted as e:
+            if e.reason == "watchdog":
+                self.events.emit("watchdog_fired", step=s, gen=self.gen, timeout_s=timeout)
+            self.events.emit("step_abort", step=s, gen=self.gen, error=str(e), phase=e.reason)
+            raise _Regroup(e.reason, str(e)) from e
+        except RuntimeError as e:
+            self._inflight = []
+            self.events.emit(
+                "step_abort", step=s, gen=self.gen, error=str(e)[:300], phase="allreduce"
+            )
+            raise _Regroup("allreduce", str(e)[:300]) from e
+        self._inflight = []
+        t_done = time.monotonic()
+        self.hang.observe(t_done - t_ar)
+        total_loss, count = float(flats[0][-2]), int(round(float(flats[0][-1])))
+        if count != cfg.global_batch_size:
+            # Exactly-once would be violated: never apply such a step.
+            raise _Regroup(
+                "allreduce", f"step {s} summed {count} samples, expected {cfg.global_batch_size}"
+            )
+        for i, f in enumerate(flats):
+            (f[:-2] if i == 0 else f).div_(cfg.global_batch_size)
+        self.optimizer.step()
+        self.committed = s + 1
+        loss_mean = total_loss / count
+        self._last_loss = loss_mean
+        t_end = time.monotonic()
+        self.events.emit(
+            "step_commit",
+            step=s,
+            gen=self.gen,
+            loss=loss_mean,
+            step_s=t_end - t0,
+            compute_s=t_compute - t0,
+            allreduce_s=t_done - t_ar,
+            samples_per_s=count / max(t_end - t0, 1e-9),
+        )
+        self.faults.hit(s, "commit")
+        return StepResult(s, loss_mean, self.gen, len(self.members), self.rank, t_end - t0)
+
+    # ---- leaving ---------------------------------------------------------------
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(_sig: int, _frame: object) -> None:
+            self.request_leave()
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def _fault_fired(self, f: FaultPoint) -> None:
+        self.events.emit(
+            "fault_injected",
+            fault=f.action,
+            member=self.member,
+            pid=os.getpid(),
+            step=self.committed,
+            phase=f.phase,
+        )
+
+    def _exit_left(self) -> None:
+        self.events.emit("worker_exit", reason="left", committed=self.committed)
+        self._shutdown()
+        raise SystemExit(EXIT_LEFT)
+
+    def _refused(self, why: str) -> None:
+        print(f"[{self.member}] refused by the coordinator: {why}", flush=True)
+        self.events.emit("worker_exit", reason="refused", committed=self.committed)
+        self._shutdown()
+        raise SystemExit(EXIT_REFUSED)
+
+    def _finish(self) -> None:
+        try:
+            self.client.leave(
+                p.LeaveRequest(self.member, self.session.incarnation, "done", self.committed)
+            )
+        except CoordinatorError as e:
+            log.warning("could not tell the coordinator we are done: %s", e)
+        self.events.emit("worker_exit", reason="done", committed=self.committed)
+
+    def _shutdown(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.session.close()
+        self._quorum_pool.shutdown(wait=False, cancel_futures=True)
+        self.graveyard.close()
+        self.client.close()
+        self.events.close()

@@ -1,0 +1,14 @@
+"""The one exception type a failed heal raises."""
+
+from __future__ import annotations
+
+
+class HealError(RuntimeError):
+    """A heal could not complete; the receiver's state was not (fully) replaced.
+
+    Raised for: a manifest that lies (sizes, offsets or stripes inconsistent), a
+    model signature or optimizer structure that does not match, a checksum
+    mismatch, a transport failure (peer closed the connection) or a timeout.
+    Transport errors are chained as ``__cause__``. After a HealError the process
+    group may hold pending operations; the caller should drop it and regroup.
+    """

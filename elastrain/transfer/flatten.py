@@ -1,0 +1,209 @@
+"""Flattening model + optimizer state into named tensors plus JSON, and back.
+
+Layout (the same on every rank with the same model and optimizer class):
+
+- ``model/<key>`` for each ``model.state_dict()`` tensor, in state_dict order;
+- ``optim/<param_idx>/<key>`` for each optimizer state tensor, params in
+  ascending index order, keys in the optimizer's order (a tensor nested in a
+  list or dict gets ``/<i>`` or ``/<subkey>`` appended);
+- ``optim/groups/<group_idx>/<key>`` for a tensor-valued param-group
+  hyperparameter (e.g. a tensor ``lr``).
+
+Everything else of the optimizer state dict stays JSON, with each tensor
+replaced by ``{"$tensor": <entry name>}``. Nothing is pickled. All functions
+here are local (no communication).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastrain.transfer.dtypes import byte_view, cpu_bytes, dtype_from_name
+from elastrain.transfer.errors import HealError
+from elastrain.transfer.manifest import (
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    TENSOR_REF,
+    Entry,
+    optimizer_class,
+)
+from elastrain.transfer.signature import model_signature
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A model + optimizer as named tensors (aliases, not copies) plus optimizer JSON."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    optimizer: dict[str, Any]
+
+
+def _encode(value: Any, name: str, out: list[tuple[str, torch.Tensor]]) -> Any:
+    if isinstance(value, torch.Tensor):
+        out.append((name, value.detach()))
+        return {TENSOR_REF: name}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_encode(v, f"{name}/{i}", out) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        enc: dict[str, Any] = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or k == TENSOR_REF:
+                raise TypeError(
+                    f"optimizer state {name!r} has a dict key {k!r} that JSON cannot carry"
+                )
+            enc[k] = _encode(v, f"{name}/{k}", out)
+        return enc
+    raise TypeError(
+        f"optimizer state {name!r} holds a {type(value).__name__}; only tensors and JSON "
+        "values (None, bool, int, float, str, list, dict) can be sent without pickle"
+    )
+
+
+def flatten_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FlatState:
+    """Name every tensor of the model's state_dict and the optimizer's state dict.
+
+    The returned tensors alias the live state (no copies). Raises TypeError for
+    state that cannot travel as tensors + JSON.
+    """
+    model_signature(model)  # raises TypeError on non-tensor state_dict values
+    tensors: list[tuple[str, torch.Tensor]] = [
+        (MODEL_PREFIX + k, v.detach()) for k, v in model.state_dict().items()
+    ]
+    osd = optimizer.state_dict()
+    state: dict[str, Any] = {}
+    for idx in sorted(osd["state"]):
+        state[str(idx)] = _encode(osd["state"][idx], f"{OPTIM_PREFIX}{idx}", tensors)
+    groups = [
+        _encode(g, f"{OPTIM_PREFIX}groups/{i}", tensors) for i, g in enumerate(osd["param_groups"])
+    ]
+    section = {"class": optimizer_class(optimizer), "param_groups": groups, "state": state}
+    return FlatState(tensors, section)
+
+
+def pack_range(
+    entries: Sequence[Entry], tensors: Sequence[torch.Tensor], offset: int, nbytes: int
+) -> torch.Tensor:
+    """Copy payload bytes ``[offset, offset + nbytes)`` into one new CPU uint8 tensor.
+
+    ``entries[i]`` describes ``tensors[i]``; only the tensors overlapping the
+    range are touched.
+    """
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    end = offset + nbytes
+    for e, t in zip(entries, tensors, strict=True):
+        lo = max(offset, e.offset)
+        hi = min(end, e.offset + e.nbytes)
+        if lo >= hi:
+            continue
+        out[lo - offset : hi - offset].copy_(byte_view(t)[lo - e.offset : hi - e.offset])
+    return out
+
+
+@dataclass
+class Landing:
+    """Where a receiver puts incoming bytes before they are checked and installed.
+
+    ``staging`` holds the model region of the payload (model entries come first,
+    so payload offset == staging offset); live model tensors are overwritten from
+    it only after every checksum matched. Optimizer entries land directly in new
+    tensors that become the optimizer's state on `install`.
+    """
+
+    staging: torch.Tensor
+    optim: dict[str, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, entries: Sequence[Entry]) -> Landing:
+        model_bytes = sum(e.nbytes for e in entries if e.name.startswith(MODEL_PREFIX))
+        optim = {
+            e.name: torch.empty(e.shape, dtype=dtype_from_name(e.dtype))
+            for e in entries
+            if e.name.startswith(OPTIM_PREFIX)
+        }
+        return cls(torch.empty(model_bytes, dtype=torch.uint8), optim)
+
+    def target(self, entry: Entry, offset: int, nbytes: int) -> torch.Tensor:
+        """The writable uint8 view for payload bytes ``[offset, offset + nbytes)`` of ``entry``."""
+        if entry.name.startswith(MODEL_PREFIX):
+            return self.staging[offset : offset + nbytes]
+        rel = offset - entry.offset
+        return byte_view(self.optim[entry.name])[rel : rel + nbytes]
+
+
+def _copy_bytes_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Overwrite ``dst``'s bytes in place with the uint8 tensor ``src``."""
+    with torch.no_grad():
+        if dst.is_contiguous():
+            dst.reshape(-1).view(torch.uint8).copy_(src)
+        else:
+            tmp = torch.empty(dst.shape, dtype=dst.dtype)
+            byte_view(tmp).copy_(src)
+            dst.copy_(tmp)
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if TENSOR_REF in value:
+            return tensors[value[TENSOR_REF]]
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    return value
+
+
+def install(
+    entries: Sequence[Entry],
+    landing: Landing,
+    optimizer_section: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Make received, verified bytes the live state (receiver side).
+
+    The optimizer is loaded first (``load_state_dict`` may still refuse, leaving
+    the model untouched), then the model tensors are overwritten in place, so
+    params and buffers keep their identity. Call only after the manifest was
+    validated against this model and optimizer and every checksum matched.
+    """
+    model_sd = model.state_dict()
+    state = {int(k): _decode(v, landing.optim) for k, v in optimizer_section["state"].items()}
+    groups = _decode(optimizer_section["param_groups"], landing.optim)
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise HealError(f"optimizer.load_state_dict refused the healed state: {e}") from e
+    for ent in entries:
+        if ent.name.startswith(MODEL_PREFIX) and ent.nbytes:
+            dst = model_sd[ent.name[len(MODEL_PREFIX) :]]
+            _copy_bytes_into(dst, landing.staging[ent.offset : ent.offset + ent.nbytes])
+
+
+def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 hex digest of the full training state, in a fixed order.
+
+    Covers every model state_dict tensor and optimizer state tensor (name,
+    dtype, shape and raw bytes) plus the JSON of the optimizer's class,
+    param_groups and non-tensor state. Two ranks with bit-identical state get
+    the same digest; JSON turning tuples into lists does not change it. Local
+    and read-only; hashes the tensors' memory in place (no copy for contiguous
+    CPU tensors). About 0.1 s per 120 MB on the reference 2-core machine.
+    """
+    flat = flatten_state(model, optimizer)
+    header = {
+        "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in flat.tensors],
+        "optimizer": flat.optimizer,
+    }
+    h = hashlib.sha256()
+    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    for _, t in flat.tensors:
+        if t.numel():
+            h.update(cpu_bytes(t).numpy().data)
+    return h.hexdigest()

@@ -1,0 +1,398 @@
+"""The heal manifest: a JSON description of the flattened state and its stripes.
+
+senders[0] builds it (`build_manifest`), broadcasts `encode_manifest` bytes to the
+whole group, and every other rank parses them with `decode_manifest` and checks
+them with `validate_manifest` (layout) plus `check_model` / `check_optimizer`
+(against its own model and optimizer). All functions here are local and raise
+`HealError` with a message that names the offending entry or stripe.
+
+Wire format (version 1)::
+
+    {"version": 1, "heal_id": int,
+     "entries": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
+     "total_bytes": int,
+     "stripes": [{"sender_rank", "offset", "nbytes"}, ...],
+     "optimizer": {"class", "param_groups", "state"},
+     "meta": {...}}
+
+Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``
+tensors (see `elastrain.transfer.flatten`); they tile ``[0, total_bytes)`` in
+order. Stripes split the same byte range evenly over the senders, in the order
+of the ``senders`` list. A manifest ``{"version": 1, "error": str}`` tells every
+rank that senders[0] could not build one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastrain.transfer.dtypes import dtype_from_name, dtype_name
+from elastrain.transfer.errors import HealError
+from elastrain.transfer.signature import signature_mismatch
+
+VERSION = 1
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+TENSOR_REF = "$tensor"
+"""Key of the placeholder ``{"$tensor": entry_name}`` in the optimizer JSON."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the payload: its bytes are ``payload[offset : offset + nbytes]``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """The byte range ``[offset, offset + nbytes)`` of the payload that one sender sends."""
+
+    sender_rank: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest; `validate_manifest` checks that it is self-consistent."""
+
+    version: int
+    heal_id: int
+    entries: tuple[Entry, ...]
+    total_bytes: int
+    stripes: tuple[Stripe, ...]
+    optimizer: dict[str, Any]
+    meta: dict[str, Any]
+
+    def stripe_of(self, rank: int) -> Stripe:
+        """The stripe that ``rank`` sends (HealError if it has none)."""
+        for s in self.stripes:
+            if s.sender_rank == rank:
+                return s
+        raise HealError(f"manifest has no stripe for sender rank {rank}")
+
+    def model_signature(self) -> list[list[Any]]:
+        """The senders' model signature, as `model_signature` would return it."""
+        return [
+            [e.name[len(MODEL_PREFIX) :], list(e.shape), e.dtype]
+            for e in self.entries
+            if e.name.startswith(MODEL_PREFIX)
+        ]
+
+
+def plan_stripes(total_bytes: int, senders: Sequence[int]) -> tuple[Stripe, ...]:
+    """Split ``[0, total_bytes)`` into one contiguous stripe per sender, sizes within 1 byte."""
+    n = len(senders)
+    base, extra = divmod(total_bytes, n)
+    stripes = []
+    offset = 0
+    for i, rank in enumerate(senders):
+        nbytes = base + (1 if i < extra else 0)
+        stripes.append(Stripe(int(rank), offset, nbytes))
+        offset += nbytes
+    return tuple(stripes)
+
+
+def build_manifest(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    optimizer: dict[str, Any],
+    senders: Sequence[int],
+    meta: dict[str, Any],
+    heal_id: int,
+) -> Manifest:
+    """Lay the named tensors out back to back and stripe the result over ``senders``."""
+    entries = []
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            Entry(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape), offset, nbytes)
+        )
+        offset += nbytes
+    return Manifest(
+        version=VERSION,
+        heal_id=heal_id,
+        entries=tuple(entries),
+        total_bytes=offset,
+        stripes=plan_stripes(offset, senders),
+        optimizer=optimizer,
+        meta=meta,
+    )
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """UTF-8 JSON bytes of ``m``. Raises TypeError/ValueError if meta is not JSON-able."""
+    doc = {
+        "version": m.version,
+        "heal_id": m.heal_id,
+        "entries": [
+            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
+             "nbytes": e.nbytes}
+            for e in m.entries
+        ],
+        "total_bytes": m.total_bytes,
+        "stripes": [
+            {"sender_rank": s.sender_rank, "offset": s.offset, "nbytes": s.nbytes}
+            for s in m.stripes
+        ],
+        "optimizer": m.optimizer,
+        "meta": m.meta,
+    }  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def encode_error(message: str) -> bytes:
+    """The manifest senders[0] broadcasts when it cannot build a real one."""
+    return json.dumps({"version": VERSION, "error": message}).encode()
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise HealError(f"malformed manifest: {what} is {value!r}, expected an integer")
+    return value
+
+
+def _nonneg(value: Any, what: str) -> int:
+    v = _int(value, what)
+    if v < 0:
+        raise HealError(f"malformed manifest: {what} is negative ({v})")
+    return v
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise HealError(f"malformed manifest: {what} is not a JSON object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise HealError(f"malformed manifest: {what} is not a JSON array")
+    return value
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Parse manifest bytes with strict types (HealError on anything malformed).
+
+    An error manifest from senders[0] becomes a HealError carrying its message.
+    Layout consistency is checked separately by `validate_manifest`.
+    """
+    try:
+        doc = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HealError(f"malformed manifest: not JSON ({e})") from e
+    doc = _dict(doc, "the manifest")
+    try:
+        version = _int(doc["version"], "version")
+        if version != VERSION:
+            raise HealError(f"manifest version {version} is not supported (expected {VERSION})")
+        if "error" in doc:
+            raise HealError(f"senders[0] could not build the manifest: {doc['error']}")
+        entries = []
+        for i, raw in enumerate(_list(doc["entries"], "entries")):
+            ent = _dict(raw, f"entries[{i}]")
+            name = ent["name"]
+            if not isinstance(name, str):
+                raise HealError(f"malformed manifest: entries[{i}].name is not a string")
+            dtype = ent["dtype"]
+            if not isinstance(dtype, str):
+                raise HealError(f"malformed manifest: entry {name!r} dtype is not a string")
+            shape = tuple(
+                _nonneg(d, f"entry {name!r} shape") for d in _list(ent["shape"], f"{name} shape")
+            )
+            entries.append(
+                Entry(
+                    name,
+                    dtype,
+                    shape,
+                    _nonneg(ent["offset"], f"entry {name!r} offset"),
+                    _nonneg(ent["nbytes"], f"entry {name!r} nbytes"),
+                )
+            )
+        stripes = []
+        for i, raw in enumerate(_list(doc["stripes"], "stripes")):
+            s = _dict(raw, f"stripes[{i}]")
+            stripes.append(
+                Stripe(
+                    _nonneg(s["sender_rank"], f"stripes[{i}].sender_rank"),
+                    _nonneg(s["offset"], f"stripes[{i}].offset"),
+                    _nonneg(s["nbytes"], f"stripes[{i}].nbytes"),
+                )
+            )
+        optimizer = _dict(doc["optimizer"], "optimizer")
+        _list(optimizer["param_groups"], "optimizer.param_groups")
+        _dict(optimizer["state"], "optimizer.state")
+        if not isinstance(optimizer["class"], str):
+            raise HealError("malformed manifest: optimizer.class is not a string")
+        return Manifest(
+            version=version,
+            heal_id=_nonneg(doc["heal_id"], "heal_id"),
+            entries=tuple(entries),
+            total_bytes=_nonneg(doc["total_bytes"], "total_bytes"),
+            stripes=tuple(stripes),
+            optimizer=optimizer,
+            meta=_dict(doc["meta"], "meta"),
+        )
+    except KeyError as e:
+        raise HealError(f"malformed manifest: missing field {e}") from e
+
+
+def _tensor_refs(value: Any, out: list[str]) -> None:
+    if isinstance(value, dict):
+        if TENSOR_REF in value:
+            ref = value[TENSOR_REF]
+            if len(value) != 1 or not isinstance(ref, str):
+                raise HealError(f"malformed manifest: bad tensor reference {value!r}")
+            out.append(ref)
+            return
+        for v in value.values():
+            _tensor_refs(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _tensor_refs(v, out)
+
+
+def validate_manifest(m: Manifest, senders: Sequence[int]) -> None:
+    """Check that the manifest is self-consistent and matches ``senders``.
+
+    Entries: unique names, all ``model/`` before all ``optim/``, known dtypes, ``nbytes ==
+    numel * itemsize``, contiguous offsets from 0, ending at ``total_bytes``.
+    Stripes: one per sender in ``senders`` order, tiling ``[0, total_bytes)``
+    with no gap and no overlap. Optimizer: every tensor placeholder names an
+    ``optim/`` entry and every ``optim/`` entry is referenced exactly once.
+    """
+    seen: set[str] = set()
+    offset = 0
+    in_optim = False
+    for e in m.entries:
+        if e.name.startswith(OPTIM_PREFIX):
+            in_optim = True
+        elif in_optim:
+            raise HealError(f"manifest lies: model entry {e.name!r} comes after optim/ entries")
+        if e.name in seen:
+            raise HealError(f"manifest lies: entry {e.name!r} appears twice")
+        seen.add(e.name)
+        if not e.name.startswith((MODEL_PREFIX, OPTIM_PREFIX)):
+            raise HealError(f"manifest lies: entry {e.name!r} is neither model/ nor optim/")
+        try:
+            itemsize = dtype_from_name(e.dtype).itemsize
+        except KeyError:
+            raise HealError(f"manifest entry {e.name!r} has unknown dtype {e.dtype!r}") from None
+        expected = e.numel * itemsize
+        if e.nbytes != expected:
+            raise HealError(
+                f"manifest lies: entry {e.name!r} claims {e.nbytes} bytes but shape "
+                f"{list(e.shape)} of {e.dtype} is {expected} bytes"
+            )
+        if e.offset != offset:
+            raise HealError(
+                f"manifest lies: entry {e.name!r} starts at byte {e.offset}, expected {offset} "
+                f"(entries must be contiguous)"
+            )
+        offset += e.nbytes
+    if offset != m.total_bytes:
+        raise HealError(
+            f"manifest lies: entries cover {offset} bytes but total_bytes is {m.total_bytes}"
+        )
+    ranks = [s.sender_rank for s in m.stripes]
+    if ranks != list(senders):
+        raise HealError(
+            f"manifest stripes come from ranks {ranks}, "
+            f"but this rank was told senders={list(senders)}"
+        )
+    offset = 0
+    for s in m.stripes:
+        if s.offset > offset:
+            raise HealError(
+                f"manifest lies: gap of {s.offset - offset} bytes before the stripe of sender "
+                f"{s.sender_rank} (it starts at {s.offset}, the previous one ended at {offset})"
+            )
+        if s.offset < offset:
+            raise HealError(
+                f"manifest lies: the stripe of sender {s.sender_rank} overlaps the previous one by "
+                f"{offset - s.offset} bytes (it starts at {s.offset}, previous ended at {offset})"
+            )
+        offset += s.nbytes
+    if offset != m.total_bytes:
+        raise HealError(
+            f"manifest lies: stripes cover [0, {offset}) but total_bytes is {m.total_bytes}"
+        )
+    refs: list[str] = []
+    _tensor_refs(m.optimizer, refs)
+    optim_names = [e.name for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
+    if sorted(refs) != sorted(optim_names):
+        missing = sorted(set(refs) - set(optim_names))
+        unused = sorted(set(optim_names) - set(refs))
+        raise HealError(
+            f"manifest lies: optimizer tensor references do not match the optim/ entries "
+            f"(referenced but absent: {missing[:3]}, present but unreferenced: {unused[:3]}, "
+            f"or referenced twice)"
+        )
+
+
+def check_model(m: Manifest, local_signature: list[list[Any]]) -> None:
+    """HealError unless the manifest's model entries match ``local_signature`` exactly."""
+    problem = signature_mismatch(local_signature, m.model_signature())
+    if problem is not None:
+        raise HealError(f"cannot heal into this model: {problem}")
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's fully qualified class name, as written in the manifest."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_optimizer(m: Manifest, optimizer: torch.optim.Optimizer) -> None:
+    """HealError unless the manifest's optimizer fits ``optimizer``.
+
+    Same class, same number of param groups, same number of params per group,
+    and state keyed by valid param indices.
+    """
+    section = m.optimizer
+    mine = optimizer_class(optimizer)
+    if section["class"] != mine:
+        raise HealError(
+            f"cannot heal into this optimizer: senders use {section['class']}, this rank {mine}"
+        )
+    groups = section["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise HealError(
+            f"cannot heal into this optimizer: senders have {len(groups)} param groups, "
+            f"this rank {len(optimizer.param_groups)}"
+        )
+    n_params = 0
+    for i, (theirs, local) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        params = theirs.get("params") if isinstance(theirs, dict) else None
+        if not isinstance(params, list):
+            raise HealError(f"malformed manifest: optimizer param group {i} has no params list")
+        if len(params) != len(local["params"]):
+            raise HealError(
+                f"cannot heal into this optimizer: param group {i} has {len(params)} params "
+                f"on the senders but {len(local['params'])} here"
+            )
+        n_params += len(params)
+    for key in section["state"]:
+        try:
+            idx = int(key)
+        except ValueError:
+            raise HealError(f"malformed manifest: optimizer state key {key!r}") from None
+        if not 0 <= idx < n_params:
+            raise HealError(
+                f"manifest lies: optimizer state for param {idx}, but there are {n_params} params"
+            )

@@ -1,0 +1,551 @@
+"""Tests for elastrain.transfer: signatures, manifests, checksums, striped heal.
+
+Unit tests run in this process. Heal tests run every rank either as a thread of
+this process (fast; for edge cases) or as a separate process started with
+``python tests/test_transfer.py <scenario> ...`` (the real thing: one gloo group
+across processes, the master TCPStore on port 0 in the test process). Every
+process started is killed in teardown; results come back as JSON files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+import elastrain.transfer.striped as striped
+from elastrain.transfer import (
+    HealError,
+    HealStats,
+    heal,
+    model_signature,
+    signature_mismatch,
+    state_hash,
+)
+from elastrain.transfer.checksum import check_crc, stripe_crc
+from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
+from elastrain.transfer.flatten import flatten_state, pack_range
+from elastrain.transfer.manifest import (
+    Manifest,
+    build_manifest,
+    check_model,
+    check_optimizer,
+    decode_manifest,
+    encode_manifest,
+    validate_manifest,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+GROUP_TIMEOUT = datetime.timedelta(seconds=20)
+
+# ---------------------------------------------------------------- models used everywhere
+
+
+class Net(torch.nn.Module):
+    """Small model with float, int64 (BatchNorm), bool and 0-dim bfloat16 state."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.fc2 = torch.nn.Linear(width, 4)
+        self.register_buffer("scale", torch.tensor(1.5, dtype=torch.bfloat16))
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.relu(self.bn(self.fc1(x))))
+        return out * self.scale.float() * self.mask.float()
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x, y = batch(seed)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def trained(width: int = 16, steps: int = 3) -> tuple[Net, torch.optim.Adam]:
+    """The up-to-date state: identical in every process that calls this."""
+    torch.manual_seed(0)
+    model = Net(width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.85, 0.99))
+    for s in range(steps):
+        train_step(model, opt, s)
+    with torch.no_grad():
+        model.scale.fill_(0.75)
+    return model, opt
+
+
+def fresh(width: int = 16) -> tuple[Net, torch.optim.Adam]:
+    """A joiner: different init, different hyperparameters, no optimizer state."""
+    torch.manual_seed(1234)
+    model = Net(width)
+    return model, torch.optim.Adam(model.parameters(), lr=0.5)
+
+
+# ---------------------------------------------------------------- signatures and hashes
+
+
+def test_signature_is_json_and_equal() -> None:
+    sig = model_signature(Net())
+    assert json.loads(json.dumps(sig)) == sig
+    assert sig[0] == ["scale", [], "torch.bfloat16"]  # own buffers come before submodules
+    assert ["fc1.weight", [16, 8], "torch.float32"] in sig
+    assert ["bn.num_batches_tracked", [], "torch.int64"] in sig
+    assert signature_mismatch(sig, json.loads(json.dumps(sig))) is None
+
+
+def test_signature_mismatch_messages() -> None:
+    sig = model_signature(Net())
+    wide = model_signature(Net(width=17))
+    msg = signature_mismatch(sig, wide)
+    assert msg is not None and "'fc1.weight'" in msg and "[16, 8]" in msg and "[17, 8]" in msg
+
+    other_dtype = [list(e) for e in sig]
+    other_dtype[1][2] = "torch.uint8"
+    msg = signature_mismatch(sig, other_dtype)
+    assert msg is not None and "'mask'" in msg and "torch.uint8" in msg and "dtype" in msg
+
+    msg = signature_mismatch(sig, sig + [["extra.bias", [3], "torch.float32"]])
+    assert msg is not None and "'extra.bias'" in msg and "missing from the local" in msg
+    msg = signature_mismatch(sig + [["extra.bias", [3], "torch.float32"]], sig)
+    assert msg is not None and "'extra.bias'" in msg and "extra in the local" in msg
+    msg = signature_mismatch(sig[1:], sig)
+    assert msg is not None and "'scale'" in msg and "missing" in msg
+    msg = signature_mismatch([sig[1], sig[0]] + sig[2:], sig)
+    assert msg is not None and "different order" in msg
+
+
+def test_dtype_names_round_trip() -> None:
+    for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        assert dtype_from_name(dtype_name(d)) is d
+    assert byte_view(torch.tensor(1.0)).tolist() == [0, 0, 128, 63]
+
+
+def test_state_hash_equal_for_identical_state_and_sensitive() -> None:
+    a, b = trained(), trained()
+    h = state_hash(*a)
+    assert h == state_hash(*b)
+    with torch.no_grad():
+        b[0].bn.running_var[3] += 1e-6
+    assert state_hash(*b) != h
+    c = trained()
+    c[1].param_groups[0]["lr"] = 0.02
+    assert state_hash(*c) != h
+    d = trained()
+    d[1].state[d[0].fc2.bias]["exp_avg_sq"][0] += 1.0
+    assert state_hash(*d) != h
+
+
+def test_state_hash_speed_120mb() -> None:
+    model = torch.nn.Linear(2048, 2048 * 7)  # ~117 MB of float32
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state_hash(model, opt)
+    t0 = time.perf_counter()
+    state_hash(model, opt)
+    elapsed = time.perf_counter() - t0
+    print(f"state_hash: 117 MB in {elapsed * 1e3:.0f} ms")
+    assert elapsed < 1.0  # the target is < 0.3 s; loose here for loaded CI machines
+
+
+# ---------------------------------------------------------------- manifests and checksums
+
+
+def _manifest(senders: list[int] = [0, 1]) -> Manifest:  # noqa: B006 - read-only default
+    model, opt = trained()
+    flat = flatten_state(model, opt)
+    m = build_manifest(flat.tensors, flat.optimizer, senders, {"step": 3}, heal_id=7)
+    return decode_manifest(encode_manifest(m))
+
+
+def test_manifest_round_trip_validates() -> None:
+    m = _manifest()
+    validate_manifest(m, [0, 1])
+    model, opt = fresh()
+    check_model(m, model_signature(model))
+    check_optimizer(m, opt)
+    assert m.meta == {"step": 3}
+    assert m.entries[0].name == "model/scale"
+    assert any(e.name.startswith("optim/0/") for e in m.entries)
+    assert sum(s.nbytes for s in m.stripes) == m.total_bytes
+    assert abs(m.stripes[0].nbytes - m.stripes[1].nbytes) <= 1
+
+
+def test_manifest_that_lies_about_sizes_is_rejected() -> None:
+    m = _manifest()
+    e0 = m.entries[0]
+    lie = dataclasses.replace(
+        m, entries=(dataclasses.replace(e0, nbytes=e0.nbytes + 4),) + m.entries[1:]
+    )
+    with pytest.raises(
+        HealError,
+        match=r"entry 'model/scale' claims 6 bytes but shape \[\] of torch.bfloat16 is 2",
+    ):
+        validate_manifest(lie, [0, 1])
+
+    e1 = m.entries[1]
+    gap = dataclasses.replace(
+        m, entries=(e0, dataclasses.replace(e1, offset=e1.offset + 8)) + m.entries[2:]
+    )
+    with pytest.raises(HealError, match="must be contiguous"):
+        validate_manifest(gap, [0, 1])
+
+    short = dataclasses.replace(m, total_bytes=m.total_bytes + 1)
+    with pytest.raises(HealError, match="total_bytes"):
+        validate_manifest(short, [0, 1])
+
+    raw = json.loads(encode_manifest(m))
+    raw["entries"][0]["nbytes"] = "512"
+    with pytest.raises(HealError, match="malformed manifest"):
+        decode_manifest(json.dumps(raw).encode())
+    with pytest.raises(HealError, match="not JSON"):
+        decode_manifest(b"\x80garbage")
+
+
+def test_stripe_gap_and_overlap_are_rejected() -> None:
+    m = _manifest()
+    s0, s1 = m.stripes
+    gap = dataclasses.replace(m, stripes=(dataclasses.replace(s0, nbytes=s0.nbytes - 5), s1))
+    with pytest.raises(HealError, match="gap of 5 bytes before the stripe of sender 1"):
+        validate_manifest(gap, [0, 1])
+    overlap = dataclasses.replace(m, stripes=(s0, dataclasses.replace(s1, offset=s1.offset - 3)))
+    with pytest.raises(HealError, match="sender 1 overlaps the previous one by 3 bytes"):
+        validate_manifest(overlap, [0, 1])
+    with pytest.raises(HealError, match=r"told senders=\[1, 0\]"):
+        validate_manifest(m, [1, 0])
+
+
+def test_manifest_checks_against_local_model_and_optimizer() -> None:
+    m = _manifest()
+    with pytest.raises(HealError, match="'fc1.weight' has shape"):
+        check_model(m, model_signature(Net(width=17)))
+    sgd = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(HealError, match="senders use torch.optim.adam.Adam"):
+        check_optimizer(m, sgd)
+    net = Net()
+    two_groups = torch.optim.Adam(
+        [{"params": list(net.fc1.parameters())}, {"params": list(net.fc2.parameters())}]
+    )
+    with pytest.raises(HealError, match="param groups"):
+        check_optimizer(m, two_groups)
+
+
+def test_pack_range_spans_tensors() -> None:
+    tensors = [torch.arange(3, dtype=torch.int16), torch.tensor(7, dtype=torch.uint8)]
+    m = build_manifest([("model/a", tensors[0]), ("model/b", tensors[1])], {}, [0], {}, 1)
+    whole = pack_range(m.entries, tensors, 0, m.total_bytes)
+    assert whole.tolist() == [0, 0, 1, 0, 2, 0, 7]
+    assert pack_range(m.entries, tensors, 3, 4).tolist() == [0, 2, 0, 7]
+
+
+def test_crc_mismatch_raises_naming_the_sender() -> None:
+    data = torch.arange(100, dtype=torch.uint8)
+    crc = stripe_crc([data])
+    assert stripe_crc([data[:30], data[30:]]) == crc  # chained over messages
+    check_crc(crc, crc, sender_rank=4, nbytes=100)
+    with pytest.raises(HealError, match="checksum mismatch on the stripe from sender rank 4"):
+        check_crc(crc ^ 1, crc, sender_rank=4, nbytes=100)
+
+
+def test_heal_stats_rate() -> None:
+    assert HealStats("recv", 50_000_000, 0.5).rate_mb_s == pytest.approx(100.0)
+    assert HealStats("idle", 0, 0.0).rate_mb_s == 0.0
+
+
+def test_bad_arguments_raise_before_communicating() -> None:
+    class FakeGroup:
+        def size(self) -> int:
+            return 3
+
+        def rank(self) -> int:
+            return 0
+
+    model, opt = fresh()
+    for senders, receivers in (([], [1]), ([0, 0], [1]), ([0], [0]), ([0], [3])):
+        with pytest.raises(ValueError):
+            heal(FakeGroup(), 0, senders, receivers, model, opt, None, 5.0)
+    with pytest.raises(ValueError, match="process group says"):
+        heal(FakeGroup(), 1, [0], [1], model, opt, None, 5.0)
+
+
+# ---------------------------------------------------------------- heal, ranks as threads
+
+
+@pytest.fixture()
+def master_store() -> Iterator[TCPStore]:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+    del store
+
+
+def run_threads(store: TCPStore, world: int, fn: Callable[[int, Any], Any]) -> list[Any]:
+    """Run fn(rank, pg) on `world` threads sharing one gloo group; results or exceptions."""
+    results: list[Any] = [None] * world
+
+    def body(rank: int) -> None:
+        try:
+            client = TCPStore("127.0.0.1", store.port, is_master=False)
+            pg = ProcessGroupGloo(PrefixStore("gen1", client), rank, world, GROUP_TIMEOUT)
+            results[rank] = fn(rank, pg)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a heal thread hung"
+    return results
+
+
+def test_heal_threads_idle_rank_tensor_lr_and_sgd_state(master_store: TCPStore) -> None:
+    def sgd(seed: int) -> tuple[Net, torch.optim.SGD]:
+        torch.manual_seed(seed)
+        m = Net()
+        return m, torch.optim.SGD(m.parameters(), lr=torch.tensor(0.05), momentum=0.9)
+
+    states = [sgd(0), sgd(0), sgd(9)]
+    for s in range(2):
+        train_step(*states[0], s)
+    want = state_hash(*states[0])
+
+    def fn(rank: int, pg: Any) -> tuple[dict[str, Any], HealStats]:
+        model, opt = states[rank]
+        meta = {"step": 2, "pair": (1, 2)} if rank == 0 else None
+        return heal(pg, rank, [0], [2], model, opt, meta, 10.0)
+
+    res = run_threads(master_store, 3, fn)
+    assert [type(r) for r in res] == [tuple] * 3, res
+    assert res[0][1].role == "send" and res[1][1].role == "idle" and res[2][1].role == "recv"
+    assert res[2][0] == {"step": 2, "pair": [1, 2]} == res[1][0]
+    assert res[0][0] == {"step": 2, "pair": (1, 2)}
+    assert res[0][1].bytes == res[2][1].bytes > 0
+    assert state_hash(*states[2]) == want
+    assert isinstance(states[2][1].param_groups[0]["lr"], torch.Tensor)
+    assert state_hash(*states[1]) != want  # the idle rank was not touched
+
+
+def test_heal_threads_fresh_senders_clear_receiver_state_and_empty_stripe(
+    master_store: TCPStore,
+) -> None:
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(0))
+            self.register_buffer("flag", torch.tensor(True))
+
+    def make(flag: bool) -> tuple[Tiny, torch.optim.Adam]:
+        m = Tiny()
+        m.flag.fill_(flag)
+        return m, torch.optim.Adam(m.parameters())
+
+    states = [make(False), make(False), make(True)]
+    states[2][1].state[states[2][0].w]["step"] = torch.tensor(5.0)  # stale state to be cleared
+    want = state_hash(*states[0])
+
+    def fn(rank: int, pg: Any) -> HealStats:
+        return heal(pg, rank, [0, 1], [2], *states[rank], {}, 10.0)[1]
+
+    res = run_threads(master_store, 3, fn)
+    assert [r.bytes for r in res] == [1, 0, 1], res  # 1 byte total: sender 1's stripe is empty
+    assert states[2][0].flag.item() is False
+    assert len(states[2][1].state) == 0
+    assert state_hash(*states[2]) == want
+
+
+def test_heal_threads_crc_mismatch_raises_and_leaves_receiver_intact(
+    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Senders compute their CRC through striped.stripe_crc; receivers through
+    # crc_update, so corrupting the former fakes damage in flight.
+    monkeypatch.setattr(striped, "stripe_crc", lambda bufs: stripe_crc(bufs) ^ 0x5A)
+    states = [trained(), trained(), fresh()]
+    before = state_hash(*states[2])
+    weight_before = states[2][0].fc1.weight.clone()
+
+    def fn(rank: int, pg: Any) -> Any:
+        return heal(pg, rank, [0, 1], [2], *states[rank], {"step": 3}, 10.0)
+
+    res = run_threads(master_store, 3, fn)
+    assert isinstance(res[2], HealError) and "sender rank 0" in str(res[2]), res
+    assert isinstance(res[0], tuple) and isinstance(res[1], tuple)
+    assert state_hash(*states[2]) == before
+    assert torch.equal(states[2][0].fc1.weight, weight_before)
+
+
+def test_heal_threads_diverged_sender_aborts_everyone(master_store: TCPStore) -> None:
+    states = [trained(), trained(width=12), fresh()]
+
+    def fn(rank: int, pg: Any) -> Any:
+        return heal(pg, rank, [0, 1], [2], *states[rank], {}, 10.0)
+
+    t0 = time.perf_counter()
+    res = run_threads(master_store, 3, fn)
+    assert time.perf_counter() - t0 < 8
+    assert isinstance(res[1], HealError) and "sender states differ" in str(res[1]), res
+    for r in (0, 2):
+        assert isinstance(res[r], HealError) and "rank(s) [1] rejected" in str(res[r]), res
+
+
+def test_heal_threads_unjsonable_meta_fails_everyone_fast(master_store: TCPStore) -> None:
+    states = [trained(), fresh()]
+
+    def fn(rank: int, pg: Any) -> Any:
+        return heal(pg, rank, [0], [1], *states[rank], {"bad": object()}, 10.0)
+
+    res = run_threads(master_store, 2, fn)
+    assert isinstance(res[0], HealError) and "cannot build the manifest" in str(res[0])
+    assert isinstance(res[1], HealError) and "could not build the manifest" in str(res[1])
+
+
+# ---------------------------------------------------------------- heal across processes
+
+# Every scenario runs in the same 3 worker processes, one fresh gloo group per
+# scenario (store prefix gen1, gen2, ...), so torch is imported only 3 times.
+SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
+    "two_senders": ([0, 1], [2]),
+    "one_sender": ([0], [1, 2]),
+    "mismatch": ([0, 1], [2]),  # rank 2 has a wider model
+}
+WORLD = 3
+SENT_META = {"step": 3, "rng": [1, 2, 3], "pair": (4.5, None), "cursor": {"epoch": 0}}
+
+
+@pytest.fixture(scope="module")
+def process_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Any]]]:
+    """Run the worker processes once; {scenario: [report of rank 0, 1, 2]}."""
+    out_dir = tmp_path_factory.mktemp("heal")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(WORLD):
+            cmd = [sys.executable, __file__, str(rank), str(WORLD), str(store.port), str(out_dir)]
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            )
+        deadline = time.monotonic() + 50
+        logs = []
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {p.args} hung")
+            logs.append(p.stdout.read().decode() if p.stdout else "")
+        for rank, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank]}"
+        yield {
+            name: [json.loads((out_dir / f"{name}-rank{r}.json").read_text()) for r in range(WORLD)]
+            for name in SCENARIOS
+        }
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        del store
+
+
+def _assert_healed(res: list[dict[str, Any]], senders: list[int], receivers: list[int]) -> None:
+    for r in res:
+        assert r["ok"], r
+    want = res[senders[0]]["before"]
+    assert all(res[s]["before"] == want for s in senders)
+    for r in receivers:
+        assert res[r]["before"] != want
+        assert res[r]["after"] == want
+        assert res[r]["meta"] == json.loads(json.dumps(SENT_META))
+        assert res[r]["stats"]["role"] == "recv"
+        assert res[r]["stats"]["bytes"] == res[r]["total_bytes"] > 0
+        assert res[r]["lr"] == 1e-2
+    for s in senders:
+        assert res[s]["meta"] == json.loads(json.dumps(SENT_META))
+        assert res[s]["stats"]["role"] == "send"
+    sent = sum(res[s]["stats"]["bytes"] for s in senders)
+    assert sent == len(receivers) * res[receivers[0]]["stats"]["bytes"]
+    # one more identical optimizer step keeps every rank bit-identical
+    assert len({r["after_step"] for r in res}) == 1
+    assert res[0]["after_step"] != want
+
+
+def test_heal_processes_two_senders_one_receiver(process_results: dict[str, Any]) -> None:
+    res = process_results["two_senders"]
+    _assert_healed(res, senders=[0, 1], receivers=[2])
+    s0, s1 = res[0]["stats"]["bytes"], res[1]["stats"]["bytes"]
+    assert abs(s0 - s1) <= 1  # striped: each sender sent half
+
+
+def test_heal_processes_one_sender_two_receivers(process_results: dict[str, Any]) -> None:
+    _assert_healed(process_results["one_sender"], senders=[0], receivers=[1, 2])
+
+
+def test_heal_processes_mismatched_receiver_fails_cleanly(process_results: dict[str, Any]) -> None:
+    res = process_results["mismatch"]
+    assert not any(r["ok"] for r in res), res
+    assert res[2]["error_type"] == "HealError"
+    assert "'fc1.weight' has shape [17, 8] locally but [16, 8] remotely" in res[2]["error"]
+    for r in res[:2]:
+        assert r["error_type"] == "HealError" and "rank(s) [2] rejected" in r["error"]
+    assert max(r["seconds"] for r in res) < 5  # the verdict fails everyone fast, no timeout
+
+
+# ---------------------------------------------------------------- worker process entry point
+
+
+def _run_scenario(name: str, gen: int, rank: int, client: TCPStore, out_dir: Path) -> None:
+    senders, receivers = SCENARIOS[name]
+    if rank in senders:
+        model, opt = trained()
+    else:
+        model, opt = fresh(width=17 if name == "mismatch" else 16)
+    report: dict[str, Any] = {"rank": rank, "before": state_hash(model, opt)}
+    pg = ProcessGroupGloo(PrefixStore(f"gen{gen}", client), rank, WORLD, GROUP_TIMEOUT)
+    t0 = time.perf_counter()
+    try:
+        meta = SENT_META if rank in senders else None
+        got, stats = heal(pg, rank, senders, receivers, model, opt, meta, 10.0)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        report.update(ok=False, error_type=type(e).__name__, error=str(e))
+    else:
+        report.update(
+            ok=True,
+            meta=got,
+            stats=dataclasses.asdict(stats),
+            after=state_hash(model, opt),
+            total_bytes=sum(t.nbytes for _, t in flatten_state(model, opt).tensors),
+            lr=opt.param_groups[0]["lr"],
+        )
+        train_step(model, opt, seed=99)
+        report["after_step"] = state_hash(model, opt)
+    report["seconds"] = time.perf_counter() - t0
+    (out_dir / f"{name}-rank{rank}.json").write_text(json.dumps(report))
+
+
+def _worker(rank: int, world: int, port: int, out_dir: Path) -> None:
+    assert world == WORLD
+    torch.set_num_threads(1)
+    client = TCPStore("127.0.0.1", port, is_master=False)
+    for gen, name in enumerate(SCENARIOS, start=1):
+        _run_scenario(name, gen, rank, client, out_dir)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

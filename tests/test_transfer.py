@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+import elastrain.transfer.chunks as chunks
 import elastrain.transfer.striped as striped
 from elastrain.transfer import (
     HealError,
@@ -36,9 +37,10 @@ from elastrain.transfer import (
 )
 from elastrain.transfer.checksum import check_crc, stripe_crc
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
-from elastrain.transfer.flatten import flatten_state, pack_range
+from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.manifest import (
     Manifest,
+    Stripe,
     build_manifest,
     check_model,
     check_optimizer,
@@ -89,7 +91,7 @@ def trained(width: int = 16, steps: int = 3) -> tuple[Net, torch.optim.Adam]:
     for s in range(steps):
         train_step(model, opt, s)
     with torch.no_grad():
-        model.scale.fill_(0.75)
+        model.get_buffer("scale").fill_(0.75)
     return model, opt
 
 
@@ -144,7 +146,7 @@ def test_state_hash_equal_for_identical_state_and_sensitive() -> None:
     h = state_hash(*a)
     assert h == state_hash(*b)
     with torch.no_grad():
-        b[0].bn.running_var[3] += 1e-6
+        b[0].get_buffer("bn.running_var")[3] += 1e-6
     assert state_hash(*b) != h
     c = trained()
     c[1].param_groups[0]["lr"] = 0.02
@@ -247,12 +249,36 @@ def test_manifest_checks_against_local_model_and_optimizer() -> None:
         check_optimizer(m, two_groups)
 
 
-def test_pack_range_spans_tensors() -> None:
-    tensors = [torch.arange(3, dtype=torch.int16), torch.tensor(7, dtype=torch.uint8)]
-    m = build_manifest([("model/a", tensors[0]), ("model/b", tensors[1])], {}, [0], {}, 1)
-    whole = pack_range(m.entries, tensors, 0, m.total_bytes)
-    assert whole.tolist() == [0, 0, 1, 0, 2, 0, 7]
-    assert pack_range(m.entries, tensors, 3, 4).tolist() == [0, 2, 0, 7]
+def test_plan_chunks_direct_split_and_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunks, "DIRECT_MIN", 16)
+    monkeypatch.setattr(chunks, "DIRECT_MAX", 40)
+    monkeypatch.setattr(chunks, "PACK_MAX", 24)
+    sizes = {"a": 4, "b": 8, "c": 100, "d": 4, "e": 30}
+    tensors = [(f"model/{k}", torch.zeros(n, dtype=torch.int8)) for k, n in sizes.items()]
+    m = build_manifest(tensors, {}, [0, 1], {}, 1)
+
+    def layout(stripe: Stripe) -> list[tuple[bool, list[tuple[int, int, int]]]]:
+        plan = chunks.plan_chunks(m.entries, stripe)
+        return [(c.packed, [(p.entry, p.offset, p.nbytes) for p in c.pieces]) for c in plan]
+
+    assert layout(Stripe(0, 0, 146)) == [
+        (True, [(0, 0, 4), (1, 4, 8)]),
+        (False, [(2, 12, 40)]),
+        (False, [(2, 52, 40)]),
+        (False, [(2, 92, 20)]),
+        (False, [(3, 112, 4)]),
+        (False, [(4, 116, 30)]),
+    ]
+    assert layout(Stripe(1, 50, 70)) == [
+        (False, [(2, 50, 40)]),
+        (False, [(2, 90, 22)]),
+        (True, [(3, 112, 4), (4, 116, 4)]),
+    ]
+    assert (
+        chunks.data_tag(chunks.MAX_HEAL_ID, chunks.MAX_CHUNKS - 1)
+        < chunks.crc_tag(chunks.MAX_HEAL_ID)
+        < 2**31
+    )
 
 
 def test_crc_mismatch_raises_naming_the_sender() -> None:
@@ -354,7 +380,7 @@ def test_heal_threads_fresh_senders_clear_receiver_state_and_empty_stripe(
 
     def make(flag: bool) -> tuple[Tiny, torch.optim.Adam]:
         m = Tiny()
-        m.flag.fill_(flag)
+        m.get_buffer("flag").fill_(flag)
         return m, torch.optim.Adam(m.parameters())
 
     states = [make(False), make(False), make(True)]
@@ -366,8 +392,26 @@ def test_heal_threads_fresh_senders_clear_receiver_state_and_empty_stripe(
 
     res = run_threads(master_store, 3, fn)
     assert [r.bytes for r in res] == [1, 0, 1], res  # 1 byte total: sender 1's stripe is empty
-    assert states[2][0].flag.item() is False
+    assert states[2][0].get_buffer("flag").item() is False
     assert len(states[2][1].state) == 0
+    assert state_hash(*states[2]) == want
+
+
+def test_heal_threads_direct_and_packed_messages(
+    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small thresholds so that the tiny model travels in every kind of message.
+    monkeypatch.setattr(chunks, "DIRECT_MIN", 64)
+    monkeypatch.setattr(chunks, "DIRECT_MAX", 200)
+    monkeypatch.setattr(chunks, "PACK_MAX", 300)
+    states = [trained(), trained(), fresh()]
+    want = state_hash(*states[0])
+
+    def fn(rank: int, pg: Any) -> HealStats:
+        return heal(pg, rank, [0, 1], [2], *states[rank], {"step": 3}, 10.0)[1]
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, HealStats) for r in res), res
     assert state_hash(*states[2]) == want
 
 
@@ -403,6 +447,26 @@ def test_heal_threads_diverged_sender_aborts_everyone(master_store: TCPStore) ->
     assert isinstance(res[1], HealError) and "sender states differ" in str(res[1]), res
     for r in (0, 2):
         assert isinstance(res[r], HealError) and "rank(s) [1] rejected" in str(res[r]), res
+
+
+def test_heal_threads_absent_sender_times_out(master_store: TCPStore) -> None:
+    states = [trained(), fresh()]
+
+    def fn(rank: int, pg: Any) -> Any:
+        if rank == 0:  # a sender that never joins the heal (stuck elsewhere)
+            time.sleep(1.5)
+            return None
+        t0 = time.perf_counter()
+        try:
+            heal(pg, rank, [0], [1], *states[rank], None, 0.5)
+        except HealError as e:
+            return e, time.perf_counter() - t0
+        return None
+
+    res = run_threads(master_store, 2, fn)
+    err, elapsed = res[1]
+    assert isinstance(err, HealError) and "manifest length broadcast" in str(err), res
+    assert "timeout_s=0.5" in str(err) and elapsed < 1.4
 
 
 def test_heal_threads_unjsonable_meta_fails_everyone_fast(master_store: TCPStore) -> None:
@@ -448,7 +512,7 @@ def process_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {p.args} hung")
+                pytest.fail(f"worker {p.args!r} hung")
             logs.append(p.stdout.read().decode() if p.stdout else "")
         for rank, p in enumerate(procs):
             assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank]}"
@@ -465,8 +529,8 @@ def process_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
 
 
 def _assert_healed(res: list[dict[str, Any]], senders: list[int], receivers: list[int]) -> None:
-    for r in res:
-        assert r["ok"], r
+    for report in res:
+        assert report["ok"], report
     want = res[senders[0]]["before"]
     assert all(res[s]["before"] == want for s in senders)
     for r in receivers:
@@ -482,7 +546,7 @@ def _assert_healed(res: list[dict[str, Any]], senders: list[int], receivers: lis
     sent = sum(res[s]["stats"]["bytes"] for s in senders)
     assert sent == len(receivers) * res[receivers[0]]["stats"]["bytes"]
     # one more identical optimizer step keeps every rank bit-identical
-    assert len({r["after_step"] for r in res}) == 1
+    assert len({report["after_step"] for report in res}) == 1
     assert res[0]["after_step"] != want
 
 

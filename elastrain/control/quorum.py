@@ -278,6 +278,7 @@ class Membership:
         if plan is None:
             return None
         self.waiting = None
+        clean = self.gen is not None and step_boundary and not self.gen.broken
         # Members left out of a re-formed generation are expelled: they must
         # register again (and be healed) rather than drift back in.
         if self.gen is not None:
@@ -293,7 +294,7 @@ class Membership:
             in_gen = self.gen is None or mid in self.gen.members
             if m.leaving and in_gen and mid not in plan.members:
                 self._remove(mid, "left", now)
-        if self.gen is not None and step_boundary and not self.gen.broken:
+        if self.gen is not None and clean:
             # Superseded at a step boundary (join/leave): its members learn it
             # from their next quorum call; nobody's collective is aborted.
             self.clean_handoffs.add(self.gen.gen)

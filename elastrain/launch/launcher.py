@@ -175,7 +175,7 @@ class Launcher:
         self.address = f"{info['host']}:{info['port']}"
         self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
 
-    def _spawn(self, replacement: bool) -> Worker:
+    def _spawn(self, replacement: bool, replaces: str | None = None) -> Worker:
         c = self.config
         member = f"w{self._next_id}"
         self._next_id += 1
@@ -205,7 +205,13 @@ class Launcher:
         w = Worker(member, proc, time.monotonic(), replacement)
         self.workers[member] = w
         self.pids.setdefault(member, []).append(proc.pid)
-        self.events.emit("worker_spawned", member=member, pid=proc.pid, replacement=replacement)
+        self.events.emit(
+            "worker_spawned",
+            member=member,
+            pid=proc.pid,
+            replacement=replacement,
+            replaces=replaces,
+        )
         threading.Thread(target=self._reap, args=(w,), daemon=True, name=f"reap-{member}").start()
         return w
 
@@ -225,9 +231,10 @@ class Launcher:
             "job_start", job_id=self.job_id, target=c.workers, min=c.min_workers, script=c.script
         )
         status, message = "failed", ""
+        previous = None
         if threading.current_thread() is threading.main_thread():
             # SIGTERM to the launcher ends the job cleanly (children stopped by PID).
-            signal.signal(signal.SIGTERM, lambda *_: self._terminate())
+            previous = signal.signal(signal.SIGTERM, lambda *_: self._terminate())
         try:
             self._start_coordinator()
             for _ in range(c.workers):
@@ -236,6 +243,8 @@ class Launcher:
         except KeyboardInterrupt:
             status, message = "interrupted", "interrupted by Ctrl-C"
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             self._shutdown()
             self.events.emit(
                 "job_end", status=status, steps=self.status.get("step", 0), message=message
@@ -303,13 +312,13 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
-            self._at(self.config.replace_delay_s, "spawn", None)
+            self._at(self.config.replace_delay_s, "spawn", member)
         return None
 
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
-                self._spawn(replacement=True)
+                self._spawn(replacement=True, replaces=arg)
         elif what == "finish":
             self._stop_reason = ("done", "")
             self._stop.set()

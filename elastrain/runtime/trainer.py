@@ -172,6 +172,8 @@ class ElasticTrainer:
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._last_loss: float | None = None
         self._last_wait_msg = 0.0
+        self._job_finished = False
+        self._inflight: list[Any] = []
 
     # ---- public ----------------------------------------------------------------
 
@@ -179,6 +181,12 @@ class ElasticTrainer:
     def is_leader(self) -> bool:
         """True on rank 0 of the current generation (for logging, not for correctness)."""
         return self.rank == 0
+
+    @property
+    def holds_final_state(self) -> bool:
+        """True once this member holds the state after the last step (False on a
+        joiner that arrived after the job had finished: its model is untrained)."""
+        return self.committed >= self.config.total_steps
 
     def request_leave(self) -> None:
         """Leave the job at the next step boundary (what SIGTERM does)."""
@@ -194,13 +202,20 @@ class ElasticTrainer:
         except JoinRefused as e:
             self._refused(str(e))
         try:
-            while self.committed < self.config.total_steps:
+            while self.committed < self.config.total_steps and not self._job_finished:
                 if self._pg is None:
                     self._join_generation()
                     continue
                 try:
                     result = self._run_step()
                 except _Regroup as e:
+                    self.events.emit(
+                        "step_abort",
+                        step=self.committed,
+                        gen=self.gen,
+                        error=e.error[:300],
+                        phase=e.phase,
+                    )
                     self._abandon(e.phase, e.error)
                     continue
                 yield result
@@ -238,7 +253,7 @@ class ElasticTrainer:
             return
         if r.status == "finished":
             log.info("the job finished while %s was waiting", self.member)
-            self.committed = max(self.committed, self.config.total_steps)
+            self._job_finished = True
             return
         if r.status == "expelled":
             self.session.register()
@@ -265,6 +280,9 @@ class ElasticTrainer:
             )
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
             log.warning("building group for generation %d failed: %s", r.gen, e)
+            self.events.emit(
+                "step_abort", step=self.committed, gen=r.gen, error=str(e)[:300], phase="regroup"
+            )
             self.gen = r.gen
             return
         self.events.emit(
@@ -275,6 +293,9 @@ class ElasticTrainer:
         try:
             self._heal(r)
         except (HealError, RuntimeError) as e:
+            self.events.emit(
+                "step_abort", step=self.committed, gen=self.gen, error=str(e)[:300], phase="heal"
+            )
             self._abandon("heal", str(e))
             return
         digest = state_hash(self.model, self.optimizer) if self.config.hash_state else ""
@@ -335,9 +356,9 @@ class ElasticTrainer:
     def _abandon(self, phase: str, error: str) -> None:
         """Drop the current group (parking it if work is in flight) and forget the generation."""
         if self._pg is not None:
-            self.graveyard.bury(self._pg, getattr(self, "_inflight", []))
+            self.graveyard.bury(self._pg, self._inflight)
         self._pg = None
-        self._inflight: list[Any] = []
+        self._inflight = []
         # An abandoned all-reduce may still complete later and write into its
         # buffer: never reuse it (fresh buffers, fresh .grad views).
         self._flats, self._views = [], []
@@ -416,7 +437,6 @@ class ElasticTrainer:
         if v.verdict != "proceed":
             if self.session.leaving:
                 self._exit_left()
-            self.events.emit("step_abort", step=s, gen=self.gen, error=v.verdict, phase="quorum")
             raise _Regroup("quorum", v.verdict)
         flats[0][-2] = loss_sum
         flats[0][-1] = float(len(samples))
@@ -430,13 +450,9 @@ class ElasticTrainer:
         except CollectiveAborted as e:
             if e.reason == "watchdog":
                 self.events.emit("watchdog_fired", step=s, gen=self.gen, timeout_s=timeout)
-            self.events.emit("step_abort", step=s, gen=self.gen, error=str(e), phase=e.reason)
             raise _Regroup(e.reason, str(e)) from e
         except RuntimeError as e:
             self._inflight = []
-            self.events.emit(
-                "step_abort", step=s, gen=self.gen, error=str(e)[:300], phase="allreduce"
-            )
             raise _Regroup("allreduce", str(e)[:300]) from e
         self._inflight = []
         t_done = time.monotonic()
@@ -462,6 +478,7 @@ class ElasticTrainer:
             step_s=t_end - t0,
             compute_s=t_compute - t0,
             allreduce_s=t_done - t_ar,
+            samples=count,
             samples_per_s=count / max(t_end - t0, 1e-9),
         )
         self.faults.hit(s, "commit")
@@ -512,6 +529,9 @@ class ElasticTrainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self._pg is not None:
+            self.graveyard.bury(self._pg, self._inflight)
+            self._pg = None
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self.graveyard.close()

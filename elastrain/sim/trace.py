@@ -143,10 +143,20 @@ class RandomTrace:
 
     def __iter__(self) -> Iterator[FailureEvent]:
         t0 = 0.0
-        while True:
+        while self._next_failure() < math.inf:
             t1 = t0 + self._chunk_s
             yield from self._window(t1)
             t0 = t1
+
+    def _next_failure(self) -> float:
+        return min(
+            (
+                float(r.next_t.min())
+                for r in (self._job, self._domains, self._spares)
+                if r.next_t.size
+            ),
+            default=math.inf,
+        )
 
     def _window(self, t1: float) -> list[FailureEvent]:
         jt, ju, jc = self._job.until(t1)

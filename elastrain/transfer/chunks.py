@@ -2,9 +2,10 @@
 
 Both ends derive the same plan from the manifest, so no extra negotiation is
 needed. A stripe is cut at tensor boundaries into *pieces*; a piece of at least
-`DIRECT_MIN` bytes travels as its own message straight from the sender's tensor
-into the receiver's destination (no staging copy on either side); runs of
-smaller pieces are packed into one message of up to `PACK_MAX` bytes. Pure
+`DIRECT_MIN` bytes travels in messages of up to `DIRECT_MAX` bytes straight from
+the sender's tensor into the receiver's destination (no staging copy on either
+side); runs of smaller pieces are packed into one message of up to `PACK_MAX`
+bytes. Pure
 functions, no communication.
 """
 
@@ -18,6 +19,9 @@ from elastrain.transfer.manifest import Entry, Stripe
 
 DIRECT_MIN = 256 * 1024
 """Pieces at least this large are sent as their own message."""
+DIRECT_MAX = 8 * 1024 * 1024
+"""Larger pieces are cut into messages of at most this size, so that the receiver
+checks one message while the next is still arriving."""
 PACK_MAX = 4 * 1024 * 1024
 """A packed message is closed once it holds this many bytes."""
 _CHUNK_BITS = 20
@@ -76,7 +80,9 @@ def plan_chunks(entries: Sequence[Entry], stripe: Stripe) -> list[Chunk]:
     for p in stripe_pieces(entries, stripe):
         if p.nbytes >= DIRECT_MIN:
             flush()
-            chunks.append(Chunk((p,), packed=False))
+            for at in range(p.offset, p.offset + p.nbytes, DIRECT_MAX):
+                n = min(DIRECT_MAX, p.offset + p.nbytes - at)
+                chunks.append(Chunk((Piece(p.entry, at, n),), packed=False))
             continue
         run.append(p)
         run_bytes += p.nbytes

@@ -88,25 +88,6 @@ def flatten_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> F
     return FlatState(tensors, section)
 
 
-def pack_range(
-    entries: Sequence[Entry], tensors: Sequence[torch.Tensor], offset: int, nbytes: int
-) -> torch.Tensor:
-    """Copy payload bytes ``[offset, offset + nbytes)`` into one new CPU uint8 tensor.
-
-    ``entries[i]`` describes ``tensors[i]``; only the tensors overlapping the
-    range are touched.
-    """
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    end = offset + nbytes
-    for e, t in zip(entries, tensors, strict=True):
-        lo = max(offset, e.offset)
-        hi = min(end, e.offset + e.nbytes)
-        if lo >= hi:
-            continue
-        out[lo - offset : hi - offset].copy_(byte_view(t)[lo - e.offset : hi - e.offset])
-    return out
-
-
 @dataclass
 class Landing:
     """Where a receiver puts incoming bytes before they are checked and installed.

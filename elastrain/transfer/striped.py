@@ -353,13 +353,11 @@ def heal(
         manifest = decode_manifest(_broadcast_bytes(pg, root, None, dl))
 
     # 2. verdict
-    problem = (
-        HealError(f"cannot flatten this sender's state: {flat_error}")
-        if flat_error is not None
-        else _local_problem(manifest, role, senders, flat, model, optimizer)
-        if rank != root
-        else None
-    )
+    problem: HealError | None = None
+    if flat_error is not None:
+        problem = HealError(f"cannot flatten this sender's state: {flat_error}")
+    elif rank != root:
+        problem = _local_problem(manifest, role, senders, flat, model, optimizer)
     rejected = _verdict(pg, rank, problem is not None, dl)
     if problem is not None:
         raise problem

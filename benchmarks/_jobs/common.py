@@ -1,0 +1,49 @@
+"""What the elastrain job and the DDP baseline of benchmarks/recovery.py share.
+
+One model (the demo GPT, sized to about 10M parameters), one dataset (the Python
+stdlib's source as bytes), one loss, one optimizer and one data pipeline
+(elastrain's seeded global order and micro-batch assignment), so that the two
+sides of the step-time comparison differ only in how gradients are reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elastrain.demo.gpt import GPT, ByteBlocks, loss_fn, stdlib_corpus
+
+__all__ = ["Shape", "build", "loss_fn", "param_count", "micro_rng_seed"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model and batch shape of the benchmark (both sides use exactly this)."""
+
+    dim: int = 320
+    layers: int = 8
+    heads: int = 5
+    block: int = 64
+    global_batch: int = 16
+    micro_batch: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+
+
+def build(shape: Shape) -> tuple[torch.nn.Module, torch.optim.Optimizer, ByteBlocks]:
+    """Model (identical initial weights everywhere), AdamW, dataset."""
+    torch.manual_seed(shape.seed)
+    model = GPT(block=shape.block, d=shape.dim, layers=shape.layers, heads=shape.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.01)
+    data = ByteBlocks(stdlib_corpus(), shape.block)
+    return model, opt, data
+
+
+def param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def micro_rng_seed(seed: int, step: int, micro: int) -> int:
+    """The per-micro-batch RNG seed ElasticTrainer uses (same cost on both sides)."""
+    return (seed * 0x9E3779B1 + step * 1_000_003 + micro) & 0x7FFF_FFFF_FFFF

@@ -1,0 +1,97 @@
+"""The baseline side of benchmarks/recovery.py: plain DistributedDataParallel on gloo.
+
+    python ddp_gpt.py RANK WORLD STORE_PORT STEPS OUT_JSON [shape args]
+
+Rank 0's parent (recovery.py) hosts a TCPStore; every rank joins it with
+`init_process_group("gloo", store=...)` (no torch.distributed.run). Each step
+runs exactly elastrain's data pipeline: the step's micro-batches come from the
+same seeded global order and `assign_microbatches`, each micro-batch under the
+same forked, reseeded RNG; backward under `no_sync()` for all but this rank's
+last micro-batch, then `optimizer.step()`. The loss is scaled so that DDP's
+mean over ranks gives the same sum/global-batch gradient as elastrain.
+Writes per-step timings (step_s: step start to after optimizer.step, and the
+wall time at the end of each step) to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import default_collate  # noqa: E402
+
+from common import Shape, build, loss_fn, micro_rng_seed  # noqa: E402
+from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rank", type=int)
+    ap.add_argument("world", type=int)
+    ap.add_argument("port", type=int)
+    ap.add_argument("steps", type=int)
+    ap.add_argument("out")
+    ap.add_argument("--dim", type=int, default=Shape.dim)
+    ap.add_argument("--layers", type=int, default=Shape.layers)
+    ap.add_argument("--heads", type=int, default=Shape.heads)
+    ap.add_argument("--block", type=int, default=Shape.block)
+    ap.add_argument("--batch", type=int, default=Shape.global_batch)
+    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    store = dist.TCPStore(
+        "127.0.0.1", a.port, a.world, is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=a.rank, world_size=a.world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    model, opt, data = build(shape)
+    ddp = DDP(model)
+    order = GlobalOrder(len(data), shape.seed, shuffle=True)
+    B, W = shape.global_batch, a.world
+    step_s: list[float] = []
+    end_t: list[float] = []
+    losses: list[float] = []
+    for s in range(a.steps):
+        t0 = time.monotonic()
+        mbs = step_microbatches(s, B, shape.micro_batch)
+        mine = assign_microbatches(len(mbs), W, a.rank)
+        ddp.train()
+        loss_sum = 0.0
+        for k, i in enumerate(mine):
+            ids = order.ids(mbs[i].start, mbs[i].stop)
+            last = k == len(mine) - 1
+            ctx = contextlib.nullcontext() if last else ddp.no_sync()
+            with ctx, torch.random.fork_rng(devices=[]):
+                torch.manual_seed(micro_rng_seed(shape.seed, s, i))
+                batch = default_collate([data[j] for j in ids])
+                loss = loss_fn(ddp, batch)
+                # DDP averages over W ranks: scale so the result is sum / global batch.
+                (loss * (len(ids) * W / B)).backward()
+            loss_sum += float(loss.detach()) * len(ids)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.monotonic()
+        step_s.append(t1 - t0)
+        end_t.append(time.time())
+        losses.append(loss_sum / max(1, sum(len(mbs[i]) for i in mine)))
+    dist.barrier()
+    with open(a.out, "w") as f:
+        json.dump({"rank": a.rank, "step_s": step_s, "end_t": end_t, "local_loss": losses}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The elastrain side of benchmarks/recovery.py: one ElasticTrainer worker.
+
+Started by the launcher (`Launcher(LaunchConfig(script=this, ...))`); the
+launcher's `steps` sets the number of steps. Shape arguments must match the
+DDP baseline's (benchmarks/_jobs/ddp_gpt.py); recovery.py passes the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from common import Shape, build, loss_fn  # noqa: E402
+from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--dim", type=int, default=Shape.dim)
+    ap.add_argument("--layers", type=int, default=Shape.layers)
+    ap.add_argument("--heads", type=int, default=Shape.heads)
+    ap.add_argument("--block", type=int, default=Shape.block)
+    ap.add_argument("--batch", type=int, default=Shape.global_batch)
+    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    model, opt, data = build(shape)
+    cfg = TrainerConfig(
+        global_batch_size=shape.global_batch,
+        micro_batch_size=shape.micro_batch,
+        total_steps=a.steps,
+        seed=shape.seed,
+    )
+    trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
+    for r in trainer.steps():
+        if r.rank == 0 and r.step % 10 == 0:
+            print(f"step {r.step} loss {r.loss:.4f} members {r.members} gen {r.gen}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

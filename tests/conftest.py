@@ -1,0 +1,89 @@
+"""Shared fixtures: run a real elastic job (coordinator + worker processes) in a temp dir."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastrain.chaos.schedule import parse_fault
+from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
+from elastrain.observe.events import read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "tests" / "scripts" / "train_mlp.py")
+
+
+class Job:
+    def __init__(self, launcher: Launcher, result: RunResult) -> None:
+        self.launcher = launcher
+        self.result = result
+        self.run_dir = result.run_dir
+        self.events = read_events(result.run_dir)
+
+    def of(self, kind: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.events
+            if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())
+        ]
+
+    def log(self, member: str) -> str:
+        return (self.run_dir / "logs" / f"{member}.log").read_text()
+
+
+@pytest.fixture
+def run_job(tmp_path: Path) -> Callable[..., Job]:
+    """Run one job to completion; every process it started is gone afterwards."""
+    launched: list[Launcher] = []
+
+    def run(
+        *,
+        steps: int = 40,
+        workers: int = 4,
+        faults: list[str] | None = None,
+        points: list[dict[str, Any]] | None = None,
+        name: str = "job",
+        script: str = MLP,
+        script_args: list[str] | None = None,
+        **kw: Any,
+    ) -> Job:
+        import json
+
+        cfg = LaunchConfig(
+            script=script,
+            script_args=script_args or [],
+            workers=workers,
+            steps=steps,
+            run_dir=str(tmp_path / name),
+            faults=[parse_fault(f) for f in faults or []],
+            fault_points=json.dumps(points) if points else None,
+            progress=False,
+            extra_env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+            **kw,
+        )
+        launcher = Launcher(cfg)
+        launched.append(launcher)
+        return Job(launcher, launcher.run())
+
+    yield run
+    for la in launched:
+        # run() stops everything it started; double-check by PID.
+        for pids in la.pids.values():
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                os.kill(pid, 9)
+                pytest.fail(f"process {pid} outlived its job")
+        if la.coordinator is not None:
+            assert la.coordinator.poll() is not None, "coordinator outlived its job"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.path.insert(0, str(ROOT))

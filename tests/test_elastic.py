@@ -1,0 +1,224 @@
+"""Multi-process integration: a real coordinator on port 0, real gloo groups,
+failures injected at (member, step, phase). Each test ends by checking that
+the survivors kept their PIDs and that all members held the same state at
+every generation start, and that every sample was consumed exactly once."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from elastrain.data import GlobalOrder
+from elastrain.launch.launcher import EXIT_LEFT, LaunchConfig, Launcher
+from elastrain.observe.events import read_events
+from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+
+from .conftest import MLP, ROOT, Job
+
+B, SEED, DATASET = 32, 7, 4096
+
+
+def expected_ids(step: int) -> list[int]:
+    return GlobalOrder(DATASET, SEED).ids(step * B, (step + 1) * B)
+
+
+def assert_invariants(job: Job, steps: int) -> None:
+    assert job.result.status == "done", job.result.message
+    assert check_same_state(job.events) == []
+    led = check_exactly_once(job.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == steps
+
+
+def assert_survivors_kept_pids(job: Job, survivors: list[str], final_step: int) -> None:
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    for m in survivors:
+        pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
+        assert pids == {spawned[m]}, (
+            f"{m} changed process: spawned {spawned[m]}, committed from {pids}"
+        )
+        assert job.of("step_commit", proc=m, step=final_step), f"{m} did not reach the last step"
+        assert not job.of("worker_exited", member=m, returncode=-9)
+
+
+def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job) -> None:  # type: ignore[no-untyped-def]
+    steps = 60
+    ref = run_job(steps=steps, name="ref")
+    assert_invariants(ref, steps)
+    faulty = run_job(
+        steps=steps,
+        name="faulty",
+        min_workers=3,
+        replace_delay_s=0.5,
+        points=[
+            {"member": "w1", "step": 8, "phase": "compute", "action": "kill"},
+            {"member": "w2", "step": 40, "phase": "allreduce", "action": "kill"},
+        ],
+    )
+    assert_invariants(faulty, steps)
+    assert_survivors_kept_pids(faulty, ["w0", "w3"], steps - 1)
+    killed = {(e["member"], e["phase"]) for e in faulty.of("fault_injected")}
+    assert killed == {("w1", "compute"), ("w2", "allreduce")}
+    # The survivors trained on with fewer members, and the replacement was healed.
+    sizes = {len(e["members"]) for e in faulty.of("generation_start", proc="w0")}
+    assert 3 in sizes or 2 in sizes
+    assert faulty.of("heal_end", proc="w4", role="recv")
+    # The math does not depend on membership.
+    a, b = loss_curve(ref.events), loss_curve(faulty.events)
+    assert sorted(a) == sorted(b) == list(range(steps))
+    for s in range(steps):
+        assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
+    pa = np.load(ref.run_dir / "final" / "w0.npy")
+    pb = np.load(faulty.run_dir / "final" / "w0.npy")
+    np.testing.assert_allclose(pa, pb, rtol=1e-4, atol=1e-6)
+    finals = [np.load(f) for f in sorted((faulty.run_dir / "final").glob("*.npy"))]
+    assert all(np.array_equal(finals[0], f) for f in finals[1:])
+
+
+def test_hung_peer_is_aborted_not_waited_for(run_job) -> None:  # type: ignore[no-untyped-def]
+    steps = 400
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=2,
+        name="hang",
+        faults=["hang@10:w1/5"],
+        script_args=["--hang-floor", "1.5"],
+    )
+    assert_invariants(job, steps)
+    assert_survivors_kept_pids(job, ["w0", "w2"], steps - 1)
+    (hang,) = job.of("fault_injected", fault="hang")
+    # Survivors went on without w1 well before it was continued (5 s later).
+    first_without = min(
+        e["t"]
+        for e in job.of("step_commit", proc="w0")
+        if e["t"] > hang["t"]
+        and e["gen"] in {g["gen"] for g in job.of("generation_ready") if "w1" not in g["members"]}
+    )
+    assert first_without - hang["t"] < 4.0
+    assert job.of("member_removed", member="w1")
+    # Once continued, the same process re-registered, was healed and trained again.
+    assert job.of("member_registered", member="w1", incarnation=2)
+    assert job.of("heal_end", proc="w1", role="recv")
+    assert {e["pid"] for e in job.of("step_commit", proc="w1")} == {hang["pid"]}
+
+
+def test_sigterm_is_a_graceful_leave(run_job) -> None:  # type: ignore[no-untyped-def]
+    steps = 80
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=2,
+        name="term",
+        replace_delay_s=0.2,
+        points=[{"member": "w1", "step": 10, "phase": "compute", "action": "term"}],
+    )
+    assert_invariants(job, steps)
+    assert job.of("worker_exited", member="w1", returncode=EXIT_LEFT)
+    assert job.of("generation_formed", reason="leave")
+    survivors = ["w0", "w2"]
+    assert_survivors_kept_pids(job, survivors, steps - 1)
+    # No collective was aborted: the leave took effect at a step boundary.
+    for m in survivors:
+        aborted = [e for e in job.of("step_abort", proc=m) if e["phase"] not in ("quorum",)]
+        assert aborted == [], aborted
+
+
+def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job) -> None:  # type: ignore[no-untyped-def]
+    steps = 200
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=2,
+        name="min",
+        replace_delay_s=4.0,
+        points=[
+            {"member": "w0", "step": 5, "phase": "compute", "action": "kill"},
+            {"member": "w1", "step": 15, "phase": "compute", "action": "kill"},
+        ],
+    )
+    assert_invariants(job, steps)
+    # With 2 members (= --min) it kept committing steps.
+    two = {g["gen"] for g in job.of("generation_ready") if sorted(g["members"]) == ["w1", "w2"]}
+    assert any(e["gen"] in two for e in job.of("step_commit", proc="w2"))
+    # Below --min it waited, said why, and resumed once a replacement arrived.
+    waits = [e for e in job.of("waiting_for_members") if "below --min" in e["message"]]
+    assert waits, "no clear waiting message"
+    assert "below --min" in job.log("w2")
+    assert_survivors_kept_pids(job, ["w2"], steps - 1)
+
+
+def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> None:
+    run_dir = tmp_path / "mm"
+    cfg = LaunchConfig(
+        script=MLP,
+        workers=2,
+        steps=300,
+        run_dir=str(run_dir),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+    )
+    launcher = Launcher(cfg)
+    t = threading.Thread(target=lambda: setattr(launcher, "outcome", launcher.run()))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["kind"] == "generation_ready" for e in read_events(run_dir)):
+            assert time.monotonic() < deadline, "job did not start"
+            time.sleep(0.2)  # polling a file another process writes
+        info = json.loads((run_dir / "coordinator.json").read_text())
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            ELASTRAIN_COORDINATOR=f"{info['host']}:{info['port']}",
+            ELASTRAIN_TOKEN=(run_dir / "token").read_text(),
+            ELASTRAIN_MEMBER_ID="rogue",
+        )
+        rogue = subprocess.run(
+            [sys.executable, MLP, "--mismatch"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert rogue.returncode == 3, rogue.stdout + rogue.stderr
+        assert "does not match" in rogue.stdout and "shape" in rogue.stdout
+    finally:
+        t.join(timeout=120)
+        if t.is_alive():
+            launcher.stop()
+            t.join()
+    result = launcher.outcome  # type: ignore[attr-defined]
+    assert result.status == "done"
+    events = read_events(run_dir)
+    assert any(e["kind"] == "member_refused" and e["member"] == "rogue" for e in events)
+    assert check_same_state(events) == []
+    assert not any(e["kind"] == "step_abort" for e in events)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "-n", "0", MLP], "-n must be >= 1"),
+        (["run", "-n", "2", "--min", "3", MLP], "--min must be between 1 and -n=2"),
+        (["run", "--fault", "explode@3", MLP], "kind must be one of"),
+        (["run", "--fault", "kill", MLP], "expected KIND@STEP"),
+        (["run", "no-such-script.py"], "training script not found"),
+        (["run", "--replace-delay", "-1", MLP], "--replace-delay must be >= 0"),
+    ],
+)
+def test_bad_cli_arguments_are_clear_errors(args: list[str], needle: str) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "elastrain.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,172 @@
+"""The coordinator's membership decisions, driven directly with a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastrain.control.config import CoordinatorConfig
+from elastrain.control.quorum import Form, Membership, MembershipView, Wait, plan_generation
+
+
+def cfg(**kw: object) -> CoordinatorConfig:
+    base: dict[str, object] = {"target": 3, "min_members": 2, "start_grace_s": 10.0}
+    base.update(kw)
+    return CoordinatorConfig(**base)  # type: ignore[arg-type]
+
+
+def started(m: Membership, ids: list[str], now: float = 0.0) -> None:
+    """Register members and make the first generation ready at step 0."""
+    for i, mid in enumerate(ids):
+        m.register(mid, pid=100 + i, host="h", now=now)
+    for mid in ids:
+        m.rendezvous(mid, 1, 0, 0, now)
+    assert m.gen is not None and m.gen.is_ready
+
+
+def view(**kw: object) -> MembershipView:
+    base: dict[str, object] = dict(
+        alive=("a", "b", "c"),
+        current=("a", "b", "c"),
+        current_broken=False,
+        failure_reported=False,
+        last_seen={"a": 0.0, "b": 0.0, "c": 0.0},
+        registered_at={"a": 0.0, "b": 0.0, "c": 0.0},
+        first_registration=0.0,
+        step_boundary=False,
+    )
+    base.update(kw)
+    return MembershipView(**base)  # type: ignore[arg-type]
+
+
+def test_start_waits_for_target_then_grace() -> None:
+    c = cfg()
+    v = view(alive=("a", "b"), current=None)
+    assert isinstance(plan_generation(v, 1.0, c), Wait)
+    assert plan_generation(v, 10.0, c) == Form(("a", "b"), "start")
+    assert plan_generation(view(current=None), 0.0, c) == Form(("a", "b", "c"), "start")
+
+
+def test_start_below_min_keeps_waiting_after_grace() -> None:
+    p = plan_generation(view(alive=("a",), current=None), 100.0, cfg())
+    assert isinstance(p, Wait) and "1/3" in p.message
+
+
+def test_stable_generation_is_kept() -> None:
+    assert plan_generation(view(), 5.0, cfg()) is None
+    assert plan_generation(view(step_boundary=True), 5.0, cfg()) is None
+
+
+def test_death_reforms_at_once_without_the_dead() -> None:
+    p = plan_generation(view(alive=("a", "c"), current_broken=True), 5.0, cfg())
+    assert p == Form(("a", "c"), "failure")
+
+
+def test_failure_report_leaves_out_silent_members() -> None:
+    seen = {"a": 5.0, "b": 2.0, "c": 4.9}  # b silent for 3 s: hung
+    p = plan_generation(view(failure_reported=True, last_seen=seen), 5.0, cfg(suspect_s=1.0))
+    assert p == Form(("a", "c"), "failure")
+
+
+def test_below_min_waits_with_a_message() -> None:
+    p = plan_generation(view(alive=("a",), current_broken=True), 5.0, cfg())
+    assert isinstance(p, Wait) and "--min" in p.message
+
+
+def test_joiners_enter_only_at_a_step_boundary_and_up_to_max() -> None:
+    v = view(alive=("a", "b", "c", "d", "e"), current=("a", "b"))
+    assert plan_generation(v, 5.0, cfg()) is None
+    p = plan_generation(MembershipView(**{**v.__dict__, "step_boundary": True}), 5.0, cfg())
+    assert p == Form(("a", "b", "c"), "join")  # max_members defaults to target=3
+
+
+def test_config_rejects_bad_combinations() -> None:
+    with pytest.raises(ValueError, match="min_members"):
+        CoordinatorConfig(target=2, min_members=3)
+    with pytest.raises(ValueError, match="suspect_s"):
+        CoordinatorConfig(target=2, suspect_s=0.1, heartbeat_s=0.25)
+    with pytest.raises(ValueError, match="target"):
+        CoordinatorConfig(target=0)
+
+
+def test_first_quorum_request_decides_the_step_for_everyone() -> None:
+    m = Membership(cfg(max_members=4))
+    started(m, ["a", "b", "c"])
+    g = m.gen.gen  # type: ignore[union-attr]
+    assert m.quorum("a", 1, g, 0, False, 1.0) == ("proceed", g)
+    m.register("d", pid=9, host="h", now=1.1)  # a joiner arrives mid-step
+    # Step 0 was decided: everyone runs it in g, nobody's step is aborted.
+    assert m.quorum("b", 1, g, 0, False, 1.2) == ("proceed", g)
+    assert m.quorum("c", 1, g, 0, False, 1.2) == ("proceed", g)
+    # Step 1 is the boundary: regroup into g+1, for every asker.
+    v1 = m.quorum("a", 1, g, 1, False, 1.3)
+    assert v1 == ("regroup", g + 1)
+    assert m.quorum("c", 1, g, 1, False, 1.3) == ("regroup", g + 1)
+    assert m.gen is not None and m.gen.members == ("a", "b", "c", "d") and m.gen.reason == "join"
+    assert not m.gen_interrupted(g)  # members still finishing step 0 in g are not aborted
+
+
+def test_join_to_max_then_standby() -> None:
+    m = Membership(cfg(target=2, min_members=1))
+    started(m, ["a", "b"])
+    g = m.gen.gen  # type: ignore[union-attr]
+    m.register("c", pid=3, host="h", now=1.0)
+    assert m.quorum("a", 1, g, 0, False, 1.1) == ("proceed", g)  # full: c waits as a standby
+    m.exited("b", pid=101, now=2.0)
+    assert m.gen is not None and m.gen.members == ("a", "c") and m.gen.reason == "failure"
+
+
+def test_graceful_leave_at_the_next_boundary_without_breaking_the_step() -> None:
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    g = m.gen.gen  # type: ignore[union-attr]
+    assert m.quorum("a", 1, g, 0, False, 1.0)[0] == "proceed"
+    assert m.leave("b", 1, "left", 1.1)
+    assert not m.gen_interrupted(g)  # nobody's collective is interrupted
+    assert m.quorum("b", 1, g, 0, True, 1.1) == ("proceed", g)
+    assert m.quorum("a", 1, g, 1, False, 1.2) == ("regroup", g + 1)
+    assert m.gen is not None and m.gen.members == ("a", "c") and m.gen.reason == "leave"
+    assert not m.gen_interrupted(g)  # a clean hand-off at a step boundary
+    assert "b" not in m.members
+
+
+def test_rendezvous_barrier_and_heal_start_step() -> None:
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    g = m.gen.gen  # type: ignore[union-attr]
+    m.exited("c", pid=102, now=2.0)
+    assert m.gen_interrupted(g)
+    assert m.rendezvous("a", 1, g, 6, 2.1) == "pending"
+    assert m.rendezvous("b", 1, g, 5, 2.1) == "ready"  # b's last all-reduce failed: behind
+    assert m.gen is not None and m.gen.start_step == 6 and m.gen.ready == {"a": 6, "b": 5}
+
+
+def test_hung_member_expelled_by_lease_and_not_ready_timeout() -> None:
+    m = Membership(cfg(lease_s=3.0, ready_timeout_s=2.0))
+    started(m, ["a", "b", "c"])
+    for t in (1.0, 2.0, 3.0):
+        m.touch("a", 1, t)
+        m.touch("b", 1, t)
+    m.expire(3.5)
+    assert "c" not in m.members and m.gen is not None and m.gen.members == ("a", "b")
+    m.rendezvous("a", 1, 1, 3, 3.6)
+    m.expire(6.0)  # b never came to the new generation
+    assert "b" not in m.members
+    assert m.gen.broken or m.waiting  # below min=2: waiting
+
+
+def test_expelled_member_reregisters_with_new_incarnation() -> None:
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    m.remove("c", "suspected", 1.0)
+    assert m.rendezvous("c", 1, 1, 0, 1.1) == "expelled"
+    assert m.register("c", pid=102, host="h", now=1.2) == 2
+    assert m.quorum("c", 1, m.gen.gen, 0, False, 1.3)[0] == "expelled"  # type: ignore[union-attr]
+
+
+def test_done_finishes_the_job_without_reforming() -> None:
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    g = m.gen
+    m.leave("a", 1, "done", 5.0)
+    assert m.finished and m.gen is g
+    assert m.rendezvous("b", 1, 1, 10, 5.1) == "finished"

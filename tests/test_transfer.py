@@ -1,10 +1,11 @@
 """Tests for elastrain.transfer: signatures, manifests, checksums, striped heal.
 
 Unit tests run in this process. Heal tests run every rank either as a thread of
-this process (fast; for edge cases) or as a separate process started with
-``python tests/test_transfer.py <scenario> ...`` (the real thing: one gloo group
-across processes, the master TCPStore on port 0 in the test process). Every
-process started is killed in teardown; results come back as JSON files.
+this process (fast; for edge cases) or as its own process (the real thing: one
+gloo group across 3 processes, the master TCPStore on port 0 in the test
+process). The processes come from ``python tests/test_transfer.py WORLD PORT DIR``,
+which imports torch once and forks one process per rank; teardown kills its whole
+session. Results come back as JSON files, never pickles.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -495,36 +498,38 @@ SENT_META = {"step": 3, "rng": [1, 2, 3], "pair": (4.5, None), "cursor": {"epoch
 
 @pytest.fixture(scope="module")
 def process_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Any]]]:
-    """Run the worker processes once; {scenario: [report of rank 0, 1, 2]}."""
+    """Run the worker processes once; {scenario: [report of rank 0, 1, 2]}.
+
+    One launcher process imports torch once and forks the 3 ranks (see `_launch`);
+    it runs in its own session so that teardown can kill it and every rank.
+    """
     out_dir = tmp_path_factory.mktemp("heal")
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    procs: list[subprocess.Popen[bytes]] = []
+    cmd = [sys.executable, __file__, str(WORLD), str(store.port), str(out_dir)]
+    log_path = out_dir / "workers.log"
+    with open(log_path, "wb") as log:
+        launcher = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
-        for rank in range(WORLD):
-            cmd = [sys.executable, __file__, str(rank), str(WORLD), str(store.port), str(out_dir)]
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            )
-        deadline = time.monotonic() + 50
-        logs = []
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {p.args!r} hung")
-            logs.append(p.stdout.read().decode() if p.stdout else "")
-        for rank, p in enumerate(procs):
-            assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank]}"
+        try:
+            # A backstop only: heal and group timeouts end a real hang in ~30 s; the
+            # rest is importing torch on a possibly busy machine.
+            launcher.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"heal workers hung:\n{log_path.read_text()}")
+        assert launcher.returncode == 0, f"workers failed:\n{log_path.read_text()}"
         yield {
             name: [json.loads((out_dir / f"{name}-rank{r}.json").read_text()) for r in range(WORLD)]
             for name in SCENARIOS
         }
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's session: it and its ranks
+        except ProcessLookupError:
+            pass
+        launcher.wait(timeout=10)
         del store
 
 
@@ -603,13 +608,41 @@ def _run_scenario(name: str, gen: int, rank: int, client: TCPStore, out_dir: Pat
     (out_dir / f"{name}-rank{rank}.json").write_text(json.dumps(report))
 
 
-def _worker(rank: int, world: int, port: int, out_dir: Path) -> None:
-    assert world == WORLD
-    torch.set_num_threads(1)
-    client = TCPStore("127.0.0.1", port, is_master=False)
+def _worker(rank: int, client: TCPStore, out_dir: Path) -> None:
     for gen, name in enumerate(SCENARIOS, start=1):
         _run_scenario(name, gen, rank, client, out_dir)
 
 
+def _launch(world: int, port: int, out_dir: Path) -> int:
+    """Import torch once, then fork one process per rank; exit status 0 iff all ranks succeed.
+
+    Forking before any gloo group or store client exists is safe and saves each
+    rank the seconds of importing torch (and torch._dynamo, which the first
+    optimizer pulls in).
+    """
+    assert world == WORLD
+    torch.set_num_threads(1)
+    trained()
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _worker(rank, TCPStore("127.0.0.1", port, is_master=False), out_dir)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        pids.append(pid)
+    failed = 0
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        failed += os.waitstatus_to_exitcode(status) != 0
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    sys.exit(_launch(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))

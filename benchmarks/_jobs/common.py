@@ -25,8 +25,8 @@ class Shape:
     layers: int = 8
     heads: int = 5
     block: int = 64
-    global_batch: int = 16
-    micro_batch: int = 2
+    global_batch: int = 8
+    micro_batch: int = 1
     lr: float = 3e-3
     seed: int = 0
 

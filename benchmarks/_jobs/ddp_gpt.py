@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from common import Shape, build, loss_fn, micro_rng_seed  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
-from common import Shape, build, loss_fn, micro_rng_seed  # noqa: E402
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches  # noqa: E402
 
 

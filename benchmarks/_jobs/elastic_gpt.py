@@ -14,8 +14,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from common import Shape, build, loss_fn  # noqa: E402
+
 from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
 
 

@@ -161,9 +161,36 @@ class _Job:
                 self._enter(REGROUP, self.cfg.costs.regroup_s)
             else:  # checkpoint
                 self.progress = round(self.progress)
+                t_ext = min(horizon, nxt.t if nxt is not None else math.inf)
+                if self.heap:
+                    t_ext = min(t_ext, self.heap[0][0])
+                self._skip_quiet_cycles(t_ext, target)
                 self.run_since_ckpt = 0.0
                 self._enter(SAVING, cfg.checkpoint.save_s)
         return self._result(self.t if done else None)
+
+    def _skip_quiet_cycles(self, t_ext: float, target: float) -> None:
+        """At a checkpoint start, jump over whole (save, compute) cycles that end before
+        the next outside event: they are all alike, so do them in closed form."""
+        ck = self.cfg.checkpoint
+        if ck.persist_s or self.ready or self.pending is not None:
+            return
+        st = self.step_time
+        steps = max(1, math.ceil(self.interval / st - _EPS))  # steps per cycle
+        run = steps * st
+        cycle = ck.save_s + run
+        m = math.floor((t_ext - self.t) / cycle) - 1  # keep a margin: the next event is later
+        if target < math.inf:
+            m = min(m, math.floor((target - self.progress) / steps) - 1)
+        if m < 1:
+            return
+        self.buckets[SAVING] += m * ck.save_s
+        self.buckets[RUNNING] += m * run
+        self.busy_accel_s += self.n_active * self.apr * m * run
+        self.ckpt_progress = self.progress + (m - 1) * steps
+        self.progress += m * steps
+        self.live = run
+        self.t += m * cycle
 
     def _enter(self, phase: int, duration: float) -> None:
         self.phase = phase

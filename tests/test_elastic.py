@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -49,14 +50,43 @@ def assert_survivors_kept_pids(job: Job, survivors: list[str], final_step: int) 
         assert not job.of("worker_exited", member=m, returncode=-9)
 
 
-def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job) -> None:  # type: ignore[no-untyped-def]
-    steps = 60
-    ref = run_job(steps=steps, name="ref")
-    assert_invariants(ref, steps)
+REF_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free run every faulty run is compared with (4 workers)."""
+    d = tmp_path_factory.mktemp("reference")
+    cfg = LaunchConfig(
+        script=MLP,
+        workers=4,
+        steps=REF_STEPS,
+        run_dir=str(d / "ref"),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+    )
+    la = Launcher(cfg)
+    job = Job(la, la.run())
+    assert_invariants(job, REF_STEPS)
+    return job
+
+
+def assert_same_math(ref: Job, job: Job, upto: int) -> None:
+    a, b = loss_curve(ref.events), loss_curve(job.events)
+    for s in range(upto):
+        assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
+
+
+def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, reference) -> None:  # type: ignore[no-untyped-def]
+    steps = REF_STEPS
+    ref = reference
+    # --min 4: each kill pauses the job until its replacement has joined and
+    # healed, so both replacements take part (the 2- and 3-member math is
+    # compared with the same reference in the --min test below).
     faulty = run_job(
         steps=steps,
         name="faulty",
-        min_workers=3,
+        min_workers=4,
         replace_delay_s=0.5,
         points=[
             {"member": "w1", "step": 8, "phase": "compute", "action": "kill"},
@@ -67,10 +97,10 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job) -
     assert_survivors_kept_pids(faulty, ["w0", "w3"], steps - 1)
     killed = {(e["member"], e["phase"]) for e in faulty.of("fault_injected")}
     assert killed == {("w1", "compute"), ("w2", "allreduce")}
-    # The survivors trained on with fewer members, and the replacement was healed.
-    sizes = {len(e["members"]) for e in faulty.of("generation_start", proc="w0")}
-    assert 3 in sizes or 2 in sizes
-    assert faulty.of("heal_end", proc="w4", role="recv")
+    # Both replacements were healed from their peers and trained to the end.
+    for joiner in ("w4", "w5"):
+        assert faulty.of("heal_end", proc=joiner, role="recv"), joiner
+        assert faulty.of("step_commit", proc=joiner, step=steps - 1), joiner
     # The math does not depend on membership.
     a, b = loss_curve(ref.events), loss_curve(faulty.events)
     assert sorted(a) == sorted(b) == list(range(steps))
@@ -78,7 +108,7 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job) -
         assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
     pa = np.load(ref.run_dir / "final" / "w0.npy")
     pb = np.load(faulty.run_dir / "final" / "w0.npy")
-    np.testing.assert_allclose(pa, pb, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-6)
     finals = [np.load(f) for f in sorted((faulty.run_dir / "final").glob("*.npy"))]
     assert all(np.array_equal(finals[0], f) for f in finals[1:])
 
@@ -132,7 +162,7 @@ def test_sigterm_is_a_graceful_leave(run_job) -> None:  # type: ignore[no-untype
         assert aborted == [], aborted
 
 
-def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job) -> None:  # type: ignore[no-untyped-def]
+def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job, reference) -> None:  # type: ignore[no-untyped-def]
     steps = 200
     job = run_job(
         steps=steps,
@@ -154,6 +184,8 @@ def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job) -> Non
     assert waits, "no clear waiting message"
     assert "below --min" in job.log("w2")
     assert_survivors_kept_pids(job, ["w2"], steps - 1)
+    # 3, then 2 members, then a replacement: the same math as 4 members throughout.
+    assert_same_math(reference, job, REF_STEPS)
 
 
 def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> None:
@@ -222,3 +254,50 @@ def test_bad_cli_arguments_are_clear_errors(args: list[str], needle: str) -> Non
     assert r.returncode == 2, r.stdout + r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ctrlc"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastrain.cli",
+        "run",
+        "-n",
+        "2",
+        "--plain",
+        "--steps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        MLP,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["kind"] == "step_commit" for e in read_events(run_dir)):
+            assert proc.poll() is None and time.monotonic() < deadline, "job did not start"
+            time.sleep(0.2)  # polling files another process writes
+        events = read_events(run_dir)
+        pids = {e["pid"] for e in events if e["kind"] in ("worker_spawned", "coordinator_start")}
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert "job interrupted" in out
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -9,8 +9,10 @@ same seeded global order and `assign_microbatches`, each micro-batch under the
 same forked, reseeded RNG; backward under `no_sync()` for all but this rank's
 last micro-batch, then `optimizer.step()`. The loss is scaled so that DDP's
 mean over ranks gives the same sum/global-batch gradient as elastrain.
-Writes per-step timings (step_s: step start to after optimizer.step, and the
-wall time at the end of each step) to OUT_JSON.
+Writes per-step timings to OUT_JSON: step_s (step start to after
+optimizer.step), end_t (wall time at the end of each step), last_microbatch_s
+(the synchronising micro-batch: forward, backward and DDP's all-reduce) and
+opt_s (optimizer step).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=Shape.block)
     ap.add_argument("--batch", type=int, default=Shape.global_batch)
     ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb")
+    ap.add_argument("--grad-as-bucket-view", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
     shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
@@ -58,12 +62,19 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     model, opt, data = build(shape)
-    ddp = DDP(model)
+    kw: dict[str, object] = {}
+    if a.bucket_cap_mb is not None:
+        kw["bucket_cap_mb"] = a.bucket_cap_mb
+    if a.grad_as_bucket_view:
+        kw["gradient_as_bucket_view"] = True
+    ddp = DDP(model, **kw)  # type: ignore[arg-type]
     order = GlobalOrder(len(data), shape.seed, shuffle=True)
     B, W = shape.global_batch, a.world
     step_s: list[float] = []
     end_t: list[float] = []
     losses: list[float] = []
+    sync_s: list[float] = []
+    opt_s: list[float] = []
     for s in range(a.steps):
         t0 = time.monotonic()
         mbs = step_microbatches(s, B, shape.micro_batch)
@@ -73,6 +84,8 @@ def main() -> None:
         for k, i in enumerate(mine):
             ids = order.ids(mbs[i].start, mbs[i].stop)
             last = k == len(mine) - 1
+            if last:
+                t_last = time.monotonic()
             ctx = contextlib.nullcontext() if last else ddp.no_sync()
             with ctx, torch.random.fork_rng(devices=[]):
                 torch.manual_seed(micro_rng_seed(shape.seed, s, i))
@@ -81,15 +94,22 @@ def main() -> None:
                 # DDP averages over W ranks: scale so the result is sum / global batch.
                 (loss * (len(ids) * W / B)).backward()
             loss_sum += float(loss.detach()) * len(ids)
+        t_opt = time.monotonic()
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = time.monotonic()
+        sync_s.append(t_opt - t_last)
+        opt_s.append(t1 - t_opt)
         step_s.append(t1 - t0)
         end_t.append(time.time())
         losses.append(loss_sum / max(1, sum(len(mbs[i]) for i in mine)))
     dist.barrier()
     with open(a.out, "w") as f:
-        json.dump({"rank": a.rank, "step_s": step_s, "end_t": end_t, "local_loss": losses}, f)
+        json.dump(
+            {"rank": a.rank, "step_s": step_s, "end_t": end_t, "local_loss": losses,
+             "last_microbatch_s": sync_s, "opt_s": opt_s},
+            f,
+        )  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -146,6 +146,8 @@ class QuorumRequest:
     step: int
     leaving: bool = False
     last_loss: float | None = None
+    global_batch: int = 0
+    """Samples per step (for throughput in status; 0 if unknown)."""
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class Coordinator:
         self.cond = threading.Condition()
         self.started = time.time()
         self._commits: list[tuple[float, int]] = []
+        self._global_batch = 0
 
     # ---- helpers ------------------------------------------------------------
 
@@ -175,6 +176,8 @@ class Coordinator:
             )
             if verdict == "proceed" and req.last_loss is not None:
                 self.state.last_loss = req.last_loss
+            if req.global_batch:
+                self._global_batch = req.global_batch
             if verdict == "proceed" and (not self._commits or self._commits[-1][1] < req.step):
                 self._commits.append((time.monotonic(), req.step))
                 del self._commits[:-50]
@@ -217,6 +220,7 @@ class Coordinator:
                 "step": s.progress_step,
                 "loss": s.last_loss,
                 "steps_per_s": rate,
+                "samples_per_s": rate * self._global_batch,
                 "waiting": s.waiting,
                 "finished": s.finished,
                 "target": self.config.target,

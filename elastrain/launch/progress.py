@@ -39,11 +39,12 @@ class Progress:
         if self.total and rate > 0:
             eta = f"  eta {max(0.0, (self.total - step) / rate):5.0f}s"
         members = len(s.get("members", []))
+        sps = float(s.get("samples_per_s") or 0.0)
         wait = f"  WAITING: {s['waiting']}" if s.get("waiting") else ""
         loss_s = f"{loss:.4f}" if isinstance(loss, float) else "  -   "
         return (
             f"step {step:5d}{total}  loss {loss_s}  members {members}/{s.get('target', '?')}"
-            f"  gen {s.get('gen', 0)}  {rate:5.2f} steps/s{eta}{wait}"
+            f"  gen {s.get('gen', 0)}  {rate:5.2f} steps/s  {sps:6.0f} samples/s{eta}{wait}"
         )
 
     def _render(self, s: dict[str, Any]) -> Any:

@@ -406,6 +406,7 @@ class ElasticTrainer:
                 s,
                 self.session.leaving,
                 self._last_loss,
+                cfg.global_batch_size,
             ),
         )
         flats = self._ensure_grad_views()

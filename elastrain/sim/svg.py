@@ -79,7 +79,9 @@ def render(chart: Chart) -> str:
     w, h = chart.width, chart.height
     left, right, top, bottom = 78, 190, 40, 58
     pw, ph = w - left - right, h - top - bottom
-    xs = [x for s in chart.series for x in s.xs] + [m.x for m in chart.markers if math.isfinite(m.x)]
+    xs = [x for s in chart.series for x in s.xs] + [
+        m.x for m in chart.markers if math.isfinite(m.x)
+    ]
     ys = []
     for s in chart.series:
         errs = s.err if s.err is not None else [0.0] * len(s.ys)
@@ -122,15 +124,21 @@ def render(chart: Chart) -> str:
     ]
     for t in yticks:
         y = py(t)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+        )
         out.append(
             f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, chart.y_percent)}</text>'
         )
     for t in xticks:
         x = px(t)
         if left - 1 <= x <= left + pw + 1:
-            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + ph}" stroke="#e5e5e5"/>')
-            out.append(f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>')
+            out.append(
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + ph}" stroke="#e5e5e5"/>'
+            )
+            out.append(
+                f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle">{_fmt(t)}</text>'
+            )
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#333"/>')
     out.append(
         f'<text x="{left + pw / 2}" y="{h - 14}" text-anchor="middle">{escape(chart.x_label)}</text>'

@@ -40,7 +40,9 @@ def test_p_any_failure_closed_form() -> None:
     assert p_any_failure(0, 0.1, DAY) == 0.0
     assert p_any_failure(1, 1.0, YEAR) == pytest.approx(1 - math.exp(-1))
     # 16,384 GPUs at ~1.9 failures/GPU-century: about one failure every 3 hours.
-    assert p_any_failure(16384, 0.0173, 3 * HOUR) == pytest.approx(1 - math.exp(-0.0173 * 16384 * 3 / 8760))
+    assert p_any_failure(16384, 0.0173, 3 * HOUR) == pytest.approx(
+        1 - math.exp(-0.0173 * 16384 * 3 / 8760)
+    )
 
 
 def test_probability_of_any_failure_matches_simulated_traces() -> None:
@@ -86,7 +88,9 @@ def test_interval_rules() -> None:
     assert young_interval_s(7200, 60) == pytest.approx(math.sqrt(2 * 7200 * 60))
     # Daly's estimate is close to the exact optimum of the same model.
     for mtbf, save in ((7200, 60), (7200, 300), (3600, 600)):
-        assert daly_interval_s(mtbf, save) == pytest.approx(exact_optimal_interval_s(mtbf, save), rel=0.01)
+        assert daly_interval_s(mtbf, save) == pytest.approx(
+            exact_optimal_interval_s(mtbf, save), rel=0.01
+        )
     cfg = small_config(interval_s="young")
     assert checkpoint_interval_s(cfg) == pytest.approx(young_interval_s(2 * HOUR, 300))
     cfg = small_config(interval_s="daly")
@@ -120,7 +124,9 @@ def test_elastic_goodput_matches_first_order_model() -> None:
     cfg = small_config(kind="elastic", interval_s=3600.0, days=20)
     results = run_seeds(cfg, 10)
     time_goodput, ettr = elastic_time_goodput_approx(cfg, 3600.0)
-    assert statistics.mean(r.time_goodput for r in results) == pytest.approx(time_goodput, abs=0.004)
+    assert statistics.mean(r.time_goodput for r in results) == pytest.approx(
+        time_goodput, abs=0.004
+    )
     assert statistics.mean(r.ettr for r in results) == pytest.approx(ettr, abs=0.004)
 
 

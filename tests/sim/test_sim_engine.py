@@ -65,6 +65,7 @@ def test_same_seed_same_result_and_spares_do_not_change_job_failures() -> None:
     b = simulate(small_config(seed=3))
     assert a == b
     spared = small_config(seed=3, kind="hot-spare", spare_hosts=8)
+
     def job_failures(cfg: SimConfig) -> list[FailureEvent]:
         events = itertools.takewhile(lambda e: e.t < 30 * DAY, RandomTrace(cfg))
         return [e for e in events if e.slots[0] < 128]

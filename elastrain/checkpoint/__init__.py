@@ -1,0 +1,61 @@
+"""Durable checkpoints: async striped saves, atomic commit, verified resume.
+
+The training loop pays only for `Snapshot.take` (a host-memory copy of this
+member's share of the state); a `CheckpointWriter` writes that share in a
+background thread. The flattened state (tensors back to back) is striped over
+``num_shards`` members, so data-parallel replicas write it once between them.
+
+Atomicity strategy: **per-shard temp file + fsync + rename, then a shard
+manifest, then a single commit marker**. For checkpoint ``step``::
+
+    <directory>/step-XXXXXXXX/
+        shard-KKKKK-of-NNNNN.safetensors   raw tensor bytes (a valid safetensors file)
+        shard-KKKKK-of-NNNNN.json          shard manifest: step, generation, members,
+                                           size, crc32, byte range, layout, meta
+        COMMITTED.json                     commit marker: the manifest of the whole checkpoint
+
+1. Each member writes its shard to a hidden temp file in the step directory,
+   fsyncs it, renames it to its final name and fsyncs the directory; then it
+   writes its shard manifest the same way (temp, fsync, rename, fsync).
+2. Once every member reported success, one process calls `commit`: it checks
+   every shard manifest (same step, generation, members, layout) and every
+   data file (size and CRC-32), then writes ``COMMITTED.json`` (format
+   version, step, generation, members, layout, per-shard file, size, CRC-32
+   and byte range, meta) by temp file + fsync + rename + directory fsync.
+3. A checkpoint counts only if its marker exists and every shard verifies
+   (`latest_verified`); anything else is skipped with a warning naming the
+   file. A member that fails, leaves, or belongs to another generation
+   leaves a shard missing or mismatched, so `commit` refuses and the step is
+   never claimed complete.
+
+Every JSON document carries a sha256 of itself. No pickle anywhere: tensors
+are raw bytes, everything else is JSON. A failed save (ENOSPC, EIO, ...)
+fails only that save, removes its files and never touches a committed
+checkpoint; committed checkpoints are never rewritten.
+"""
+
+from __future__ import annotations
+
+from elastrain.checkpoint.config import CheckpointConfig, young_daly_interval
+from elastrain.checkpoint.files import CheckpointCorrupt, CheckpointError, CommitError
+from elastrain.checkpoint.retention import apply_retention
+from elastrain.checkpoint.snapshot import Snapshot
+from elastrain.checkpoint.store import VerifiedCheckpoint, commit, latest_verified, load
+from elastrain.checkpoint.writer import CheckpointWriter, SaveHandle, SaveResult
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointWriter",
+    "CommitError",
+    "SaveHandle",
+    "SaveResult",
+    "Snapshot",
+    "VerifiedCheckpoint",
+    "apply_retention",
+    "commit",
+    "latest_verified",
+    "load",
+    "young_daly_interval",
+]

@@ -1,0 +1,162 @@
+"""On-disk names, fsync helpers, self-checksummed JSON, and the checkpoint errors.
+
+Everything here is local file I/O with no communication. JSON documents this
+package writes (shard manifests and the commit marker) carry a ``sha256``
+field over their own canonical JSON, so a flipped byte in a manifest is caught
+even when the JSON still parses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+FORMAT = "elastrain-checkpoint/1"
+"""Format version written into every shard manifest, marker and shard file header."""
+
+MARKER = "COMMITTED.json"
+"""The commit marker: a step directory counts as a checkpoint only once this exists."""
+
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """Base class of the errors this package raises."""
+
+
+class CommitError(CheckpointError):
+    """`commit` refused: a shard is missing, from another generation, or does not verify.
+
+    No marker was written; the step stays uncommitted and is ignored on resume.
+    """
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint failed verification. The message names the file and the fault."""
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    """``<directory>/step-XXXXXXXX`` (at least 8 digits, zero padded)."""
+    return Path(directory) / f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step-XXXXXXXX`` directory name, or None for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_steps(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every step directory under ``directory``, ascending by step."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        s = parse_step(p.name)
+        if s is not None and p.is_dir():
+            found.append((s, p))
+    return sorted(found)
+
+
+def shard_file_name(shard: int, num_shards: int) -> str:
+    """The data file of one shard (a safetensors file)."""
+    return f"shard-{shard:05d}-of-{num_shards:05d}.safetensors"
+
+
+def shard_manifest_name(shard: int, num_shards: int) -> str:
+    """The JSON manifest of one shard; it is written only after its data file is durable."""
+    return f"shard-{shard:05d}-of-{num_shards:05d}.json"
+
+
+def temp_name(final: Path) -> Path:
+    """A unique hidden temp path next to ``final`` (``.<name>.tmp-<pid>-<random>``)."""
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for names made by `temp_name`."""
+    return name.startswith(".") and ".tmp-" in name
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and creations inside it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """``os.write`` until every byte of ``data`` is written (raises OSError, e.g. ENOSPC)."""
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def remove_quietly(path: Path) -> None:
+    """Best-effort unlink used on failure paths; never raises."""
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _canonical(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_signed_json(path: Path, obj: dict[str, Any], *, fsync: bool) -> None:
+    """Write ``obj`` plus its own ``sha256`` to ``path`` atomically.
+
+    Strategy: write a temp file beside it, fsync it, ``os.replace`` onto
+    ``path``, fsync the directory. A crash leaves either the old file or the new
+    one, never a torn one. On any error the temp file is removed and the error
+    propagates (OSError with its errno, e.g. ENOSPC).
+    """
+    body = dict(obj)
+    body.pop("sha256", None)
+    body["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    data = json.dumps(body, sort_keys=True, indent=1).encode()
+    tmp = temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, memoryview(data))
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def read_signed_json(path: Path) -> dict[str, Any]:
+    """Read a file written by `write_signed_json`; CheckpointCorrupt names what is wrong."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{path} cannot be read: {e}") from e
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorrupt(f"{path} is not valid JSON ({e}); it is damaged") from e
+    if not isinstance(obj, dict) or not isinstance(obj.get("sha256"), str):
+        raise CheckpointCorrupt(f"{path} has no sha256 field; it is not a manifest of ours")
+    claimed = obj.pop("sha256")
+    if hashlib.sha256(_canonical(obj)).hexdigest() != claimed:
+        raise CheckpointCorrupt(f"{path} does not match its own sha256; it is damaged")
+    if obj.get("format") != FORMAT:
+        raise CheckpointCorrupt(f"{path} has format {obj.get('format')!r}, expected {FORMAT!r}")
+    return obj

@@ -1,0 +1,176 @@
+"""`Snapshot`: one member's share of the state, copied to host memory.
+
+Taking a snapshot is the only part of a checkpoint the training loop waits
+for; the `CheckpointWriter` writes it to disk in the background afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint.layout import Layout, Piece
+from elastrain.transfer.dtypes import byte_view
+
+log = logging.getLogger(__name__)
+
+
+class Snapshot:
+    """A host-memory copy of the payload bytes one shard owns, plus the JSON meta.
+
+    Build it with `Snapshot.take`; hand it to `CheckpointWriter.save_async`.
+    Attributes are read-only by convention: ``layout`` (the whole state's
+    layout), ``shard``/``num_shards``, ``lo``/``hi`` (the owned payload range),
+    ``buffer`` (a uint8 tensor of ``hi - lo`` bytes, pinned when the sources were
+    on CUDA), ``meta_json`` (the canonical JSON of ``meta``) and ``take_s`` (the
+    seconds the training thread was blocked in `take`).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        shard: int,
+        num_shards: int,
+        lo: int,
+        hi: int,
+        buffer: torch.Tensor,
+        meta_json: str,
+        events: list[torch.cuda.Event],
+    ) -> None:
+        self.layout = layout
+        self.shard = shard
+        self.num_shards = num_shards
+        self.lo = lo
+        self.hi = hi
+        self.buffer = buffer
+        self.meta_json = meta_json
+        self.take_s = 0.0
+        self._cuda_events = events
+        self._lock = threading.Lock()
+        self._in_use = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload this snapshot holds (``hi - lo``)."""
+        return self.hi - self.lo
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """A fresh copy of the meta dict passed to `take`."""
+        out: dict[str, Any] = json.loads(self.meta_json)
+        return out
+
+    @property
+    def in_use(self) -> bool:
+        """True while a writer is reading the buffer; the buffer must not be reused then."""
+        return self._in_use
+
+    def pieces(self) -> list[Piece]:
+        """The tensor slices inside this shard's range."""
+        return self.layout.pieces(self.lo, self.hi)
+
+    def wait_copied(self) -> None:
+        """Block until asynchronous device-to-host copies into ``buffer`` are done.
+
+        Called by the writer thread before it reads the buffer; a no-op for CPU sources.
+        """
+        for ev in self._cuda_events:
+            ev.synchronize()
+
+    def _acquire(self) -> bool:
+        with self._lock:
+            if self._in_use:
+                return False
+            self._in_use = True
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_use = False
+
+    @staticmethod
+    def take(
+        tensors: Mapping[str, torch.Tensor],
+        meta: dict[str, Any],
+        *,
+        shard: int,
+        num_shards: int,
+        into: Snapshot | None = None,
+    ) -> Snapshot:
+        """Copy this shard's share of ``tensors`` into host memory; return the snapshot.
+
+        Who calls it: every member that takes part in a save, on its training
+        thread, at a step boundary (after the optimizer step, before the next
+        one), with the same ``tensors`` structure (names in the same order,
+        same dtypes and shapes) and the same ``num_shards`` on every member;
+        ``shard`` is the member's index, e.g. its rank in the generation.
+
+        What it copies: the payload (all tensors' bytes back to back) is striped
+        into ``num_shards`` near-equal ranges; only range ``shard`` is copied, so
+        the members together write the state once. ``meta`` must be JSON
+        serialisable (step, data position, RNG state, optimizer hyperparameters;
+        never pickled); it is stored as given with every shard, and `load`
+        returns shard 0's.
+
+        Blocking: for CPU tensors it returns after the copy (a memcpy of about
+        ``total / num_shards`` bytes). For CUDA tensors the copies are queued
+        on each device's current stream into pinned memory and `take` returns
+        at once; later work on that stream (the next optimizer step) is ordered
+        after them, and the writer waits for them before reading.
+
+        ``into``: a previous snapshot of the same shard whose save has finished;
+        its buffer is reused when the size matches, which avoids page-faulting
+        fresh memory (several times slower than the copy itself). A snapshot
+        still in use by a writer is never reused (a new buffer is allocated).
+
+        Raises ValueError/TypeError for bad arguments or state that cannot be
+        stored (non-tensor values, sparse tensors, non-JSON meta); nothing
+        is written anywhere.
+        """
+        t0 = time.perf_counter()
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got shard={shard} of {num_shards}")
+        try:
+            meta_json = json.dumps(meta, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint meta must be JSON serialisable: {e}") from e
+        layout = Layout.of(tensors)
+        bounds = layout.bounds(num_shards)
+        lo, hi = bounds[shard], bounds[shard + 1]
+        pieces = layout.pieces(lo, hi)
+        devices = {t.device for t in tensors.values() if t.device.type == "cuda"}
+        pinned = bool(devices)
+
+        buffer: torch.Tensor | None = None
+        if into is not None and into.shard == shard and into._acquire():
+            ok = into.buffer.numel() == hi - lo and (into.buffer.is_pinned() or not pinned)
+            if ok:
+                buffer = into.buffer
+                into.buffer = torch.empty(0, dtype=torch.uint8)  # the old snapshot gives it up
+            into._release()
+        if buffer is None:
+            if into is not None:
+                log.debug("snapshot buffer of shard %d not reusable; allocating", shard)
+            buffer = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pinned)
+
+        with torch.no_grad():
+            for p in pieces:
+                src = byte_view(tensors[p.entry.name])
+                a = p.start - p.entry.offset
+                buffer[p.start - lo : p.end - lo].copy_(
+                    src[a : a + p.end - p.start], non_blocking=pinned
+                )
+        cuda_events = []
+        for dev in devices:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            cuda_events.append(ev)
+        snap = Snapshot(layout, shard, num_shards, lo, hi, buffer, meta_json, cuda_events)
+        snap.take_s = time.perf_counter() - t0
+        return snap

@@ -1,0 +1,275 @@
+"""Commit, verify, find and load checkpoints (local file I/O, no communication)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint.files import (
+    FORMAT,
+    MARKER,
+    CheckpointCorrupt,
+    CommitError,
+    list_steps,
+    read_signed_json,
+    shard_file_name,
+    shard_manifest_name,
+    step_dir,
+    write_signed_json,
+)
+from elastrain.checkpoint.layout import Layout
+from elastrain.transfer.dtypes import byte_view
+
+log = logging.getLogger(__name__)
+
+_READ_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class VerifiedCheckpoint:
+    """A committed checkpoint whose shards matched their sizes (and checksums, if checked).
+
+    ``manifest`` is the parsed commit marker; ``meta`` is shard 0's meta dict.
+    """
+
+    path: Path
+    step: int
+    generation: int
+    members: list[str]
+    num_shards: int
+    total_bytes: int
+    meta: dict[str, Any]
+    manifest: dict[str, Any]
+
+
+def _file_crc32(path: Path, size: int) -> int:
+    crc, buf = 0, bytearray(min(_READ_CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _check_file(path: Path, size: int, crc: int, verify_checksums: bool) -> None:
+    """CheckpointCorrupt naming ``path`` unless it exists with ``size`` bytes and ``crc``."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path} is missing") from None
+    if actual != size:
+        how = "truncated" if actual < size else "has extra bytes"
+        raise CheckpointCorrupt(f"{path} is {actual} bytes, manifest says {size} ({how})")
+    if verify_checksums:
+        got = _file_crc32(path, size)
+        if got != crc:
+            raise CheckpointCorrupt(
+                f"{path} has crc32 {got:#010x}, manifest says {crc:#010x} (bytes changed on disk)"
+            )
+
+
+def _check_ranges(where: Path, layout: Layout, ranges: Sequence[Any], num_shards: int) -> None:
+    bounds = layout.bounds(num_shards)
+    for i, r in enumerate(ranges):
+        if list(r) != [bounds[i], bounds[i + 1]]:
+            raise CheckpointCorrupt(
+                f"{where}: shard {i} range {r} is not the striping of its layout"
+            )
+
+
+def _verify(d: Path, verify_checksums: bool) -> VerifiedCheckpoint:
+    """Verify the committed checkpoint in step directory ``d``; CheckpointCorrupt if not."""
+    marker = d / MARKER
+    if not marker.exists():
+        raise CheckpointCorrupt(
+            f"{marker} is missing: the save never completed (or is still in flight)"
+        )
+    m = read_signed_json(marker)
+    try:
+        step, n, shards = int(m["step"]), int(m["num_shards"]), list(m["shards"])
+        layout = Layout.from_json(m["layout"])
+        if d.name != step_dir(d.parent, step).name:
+            raise ValueError(f"it claims step {step}")
+        if n < 1 or len(shards) != n or layout.total != int(m["total_bytes"]):
+            raise ValueError("its shard count or total size is inconsistent")
+        if layout.sha256 != m["layout_sha256"]:
+            raise ValueError("its layout does not match its layout_sha256")
+        ranges = [s["range"] for s in shards]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointCorrupt(f"{marker} is not a valid commit marker: {e}") from e
+    _check_ranges(marker, layout, ranges, n)
+    for i, s in enumerate(shards):
+        if s.get("file") != shard_file_name(i, n):
+            raise CheckpointCorrupt(f"{marker} names an unexpected file {s.get('file')!r}")
+        _check_file(d / s["file"], int(s["size"]), int(s["crc32"]), verify_checksums)
+    return VerifiedCheckpoint(
+        d, step, int(m["generation"]), list(m["members"]), n, layout.total, m["meta"], m
+    )
+
+
+def commit(
+    directory: str | os.PathLike[str],
+    step: int,
+    *,
+    generation: int,
+    members: list[str],
+    num_shards: int,
+    verify_checksums: bool = True,
+    fsync: bool = True,
+) -> Path:
+    """Make checkpoint ``step`` count: verify its shards, then write the commit marker.
+
+    Who calls it: exactly one process per checkpoint (rank 0 of the generation,
+    or the coordinator), after every member reported its `SaveResult` ok for
+    ``step``. Blocking (reads every shard once when ``verify_checksums``; run
+    it off the training thread for big states). Idempotent: if ``step`` is
+    already committed and verifies, returns the marker without writing.
+
+    Checks, for each shard ``0..num_shards-1``: its manifest exists and is
+    intact, carries this ``step``, ``generation``, ``members`` and
+    ``num_shards``, all shards agree on the layout and its striping, and the
+    data file has the size (and CRC-32) its manifest claims. Any failure
+    raises CommitError naming the shard file and writes nothing, so a
+    membership change during the write (a member gone, a shard from another
+    generation) never yields a checkpoint that claims to be complete. The
+    marker (step, generation, members, layout, shard files with sizes and
+    CRC-32s, shard 0's meta, format version) is written atomically (temp file,
+    fsync, rename, directory fsync). Returns its path.
+    """
+    d = step_dir(directory, step)
+    marker = d / MARKER
+    if marker.exists():
+        try:
+            _verify(d, verify_checksums)
+        except CheckpointCorrupt as e:
+            raise CommitError(f"step {step} already has a marker that does not verify: {e}") from e
+        log.info("checkpoint step %d was already committed (%s)", step, marker)
+        return marker
+    if num_shards < 1 or not members:
+        raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
+    manifests: list[dict[str, Any]] = []
+    for i in range(num_shards):
+        mp = d / shard_manifest_name(i, num_shards)
+        if not mp.exists():
+            raise CommitError(
+                f"cannot commit step {step}: shard {i} of {num_shards} is missing ({mp} does "
+                "not exist; its member failed, left, or is still writing). Save a later step."
+            )
+        try:
+            sm = read_signed_json(mp)
+        except CheckpointCorrupt as e:
+            raise CommitError(f"cannot commit step {step}: {e}") from e
+        want = {"step": step, "generation": generation, "num_shards": num_shards, "shard": i}
+        for key, value in want.items():
+            if sm.get(key) != value:
+                raise CommitError(
+                    f"cannot commit step {step}: {mp} has {key}={sm.get(key)!r}, expected "
+                    f"{value!r} (membership changed during the write?). Save a later step."
+                )
+        if sm.get("members") != list(members):
+            raise CommitError(
+                f"cannot commit step {step}: {mp} was written by members {sm.get('members')!r}, "
+                f"not {list(members)!r}. Save a later step."
+            )
+        if manifests and sm.get("layout_sha256") != manifests[0]["layout_sha256"]:
+            raise CommitError(f"cannot commit step {step}: {mp} has a different state layout")
+        manifests.append(sm)
+    try:
+        layout = Layout.from_json(manifests[0]["layout"])
+        if layout.sha256 != manifests[0]["layout_sha256"]:
+            raise ValueError("layout does not match layout_sha256")
+        _check_ranges(d, layout, [sm["range"] for sm in manifests], num_shards)
+        for sm in manifests:
+            _check_file(d / sm["file"], int(sm["size"]), int(sm["crc32"]), verify_checksums)
+    except (CheckpointCorrupt, KeyError, TypeError, ValueError) as e:
+        raise CommitError(f"cannot commit step {step}: {e}") from e
+    body = {
+        "format": FORMAT,
+        "step": step,
+        "generation": generation,
+        "members": list(members),
+        "num_shards": num_shards,
+        "total_bytes": layout.total,
+        "layout_sha256": layout.sha256,
+        "layout": manifests[0]["layout"],
+        "meta": manifests[0]["meta"],
+        "shards": [{k: sm[k] for k in ("file", "size", "crc32", "range")} for sm in manifests],
+        "committed_unix": time.time(),
+    }
+    write_signed_json(marker, body, fsync=fsync)
+    log.info("checkpoint step %d committed (%d shards, %d bytes)", step, num_shards, layout.total)
+    return marker
+
+
+def latest_verified(
+    directory: str | os.PathLike[str], *, verify_checksums: bool = True
+) -> VerifiedCheckpoint | None:
+    """The newest checkpoint under ``directory`` that is committed and verifies, or None.
+
+    Who calls it: every process that resumes (or the launcher, once, before
+    starting workers); local and read-only. Walks step directories newest
+    first; each one without a marker, with a damaged marker, or with a shard
+    whose size or CRC-32 does not match is skipped with ``logging.warning``
+    naming the file and the fault, and the previous one is tried. Blocking:
+    reads the newest good checkpoint in full when ``verify_checksums``.
+    """
+    for step, d in reversed(list_steps(directory)):
+        try:
+            ckpt = _verify(d, verify_checksums)
+        except CheckpointCorrupt as e:
+            log.warning("skipping checkpoint step %d: %s; trying the previous one", step, e)
+            continue
+        log.info("newest verified checkpoint: step %d (%s)", step, d)
+        return ckpt
+    return None
+
+
+def load(
+    ckpt: VerifiedCheckpoint, *, verify_checksums: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Reassemble the full state from every shard of ``ckpt``: ``(tensors, meta)``.
+
+    Returns new CPU tensors under the names, dtypes and shapes passed to
+    `Snapshot.take`, in that order, bit for bit, and shard 0's meta. Local and
+    blocking (reads every shard once). Raises CheckpointCorrupt naming the
+    file if a shard changed since it was verified (size or CRC-32, when
+    ``verify_checksums``); no partial state is returned.
+    """
+    layout = Layout.from_json(ckpt.manifest["layout"])
+    tensors = {e.name: torch.empty(e.shape, dtype=e.torch_dtype) for e in layout.entries}
+    for s in ckpt.manifest["shards"]:
+        path = ckpt.path / s["file"]
+        lo, hi = s["range"]
+        size = int(s["size"])
+        header_len = size - (hi - lo)
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != size or header_len < 8:
+                raise CheckpointCorrupt(f"{path} is not {size} bytes any more; verify again")
+            crc = zlib.crc32(_read_exact(f, memoryview(bytearray(header_len)), path))
+            for p in layout.pieces(lo, hi):
+                a = p.start - p.entry.offset
+                dst = byte_view(tensors[p.entry.name]).numpy().data[a : a + p.end - p.start]
+                for i in range(0, len(dst), _READ_CHUNK):
+                    crc = zlib.crc32(_read_exact(f, dst[i : i + _READ_CHUNK], path), crc)
+        if verify_checksums and crc != int(s["crc32"]):
+            raise CheckpointCorrupt(f"{path} changed on disk since it was verified (crc32)")
+    return tensors, copy.deepcopy(ckpt.meta)
+
+
+def _read_exact(f: Any, dst: memoryview, path: Path) -> memoryview:
+    got = 0
+    while got < len(dst):
+        n = f.readinto(dst[got:])
+        if not n:
+            raise CheckpointCorrupt(f"{path} ended early (truncated while loading)")
+        got += n
+    return dst

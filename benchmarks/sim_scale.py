@@ -24,7 +24,8 @@ from elastrain.sim.config import DAY, StrategyConfig, Topology
 from elastrain.sim.engine import simulate
 from elastrain.sim.report import format_table
 
-CASES = [(16_384, 54.0), (100_000, 30.0), (200_000, 30.0)]
+# (accelerators, days, accelerators per model replica)
+CASES = [(16_384, 54.0, 128), (100_000, 30.0, 160), (200_000, 30.0, 160)]
 STRATEGIES = [
     StrategyConfig(kind="restart"),
     StrategyConfig(kind="hot-spare", spare_hosts=64),
@@ -50,9 +51,9 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     worst = 0.0
-    for accelerators, days in CASES:
+    for accelerators, days, per_replica in CASES:
         base = presets.get("llama3-16k")
-        topo = Topology(accelerators=accelerators)  # 8 per host, one host per replica
+        topo = Topology(accelerators=accelerators, accelerators_per_replica=per_replica)
         cfg = dataclasses.replace(base, topology=topo, horizon_s=days * DAY, seed=args.seed)
         for strategy in STRATEGIES:
             c = dataclasses.replace(cfg, strategy=strategy)

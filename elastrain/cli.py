@@ -91,14 +91,15 @@ def _summary(result: object) -> None:
         from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
 
         ev = read_events(result.run_dir)
+        origin = next((e["t"] for e in ev if e["kind"] == "job_start"), None)
         recs = recoveries(ev)
         if recs:
             print("\nrecovery of the survivors, per fault (seconds):")
-            print(format_recoveries(recs))
+            print(format_recoveries(recs, origin))
         js = joins(ev)
         if js:
             print("\nreplacements (seconds from spawn):")
-            print(format_joins(js))
+            print(format_joins(js, origin))
     except ImportError:
         pass
 

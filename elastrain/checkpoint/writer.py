@@ -211,6 +211,15 @@ class CheckpointWriter:
     def _run(
         self, step: int, snap: Snapshot, generation: int, members: list[str], handle: SaveHandle
     ) -> None:
+        res = SaveResult(step, snap.shard, "failed", error="internal error in the writer thread")
+        try:
+            res = self._save(step, snap, generation, members)
+        finally:
+            snap._release()
+            handle._finish(res)
+
+    def _save(self, step: int, snap: Snapshot, generation: int, members: list[str]) -> SaveResult:
+        """One save, start to end; never raises (failures become a failed result)."""
         t0 = time.perf_counter()
         d = step_dir(self.config.directory, step)
         final = d / shard_file_name(snap.shard, snap.num_shards)
@@ -263,9 +272,7 @@ class CheckpointWriter:
             )
             log.info("checkpoint step %d shard %d written: %d bytes", step, snap.shard, size)
             self._emit("checkpoint_saved", fields | {"bytes": size, "seconds": res.seconds})
-        finally:
-            snap._release()
-        handle._finish(res)
+        return res
 
     def _write_shard(
         self, d: Path, final: Path, step: int, snap: Snapshot, generation: int

@@ -75,15 +75,20 @@ class Coordinator:
 
     # ---- helpers ------------------------------------------------------------
 
-    def _flush(self) -> None:
-        """Emit events for what changed and wake every long poll. Holds cond."""
-        for r in self.state.drain_removals():
+    def _flush(self, wake: bool = False) -> None:
+        """Emit events for what changed; wake the long polls if membership or
+        generations changed (or `wake`). Holds cond. Waking only on change
+        keeps an idle coordinator idle: heartbeats are long polls."""
+        removed = self.state.drain_removals()
+        formed = self.state.drain_formed()
+        for r in removed:
             self.events.emit("member_removed", member=r.member, reason=r.reason)
-        for g in self.state.drain_formed():
+        for g in formed:
             self.events.emit(
                 "generation_formed", gen=g.gen, members=list(g.members), reason=g.reason
             )
-        if self.state.waiting and self.state.waiting != getattr(self, "_last_wait", None):
+        wait_changed = self.state.waiting != getattr(self, "_last_wait", None)
+        if self.state.waiting and wait_changed:
             self.events.emit(
                 "waiting_for_members",
                 message=self.state.waiting,
@@ -91,7 +96,8 @@ class Coordinator:
                 min=self.config.min_members,
             )
         self._last_wait = self.state.waiting
-        self.cond.notify_all()
+        if wake or removed or formed or wait_changed:
+            self.cond.notify_all()
 
     def check_token(self, header: str | None) -> None:
         if not header or not header.startswith("Bearer "):
@@ -120,7 +126,7 @@ class Coordinator:
             now = time.monotonic()
             inc = self.state.register(req.member, req.pid, req.host, now)
             self.events.emit("member_registered", member=req.member, incarnation=inc, pid=req.pid)
-            self._flush()
+            self._flush(wake=True)
             return p.RegisterResponse(
                 inc, self.store_host, self.store_port, self.job_id, self.config.heartbeat_s
             )
@@ -143,10 +149,13 @@ class Coordinator:
         with self.cond:
             while True:
                 now = time.monotonic()
+                before = self._barrier()
                 status = self.state.rendezvous(
                     req.member, req.incarnation, req.known_gen, req.committed, now
                 )
-                self._flush()
+                # Wake the other waiters only when the barrier moved, or they
+                # would wake each other forever.
+                self._flush(wake=self._barrier() != before)
                 g = self.state.gen
                 if status == "ready" and g is not None:
                     if not getattr(g, "_announced", False):
@@ -189,13 +198,13 @@ class Coordinator:
             ok = self.state.leave(req.member, req.incarnation, req.reason, time.monotonic())
             if ok and req.reason == "done":
                 self.state.progress_step = max(self.state.progress_step, req.committed)
-            self._flush()
+            self._flush(wake=True)
             return p.OkResponse(ok)
 
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
         with self.cond:
             ok = self.state.exited(req.member, req.pid, time.monotonic())
-            self._flush()
+            self._flush(wake=True)
             return p.OkResponse(ok)
 
     def status(self) -> dict[str, Any]:
@@ -232,6 +241,10 @@ class Coordinator:
         with self.cond:
             self.state.expire(time.monotonic())
             self._flush()
+
+    def _barrier(self) -> tuple[int, int, bool]:
+        g = self.state.gen
+        return (g.gen, len(g.ready), g.broken) if g is not None else (0, 0, False)
 
     def _gen_id(self) -> int:
         return self.state.gen.gen if self.state.gen else 0

@@ -60,100 +60,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All `elastrain sim` flags."""
     a = parser.add_argument
     a("--preset", choices=sorted(presets.PRESETS), help="start from a named job (see docs/sim.md)")
-    a(
-        "--accelerators",
-        type=int,
-        help="accelerators in the job (default: the preset's, else 16384)",
-    )
-    a("--days", type=float, help="simulated wall-clock days (default: the preset's, else 30)")
-    a("--steps", type=int, help="train this many steps and report time-to-train (--days caps it)")
-    a(
-        "--strategy",
-        default="all",
-        help=f"comma list of {', '.join(STRATEGIES)}, or 'all' (default)",
-    )
-    a("--seeds", type=int, default=3, help="runs per strategy, seeds SEED..SEED+N-1 (default 3)")
-    a("--seed", type=int, default=0, help="first seed (default 0)")
-    a("--json", metavar="PATH", help="also write the results as JSON ('-' = stdout only JSON)")
+    a("--accelerators", type=int, metavar="N", help="job size (default: the preset's, else 16384)")
+    a("--days", type=float, metavar="D", help="simulated days (default: the preset's, else 30)")
+    a("--steps", type=int, metavar="S", help="train S steps, report time-to-train (--days caps)")
+    a("--strategy", default="all", metavar="LIST", help=f"{', '.join(STRATEGIES)} or all (default)")
+    a("--seeds", type=int, default=3, metavar="K", help="runs per strategy (default 3)")
+    a("--seed", type=int, default=0, metavar="S", help="first seed (default 0)")
+    a("--json", metavar="PATH", help="also write results as JSON ('-': JSON only, on stdout)")
 
-    g = parser.add_argument_group("topology")
-    g.add_argument("--accelerators-per-host", type=int)
-    g.add_argument("--accelerators-per-replica", type=int, help="one full copy of the state")
-    g.add_argument(
-        "--hosts-per-domain", type=int, help="hosts per correlated failure domain (0 = none)"
-    )
+    def group(title: str, flags: list[tuple[str, type, str, str]]) -> None:
+        g = parser.add_argument_group(title)
+        for flag, kind, metavar, text in flags:
+            g.add_argument(flag, type=kind, metavar=metavar, help=text)
 
-    g = parser.add_argument_group("failures")
-    g.add_argument(
-        "--interruptions", type=float, help="job failures expected in --days; rescales all rates"
+    group(
+        "topology",
+        [
+            ("--accelerators-per-host", int, "N", "accelerators per host (8 for GPU servers)"),
+            ("--accelerators-per-replica", int, "N", "accelerators holding one copy of the state"),
+            ("--hosts-per-domain", int, "N", "hosts per correlated failure domain (0 = none)"),
+        ],
     )
-    g.add_argument("--accelerator-mtbf-h", type=float, help="per accelerator, hours")
-    g.add_argument("--host-mtbf-h", type=float, help="per host (non-accelerator parts), hours")
-    g.add_argument("--domain-mtbf-h", type=float, help="per failure domain, hours")
-    g.add_argument(
-        "--weibull-shape",
-        type=float,
-        help="Weibull lifetimes with this shape (default exponential)",
+    group(
+        "failures",
+        [
+            ("--interruptions", float, "N", "job failures expected in the run; rescales all rates"),
+            ("--accelerator-mtbf-h", float, "H", "MTBF of one accelerator, hours"),
+            ("--host-mtbf-h", float, "H", "MTBF of one host's other parts, hours"),
+            ("--domain-mtbf-h", float, "H", "MTBF of one failure domain, hours"),
+            ("--weibull-shape", float, "K", "Weibull lifetimes with shape K (default exponential)"),
+            ("--replacement-s", float, "S", "mean time to get a replacement host"),
+            ("--replacement-dist", str, "fixed|exponential|lognormal", "its distribution"),
+        ],
     )
-    g.add_argument("--replacement-s", type=float, help="mean time to get a replacement host")
-    g.add_argument("--replacement-dist", choices=["fixed", "exponential", "lognormal"])
-
-    g = parser.add_argument_group("recovery costs (seconds)")
-    for name in (
-        "detect",
-        "restart",
-        "regroup",
-        "heal",
-        "spare-swap",
-        "save",
-        "persist",
-        "restore",
-    ):
-        g.add_argument(f"--{name}-s", type=float)
-    g.add_argument("--state-gb", type=float, help="training state of one replica, GB (heal time)")
-    g.add_argument("--heal-gbps", type=float, help="per-host heal bandwidth, Gbit/s")
-    g.add_argument(
-        "--checkpoint-interval",
-        help="compute seconds between checkpoints, 'young', 'daly' or 'none'",
+    group(
+        "recovery and checkpoint costs",
+        [
+            ("--detect-s", float, "S", "failure to detection"),
+            ("--restart-s", float, "S", "relaunch of the whole job (rigid strategies)"),
+            ("--restore-s", float, "S", "checkpoint load after a restart"),
+            ("--regroup-s", float, "S", "elastic: new quorum and process group"),
+            ("--heal-s", float, "S", "elastic: fixed part of a join's heal"),
+            ("--state-gb", float, "GB", "training state of one replica (adds to the heal)"),
+            ("--heal-gbps", float, "GBIT", "per-host heal bandwidth, Gbit/s"),
+            ("--spare-swap-s", float, "S", "hot spare put in a failed host's place"),
+            ("--save-s", float, "S", "training blocked per checkpoint"),
+            ("--persist-s", float, "S", "further time until a checkpoint is durable"),
+            ("--checkpoint-interval", str, "S|young|daly|none", "compute time between checkpoints"),
+        ],
     )
-
-    g = parser.add_argument_group("strategy, workload, power")
-    g.add_argument(
-        "--spare-hosts", type=int, help="hot spares (default for hot-spare: hosts/128, min 1)"
+    group(
+        "strategy, workload, power",
+        [
+            ("--spare-hosts", int, "N", "hot spares (hot-spare default: hosts/128, at least 1)"),
+            ("--min-replicas", int, "N", "elastic: fewest replicas the job runs on"),
+            ("--step-s", float, "S", "step time with every replica (fixed global batch)"),
+            ("--microbatches", int, "M", "micro-batches per global batch (quantizes shrunk steps)"),
+            ("--busy-w", float, "W", "watts per computing accelerator"),
+            ("--idle-w", float, "W", "watts per idle accelerator"),
+        ],
     )
-    g.add_argument("--min-replicas", type=int, help="elastic: fewest replicas to run on")
-    g.add_argument("--step-s", type=float, help="full-size step time")
-    g.add_argument("--microbatches", type=int, help="micro-batches per global batch")
-    g.add_argument("--busy-w", type=float, help="watts per computing accelerator")
-    g.add_argument("--idle-w", type=float, help="watts per idle accelerator")
-
     g = parser.add_argument_group("sweeps and plots")
     g.add_argument("--sweep-scale", type=_ints, metavar="N1,N2,..", help="accelerator counts")
     g.add_argument(
-        "--sweep-interval",
-        metavar="auto|I1,I2,..",
-        help="checkpoint intervals (s) for a rigid strategy",
+        "--sweep-interval", metavar="auto|S1,S2,..", help="checkpoint intervals, rigid strategy"
     )
-    g.add_argument("--plot-dir", type=Path, help="write SVG charts of the sweeps here")
-
-    g = parser.add_argument_group(
-        "shared cluster (elastic vs. rigid jobs under Kueue-style quotas)"
-    )
+    g.add_argument("--plot-dir", type=Path, metavar="DIR", help="write SVG charts here")
+    g = parser.add_argument_group("shared cluster: the same arrival trace, rigid vs. elastic")
+    g.add_argument("--cluster", action="store_true", help="run the shared-cluster comparison")
+    g.add_argument("--cluster-accelerators", type=int, default=1024, metavar="N", help="(1024)")
+    g.add_argument("--cluster-jobs", type=int, default=200, metavar="N", help="arrivals (200)")
     g.add_argument(
-        "--cluster", action="store_true", help="run the shared-cluster comparison instead"
+        "--cluster-load", type=float, default=0.9, metavar="X", help="offered load (0.9)"
     )
-    g.add_argument(
-        "--cluster-accelerators", type=int, default=1024, help="cluster size (default 1024)"
-    )
-    g.add_argument("--cluster-jobs", type=int, default=200, help="synthetic arrivals (default 200)")
-    g.add_argument("--cluster-load", type=float, default=0.9, help="offered load (default 0.9)")
-    g.add_argument(
-        "--cluster-trace", type=Path, help="JSON list of jobs instead of a synthetic trace"
-    )
-
+    g.add_argument("--cluster-trace", type=Path, metavar="FILE", help="JSON list of jobs to use")
     g = parser.add_argument_group("calibration")
     g.add_argument(
-        "--from-run", type=Path, metavar="RUN_DIR", help="replay a recorded elastrain run"
+        "--from-run", type=Path, metavar="RUN_DIR", help="replay a recorded elastrain run's faults"
     )
 
 

@@ -42,11 +42,14 @@ class _Job:
         self.trace = trace
         topo = config.topology
         self.hosts = topo.hosts
-        self.hpr = topo.hosts_per_replica
-        self.R = topo.replicas
-        self.apr = topo.replica_accelerators
         self.rigid = config.strategy.rigid
-        self.min_replicas = self.R if self.rigid else config.strategy.min_replicas
+        if self.rigid:  # all or nothing: the whole job behaves as one replica
+            self.hpr, self.R, self.apr = topo.hosts, 1, topo.accelerators
+            self.min_replicas = 1
+        else:
+            self.hpr, self.R = topo.hosts_per_replica, topo.replicas
+            self.apr = topo.replica_accelerators
+            self.min_replicas = config.strategy.min_replicas
         self.interval = checkpoint_interval_s(config)
         c = config.costs
         self.detect_s = c.detect_s
@@ -85,10 +88,10 @@ class _Job:
     # -- rates --------------------------------------------------------------
     def _step_time(self, n: int) -> float:
         wl = self.cfg.workload
-        if n in self.step_table:
-            return self.step_table[n]
         if n == self.R:
             return wl.step_s
+        if n in self.step_table:
+            return self.step_table[n]
         mb = wl.global_microbatches
         if mb is not None:
             return wl.step_s * (-(-mb // n)) / (-(-mb // self.R))
@@ -173,11 +176,14 @@ class _Job:
         """At a checkpoint start, jump over whole (save, compute) cycles that end before
         the next outside event: they are all alike, so do them in closed form."""
         ck = self.cfg.checkpoint
-        if ck.persist_s or self.ready or self.pending is not None:
+        self._resolve_pending()
+        if self.ready or self.pending is not None:
             return
         st = self.step_time
         steps = max(1, math.ceil(self.interval / st - _EPS))  # steps per cycle
         run = steps * st
+        if ck.persist_s > run:  # each checkpoint must be durable before the next one starts
+            return
         cycle = ck.save_s + run
         m = math.floor((t_ext - self.t) / cycle) - 1  # keep a margin: the next event is later
         if target < math.inf:

@@ -10,6 +10,7 @@ import time
 import pytest
 from sim_helpers import small_config
 
+from elastrain.sim import engine
 from elastrain.sim.config import (
     DAY,
     HOUR,
@@ -27,7 +28,7 @@ from elastrain.sim.metrics import BUCKETS
 from elastrain.sim.trace import HOST, ExplicitTrace, FailureEvent, RandomTrace
 
 
-def no_failures(**kw: object) -> Failures:
+def no_failures() -> Failures:
     return Failures(replacement=Delay(mean_s=240.0))
 
 
@@ -237,3 +238,18 @@ def test_llama3_scale_runs_in_well_under_a_second_per_strategy() -> None:
 def test_goodput_spread_is_small_across_seeds() -> None:
     g = [simulate(small_config(seed=s, days=10)).time_goodput for s in range(5)]
     assert statistics.stdev(g) < 0.03
+
+
+@pytest.mark.parametrize("persist_s", [0.0, 60.0, 600.0])
+@pytest.mark.parametrize("kind", ["restart", "elastic"])
+def test_skipping_quiet_checkpoint_cycles_changes_nothing(
+    persist_s: float, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ck = CheckpointPolicy(interval_s=900.0, save_s=60.0, persist_s=persist_s, restore_s=120.0)
+    cfg = small_config(kind=kind, checkpoint=ck, days=5, job_mtbf_s=HOUR)  # type: ignore[arg-type]
+    fast = simulate(cfg)
+    monkeypatch.setattr(engine._Job, "_skip_quiet_cycles", lambda self, t, target: None)
+    slow = simulate(cfg)
+    assert fast.buckets == pytest.approx(slow.buckets, rel=1e-9, abs=1e-6)
+    assert fast.steps == pytest.approx(slow.steps, rel=1e-12)
+    assert fast.rollbacks == slow.rollbacks and fast.lost_steps == pytest.approx(slow.lost_steps)

@@ -65,3 +65,17 @@ def test_a_run_without_faults(tmp_path: Path) -> None:
 def test_not_a_run_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no step_commit"):
         calibrate(tmp_path)
+
+
+def test_hung_member_that_comes_back_is_its_own_replacement(tmp_path: Path) -> None:
+    SyntheticRun(faults=[Fault(at_s=30.0, victim="w2")], steps=400).write(tmp_path)
+    # Rewrite the run so that the victim re-registers instead of a new member.
+    for path in (tmp_path / "events").glob("*.jsonl"):
+        text = path.read_text()
+        text = text.replace('"member": "w4"', '"member": "w2"').replace('"w4"', '"w2"')
+        text = text.replace('"fault": "kill"', '"fault": "hang"')
+        path.write_text(text)
+    cal = calibrate(tmp_path)
+    (f,) = cal.faults
+    assert f.fault == "hang" and f.member == "w2" and f.slot == 2
+    assert f.replacement_s == pytest.approx(3.0)

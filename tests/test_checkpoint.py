@@ -24,6 +24,7 @@ from elastrain.checkpoint import (
     Snapshot,
     apply_retention,
     commit,
+    discard_newer,
     latest_verified,
     load,
     young_daly_interval,
@@ -375,6 +376,27 @@ def test_retention_keep_last_keep_every_and_newest_verified(tmp_path: Path) -> N
     assert ckpt is not None and ckpt.step == 40
 
 
+def test_discard_newer_at_resume(tmp_path: Path) -> None:
+    state = make_state()
+    save(tmp_path, 10, state, num_shards=3)
+    save(tmp_path, 20, state, num_shards=3)
+    _corrupt("flipped", tmp_path / "step-00000020")
+    save(tmp_path, 30, state, num_shards=3, do_commit=False)  # the old run died before commit
+    ckpt = latest_verified(tmp_path)
+    assert ckpt is not None and ckpt.step == 10
+    cleared = discard_newer(tmp_path, ckpt.step)
+    assert [p.name for p in cleared] == ["step-00000020", "step-00000030"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rejected-step-00000020", "step-00000010"]
+    # the new run can save step 20 again; a stale step-30 shard cannot complete its step 30
+    save(tmp_path, 20, make_state(5), num_shards=3)
+    save(tmp_path, 30, state, num_shards=3, shards=[0, 1], do_commit=False)
+    with pytest.raises(CommitError, match="missing"):
+        commit(tmp_path, 30, generation=1, members=MEMBERS, num_shards=3)
+    ckpt = latest_verified(tmp_path)
+    assert ckpt is not None and ckpt.step == 20
+    assert_same(load(ckpt)[0], make_state(5))
+
+
 def test_young_daly_and_validation() -> None:
     assert young_daly_interval(3600.0, 10.0) == pytest.approx(math.sqrt(72000.0))
     assert young_daly_interval(86400, 0.5) == pytest.approx(293.9387691)
@@ -386,12 +408,13 @@ def test_young_daly_and_validation() -> None:
 def test_config_validation(tmp_path: Path) -> None:
     CheckpointConfig(directory=str(tmp_path / "new"), keep_last=1, keep_every=100)
     (tmp_path / "file").write_text("x")
-    for kw, match in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"directory": ""}, "non-empty"),
         ({"directory": str(tmp_path / "file")}, "not a directory"),
         ({"directory": str(tmp_path), "keep_last": 0}, "keep_last"),
         ({"directory": str(tmp_path), "keep_every": -5}, "keep_every"),
-    ]:
+    ]
+    for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             CheckpointConfig(**kw)
 

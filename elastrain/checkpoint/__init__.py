@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from elastrain.checkpoint.config import CheckpointConfig, young_daly_interval
 from elastrain.checkpoint.files import CheckpointCorrupt, CheckpointError, CommitError
-from elastrain.checkpoint.retention import apply_retention
+from elastrain.checkpoint.retention import apply_retention, discard_newer
 from elastrain.checkpoint.snapshot import Snapshot
 from elastrain.checkpoint.store import VerifiedCheckpoint, commit, latest_verified, load
 from elastrain.checkpoint.writer import CheckpointWriter, SaveHandle, SaveResult
@@ -55,6 +55,7 @@ __all__ = [
     "VerifiedCheckpoint",
     "apply_retention",
     "commit",
+    "discard_newer",
     "latest_verified",
     "load",
     "young_daly_interval",

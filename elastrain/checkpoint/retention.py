@@ -87,3 +87,33 @@ def apply_retention(
     if deleted:
         log.info("checkpoint retention deleted %s", ", ".join(p.name for p in deleted))
     return deleted
+
+
+def discard_newer(directory: str | os.PathLike[str], step: int | None) -> list[Path]:
+    """Clear every step directory newer than ``step`` (the checkpoint resumed from; None: all).
+
+    Who calls it: exactly one process at whole-job resume, after
+    `latest_verified` chose the checkpoint and before any member saves.
+    Directories newer than it are saves of the previous run that failed,
+    were torn, or did not verify. Left in place, a stale shard could complete
+    a checkpoint of the new run (same step, generation and members), and a
+    stale marker would make that step unsavable ("already committed").
+    Uncommitted ones are deleted; committed ones (they failed verification)
+    are renamed to ``rejected-step-XXXXXXXX[-N]`` for inspection and never
+    read again. Returns the paths removed or renamed (their old names).
+    Raises OSError if one cannot be cleared: do not start saving then.
+    """
+    cleared: list[Path] = []
+    for s, d in list_steps(directory):
+        if step is not None and s <= step:
+            continue
+        if (d / MARKER).exists():
+            dest, n = d.with_name(f"rejected-{d.name}"), 1
+            while dest.exists():
+                dest, n = d.with_name(f"rejected-{d.name}-{n}"), n + 1
+            log.warning("checkpoint %s does not verify; moved aside to %s", d, dest.name)
+            d.rename(dest)
+        else:
+            shutil.rmtree(d)
+        cleared.append(d)
+    return cleared

@@ -161,14 +161,14 @@ class CheckpointWriter:
             raise ValueError(f"members must be a non-empty list of member ids, got {members!r}")
         if snapshot.buffer.numel() != snapshot.nbytes:
             raise ValueError("snapshot buffer was handed to a newer snapshot (into=); take again")
+        if (step_dir(self.config.directory, step) / MARKER).exists():
+            return self._skip(step, snapshot, "step is already committed")
         while True:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("CheckpointWriter is closed")
                 prev = self._inflight
                 if prev is None or prev.done():
-                    if (step_dir(self.config.directory, step) / MARKER).exists():
-                        return self._skip(step, snapshot, "step is already committed")
                     if not snapshot._acquire():
                         raise ValueError("snapshot is being written by another save")
                     handle = SaveHandle()
@@ -311,8 +311,10 @@ class CheckpointWriter:
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
-                os.close(fd)
-                crc_thread.join()
+                try:
+                    crc_thread.join()
+                finally:
+                    os.close(fd)
             if (d / MARKER).exists():
                 raise RuntimeError(f"{d} was committed while this shard was being written")
             os.replace(tmp, final)

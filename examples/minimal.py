@@ -1,6 +1,6 @@
 """The README's example: a plain PyTorch loop made elastic.
 
-    elastrain run -n 4 --min 2 --replace-delay 5 examples/minimal.py
+elastrain run -n 4 --min 2 --replace-delay 5 examples/minimal.py
 """
 
 import torch
@@ -9,7 +9,9 @@ from torch import nn
 from elastrain import ElasticTrainer, TrainerConfig
 
 
-def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:  # mean loss of one micro-batch
+def loss_fn(
+    model: nn.Module, batch: list[torch.Tensor]
+) -> torch.Tensor:  # mean loss of one micro-batch
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
 

@@ -64,8 +64,11 @@ class _Job:
         self.progress = 0.0  # steps, in memory
         self.ckpt_progress = 0.0  # steps in the last durable checkpoint
         self.live = 0.0  # compute wall since the durable checkpoint's state, still kept
+        self.live_accel = 0.0  # the same in accelerator-seconds
+        self.lost_accel_s = 0.0
         self.run_since_ckpt = 0.0
-        self.pending: tuple[float, float, float] | None = None  # (durable_at, progress, live)
+        # (durable_at, progress, live, live_accel) of a checkpoint not yet durable
+        self.pending: tuple[float, float, float, float] | None = None
         self.need_restore = False
 
         self.slot_ok = [True] * self.hosts
@@ -106,6 +109,7 @@ class _Job:
             self.progress += dt / self.step_time
             self.run_since_ckpt += dt
             self.live += dt
+            self.live_accel += self.n_active * self.apr * dt
             self.busy_accel_s += self.n_active * self.apr * dt
         self.t = t_new
 
@@ -196,6 +200,7 @@ class _Job:
         self.ckpt_progress = self.progress + (m - 1) * steps
         self.progress += m * steps
         self.live = run
+        self.live_accel = self.n_active * self.apr * run
         self.t += m * cycle
 
     def _enter(self, phase: int, duration: float) -> None:
@@ -216,13 +221,14 @@ class _Job:
     def _on_failure(self, ev: FailureEvent) -> None:
         self.failures += 1
         hit: set[int] = set()
+        detect = self.detect_s if ev.detect_s is None else ev.detect_s
         for slot, delay in zip(ev.slots, ev.delays, strict=True):
             if slot >= self.hosts:  # a spare host
                 j = slot - self.hosts
                 if self.spare_ok[j]:
                     self.spare_ok[j] = False
                     self.spare_ready.remove(j)
-                    self._push(self.t + self.detect_s + delay, _SPARE_ARRIVE, j)
+                    self._push(self.t + detect + delay, _SPARE_ARRIVE, j)
                 continue
             if not self.slot_ok[slot]:
                 continue  # nothing there: still waiting for its replacement
@@ -231,19 +237,19 @@ class _Job:
             if self.spare_ready:
                 j = self.spare_ready.pop()
                 self.spare_ok[j] = False
-                self._push(self.t + self.detect_s + delay, _SPARE_ARRIVE, j)
-                self._push(self.t + self.detect_s + self.swap_s, _ARRIVE, slot)
+                self._push(self.t + detect + delay, _SPARE_ARRIVE, j)
+                self._push(self.t + detect + self.swap_s, _ARRIVE, slot)
             else:
-                self._push(self.t + self.detect_s + delay, _ARRIVE, slot)
+                self._push(self.t + detect + delay, _ARRIVE, slot)
             r = slot // self.hpr
             self.missing[r] += 1
             self.ready.discard(r)
             if r in self.active or r in self.joining:
                 hit.add(r)
         if hit:
-            self._interrupt(hit)
+            self._interrupt(hit, detect)
 
-    def _interrupt(self, hit: set[int]) -> None:
+    def _interrupt(self, hit: set[int], detect: float) -> None:
         self.interruptions += 1
         if self.phase == RUNNING:
             whole = math.floor(self.progress + _EPS)
@@ -251,6 +257,9 @@ class _Job:
             if frac > _EPS:  # the in-flight step is lost
                 x = min(frac * self.step_time, self.live)
                 self.live -= x
+                xa = min(x * self.n_active * self.apr, self.live_accel)
+                self.live_accel -= xa
+                self.lost_accel_s += xa
                 self.buckets[0] -= x
                 self.buckets[LOST] += x
                 self.lost_steps += frac
@@ -267,13 +276,14 @@ class _Job:
             self._rollback()
             self.need_restore = True
         if self.phase != WAIT:
-            self._enter(DETECT, self.detect_s)
+            self._enter(DETECT, detect)
 
     def _resolve_pending(self) -> None:
         if self.pending is not None and self.pending[0] <= self.t + _EPS:
-            _, progress, live = self.pending
+            _, progress, live, live_accel = self.pending
             self.ckpt_progress = progress
             self.live -= live
+            self.live_accel -= live_accel
             self.pending = None
 
     def _rollback(self) -> None:
@@ -283,7 +293,8 @@ class _Job:
         self.buckets[0] -= self.live
         self.buckets[LOST] += self.live
         self.lost_steps += self.progress - self.ckpt_progress
-        self.live = 0.0
+        self.lost_accel_s += self.live_accel
+        self.live = self.live_accel = 0.0
         self.progress = self.ckpt_progress
 
     def _on_arrive(self, kind: int, slot: int) -> None:
@@ -334,7 +345,8 @@ class _Job:
             self._enter_running()
         elif phase == SAVING:
             self._resolve_pending()
-            self.pending = (self.t + self.cfg.checkpoint.persist_s, self.progress, self.live)
+            durable = self.t + self.cfg.checkpoint.persist_s
+            self.pending = (durable, self.progress, self.live, self.live_accel)
             self._resolve_pending()
             self._enter_running()
         else:  # pragma: no cover - RUNNING and WAIT have no timed end
@@ -363,6 +375,7 @@ class _Job:
             rollbacks=self.rollbacks,
             lost_steps=self.lost_steps,
             busy_accelerator_s=self.busy_accel_s,
+            lost_accelerator_s=self.lost_accel_s,
             energy_j=energy,
             badput_energy_j=max(0.0, energy - useful),
             time_to_train_s=time_to_train,

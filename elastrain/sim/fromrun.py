@@ -1,12 +1,19 @@
 """Calibrate the simulator on a recorded elastrain run (`elastrain sim --from-run RUN_DIR`).
 
 From the run's events (docs/events.md) take: the full-size step time (median
-`step_s` of `step_commit` in generations with every member) and the step time at
-each smaller size; each injected fault's detection and recovery time (the
-"Recovery phases" of docs/events.md); each replacement's arrival and the pause its
-join costs; and the fault schedule. Replay that schedule through the elastic model
-with those costs and compare the predicted goodput with the measured one, both over
-the training window (first step start to last commit; start-up is reported apart).
+`step_s` of `step_commit` in generations with every member) and the median at
+each smaller size; each injected fault's recovery phases (detect, quorum, regroup,
+heal, first step: `elastrain.observe.recovery.recoveries`, the "Recovery phases"
+of docs/events.md) and its replacement's arrival (`recovery.joins`); the pause a
+replacement's join costs when it joins on its own; and the fault schedule.
+
+Replay that schedule through the elastic model: each fault keeps its own measured
+detection time (a crash is seen at once, a hang when a watchdog fires) and its own
+replacement delay; regroup and join costs are the medians. The run's start-up
+(job start to the first step) and shutdown (last commit to job end) are taken as
+measured; the simulator models the training window in between. Prediction and
+measurement are compared on the run's goodput ledger (`elastrain.observe.goodput`)
+and on the ETTR of the training window.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import math
 import os
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from elastrain.observe.events import read_events
+from elastrain.observe.goodput import goodput
+from elastrain.observe.recovery import JoinTiming, joins, recoveries
 from elastrain.sim.config import (
     CheckpointPolicy,
     RecoveryCosts,
@@ -34,7 +43,6 @@ from elastrain.sim.metrics import SimResult
 from elastrain.sim.trace import INJECTED, ExplicitTrace, FailureEvent
 
 Event = dict[str, Any]
-FAULT_KINDS = ("kill", "hang", "term")
 
 
 @dataclass(frozen=True)
@@ -46,11 +54,23 @@ class FaultRecovery:
     fault: str
     detect_s: float
     recover_s: float
-    """Detection to the survivors' first step, less one step: quorum + regroup + heal."""
+    """Detection to the survivors' first commit, less one step: quorum + regroup + heal."""
     replacement_s: float
-    """Detection until the replacement is registered; inf when none came."""
+    """Detection until the replacement (or the expelled member) registered; inf if never."""
     join_pause_s: float | None
-    """Pause of the job when the replacement joined, less one step; None if it never did."""
+    """The job's pause when the replacement joined on its own (less one step); None when
+    it joined inside a failure's regroup or never."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    result: SimResult
+    """The simulated training window."""
+    time_goodput: float
+    """Predicted ledger time goodput (productive member-seconds / ledger total)."""
+    throughput_goodput: float
+    """Predicted ledger throughput goodput (scaled by predicted / measured steps)."""
+    window_ettr: float
 
 
 @dataclass(frozen=True)
@@ -60,47 +80,58 @@ class Calibration:
     steps: int
     window_s: float
     startup_s: float
+    shutdown_s: float
     step_s: float
+    """Nominal full-size step time: the median (as the goodput ledger's nominal rate)."""
     step_s_by_size: dict[int, float]
+    """Mean step time at each member count: the pace the replay runs at."""
     faults: list[FaultRecovery]
     measured_time_goodput: float
-    measured_ettr: float
+    """Ledger time goodput of the whole run (elastrain.observe.goodput)."""
+    measured_throughput_goodput: float
+    ledger_total_s: float
+    measured_window_ettr: float
+    """Steps x full-size step time / training window."""
 
     def config(self) -> SimConfig:
         """An elastic job of `members` one-accelerator hosts with the measured costs."""
-        detect = _median([f.detect_s for f in self.faults], 0.0)
         regroup = _median([f.recover_s for f in self.faults], 0.0)
-        joins = [f.join_pause_s for f in self.faults if f.join_pause_s is not None]
-        heal = max(0.0, _median(joins, regroup) - regroup)
+        pauses = [f.join_pause_s for f in self.faults if f.join_pause_s is not None]
+        heal = max(0.0, _median(pauses, regroup) - regroup)
+        detect = _median([f.detect_s for f in self.faults], 0.0)
         table = tuple(sorted((n, s) for n, s in self.step_s_by_size.items() if n < self.members))
         return SimConfig(
             topology=Topology(accelerators=self.members, accelerators_per_host=1),
             costs=RecoveryCosts(detect_s=detect, regroup_s=regroup, heal_s=heal),
             checkpoint=CheckpointPolicy(interval_s=math.inf, save_s=0.0),
             strategy=StrategyConfig(kind="elastic", min_replicas=self.min_members),
-            workload=Workload(step_s=self.step_s, step_s_by_replicas=table),
+            workload=Workload(
+                step_s=self.step_s_by_size.get(self.members, self.step_s),
+                step_s_by_replicas=table,
+            ),
             horizon_s=self.window_s,
         )
 
     def trace(self) -> ExplicitTrace:
-        """The recorded faults, each with its measured replacement delay."""
+        """The recorded faults, each with its measured detection and replacement delay."""
         return ExplicitTrace(
-            [FailureEvent(f.t, INJECTED, (f.slot,), (f.replacement_s,)) for f in self.faults]
+            [
+                FailureEvent(f.t, INJECTED, (f.slot,), (f.replacement_s,), detect_s=f.detect_s)
+                for f in self.faults
+            ]
         )
 
-    def predict(self) -> SimResult:
-        return simulate(self.config(), self.trace())
+    def predict(self) -> Prediction:
+        r = simulate(self.config(), self.trace())
+        tg = r.productive_accelerator_s / self.ledger_total_s if self.ledger_total_s else 0.0
+        tput = self.measured_throughput_goodput * r.steps / self.steps if self.steps else 0.0
+        ettr = r.steps * self.step_s / self.window_s
+        return Prediction(result=r, time_goodput=tg, throughput_goodput=tput, window_ettr=ettr)
 
 
 def _median(xs: Sequence[float], default: float) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
     return statistics.median(xs) if xs else default
-
-
-def _first(events: Sequence[Event], after: float, **match: Any) -> Event | None:
-    for e in events:
-        if e["t"] >= after and all(e.get(k) == v for k, v in match.items()):
-            return e
-    return None
 
 
 def calibrate(run_dir: str | os.PathLike[str]) -> Calibration:
@@ -109,46 +140,49 @@ def calibrate(run_dir: str | os.PathLike[str]) -> Calibration:
     commits = [e for e in events if e["kind"] == "step_commit"]
     if not commits:
         raise ValueError(f"{run_dir}: no step_commit events; is this an elastrain run directory?")
-    start_ev = _first(events, -math.inf, kind="job_start")
-    gen_members: dict[int, list[str]] = {}
+    start_ev = next((e for e in events if e["kind"] == "job_start"), None)
+    end_ev = next((e for e in reversed(events) if e["kind"] == "job_end"), None)
+    gens: dict[int, Event] = {}
     for e in events:
         if e["kind"] in ("generation_ready", "generation_formed"):
-            gen_members.setdefault(int(e["gen"]), list(e["members"]))
-    members = int(start_ev["target"]) if start_ev else max(len(m) for m in gen_members.values())
+            gens.setdefault(int(e["gen"]), e)
+    members = int(start_ev["target"]) if start_ev else max(len(g["members"]) for g in gens.values())
     min_members = int(start_ev.get("min") or 1) if start_ev else 1
 
     def size(gen: int) -> int:
-        return len(gen_members.get(gen, ())) or members
+        g = gens.get(gen)
+        return len(g["members"]) if g is not None else members
 
     by_size: dict[int, list[float]] = defaultdict(list)
     for c in commits:
         by_size[size(int(c["gen"]))].append(float(c["step_s"]))
-    step_by_size = {n: statistics.median(v) for n, v in by_size.items()}
-    step_s = step_by_size.get(members) or statistics.median(float(c["step_s"]) for c in commits)
+    # Steps are not stationary (warm-up, CPU contention while a replacement starts):
+    # the replay runs at the mean pace; the nominal step is the median.
+    step_by_size = {n: statistics.fmean(v) for n, v in by_size.items()}
+    nominal = by_size.get(members) or [float(c["step_s"]) for c in commits]
+    step_s = statistics.median(nominal)
 
     first = min(commits, key=lambda c: c["t"] - c["step_s"])
     t_start = float(first["t"]) - float(first["step_s"])
     t_end = max(float(c["t"]) for c in commits)
-    startup = t_start - float(start_ev["t"]) if start_ev else 0.0
-    last_commit: dict[int, Event] = {}  # step -> its last commit
-    for c in commits:
-        last_commit[int(c["step"])] = c
-    steps = len(last_commit)
-    kept_compute = sum(float(c["step_s"]) for c in last_commit.values())
-    window = t_end - t_start
-
+    steps = len({int(c["step"]) for c in commits})
+    ledger = goodput(events)
     faults = _faults(events, commits, t_start, members, step_by_size, step_s, size)
+    window = t_end - t_start
     return Calibration(
         members=members,
         min_members=min(min_members, members),
         steps=steps,
         window_s=window,
-        startup_s=startup,
+        startup_s=t_start - float(start_ev["t"]) if start_ev else 0.0,
+        shutdown_s=float(end_ev["t"]) - t_end if end_ev else 0.0,
         step_s=step_s,
         step_s_by_size=step_by_size,
         faults=faults,
-        measured_time_goodput=kept_compute / window,
-        measured_ettr=steps * step_s / window,
+        measured_time_goodput=ledger.time_goodput,
+        measured_throughput_goodput=ledger.throughput_goodput or 0.0,
+        ledger_total_s=ledger.total_s,
+        measured_window_ettr=steps * step_s / window,
     )
 
 
@@ -159,97 +193,84 @@ def _faults(
     members: int,
     step_by_size: dict[int, float],
     step_s: float,
-    size: Callable[[int], int],
+    size: Any,
 ) -> list[FaultRecovery]:
     slot_of = {f"w{i}": i for i in range(members)}
-    out: list[FaultRecovery] = []
+    timings = joins(events)
+    formed = [e for e in events if e["kind"] == "generation_formed"]
+    spawned = [e for e in events if e["kind"] == "worker_spawned" and e.get("replacement")]
     claimed: set[str] = set()
-    faults = [e for e in events if e["kind"] == "fault_injected" and e.get("fault") in FAULT_KINDS]
-    for f in faults:
-        t0, victim = float(f["t"]), str(f["member"])
-        detected = [
-            e["t"]
-            for e in events
-            if e["t"] >= t0
-            and (
-                (e["kind"] in ("worker_exited", "member_removed") and e.get("member") == victim)
-                or (e["kind"] == "step_abort" and e.get("proc") != victim)
-            )
-        ]
-        if not detected:
+    out: list[FaultRecovery] = []
+    recs = sorted(recoveries(events), key=lambda r: r.t0)
+    for i, r in enumerate(recs):
+        detect = r.phase("detect")
+        if not math.isfinite(detect) or r.gen is None:
             continue
-        t_detect = float(min(detected))
-        ready = next(
-            (
-                e
-                for e in events
-                if e["kind"] == "generation_ready" and e["t"] >= t0 and victim not in e["members"]
-            ),
-            None,
-        )
-        if ready is None:
-            continue
-        gen = int(ready["gen"])
-        first_step = next((c for c in commits if int(c["gen"]) == gen), None)
-        if first_step is None:
-            continue
-        recover = float(first_step["t"]) - t_detect - step_by_size.get(size(gen), step_s)
-        # The replacement: the next spawned one nobody claimed yet, or the victim
-        # itself re-registering (a hung worker that was expelled and came back).
-        new: str | None = None
-        for e in events:
-            if e["t"] < t0:
-                continue
-            if (
-                e["kind"] == "worker_spawned"
-                and e.get("replacement")
-                and e["member"] not in claimed
-            ):
-                new = str(e["member"])
-                break
-            if e["kind"] == "member_registered" and e.get("member") == victim and e["t"] > t_detect:
-                new = victim
-                break
-        replacement_s, join_pause = math.inf, None
-        if new is not None:
-            claimed.add(new)
-            slot_of[new] = slot_of.get(victim, len(slot_of))
-            reg = _first(events, t0, kind="member_registered", member=new)
-            joined = next(
-                (
-                    e
-                    for e in events
-                    if e["kind"] == "generation_ready" and e["t"] >= t0 and new in e["members"]
-                ),
-                None,
-            )
-            if reg is not None:
-                replacement_s = max(0.0, float(reg["t"]) - t_detect)
-            if joined is not None:
-                jgen = int(joined["gen"])
-                before = [c for c in commits if int(c["gen"]) < jgen and c["t"] <= joined["t"]]
-                after = next((c for c in commits if int(c["gen"]) == jgen), None)
-                if before and after is not None:
-                    t_prev = max(float(c["t"]) for c in before)
-                    step_j = step_by_size.get(size(jgen), step_s)
-                    join_pause = max(0.0, float(after["t"]) - t_prev - step_j)
+        marks = [r.phase(p) for p in ("quorum", "regroup", "heal")]
+        step_after = step_by_size.get(size(r.gen), step_s)
+        overhead = max(0.0, r.phase("first_step") - step_after)
+        recover = sum(x for x in marks if math.isfinite(x)) + overhead
+        # Who fills the victim's place: the victim itself when it comes back (a hung
+        # member that was expelled and re-registers before it fails again), else the
+        # first replacement spawned for it (`replaces`), else the first unclaimed one.
+        again = next((x.t0 for x in recs[i + 1 :] if x.member == r.member), math.inf)
+        join = _first_join(timings, r.member, r.t0)
+        newcomer = r.member
+        if join is None or join.spawned_t >= again:
+            cands = [e for e in spawned if e["t"] >= r.t0 and e["member"] not in claimed]
+            pick = next((e for e in cands if e.get("replaces") == r.member), None)
+            pick = pick or next((e for e in cands if e.get("replaces") in (None, "")), None)
+            newcomer = str(pick["member"]) if pick is not None else ""
+            join = _first_join(timings, newcomer, r.t0) if pick is not None else None
+        claimed.add(newcomer)
+        slot = slot_of.get(r.member, 0)
+        replacement_s, pause = math.inf, None
+        if join is not None:
+            slot_of[newcomer] = slot
+            arrival = join.spawned_t + (join.registered_s or 0.0)
+            replacement_s = max(0.0, arrival - (r.t0 + detect))
+            pause = _join_pause(formed, commits, newcomer, arrival, step_by_size, step_s, size)
         out.append(
             FaultRecovery(
-                t=t0 - t_start,
-                member=victim,
-                slot=slot_of.get(victim, 0),
-                fault=str(f["fault"]),
-                detect_s=t_detect - t0,
-                recover_s=max(0.0, recover),
+                t=r.t0 - t_start,
+                member=r.member,
+                slot=slot,
+                fault=r.fault,
+                detect_s=detect,
+                recover_s=recover,
                 replacement_s=replacement_s,
-                join_pause_s=join_pause,
+                join_pause_s=pause,
             )
         )
     return out
 
 
+def _first_join(timings: Sequence[JoinTiming], member: str, after: float) -> JoinTiming | None:
+    return next((j for j in timings if j.member == member and j.spawned_t >= after), None)
+
+
+def _join_pause(
+    formed: Sequence[Event],
+    commits: Sequence[Event],
+    member: str,
+    arrival: float,
+    step_by_size: dict[int, float],
+    step_s: float,
+    size: Any,
+) -> float | None:
+    gen = next((g for g in formed if g["t"] >= arrival and member in g["members"]), None)
+    if gen is None or gen.get("reason") != "join":
+        return None  # joined inside a failure's regroup: its cost is in that recovery
+    g, t_formed = int(gen["gen"]), float(gen["t"])
+    before = [float(c["t"]) for c in commits if float(c["t"]) <= t_formed]
+    after = next((float(c["t"]) for c in commits if int(c["gen"]) == g), None)
+    if not before or after is None:
+        return None
+    return max(0.0, after - max(before) - step_by_size.get(size(g), step_s))
+
+
 def replace_costs(config: SimConfig, calibration: Calibration) -> SimConfig:
-    """`config` with the recovery costs and step time measured in a run (for projections)."""
+    """`config` with the recovery costs measured in a run (for projections)."""
     measured = calibration.config()
     costs = dataclasses.replace(
         config.costs,
@@ -258,5 +279,4 @@ def replace_costs(config: SimConfig, calibration: Calibration) -> SimConfig:
         heal_s=measured.costs.heal_s,
         state_bytes=0.0,
     )
-    workload = dataclasses.replace(config.workload, step_s=calibration.step_s)
-    return dataclasses.replace(config, costs=costs, workload=workload)
+    return dataclasses.replace(config, costs=costs)

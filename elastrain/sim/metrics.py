@@ -62,6 +62,8 @@ class SimResult:
     """Steps computed and then thrown away."""
     busy_accelerator_s: float
     """Accelerator-seconds spent computing (kept or not)."""
+    lost_accelerator_s: float
+    """Of those, accelerator-seconds whose steps were thrown away."""
     energy_j: float
     """Energy of all allocated accelerators (job and spares), joules."""
     badput_energy_j: float
@@ -90,6 +92,11 @@ class SimResult:
         """Kept work over the capacity held (job plus spare accelerators) for the run."""
         held = self.accelerators + self.spare_accelerators
         return self.ettr * self.accelerators / held
+
+    @property
+    def productive_accelerator_s(self) -> float:
+        """Accelerator-seconds spent computing kept steps."""
+        return self.busy_accelerator_s - self.lost_accelerator_s
 
     @property
     def lost_work_s(self) -> float:

@@ -36,6 +36,9 @@ class FailureEvent(NamedTuple):
     """Failed host slots (job slots first, then spare slots)."""
     delays: tuple[float, ...]
     """Replacement delay for each failed slot, seconds after detection."""
+    detect_s: float | None = None
+    """Detection time of this failure (e.g. measured: a crash is seen at once, a hang
+    only when a watchdog fires); None = RecoveryCosts.detect_s."""
 
 
 class Trace(Protocol):

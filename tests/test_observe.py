@@ -765,3 +765,36 @@ def test_goodput_of_nothing() -> None:
     gp = goodput([])
     assert gp.total_s == 0 and sum(gp.buckets.values()) == 0
     format_goodput(gp)
+
+
+def _ev(t: float, kind: str, proc: str, **kw: Any) -> dict[str, Any]:
+    return {"t": t, "mono": t, "proc": proc, "pid": 1, "kind": kind, **kw}
+
+
+def _zombie_commit_run(heal_after: bool) -> list[dict[str, Any]]:
+    """c completes step 0's all-reduce in gen 1 but a and b do not (c hung right
+    after); a and b re-run step 0 in gen 2 without c; c is continued later."""
+    ids = expected_ids(0)
+    half = len(ids) // 2
+    third = len(ids) // 3
+    ev = [
+        _ev(1.0, "generation_ready", "coordinator", gen=1, members=["a", "b", "c"]),
+        _ev(2.0, "step_contrib", "a", step=0, gen=1, samples=ids[:third]),
+        _ev(2.0, "step_contrib", "b", step=0, gen=1, samples=ids[third : 2 * third]),
+        _ev(2.0, "step_contrib", "c", step=0, gen=1, samples=ids[2 * third :]),
+        _ev(2.5, "step_commit", "c", step=0, gen=1, loss=1.0),
+        _ev(5.0, "generation_ready", "coordinator", gen=2, members=["a", "b"]),
+        _ev(6.0, "step_contrib", "a", step=0, gen=2, samples=ids[:half]),
+        _ev(6.0, "step_contrib", "b", step=0, gen=2, samples=ids[half:]),
+        _ev(6.5, "step_commit", "a", step=0, gen=2, loss=1.0),
+        _ev(6.5, "step_commit", "b", step=0, gen=2, loss=1.0),
+    ]
+    if heal_after:
+        ev.append(_ev(9.0, "heal_end", "c", gen=3, role="recv", bytes=1, seconds=0.1))
+    return ev
+
+
+def test_ledger_ignores_a_commit_whose_state_was_healed_away() -> None:
+    assert check_exactly_once(_zombie_commit_run(True), expected_ids).violations == []
+    bad = check_exactly_once(_zombie_commit_run(False), expected_ids).violations
+    assert any("committed in 2 generations" in v for v in bad)

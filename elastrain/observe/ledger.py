@@ -133,9 +133,18 @@ def check_exactly_once(
         elif k == "step_contrib":
             contribs[(s, g)].append(e)
     members_of = _gen_members(evs)
+    healed_at: dict[str, list[float]] = defaultdict(list)
+    commit_times: dict[str, list[float]] = defaultdict(list)
+    for e in evs:
+        if e.get("kind") == "heal_end" and e.get("role") == "recv":
+            healed_at[str(e.get("proc"))].append(float(e["t"]))
+        elif e.get("kind") == "step_commit":
+            commit_times[str(e.get("proc"))].append(float(e["t"]))
     committed_by_step: dict[int, int] = {}
     for s in sorted(commits):
-        cs = commits[s]
+        cs = [e for e in commits[s] if not _discarded(e, healed_at, commit_times)]
+        if not cs:
+            cs = commits[s]
         gens: dict[int, list[str]] = {}
         for e in cs:
             gens.setdefault(int(e["gen"]), []).append(str(e.get("proc")))
@@ -159,6 +168,22 @@ def check_exactly_once(
                 f"(committed {len(steps)} steps up to {steps[-1]})"
             )
     return LedgerReport(len(steps), violations, committed_by_step)
+
+
+def _discarded(
+    commit: Event, healed_at: Mapping[str, list[float]], commit_times: Mapping[str, list[float]]
+) -> bool:
+    """A commit whose state was thrown away: its member was healed afterwards
+    without committing anything in between (a member that completed an
+    all-reduce its peers did not, e.g. a hung one that was continued after the
+    others had re-run the step without it). It is not part of the job's lineage."""
+    proc = str(commit.get("proc"))
+    t = float(commit["t"])
+    later = [h for h in healed_at.get(proc, []) if h > t]
+    if not later:
+        return False
+    h = min(later)
+    return not any(t < c < h for c in commit_times.get(proc, []))
 
 
 def _check_partition(

@@ -174,6 +174,10 @@ class ElasticTrainer:
         self._last_wait_msg = 0.0
         self._job_finished = False
         self._inflight: list[Any] = []
+        self._hashing: concurrent.futures.Future[None] | None = None
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="elastrain-hash"
+        )
 
     # ---- public ----------------------------------------------------------------
 
@@ -298,15 +302,28 @@ class ElasticTrainer:
             )
             self._abandon("heal", str(e))
             return
-        digest = state_hash(self.model, self.optimizer) if self.config.hash_state else ""
-        self.events.emit(
-            "generation_start",
-            gen=self.gen,
-            step=self.committed,
-            state_hash=digest,
-            members=self.members,
-            rank=self.rank,
-        )
+        # Hash the state off the recovery's critical path: it overlaps the first
+        # step's compute, which only reads the parameters; `_settle_hash` joins
+        # it before anything writes them (optimizer step, heal, shutdown).
+        gen, step, members, rank = self.gen, self.committed, self.members, self.rank
+
+        def start_event() -> None:
+            digest = state_hash(self.model, self.optimizer) if self.config.hash_state else ""
+            self.events.emit(
+                "generation_start",
+                gen=gen,
+                step=step,
+                state_hash=digest,
+                members=members,
+                rank=rank,
+            )
+
+        self._hashing = self._hash_pool.submit(start_event)
+
+    def _settle_hash(self) -> None:
+        if self._hashing is not None:
+            self._hashing.result()
+            self._hashing = None
 
     def _heal(self, r: p.RendezvousResponse) -> None:
         senders = [i for i, m in enumerate(r.members) if r.committed[m] == r.start_step]
@@ -355,6 +372,7 @@ class ElasticTrainer:
 
     def _abandon(self, phase: str, error: str) -> None:
         """Drop the current group (parking it if work is in flight) and forget the generation."""
+        self._settle_hash()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
         self._pg = None
@@ -466,6 +484,7 @@ class ElasticTrainer:
             )
         for i, f in enumerate(flats):
             (f[:-2] if i == 0 else f).div_(cfg.global_batch_size)
+        self._settle_hash()
         self.optimizer.step()
         self.committed = s + 1
         loss_mean = total_loss / count
@@ -530,11 +549,13 @@ class ElasticTrainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._settle_hash()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
             self._pg = None
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
+        self._hash_pool.shutdown(wait=False)
         self.graveyard.close()
         self.client.close()
         self.events.close()

@@ -47,3 +47,45 @@ def param_count(model: torch.nn.Module) -> int:
 def micro_rng_seed(seed: int, step: int, micro: int) -> int:
     """The per-micro-batch RNG seed ElasticTrainer uses (same cost on both sides)."""
     return (seed * 0x9E3779B1 + step * 1_000_003 + micro) & 0x7FFF_FFFF_FFFF
+
+
+class Gate:
+    """Interleaves the two sides of the steady-state comparison in blocks of steps.
+
+    Both sides' workers run at once but take turns: after `warmup` steps and after
+    each block of `block` steps, every worker of a side reports to the benchmark's
+    TCPStore (`<side>/ready/<k>`; the last of `world` also sets
+    `<side>/ready_all/<k>` to its wall time) and then waits, idle, until the
+    benchmark sets `<side>/go/<k>`. After the last block it reports and returns.
+    Called on every worker between steps (after a commit), never inside one.
+    """
+
+    def __init__(
+        self, address: str, side: str, world: int, warmup: int, block: int, blocks: int
+    ) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        self.store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=900)
+        )
+        self.side, self.world = side, world
+        self.warmup, self.block, self.blocks = warmup, block, blocks
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.block * self.blocks
+
+    def after_step(self, committed: int) -> None:
+        """`committed`: steps done so far on this worker."""
+        import time
+
+        if committed < self.warmup or (committed - self.warmup) % self.block:
+            return
+        k = (committed - self.warmup) // self.block
+        if self.store.add(f"{self.side}/ready/{k}", 1) == self.world:
+            self.store.set(f"{self.side}/ready_all/{k}", repr(time.time()))
+        if k < self.blocks:
+            self.store.wait([f"{self.side}/go/{k}"])

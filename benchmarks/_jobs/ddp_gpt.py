@@ -1,9 +1,12 @@
 """The baseline side of benchmarks/recovery.py: plain DistributedDataParallel on gloo.
 
-    python ddp_gpt.py RANK WORLD STORE_PORT STEPS OUT_JSON [shape args]
+    python ddp_gpt.py RANK WORLD STORE_PORT OUT_JSON --warmup-steps W --block-steps B
+        --blocks N [shape args]
 
-Rank 0's parent (recovery.py) hosts a TCPStore; every rank joins it with
-`init_process_group("gloo", store=...)` (no torch.distributed.run). Each step
+The parent (recovery.py) hosts a TCPStore; every rank joins it with
+`init_process_group("gloo", store=PrefixStore("ddp-SIDE", store))` (no
+torch.distributed.run) and takes turns with the elastrain job through the same
+store (common.Gate): W warm-up steps, then N blocks of B steps. Each step
 runs exactly elastrain's data pipeline: the step's micro-batches come from the
 same seeded global order and `assign_microbatches`, each micro-batch under the
 same forked, reseeded RNG; backward under `no_sync()` for all but this rank's
@@ -29,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import Shape, build, loss_fn, micro_rng_seed  # noqa: E402
+from common import Gate, Shape, build, loss_fn, micro_rng_seed  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
@@ -41,8 +44,10 @@ def main() -> None:
     ap.add_argument("rank", type=int)
     ap.add_argument("world", type=int)
     ap.add_argument("port", type=int)
-    ap.add_argument("steps", type=int)
     ap.add_argument("out")
+    ap.add_argument("--warmup-steps", type=int, required=True)
+    ap.add_argument("--block-steps", type=int, required=True)
+    ap.add_argument("--blocks", type=int, required=True)
     ap.add_argument("--dim", type=int, default=Shape.dim)
     ap.add_argument("--layers", type=int, default=Shape.layers)
     ap.add_argument("--heads", type=int, default=Shape.heads)
@@ -51,14 +56,16 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=Shape.micro_batch)
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb")
     ap.add_argument("--grad-as-bucket-view", action="store_true")
+    ap.add_argument("--side", default="D", help="this baseline's name for the gate (D)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    gate = Gate(f"127.0.0.1:{a.port}", a.side, a.world, a.warmup_steps, a.block_steps, a.blocks)
     store = dist.TCPStore(
         "127.0.0.1", a.port, a.world, is_master=False, timeout=datetime.timedelta(seconds=60)
     )
     dist.init_process_group(
-        "gloo", store=store, rank=a.rank, world_size=a.world,
+        "gloo", store=dist.PrefixStore(f"ddp-{a.side}", store), rank=a.rank, world_size=a.world,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     model, opt, data = build(shape)
@@ -75,7 +82,7 @@ def main() -> None:
     losses: list[float] = []
     sync_s: list[float] = []
     opt_s: list[float] = []
-    for s in range(a.steps):
+    for s in range(gate.total_steps):
         t0 = time.monotonic()
         mbs = step_microbatches(s, B, shape.micro_batch)
         mine = assign_microbatches(len(mbs), W, a.rank)
@@ -103,6 +110,7 @@ def main() -> None:
         step_s.append(t1 - t0)
         end_t.append(time.time())
         losses.append(loss_sum / max(1, sum(len(mbs[i]) for i in mine)))
+        gate.after_step(s + 1)
     dist.barrier()
     with open(a.out, "w") as f:
         json.dump(

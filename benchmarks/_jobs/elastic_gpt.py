@@ -3,6 +3,8 @@
 Started by the launcher (`Launcher(LaunchConfig(script=this, ...))`); the
 launcher's `steps` sets the number of steps. Shape arguments must match the
 DDP baseline's (benchmarks/_jobs/ddp_gpt.py); recovery.py passes the same ones.
+With BENCH_GATE set, the worker pauses between blocks of steps so that the
+benchmark can interleave it with the DDP baseline (see common.Gate).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from common import Shape, build, loss_fn  # noqa: E402
+from common import Gate, Shape, build, loss_fn  # noqa: E402
 
 from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
 
@@ -39,7 +41,14 @@ def main() -> None:
         seed=shape.seed,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
+    gate = None
+    if os.environ.get("BENCH_GATE"):
+        # "host:port,warmup,block,blocks": take turns with the DDP baseline (see Gate).
+        addr, w, b, n = os.environ["BENCH_GATE"].split(",")
+        gate = Gate(addr, "E", int(os.environ.get("BENCH_WORLD", "4")), int(w), int(b), int(n))
     for r in trainer.steps():
+        if gate is not None:
+            gate.after_step(r.step + 1)
         if r.rank == 0 and r.step % 10 == 0:
             print(f"step {r.step} loss {r.loss:.4f} members {r.members} gen {r.gen}", flush=True)
 

@@ -315,7 +315,32 @@ def test_sigterm_to_the_launcher_takes_an_emergency_checkpoint_then_resume(
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert max(e["step"] for e in ev if e["kind"] == "step_commit") == step - 1
-    # Rerun: it continues from the emergency checkpoint.
+    # Rerun: it continues from the emergency checkpoint; this time with the
+    # automatic (Young/Daly) interval, which the members must agree on.
     assert latest_verified(run_dir / "checkpoints").step == step  # type: ignore[union-attr]
-    job = run_job(steps=STEPS, workers=WORKERS)
+    job = run_job(steps=STEPS, workers=WORKERS, checkpoint_mtbf_s=60.0)
     assert_resumed(job, reference, step)
+    ev = since_last_start(job)
+    chosen = [e for e in ev if e["kind"] == "checkpoint_interval"]
+    assert chosen and {e["proc"] for e in chosen} == {"w0"}  # rank 0 announces it
+    assert any(e["interval_steps"] > 0 and "Young/Daly" in e["reason"] for e in chosen), chosen
+    # Each member took part in the same checkpoints (saved, or skipped/failed
+    # on its side), so the schedule was the same everywhere.
+    attempted = {
+        m: {
+            e["step"]
+            for e in ev
+            if e["proc"] == m
+            and (
+                e["kind"] == "checkpoint_saved"
+                or (
+                    e["kind"] in ("checkpoint_skipped", "checkpoint_failed")
+                    and e.get("phase") in ("snapshot", "write")
+                )
+            )
+        }
+        for m in ("w0", "w1")
+    }
+    assert attempted["w0"] == attempted["w1"] and len(attempted["w0"]) >= 2, attempted
+    done = {e["step"] for e in ev if e["kind"] == "checkpoint_committed"}
+    assert done and done <= attempted["w0"]

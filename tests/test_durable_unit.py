@@ -88,6 +88,7 @@ def test_automatic_schedule_bootstraps_then_follows_young_daly() -> None:
     # The same interval chosen again is not announced again.
     s.taken(601)
     s.absorb([1.0, 2.0, 0.2, 2.0])
+    assert s.step_s == pytest.approx(0.1)  # 0.8 x 0.1 + 0.2 x 0.1
     assert s.plan(602) is None and s.next == 1201
 
 
@@ -319,3 +320,23 @@ def test_preemption_is_decided_once_per_step_for_every_member(tmp_path: Path) ->
         c.close()
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+        (["--ckpt-mtbf", "0"], "--ckpt-mtbf must be a number of seconds > 0"),
+        (["--grace", "0"], "--grace must be > 0"),
+    ],
+)
+def test_bad_checkpoint_cli_arguments_are_clear_errors(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.cli import main
+
+    from .conftest import MLP
+
+    assert main(["run", *args, MLP]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

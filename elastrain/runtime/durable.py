@@ -133,7 +133,8 @@ class Schedule:
     cost_s: float | None = None
     """Agreed blocking save cost: the members' mean of their last measured one."""
     step_s: float | None = None
-    """Agreed step time: the members' mean of their last step's duration."""
+    """Agreed step time: the members' mean of their last step's duration, smoothed
+    (exponential moving average, weight 0.2 for the newest step)."""
     interval_steps: int | None = None
     """Automatic mode: the interval last chosen, in steps."""
 
@@ -161,7 +162,9 @@ class Schedule:
         if round(cost_n) >= 1:
             self.cost_s = cost_sum / round(cost_n)
         if round(step_n) >= 1:
-            self.step_s = step_sum / round(step_n)
+            mean = step_sum / round(step_n)
+            # Smoothed (one step is noisy); every member computes the same from the same input.
+            self.step_s = mean if self.step_s is None else 0.8 * self.step_s + 0.2 * mean
 
     def plan(self, n: int) -> IntervalChoice | None:
         """Automatic mode: choose the next checkpoint if none is chosen; returns the

@@ -2,6 +2,7 @@
 
 elastrain demo                                # the elastic demo (about 2 minutes)
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
+elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: resumes
 elastrain coordinator --bind 127.0.0.1:0 --target 4
 elastrain sim --preset llama3-16k
 """
@@ -42,6 +43,29 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         help="inject a fault: KIND@STEP[:MEMBER][/SECONDS], KIND in kill, hang, term "
         "(e.g. kill@15, hang@30/6); repeatable",
     )
+    ap.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="checkpoint every STEPS committed steps into <run-dir>/checkpoints "
+        "(overrides the script; 0: no periodic checkpoints)",
+    )
+    ap.add_argument(
+        "--ckpt-mtbf",
+        type=float,
+        default=None,
+        metavar="S",
+        help="job MTBF in seconds: choose the checkpoint interval automatically "
+        "(Young/Daly, from the measured save cost)",
+    )
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM: seconds for the emergency checkpoint and a clean exit (default 30)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule's choices")
     ap.add_argument(
         "--plain", action="store_true", help="plain progress lines instead of a live panel"
@@ -64,6 +88,9 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         steps=args.steps,
         faults=faults,
         seed=args.seed,
+        checkpoint_every=args.ckpt_every,
+        checkpoint_mtbf_s=args.ckpt_mtbf,
+        grace_s=args.grace,
     )
 
 
@@ -85,6 +112,8 @@ def _summary(result: object) -> None:
 
     assert isinstance(result, RunResult)
     print(f"\njob {result.status}: {result.steps} steps; run directory {result.run_dir}")
+    if result.resumed_from is not None:
+        print(f"resumed from the checkpoint at step {result.resumed_from}")
     if result.message:
         print(result.message)
     try:

@@ -30,3 +30,18 @@ FAULTS = "ELASTRAIN_FAULTS"
 
 STEPS = "ELASTRAIN_STEPS"
 """Optional override of the trainer's total step count (the launcher's --steps)."""
+
+CKPT_DIR = "ELASTRAIN_CKPT_DIR"
+"""Checkpoint directory chosen by the launcher (overrides TrainerConfig.checkpoint_dir)."""
+
+CKPT_EVERY = "ELASTRAIN_CKPT_EVERY"
+"""Optional override of TrainerConfig.checkpoint_every (the launcher's --ckpt-every)."""
+
+CKPT_MTBF = "ELASTRAIN_CKPT_MTBF"
+"""Optional override of TrainerConfig.checkpoint_mtbf_s (the launcher's --ckpt-mtbf)."""
+
+RESUME = "ELASTRAIN_RESUME"
+"""Which checkpoint a worker loads before its first rendezvous: "none", "latest"
+(the newest verified one), or a step number (the one the launcher chose and
+verified at whole-job resume; newer step directories were already discarded).
+Unset: "latest" when checkpointing is on, else "none"."""

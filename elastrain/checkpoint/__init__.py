@@ -36,12 +36,34 @@ checkpoint; committed checkpoints are never rewritten.
 
 from __future__ import annotations
 
-from elastrain.checkpoint.config import CheckpointConfig, young_daly_interval
-from elastrain.checkpoint.files import CheckpointCorrupt, CheckpointError, CommitError
-from elastrain.checkpoint.retention import apply_retention, discard_newer
-from elastrain.checkpoint.snapshot import Snapshot
-from elastrain.checkpoint.store import VerifiedCheckpoint, commit, latest_verified, load
-from elastrain.checkpoint.writer import CheckpointWriter, SaveHandle, SaveResult
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastrain.checkpoint.config import CheckpointConfig, young_daly_interval
+    from elastrain.checkpoint.files import CheckpointCorrupt, CheckpointError, CommitError
+    from elastrain.checkpoint.retention import apply_retention, discard_newer
+    from elastrain.checkpoint.snapshot import Snapshot
+    from elastrain.checkpoint.store import VerifiedCheckpoint, commit, latest_verified, load
+    from elastrain.checkpoint.writer import CheckpointWriter, SaveHandle, SaveResult
+
+_WHERE = {
+    "CheckpointConfig": "config",
+    "young_daly_interval": "config",
+    "CheckpointCorrupt": "files",
+    "CheckpointError": "files",
+    "CommitError": "files",
+    "apply_retention": "retention",
+    "discard_newer": "retention",
+    "Snapshot": "snapshot",
+    "VerifiedCheckpoint": "store",
+    "commit": "store",
+    "latest_verified": "store",
+    "load": "store",
+    "CheckpointWriter": "writer",
+    "SaveHandle": "writer",
+    "SaveResult": "writer",
+}
 
 __all__ = [
     "CheckpointConfig",
@@ -60,3 +82,10 @@ __all__ = [
     "load",
     "young_daly_interval",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that the launcher can look at file names (`files`) without importing torch.
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"elastrain.checkpoint.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

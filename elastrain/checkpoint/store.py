@@ -7,7 +7,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,10 @@ def commit(
 
 
 def latest_verified(
-    directory: str | os.PathLike[str], *, verify_checksums: bool = True
+    directory: str | os.PathLike[str],
+    *,
+    verify_checksums: bool = True,
+    on_skip: Callable[[int, Path, str], None] | None = None,
 ) -> VerifiedCheckpoint | None:
     """The newest checkpoint under ``directory`` that is committed and verifies, or None.
 
@@ -221,12 +224,16 @@ def latest_verified(
     whose size or CRC-32 does not match is skipped with ``logging.warning``
     naming the file and the fault, and the previous one is tried. Blocking:
     reads the newest good checkpoint in full when ``verify_checksums``.
+    ``on_skip(step, step_dir, reason)`` is called for each skipped one as well
+    (e.g. to show the warning to the user or record an event).
     """
     for step, d in reversed(list_steps(directory)):
         try:
             ckpt = _verify(d, verify_checksums)
         except CheckpointCorrupt as e:
             log.warning("skipping checkpoint step %d: %s; trying the previous one", step, e)
+            if on_skip is not None:
+                on_skip(step, d, str(e))
             continue
         log.info("newest verified checkpoint: step %d (%s)", step, d)
         return ckpt

@@ -113,6 +113,9 @@ class CoordinatorClient:
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         return self._op("leave", req, p.OkResponse)
 
+    def preempt(self, req: p.PreemptRequest) -> p.OkResponse:
+        return self._op("preempt", req, p.OkResponse)
+
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
         return self._op("exit", req, p.OkResponse)
 

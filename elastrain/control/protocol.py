@@ -16,6 +16,8 @@ Ops (who calls; blocking?):
 - `quorum`     every member, once per step, before its all-reduce: proceed or regroup.
 - `leave`      a worker leaving on purpose (graceful leave or done).
 - `exit`       the launcher/agent, when a child process has exited.
+- `preempt`    the launcher, when the whole job got SIGTERM: every member takes
+               an emergency checkpoint after the next step it gets a verdict for.
 - `status`     anyone with the token (launcher progress, tests, `elastrain top`).
 See docs/wire-api.md for examples.
 """
@@ -160,6 +162,12 @@ class LeaveRequest:
 
 
 @dataclass(frozen=True)
+class PreemptRequest:
+    grace_s: float
+    """Seconds the job has left (Kubernetes' termination grace period, --grace)."""
+
+
+@dataclass(frozen=True)
 class ExitRequest:
     member: str
     pid: int
@@ -201,6 +209,10 @@ class QuorumResponse:
     verdict: str
     """"proceed" (run the step in this generation), "regroup", or "expelled"."""
     gen: int
+    preempt_s: float = 0.0
+    """> 0: the job is being preempted. After committing this step, take one
+    emergency checkpoint within this many seconds, then exit. Decided once per
+    (gen, step) like the verdict, so every member gets the same answer."""
 
 
 @dataclass(frozen=True)

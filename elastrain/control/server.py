@@ -72,6 +72,9 @@ class Coordinator:
         self.started = time.time()
         self._commits: list[tuple[float, int]] = []
         self._global_batch = 0
+        self._preempt_deadline: float | None = None
+        self._preempt_decision: tuple[int, int, float | None] | None = None
+        """(gen, step, preemption deadline or None) of the latest "proceed" verdict."""
 
     # ---- helpers ------------------------------------------------------------
 
@@ -183,6 +186,15 @@ class Coordinator:
             verdict, gen = self.state.quorum(
                 req.member, req.incarnation, req.gen, req.step, req.leaving, time.monotonic()
             )
+            preempt_s = 0.0
+            if verdict == "proceed":
+                d = self._preempt_decision
+                if d is None or d[:2] != (req.gen, req.step):
+                    # The first request for (gen, step) decides for every member.
+                    d = (req.gen, req.step, self._preempt_deadline)
+                    self._preempt_decision = d
+                if d[2] is not None:
+                    preempt_s = max(0.001, d[2] - time.monotonic())
             if verdict == "proceed" and req.last_loss is not None:
                 self.state.last_loss = req.last_loss
             if req.global_batch:
@@ -191,7 +203,17 @@ class Coordinator:
                 self._commits.append((time.monotonic(), req.step))
                 del self._commits[:-50]
             self._flush()
-            return p.QuorumResponse(verdict, gen)
+            return p.QuorumResponse(verdict, gen, preempt_s)
+
+    def preempt(self, req: p.PreemptRequest) -> p.OkResponse:
+        """The whole job is being preempted: from the next step decided on, every
+        member is told to take an emergency checkpoint after it and exit."""
+        with self.cond:
+            if self._preempt_deadline is None:
+                self._preempt_deadline = time.monotonic() + max(0.0, req.grace_s)
+                self.events.emit("preempt_notice", grace_s=req.grace_s)
+            self._flush(wake=True)
+            return p.OkResponse(True)
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         with self.cond:
@@ -232,6 +254,7 @@ class Coordinator:
                 "samples_per_s": rate * self._global_batch,
                 "waiting": s.waiting,
                 "finished": s.finished,
+                "preempting": self._preempt_deadline is not None,
                 "target": self.config.target,
                 "min": self.config.min_members,
                 "uptime_s": time.time() - self.started,
@@ -257,6 +280,7 @@ ROUTES: dict[str, tuple[type, str]] = {
     "quorum": (p.QuorumRequest, "quorum"),
     "leave": (p.LeaveRequest, "leave"),
     "exit": (p.ExitRequest, "exit"),
+    "preempt": (p.PreemptRequest, "preempt"),
 }
 
 

@@ -6,6 +6,15 @@ coordinator at once when a child exits, replaces dead workers after
 `replace_delay_s` (the stand-in for scheduling a pod), fires the fault
 schedule, shows progress, and shuts everything down on Ctrl-C. Everything
 about the run lands in the run directory.
+
+Durable state: before spawning anyone, the launcher picks the checkpoint to
+resume from in ``<run_dir>/checkpoints`` (the newest that verifies; damaged
+ones are skipped with a warning naming the file) and clears the step
+directories newer than it, so running `elastrain run` again on the same run
+directory continues the job. SIGTERM to the launcher (a preemption notice for
+the whole job) asks the coordinator to have every member take one emergency
+checkpoint at the next step boundary; the launcher waits for the workers to
+exit within the grace period, then stops everything.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from elastrain.observe.events import EventLog
 
 EXIT_LEFT = 75
 EXIT_REFUSED = 3
+EXIT_PREEMPTED = 76
+CHECKPOINTS = "checkpoints"
+"""The checkpoint directory inside the run directory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +83,13 @@ class LaunchConfig:
     """Show live progress."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment for the workers."""
+    checkpoint_every: int | None = None
+    """Override the script's checkpoint interval, in steps (--ckpt-every; 0: none)."""
+    checkpoint_mtbf_s: float | None = None
+    """Override the script's MTBF for the automatic Young/Daly interval (--ckpt-mtbf)."""
+    grace_s: float = 30.0
+    """Seconds between SIGTERM to the launcher and the end of the job (--grace):
+    the emergency checkpoint and every worker's exit must fit in it."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -85,6 +104,12 @@ class LaunchConfig:
             raise ValueError(f"training script not found: {self.script}")
         if self.steps is not None and self.steps < 0:
             raise ValueError("--steps must be >= 0")
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise ValueError("--ckpt-every must be >= 0 (0 turns periodic checkpoints off)")
+        if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
+            raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
+        if not self.grace_s > 0:
+            raise ValueError("--grace must be > 0 seconds")
 
 
 @dataclass
@@ -105,6 +130,8 @@ class RunResult:
     """member -> PIDs it had (one unless it was replaced under the same id, which we never do)."""
     steps: int
     message: str = ""
+    resumed_from: int | None = None
+    """The checkpoint step the job resumed from (None: it started from scratch)."""
 
 
 class Launcher:
@@ -137,6 +164,10 @@ class Launcher:
         self.status: dict[str, Any] = {}
         self.done_members: set[str] = set()
         self.fault_log: list[dict[str, Any]] = []
+        self.checkpoint_dir = self.run_dir / CHECKPOINTS
+        self.resume_step: int | None = None
+        self._preempt_asked = threading.Event()
+        self._preempt_deadline: float | None = None
 
     # ---- processes -------------------------------------------------------------
 
@@ -191,6 +222,16 @@ class Launcher:
         )
         if c.steps is not None:
             e[env.STEPS] = str(c.steps)
+        e[env.CKPT_DIR] = str(self.checkpoint_dir)
+        if c.checkpoint_every is not None:
+            e[env.CKPT_EVERY] = str(c.checkpoint_every)
+        if c.checkpoint_mtbf_s is not None:
+            e[env.CKPT_MTBF] = repr(c.checkpoint_mtbf_s)
+        if replacement:
+            # Peers heal it if they are further; if every worker died, it is the state.
+            e[env.RESUME] = "latest"
+        else:
+            e[env.RESUME] = "none" if self.resume_step is None else str(self.resume_step)
         if c.fault_points:
             e[env.FAULTS] = c.fault_points
         log = open(self.run_dir / "logs" / f"{member}.log", "ab")  # noqa: SIM115
@@ -233,9 +274,10 @@ class Launcher:
         status, message = "failed", ""
         previous = None
         if threading.current_thread() is threading.main_thread():
-            # SIGTERM to the launcher ends the job cleanly (children stopped by PID).
-            previous = signal.signal(signal.SIGTERM, lambda *_: self._terminate())
+            # SIGTERM to the launcher: a preemption notice for the whole job.
+            previous = signal.signal(signal.SIGTERM, lambda *_: self.preempt())
         try:
+            self._prepare_resume()
             self._start_coordinator()
             for _ in range(c.workers):
                 self._spawn(replacement=False)
@@ -250,18 +292,112 @@ class Launcher:
                 "job_end", status=status, steps=self.status.get("step", 0), message=message
             )
             self.events.close()
-        return RunResult(status, self.run_dir, self.pids, int(self.status.get("step", 0)), message)
+        return RunResult(
+            status,
+            self.run_dir,
+            self.pids,
+            int(self.status.get("step", 0)),
+            message,
+            self.resume_step,
+        )
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _terminate(self) -> None:
-        self._stop_reason = ("interrupted", "terminated by SIGTERM")
-        self._stop.set()
+    def preempt(self) -> None:
+        """The whole job is being preempted (what SIGTERM does; any thread, signal-safe).
+
+        The main loop asks the coordinator to have every member take one
+        emergency checkpoint at the next step boundary and exit, stops
+        replacing workers, and ends the job once every worker has exited or
+        the grace period (minus a margin for stopping stragglers) is over.
+        A second call stops the job at once.
+        """
+        if self._preempt_asked.is_set():
+            self._stop_reason = ("interrupted", "terminated by a second SIGTERM")
+            self._stop.set()
+        self._preempt_asked.set()
+
+    def _prepare_resume(self) -> None:
+        """Choose the checkpoint to resume from and clear newer step directories (once,
+        before any worker starts). Damaged checkpoints are skipped with a warning."""
+        d = self.checkpoint_dir
+        if not d.is_dir():
+            return
+        from elastrain.checkpoint import discard_newer, latest_verified
+
+        skipped: list[dict[str, Any]] = []
+
+        def on_skip(step: int, path: Path, reason: str) -> None:
+            skipped.append({"step": step, "path": str(path), "reason": reason})
+
+        ckpt = latest_verified(d, on_skip=on_skip)
+        discarded = discard_newer(d, ckpt.step if ckpt is not None else None)
+        self.resume_step = ckpt.step if ckpt is not None else None
+        using = (
+            f"the previous one, step {ckpt.step} ({ckpt.path})"
+            if ckpt is not None
+            else "none (no older checkpoint verifies): starting from scratch"
+        )
+        for sk in skipped:
+            print(
+                f"elastrain: warning: checkpoint step {sk['step']} fails verification: "
+                f"{sk['reason']}; using {using}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if ckpt is not None:
+            print(
+                f"elastrain: resuming from checkpoint step {ckpt.step} ({ckpt.path})",
+                file=sys.stderr,
+                flush=True,
+            )
+        if ckpt is not None or skipped or discarded:
+            self.events.emit(
+                "checkpoint_resume",
+                step=self.resume_step,
+                path=str(ckpt.path) if ckpt is not None else None,
+                skipped=skipped,
+                discarded=[str(x) for x in discarded],
+            )
+
+    def _newest_checkpoint(self) -> str:
+        from elastrain.checkpoint.files import MARKER, list_steps
+
+        committed = [s for s, d in list_steps(self.checkpoint_dir) if (d / MARKER).exists()]
+        if not committed:
+            return "no checkpoint was committed"
+        return f"newest committed checkpoint: step {committed[-1]} in {self.checkpoint_dir}"
+
+    def _begin_preempt(self) -> None:
+        c = self.config
+        margin = min(5.0, 0.2 * c.grace_s)
+        self._preempt_deadline = time.monotonic() + c.grace_s - margin
+        self.events.emit("preempt_notice", grace_s=c.grace_s)
+        print(
+            f"elastrain: SIGTERM: emergency checkpoint, then exit (grace {c.grace_s:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.client is not None:
+            try:
+                self.client.preempt(p.PreemptRequest(c.grace_s - margin))
+            except CoordinatorError as e:
+                print(f"elastrain: could not notify the coordinator: {e}", file=sys.stderr)
 
     def _loop(self) -> tuple[str, str]:
         last_status = 0.0
         while not self._stop.is_set():
+            if self._preempt_asked.is_set() and self._preempt_deadline is None:
+                self._begin_preempt()
+            if self._preempt_deadline is not None:
+                if not self.workers:
+                    return "preempted", "preempted (SIGTERM): " + self._newest_checkpoint()
+                if time.monotonic() >= self._preempt_deadline:
+                    return "preempted", (
+                        f"preempted (SIGTERM): grace period over with "
+                        f"{', '.join(sorted(self.workers))} still running"
+                    )
             try:
                 member, pid, rc = self.exits.get(timeout=0.1)
                 r = self._on_exit(member, pid, rc)
@@ -279,6 +415,8 @@ class Launcher:
                 last_status = now
                 self._poll_status()
             if not self.workers and not any(t[2] == "spawn" for t in self._timers):
+                if self._preempt_deadline is not None:
+                    return "preempted", "preempted (SIGTERM): " + self._newest_checkpoint()
                 if self.status.get("finished") or self.done_members:
                     return "done", ""
                 return "failed", "no workers left"
@@ -300,6 +438,8 @@ class Launcher:
             return None
         if w is not None and w.stopped:
             return None
+        if self._preempt_deadline is not None:
+            return None  # the job is ending: nobody is replaced
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
         if w is not None and time.monotonic() - w.started < 10 and rc != EXIT_LEFT:

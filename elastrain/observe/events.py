@@ -25,13 +25,17 @@ KINDS = frozenset(
     {
         # launcher
         "job_start", "worker_spawned", "worker_exited", "fault_injected", "job_end",
-        # coordinator
+        "checkpoint_resume",
+        # coordinator (preempt_notice: also the launcher)
         "coordinator_start", "member_registered", "member_refused", "member_removed",
-        "generation_formed", "generation_ready", "waiting_for_members",
+        "generation_formed", "generation_ready", "waiting_for_members", "preempt_notice",
         # worker
         "worker_start", "rendezvous_begin", "group_built", "heal_begin", "heal_end",
         "generation_start", "step_contrib", "step_commit", "step_abort",
         "watchdog_fired", "worker_exit",
+        # worker: durable checkpoints
+        "checkpoint_saved", "checkpoint_failed", "checkpoint_skipped", "checkpoint_committed",
+        "checkpoint_interval", "checkpoint_loaded", "checkpoint_emergency",
     }
 )  # fmt: skip
 

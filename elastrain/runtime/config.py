@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -51,6 +52,41 @@ class TrainerConfig:
     """Hash the full state at every generation start (logged as an event, so
     tests and chaos runs can check that every member holds the same state)."""
 
+    checkpoint_dir: str | None = None
+    """Where durable checkpoints go. None: ``<run_dir>/checkpoints`` (the run
+    directory the launcher gives the workers); under `elastrain run` the
+    launcher's directory always wins, like --steps. With neither a directory
+    nor a run directory, checkpointing is off. All members must see the same
+    directory (one host, or a shared filesystem)."""
+
+    checkpoint_every: int = 0
+    """Take a checkpoint after every this many committed steps (0: no periodic
+    checkpoints). The launcher's --ckpt-every overrides it. With
+    `checkpoint_mtbf_s` set, it only places the first checkpoint (the one that
+    measures the save cost); 0 then means after the first step."""
+
+    checkpoint_mtbf_s: float | None = None
+    """Mean time between failures of the whole job, in seconds. When set, the
+    interval is automatic (Young/Daly: sqrt(2 x MTBF x save cost), with the
+    members' mean measured blocking save cost and step time, agreed through
+    the step's all-reduce) and re-chosen after every checkpoint; each choice is
+    logged and emitted as a `checkpoint_interval` event. --ckpt-mtbf overrides it."""
+
+    checkpoint_keep_last: int = 3
+    """Committed checkpoints kept (the newest verified one is always kept too)."""
+
+    checkpoint_keep_every: int = 0
+    """Also keep forever every checkpoint whose step is a multiple of this (0: off)."""
+
+    checkpoint_commit_timeout_s: float = 120.0
+    """How long rank 0 waits for every member's shard of a checkpoint before
+    giving that checkpoint up (a member died, left, or skipped it because its
+    previous write was still running). Also bounds how long a finishing
+    worker waits for its last save and commit."""
+
+    checkpoint_fsync: bool = True
+    """fsync checkpoint files and directories (turn off only on throw-away storage)."""
+
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise ValueError("global_batch_size and micro_batch_size must be positive")
@@ -68,6 +104,25 @@ class TrainerConfig:
             )
         if self.hang_timeout_multiplier < 1:
             raise ValueError("hang_timeout_multiplier must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every must be >= 0 (0: no periodic checkpoints), "
+                f"got {self.checkpoint_every}"
+            )
+        if self.checkpoint_mtbf_s is not None and not (
+            math.isfinite(self.checkpoint_mtbf_s) and self.checkpoint_mtbf_s > 0
+        ):
+            raise ValueError(
+                f"checkpoint_mtbf_s must be a number of seconds > 0 (or None for a fixed "
+                f"interval), got {self.checkpoint_mtbf_s}"
+            )
+        if self.checkpoint_keep_last < 1 or self.checkpoint_keep_every < 0:
+            raise ValueError(
+                "need checkpoint_keep_last >= 1 and checkpoint_keep_every >= 0 "
+                f"(got {self.checkpoint_keep_last}, {self.checkpoint_keep_every})"
+            )
+        if self.checkpoint_commit_timeout_s <= 0:
+            raise ValueError("checkpoint_commit_timeout_s must be > 0")
 
     def _suggest(self) -> int:
         return max(
@@ -77,3 +132,8 @@ class TrainerConfig:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def checkpoints_periodic(self) -> bool:
+        """True when checkpoints are taken during training (fixed or automatic interval)."""
+        return self.checkpoint_every > 0 or self.checkpoint_mtbf_s is not None

@@ -19,6 +19,13 @@ The step protocol (docs/design.md has the full argument):
    the global batch, step the optimizer: committed. Anything else (a peer died,
    the watchdog fired, the coordinator announced a new generation) discards the
    step's gradients and goes back to 1; the same step is retried.
+4. Durable checkpoints (`elastrain.runtime.durable`): after committing a step
+   where one is due, every member snapshots its stripe of the state and
+   writes it in the background; rank 0 commits it once every stripe is on
+   disk. At start, before the first rendezvous, a worker loads the checkpoint
+   to resume from and reports its step count. A preemption notice from the
+   coordinator (the whole job got SIGTERM) makes every member take one
+   emergency checkpoint after the step it is told, then exit.
 """
 
 from __future__ import annotations
@@ -44,6 +51,16 @@ from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.observe.events import EventLog
 from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.durable import (
+    CONTRIB_SLOTS,
+    Checkpointing,
+    from_ordered_json,
+    install_checkpoint,
+    load_resume,
+    ordered_json,
+    parse_resume,
+    resolve_directory,
+)
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
@@ -54,6 +71,7 @@ from elastrain.runtime.group import (
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, heal, model_signature, state_hash
+from elastrain.transfer.flatten import flatten_state
 
 log = logging.getLogger("elastrain.trainer")
 
@@ -61,6 +79,12 @@ EXIT_LEFT = 75
 """Exit status of a worker that left gracefully (SIGTERM): replace it, the job goes on."""
 EXIT_REFUSED = 3
 """Exit status of a worker the coordinator refused (its model does not match)."""
+EXIT_PREEMPTED = 76
+"""Exit status of a worker that stopped for a preemption notice (after the emergency checkpoint)."""
+
+_EXTRA = 2 + CONTRIB_SLOTS
+"""Values riding at the end of the first gradient buffer in the step's all-reduce:
+loss sum, sample count, then the checkpoint schedule's measurements."""
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -100,7 +124,11 @@ class ElasticTrainer:
     Survivors keep their process and state across failures; a joiner is healed
     from its peers. `steps()` yields after each committed step and returns when
     `total_steps` are committed. A SIGTERM makes this worker leave at the next
-    step boundary and exit with EXIT_LEFT.
+    step boundary and exit with EXIT_LEFT. With a checkpoint directory (the
+    run directory's ``checkpoints/`` by default) it resumes from the
+    checkpoint the launcher chose before its first rendezvous, takes the
+    periodic checkpoints `TrainerConfig` asks for, and, on a preemption
+    notice, one emergency checkpoint before exiting with EXIT_PREEMPTED.
     """
 
     def __init__(
@@ -119,11 +147,7 @@ class ElasticTrainer:
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        steps_override = os.environ.get(env.STEPS)
-        if steps_override:
-            from dataclasses import replace
-
-            config = replace(config, total_steps=int(steps_override))
+        config = _env_overrides(config)
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -144,7 +168,17 @@ class ElasticTrainer:
             )
         self.member = member_id or os.environ.get(env.MEMBER_ID) or f"pid{os.getpid()}"
         self.host = os.environ.get(env.ADVERTISE_HOST, "127.0.0.1")
-        self.events = EventLog(run_dir or os.environ.get(env.RUN_DIR), self.member)
+        run_dir = run_dir or os.environ.get(env.RUN_DIR)
+        self.events = EventLog(run_dir, self.member)
+        self.ckpt = Checkpointing(
+            config,
+            resolve_directory(config.checkpoint_dir, os.environ.get(env.CKPT_DIR), run_dir),
+            self.events,
+            self.member,
+        )
+        self._resume_mode = parse_resume(
+            os.environ.get(env.RESUME), "latest" if config.checkpoints_periodic else "none"
+        )
         self.client = CoordinatorClient(address, tok, timeout_s=config.coordinator_timeout_s)
         self.waiter = Waiter()
         self.session = MemberSession(
@@ -201,6 +235,7 @@ class ElasticTrainer:
         """Train until `total_steps` are committed, yielding after each commit."""
         self._install_sigterm()
         self.events.emit("worker_start", member=self.member)
+        self._resume()
         try:
             self.session.register()
         except JoinRefused as e:
@@ -360,7 +395,50 @@ class ElasticTrainer:
             "last_loss": self._last_loss,
             "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
             "extra": self.extra_state() if self.extra_state else None,
+            "ckpt": self.ckpt.schedule.to_json(),
         }
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The flattened state (aliases of the live tensors) and its JSON meta, for a snapshot."""
+        flat = flatten_state(self.model, self.optimizer)
+        meta = self._meta()
+        meta["extra"] = ordered_json(meta["extra"])
+        meta["optimizer"] = ordered_json(flat.optimizer)
+        return dict(flat.tensors), meta
+
+    def _resume(self) -> None:
+        """Load the checkpoint to resume from, if any (before the first rendezvous).
+
+        Every initial member of a resumed job loads the same one (the launcher
+        chose it and passed its step in $ELASTRAIN_RESUME); a replacement loads
+        the newest verified one and is healed by its peers if they are further.
+        """
+        t0 = time.monotonic()
+        got = load_resume(self.ckpt.directory, self._resume_mode)
+        if got is None:
+            return
+        ckpt, tensors, meta = got
+        meta["extra"] = from_ordered_json(meta.get("extra"))
+        optimizer_section = from_ordered_json(meta["optimizer"])
+        install_checkpoint(tensors, optimizer_section, self.model, self.optimizer, str(ckpt.path))
+        self._load_meta(meta)
+        if self.committed != ckpt.step:
+            raise RuntimeError(
+                f"checkpoint {ckpt.path} holds committed count {self.committed}, not {ckpt.step}"
+            )
+        seconds = time.monotonic() - t0
+        log.info(
+            "%s resumed from %s (step %d) in %.2f s", self.member, ckpt.path, ckpt.step, seconds
+        )
+        print(f"[{self.member}] resumed from checkpoint step {ckpt.step} ({ckpt.path})", flush=True)
+        self.events.emit(
+            "checkpoint_loaded",
+            step=ckpt.step,
+            path=str(ckpt.path),
+            generation=ckpt.generation,
+            bytes=ckpt.total_bytes,
+            seconds=seconds,
+        )
 
     def _load_meta(self, meta: dict[str, Any]) -> None:
         self.committed = int(meta["committed"])
@@ -369,6 +447,7 @@ class ElasticTrainer:
         torch.set_rng_state(rng)
         if self.load_extra_state is not None and meta.get("extra") is not None:
             self.load_extra_state(meta["extra"])
+        self.ckpt.schedule.load_json(meta.get("ckpt"))
 
     def _abandon(self, phase: str, error: str) -> None:
         """Drop the current group (parking it if work is in flight) and forget the generation."""
@@ -399,7 +478,7 @@ class ElasticTrainer:
         flats: list[torch.Tensor] = []
         views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for i, (dtype, group) in enumerate(by_dtype.items()):
-            extra = 2 if i == 0 else 0  # loss sum and sample count ride with the first buffer
+            extra = _EXTRA if i == 0 else 0  # loss sum, sample count, ... ride with the first
             flat = torch.zeros(sum(q.numel() for q in group) + extra, dtype=dtype)
             off = 0
             for q in group:
@@ -457,8 +536,9 @@ class ElasticTrainer:
             if self.session.leaving:
                 self._exit_left()
             raise _Regroup("quorum", v.verdict)
-        flats[0][-2] = loss_sum
-        flats[0][-1] = float(len(samples))
+        flats[0][-_EXTRA:] = torch.tensor(
+            [loss_sum, float(len(samples)), *self.ckpt.contribution()], dtype=flats[0].dtype
+        )
         self.events.emit("step_contrib", step=s, gen=self.gen, samples=samples)
         t_ar = time.monotonic()
         self._inflight = tensor_allreduce(self._pg, flats)
@@ -476,14 +556,15 @@ class ElasticTrainer:
         self._inflight = []
         t_done = time.monotonic()
         self.hang.observe(t_done - t_ar)
-        total_loss, count = float(flats[0][-2]), int(round(float(flats[0][-1])))
+        extras = flats[0][-_EXTRA:].tolist()
+        total_loss, count = float(extras[0]), int(round(float(extras[1])))
         if count != cfg.global_batch_size:
             # Exactly-once would be violated: never apply such a step.
             raise _Regroup(
                 "allreduce", f"step {s} summed {count} samples, expected {cfg.global_batch_size}"
             )
         for i, f in enumerate(flats):
-            (f[:-2] if i == 0 else f).div_(cfg.global_batch_size)
+            (f[:-_EXTRA] if i == 0 else f).div_(cfg.global_batch_size)
         self._settle_hash()
         self.optimizer.step()
         self.committed = s + 1
@@ -500,6 +581,13 @@ class ElasticTrainer:
             allreduce_s=t_done - t_ar,
             samples=count,
             samples_per_s=count / max(t_end - t0, 1e-9),
+        )
+        self.ckpt.absorb([float(x) for x in extras[2:]])
+        self.ckpt.note_step_time(t_end - t0)
+        if v.preempt_s > 0:
+            self._preempted(v.preempt_s)
+        self.ckpt.after_commit(
+            self.committed, self.gen, self.members, self.rank, self._checkpoint_state
         )
         self.faults.hit(s, "commit")
         return StepResult(s, loss_mean, self.gen, len(self.members), self.rank, t_end - t0)
@@ -524,6 +612,29 @@ class ElasticTrainer:
             step=self.committed,
             phase=f.phase,
         )
+
+    def _preempted(self, grace_s: float) -> None:
+        """The job is being preempted: write an emergency checkpoint of the step just
+        committed (every member of the generation got the same notice with the same
+        step's verdict), wait until it is durable within the grace period, exit."""
+        deadline = time.monotonic() + grace_s
+        n = self.committed
+        log.warning("%s: preemption notice; emergency checkpoint at step %d", self.member, n)
+        print(f"[{self.member}] preempted: emergency checkpoint at step {n}", flush=True)
+        ok = self.ckpt.emergency(
+            n, self.gen, self.members, self.rank, self._checkpoint_state, deadline
+        )
+        self.events.emit(
+            "checkpoint_emergency",
+            step=n,
+            ok=ok,
+            rank=self.rank,
+            seconds=grace_s - max(0.0, deadline - time.monotonic()),
+        )
+        self.events.emit("worker_exit", reason="preempted", committed=self.committed)
+        self.session.request_leave("left")
+        self._shutdown()
+        raise SystemExit(EXIT_PREEMPTED)
 
     def _exit_left(self) -> None:
         self.events.emit("worker_exit", reason="left", committed=self.committed)
@@ -550,6 +661,7 @@ class ElasticTrainer:
             return
         self._closed = True
         self._settle_hash()
+        self.ckpt.close()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
             self._pg = None
@@ -559,3 +671,17 @@ class ElasticTrainer:
         self.graveyard.close()
         self.client.close()
         self.events.close()
+
+
+def _env_overrides(config: TrainerConfig) -> TrainerConfig:
+    """The launcher's --steps, --ckpt-every and --ckpt-mtbf override the script's config."""
+    from dataclasses import replace
+
+    changes: dict[str, Any] = {}
+    if os.environ.get(env.STEPS):
+        changes["total_steps"] = int(os.environ[env.STEPS])
+    if os.environ.get(env.CKPT_EVERY):
+        changes["checkpoint_every"] = int(os.environ[env.CKPT_EVERY])
+    if os.environ.get(env.CKPT_MTBF):
+        changes["checkpoint_mtbf_s"] = float(os.environ[env.CKPT_MTBF])
+    return replace(config, **changes) if changes else config

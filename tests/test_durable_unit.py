@@ -1,0 +1,342 @@
+"""Durable checkpoints in the trainer, in-process: schedule agreement, who commits,
+resume install, the coordinator's preemption verdict. Fast; no worker processes."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from elastrain.checkpoint import latest_verified, load
+from elastrain.checkpoint.files import MARKER, step_dir
+from elastrain.control import protocol as p
+from elastrain.control.client import CoordinatorClient
+from elastrain.control.config import CoordinatorConfig
+from elastrain.control.server import CoordinatorServer
+from elastrain.observe.events import EventLog, read_events
+from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.durable import (
+    Checkpointing,
+    ResumeError,
+    Schedule,
+    failed_marker,
+    from_ordered_json,
+    install_checkpoint,
+    load_resume,
+    mark_failed,
+    ordered_json,
+    parse_resume,
+    resolve_directory,
+)
+from elastrain.transfer import state_hash
+from elastrain.transfer.flatten import flatten_state
+
+
+def cfg(**kw: Any) -> TrainerConfig:
+    return TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=10, **kw)
+
+
+def trained(seed: int = 0, steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def state_fn(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> Any:
+    def fn() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        flat = flatten_state(model, opt)
+        return dict(flat.tensors), {"committed": n, "optimizer": ordered_json(flat.optimizer)}
+
+    return fn
+
+
+# ---- schedule ------------------------------------------------------------------
+
+
+def test_fixed_schedule_is_a_pure_function_of_the_step() -> None:
+    s = Schedule(every=5, mtbf_s=None)
+    assert [n for n in range(1, 21) if s.due(n)] == [5, 10, 15, 20]
+    assert not Schedule(every=0, mtbf_s=None).due(5)
+
+
+def test_automatic_schedule_bootstraps_then_follows_young_daly() -> None:
+    s = Schedule(every=0, mtbf_s=3600.0)
+    first = s.plan(1)
+    assert first is not None and first.interval_steps == 0 and "first checkpoint" in first.reason
+    assert s.due(1)
+    s.taken(1)
+    # The next all-reduce brings the members' mean save cost and step time.
+    s.absorb([2 * 0.5, 2.0, 2 * 0.1, 2.0])  # two members: 0.5 s save, 0.1 s steps
+    choice = s.plan(2)
+    assert choice is not None
+    want_s = math.sqrt(2 * 3600 * 0.5)  # 60 s
+    assert choice.interval_s == pytest.approx(want_s)
+    assert choice.interval_steps == round(want_s / 0.1) == 600
+    assert "Young/Daly" in choice.reason and "600 steps" in choice.reason
+    assert s.next == 1 + 600 and not s.due(600) and s.due(601)
+    # The same interval chosen again is not announced again.
+    s.taken(601)
+    s.absorb([1.0, 2.0, 0.2, 2.0])
+    assert s.step_s == pytest.approx(0.1)  # 0.8 x 0.1 + 0.2 x 0.1
+    assert s.plan(602) is None and s.next == 1201
+
+
+def test_automatic_schedule_when_saves_cost_more_than_the_mtbf() -> None:
+    s = Schedule(every=3, mtbf_s=10.0, cost_s=20.0, step_s=1.0)
+    c = s.plan(3)
+    assert c is not None and c.interval_steps == 10 and "does not apply" in c.reason
+
+
+def test_schedule_is_agreed_state_that_travels_in_meta() -> None:
+    a = Schedule(every=0, mtbf_s=100.0, last=7, cost_s=0.2, step_s=0.05, interval_steps=40)
+    b = Schedule(every=0, mtbf_s=100.0)
+    b.load_json(a.to_json())
+    assert b == a
+
+
+def test_contribution_counts_only_real_measurements(tmp_path: Path) -> None:
+    ck = Checkpointing(cfg(), str(tmp_path), EventLog(None, "w0"), "w0")
+    assert ck.contribution() == [0.0, 0.0, 0.0, 0.0]
+    ck.note_step_time(0.25)
+    assert ck.contribution() == [0.0, 0.0, 0.25, 1.0]
+
+
+def test_config_rejects_bad_checkpoint_settings() -> None:
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
+        cfg(checkpoint_every=-1)
+    with pytest.raises(ValueError, match="checkpoint_mtbf_s"):
+        cfg(checkpoint_mtbf_s=0.0)
+    with pytest.raises(ValueError, match="checkpoint_keep_last"):
+        cfg(checkpoint_keep_last=0)
+
+
+def test_ordered_json_keeps_dict_order_through_sorted_json() -> None:
+    import json
+
+    v = {"step": 1, "exp_avg": {"$tensor": "x"}, "b": [{"z": 1, "a": (2, 3)}], "a": None}
+    back = from_ordered_json(json.loads(json.dumps(ordered_json(v), sort_keys=True)))
+    assert back == {"step": 1, "exp_avg": {"$tensor": "x"}, "b": [{"z": 1, "a": [2, 3]}], "a": None}
+    assert list(back) == list(v) and list(back["b"][0]) == ["z", "a"]
+
+
+def test_directory_resolution_and_resume_modes() -> None:
+    assert resolve_directory("/c", "/launcher", "/run") == "/launcher"
+    assert resolve_directory("/c", None, "/run") == "/c"
+    assert resolve_directory(None, None, "/run") == "/run/checkpoints"
+    assert resolve_directory(None, None, None) is None
+    assert parse_resume(None, "none") == "none"
+    assert parse_resume("latest", "none") == "latest"
+    assert parse_resume("12", "none") == 12
+    with pytest.raises(ValueError, match="ELASTRAIN_RESUME"):
+        parse_resume("newest", "none")
+
+
+# ---- saving and committing, two members in one process ----------------------------
+
+
+def members_save(
+    tmp_path: Path, n: int, ranks: list[int], timeout_s: float = 30.0
+) -> tuple[list[Checkpointing], nn.Module, torch.optim.Optimizer]:
+    model, opt = trained()
+    c = cfg(checkpoint_every=5, checkpoint_commit_timeout_s=timeout_s, checkpoint_fsync=False)
+    cks = [
+        Checkpointing(c, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}") for r in (0, 1)
+    ]
+    for r in ranks:
+        assert cks[r].after_commit(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
+    return cks, model, opt
+
+
+def test_every_member_writes_its_stripe_and_rank0_commits(tmp_path: Path) -> None:
+    cks, model, opt = members_save(tmp_path, 5, [1, 0])
+    for ck in cks:
+        ck.close()
+    ckpt = latest_verified(tmp_path / "ck")
+    assert ckpt is not None and ckpt.step == 5 and ckpt.num_shards == 2
+    assert ckpt.members == ["w0", "w1"] and ckpt.generation == 3
+    ev = read_events(tmp_path)
+    saved = [e for e in ev if e["kind"] == "checkpoint_saved"]
+    assert sorted(e["shard"] for e in saved) == [0, 1]
+    assert all(e["blocking_s"] > 0 for e in saved)
+    (done,) = [e for e in ev if e["kind"] == "checkpoint_committed"]
+    assert done["proc"] == "w0" and done["step"] == 5 and done["blocking_s"] > 0
+    # Not due: nothing happens.
+    assert not cks[0].after_commit(6, 3, ["w0", "w1"], 0, state_fn(model, opt, 6))
+
+
+def test_a_missing_member_never_yields_a_complete_checkpoint(tmp_path: Path) -> None:
+    cks, _, _ = members_save(tmp_path, 5, [0], timeout_s=0.3)  # w1 died before its snapshot
+    t0 = time.monotonic()
+    for ck in cks:
+        ck.close()
+    assert time.monotonic() - t0 < 10
+    assert latest_verified(tmp_path / "ck") is None
+    assert not (step_dir(tmp_path / "ck", 5) / MARKER).exists()
+    (failed,) = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint_failed"]
+    assert failed["phase"] == "commit" and "shard-00001-of-00002.json" in failed["error"]
+
+
+def test_a_member_reporting_failure_makes_rank0_give_up_at_once(tmp_path: Path) -> None:
+    # w1's write failed (e.g. ENOSPC): it leaves the empty failure marker.
+    mark_failed(str(tmp_path / "ck"), 5, 1, 2, 3)
+    cks, _, _ = members_save(tmp_path, 5, [0], timeout_s=120)
+    t0 = time.monotonic()
+    cks[0].close()
+    assert time.monotonic() - t0 < 10, "rank 0 waited for a shard that was reported failed"
+    assert latest_verified(tmp_path / "ck") is None
+    (failed,) = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint_failed"]
+    assert failed["phase"] == "commit" and "reported that their write failed" in failed["error"]
+    # A marker of another generation (a stale one) is not taken for this one.
+    assert (
+        failed_marker(str(tmp_path / "ck"), 5, 1, 2, 4).name == "shard-00001-of-00002.gen-4.failed"
+    )
+
+
+def test_emergency_checkpoint_waits_until_committed(tmp_path: Path) -> None:
+    model, opt = trained()
+    c = cfg(checkpoint_fsync=False)  # no periodic checkpoints: emergency only
+    cks = [
+        Checkpointing(c, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}") for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 30
+    results: dict[int, bool] = {}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: results.__setitem__(
+                r, cks[r].emergency(7, 2, ["w0", "w1"], r, state_fn(model, opt, 7), deadline)
+            )
+        )
+        for r in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True}
+    # Rank 0 returned only after the commit marker was durable.
+    ckpt = latest_verified(tmp_path / "ck")
+    assert ckpt is not None and ckpt.step == 7
+    for ck in cks:
+        ck.close()
+
+
+# ---- resume ------------------------------------------------------------------------
+
+
+def test_resume_installs_bit_identical_state(tmp_path: Path) -> None:
+    cks, model, opt = members_save(tmp_path, 10, [0, 1])
+    for ck in cks:
+        ck.close()
+    got = load_resume(str(tmp_path / "ck"), 10)
+    assert got is not None
+    ckpt, tensors, meta = got
+    fresh, fresh_opt = trained(seed=1, steps=1)
+    assert state_hash(fresh, fresh_opt) != state_hash(model, opt)
+    section = from_ordered_json(meta["optimizer"])
+    install_checkpoint(tensors, section, fresh, fresh_opt, str(ckpt.path))
+    # Bit for bit, and in the same order (the next checkpoint's layout depends on it).
+    assert state_hash(fresh, fresh_opt) == state_hash(model, opt)
+    assert [n for n, _ in flatten_state(fresh, fresh_opt).tensors] == [
+        n for n, _ in flatten_state(model, opt).tensors
+    ]
+    assert meta["committed"] == 10
+    # "latest" finds the same one; a step that is not the newest is an error.
+    latest = load_resume(str(tmp_path / "ck"), "latest")
+    assert latest is not None and latest[0].step == 10
+    with pytest.raises(RuntimeError, match="chose checkpoint step 5"):
+        load_resume(str(tmp_path / "ck"), 5)
+    assert load_resume(str(tmp_path / "ck"), "none") is None
+
+
+def test_resume_into_a_different_model_is_refused_clearly(tmp_path: Path) -> None:
+    cks, _, _ = members_save(tmp_path, 5, [0, 1])
+    for ck in cks:
+        ck.close()
+    ckpt = latest_verified(tmp_path / "ck")
+    assert ckpt is not None
+    tensors, meta = load(ckpt)
+    other = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 2))
+    other_opt = torch.optim.Adam(other.parameters())
+    before = [t.clone() for t in other.state_dict().values()]
+    with pytest.raises(ResumeError, match="does not fit this model") as e:
+        section = from_ordered_json(meta["optimizer"])
+        install_checkpoint(tensors, section, other, other_opt, str(ckpt.path))
+    assert str(ckpt.path) in str(e.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.state_dict().values(), strict=True))
+
+
+# ---- the coordinator's preemption verdict ---------------------------------------------
+
+
+def test_preemption_is_decided_once_per_step_for_every_member(tmp_path: Path) -> None:
+    srv = CoordinatorServer(
+        CoordinatorConfig(target=2, min_members=2), "tok", run_dir=str(tmp_path)
+    )
+    srv.start()
+    try:
+        c = CoordinatorClient(srv.address, "tok")
+        sig: list[Any] = [["w", [2], "torch.float32"]]
+        for m in ("w0", "w1"):
+            c.register(p.RegisterRequest(m, 1, "h", sig))
+        out: dict[str, p.RendezvousResponse] = {}
+        ts = [
+            threading.Thread(
+                target=lambda m=m: out.__setitem__(
+                    m, c.rendezvous(p.RendezvousRequest(m, 1, 0, 4, wait_s=10))
+                )
+            )
+            for m in ("w0", "w1")
+        ]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        gen = out["w0"].gen
+        assert out["w0"].status == "ready" and out["w0"].start_step == 4
+
+        def ask(m: str, step: int) -> p.QuorumResponse:
+            return c.quorum(p.QuorumRequest(m, 1, gen, step))
+
+        assert ask("w0", 4).preempt_s == 0.0
+        assert c.preempt(p.PreemptRequest(20.0)).ok
+        # w1 asks about the step already decided: same answer as w0 got.
+        assert ask("w1", 4) == p.QuorumResponse("proceed", gen, 0.0)
+        a, b = ask("w0", 5), ask("w1", 5)
+        assert a.verdict == b.verdict == "proceed"
+        assert 0 < a.preempt_s <= 20 and 0 < b.preempt_s <= 20
+        assert c.status()["preempting"] is True
+        assert any(e["kind"] == "preempt_notice" for e in read_events(tmp_path))
+        c.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+        (["--ckpt-mtbf", "0"], "--ckpt-mtbf must be a number of seconds > 0"),
+        (["--grace", "0"], "--grace must be > 0"),
+    ],
+)
+def test_bad_checkpoint_cli_arguments_are_clear_errors(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.cli import main
+
+    from .conftest import MLP
+
+    assert main(["run", *args, MLP]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

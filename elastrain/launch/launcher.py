@@ -112,6 +112,10 @@ class LaunchConfig:
             raise ValueError("--grace must be > 0 seconds")
 
 
+class _Failed(Exception):
+    """The job cannot go on; the message says why and what to do."""
+
+
 @dataclass
 class Worker:
     member: str
@@ -277,11 +281,19 @@ class Launcher:
             # SIGTERM to the launcher: a preemption notice for the whole job.
             previous = signal.signal(signal.SIGTERM, lambda *_: self.preempt())
         try:
-            self._prepare_resume()
+            try:
+                self._prepare_resume()
+            except OSError as e:
+                raise _Failed(
+                    f"cannot prepare the checkpoint directory {self.checkpoint_dir} for "
+                    f"resuming: {e}"
+                ) from e
             self._start_coordinator()
             for _ in range(c.workers):
                 self._spawn(replacement=False)
             status, message = self._loop()
+        except _Failed as e:
+            status, message = "failed", str(e)
         except KeyboardInterrupt:
             status, message = "interrupted", "interrupted by Ctrl-C"
         finally:

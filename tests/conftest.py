@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +85,18 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
                 pytest.fail(f"process {pid} outlived its job")
         if la.coordinator is not None:
             assert la.coordinator.poll() is not None, "coordinator outlived its job"
+
+
+def stop_processes(proc: subprocess.Popen[str], pids: set[int] | list[int]) -> None:
+    """Teardown: stop a launcher subprocess and, by PID, every process it started."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -35,7 +35,7 @@ from elastrain.launch.launcher import EXIT_PREEMPTED
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
-from .conftest import MLP, ROOT, Job
+from .conftest import MLP, ROOT, Job, stop_processes
 
 STEPS, EVERY, WORKERS = 40, 5, 2
 B, SEED, DATASET = 32, 7, 4096
@@ -317,14 +317,7 @@ def test_sigterm_to_the_launcher_takes_an_emergency_checkpoint_then_resume(
         out, _ = proc.communicate(timeout=grace + 30)
         took = time.monotonic() - t_term
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_processes(proc, pids)
     assert took < grace, f"the job took {took:.1f} s to stop, grace was {grace} s"
     assert "job preempted" in out, out
     ev = read_events(run_dir)

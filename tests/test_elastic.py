@@ -24,7 +24,7 @@ from elastrain.launch.launcher import EXIT_LEFT, LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
-from .conftest import MLP, ROOT, Job
+from .conftest import MLP, ROOT, Job, stop_processes
 
 B, SEED, DATASET = 32, 7, 4096
 
@@ -338,11 +338,4 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_processes(proc, pids)

@@ -189,6 +189,21 @@ class KillPacer:
             lc.stop()
 
 
+def elastic_config(shape: Any, run_dir: Path, steps: int, **kw: Any) -> LaunchConfig:
+    """The elastrain job both the recovery run and the steady-state run use."""
+    return LaunchConfig(
+        script=str(JOBS / "elastic_gpt.py"),
+        script_args=shape_args(shape),
+        workers=WORKERS,
+        min_workers=1,
+        replace_delay_s=1.0,
+        run_dir=str(run_dir),
+        steps=steps,
+        progress=False,
+        **kw,
+    )
+
+
 def elastrain_run(
     shape: Shape,
     steps: int,
@@ -197,18 +212,7 @@ def elastrain_run(
     timeout_s: float,
     pacer: KillPacer | None = None,
 ) -> tuple[str, list[dict[str, Any]], Launcher]:
-    cfg = LaunchConfig(
-        script=str(JOBS / "elastic_gpt.py"),
-        script_args=shape_args(shape),
-        workers=WORKERS,
-        min_workers=1,
-        replace_delay_s=1.0,
-        run_dir=str(run_dir),
-        steps=steps,
-        faults=[parse_fault(f) for f in faults],
-        seed=0,
-        progress=False,
-    )
+    cfg = elastic_config(shape, run_dir, steps, faults=[parse_fault(f) for f in faults], seed=0)
     launcher = Launcher(cfg, on_status=pacer)
     if pacer is not None:
         pacer.launcher = launcher
@@ -261,15 +265,10 @@ def steady_interleaved(
     gate = f"127.0.0.1:{store.port}"
     steps = warmup + block * blocks
     e_dir = out_dir / "elastrain"
-    cfg = LaunchConfig(
-        script=str(JOBS / "elastic_gpt.py"),
-        script_args=shape_args(shape),
-        workers=WORKERS,
-        min_workers=1,
-        replace_delay_s=1.0,
-        run_dir=str(e_dir),
-        steps=steps,
-        progress=False,
+    cfg = elastic_config(
+        shape,
+        e_dir,
+        steps,
         extra_env={"BENCH_GATE": f"{gate},{warmup},{block},{blocks}", "BENCH_WORLD": str(WORKERS)},
     )
     launcher = Launcher(cfg)

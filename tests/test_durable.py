@@ -31,7 +31,7 @@ from elastrain.checkpoint.store import _verify
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.server import CoordinatorServer
 from elastrain.data import GlobalOrder
-from elastrain.launch.launcher import EXIT_PREEMPTED
+from elastrain.exitcodes import EXIT_PREEMPTED
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from elastrain.data import GlobalOrder
-from elastrain.launch.launcher import EXIT_LEFT, LaunchConfig, Launcher
+from elastrain.exitcodes import EXIT_LEFT
+from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 

@@ -30,7 +30,6 @@ def view(**kw: object) -> MembershipView:
         current_broken=False,
         failure_reported=False,
         last_seen={"a": 0.0, "b": 0.0, "c": 0.0},
-        registered_at={"a": 0.0, "b": 0.0, "c": 0.0},
         first_registration=0.0,
         step_boundary=False,
     )

@@ -63,7 +63,6 @@ class MembershipView:
     failure_reported: bool
     """A member reported a failure in the current generation."""
     last_seen: dict[str, float]
-    registered_at: dict[str, float]
     first_registration: float | None
     step_boundary: bool
     """True when asked from a quorum request, i.e. at a step boundary."""
@@ -159,7 +158,6 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.incarnations: dict[str, int] = {}
         self.gen: Generation | None = None
-        self.history: list[Generation] = []
         self.signature: list[object] | None = None
         self.first_registration: float | None = None
         self.failure_reported = False
@@ -199,10 +197,6 @@ class Membership:
         if g.gen == gen:
             return g.broken
         return gen not in self.clean_handoffs
-
-    def is_current(self, member: str, incarnation: int) -> bool:
-        m = self.members.get(member)
-        return m is not None and m.incarnation == incarnation
 
     def touch(self, member: str, incarnation: int, now: float) -> bool:
         """Record a sign of life; False if the caller is not a current member."""
@@ -260,7 +254,6 @@ class Membership:
             current_broken=self.gen.broken if self.gen is not None else False,
             failure_reported=self.failure_reported,
             last_seen={m.id: m.last_seen for m in self.members.values()},
-            registered_at={m.id: m.registered_at for m in self.members.values()},
             first_registration=self.first_registration,
             step_boundary=step_boundary,
         )
@@ -300,7 +293,6 @@ class Membership:
             self.clean_handoffs.add(self.gen.gen)
         nxt = (self.gen.gen if self.gen is not None else 0) + 1
         self.gen = Generation(nxt, plan.members, now, plan.reason)
-        self.history.append(self.gen)
         self.formed.append(self.gen)
         self.failure_reported = False
         self.decision = None

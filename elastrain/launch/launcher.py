@@ -38,11 +38,9 @@ from elastrain import env
 from elastrain.chaos.schedule import Fault, FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
+from elastrain.exitcodes import EXIT_LEFT, EXIT_REFUSED
 from elastrain.observe.events import EventLog
 
-EXIT_LEFT = 75
-EXIT_REFUSED = 3
-EXIT_PREEMPTED = 76
 CHECKPOINTS = "checkpoints"
 """The checkpoint directory inside the run directory."""
 

@@ -49,6 +49,7 @@ from elastrain.chaos.points import FaultPoint, FaultPoints, parse_points
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
+from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.observe.events import EventLog
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.durable import (
@@ -75,12 +76,6 @@ from elastrain.transfer.flatten import flatten_state
 
 log = logging.getLogger("elastrain.trainer")
 
-EXIT_LEFT = 75
-"""Exit status of a worker that left gracefully (SIGTERM): replace it, the job goes on."""
-EXIT_REFUSED = 3
-"""Exit status of a worker the coordinator refused (its model does not match)."""
-EXIT_PREEMPTED = 76
-"""Exit status of a worker that stopped for a preemption notice (after the emergency checkpoint)."""
 
 _EXTRA = 2 + CONTRIB_SLOTS
 """Values riding at the end of the first gradient buffer in the step's all-reduce:

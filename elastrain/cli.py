@@ -40,8 +40,8 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="inject a fault: KIND@STEP[:MEMBER][/SECONDS], KIND in kill, hang, term "
-        "(e.g. kill@15, hang@30/6); repeatable",
+        help="inject a fault: KIND@STEP[:MEMBER][/SECONDS], KIND in kill, hang, term, "
+        "kill-coordinator (e.g. kill@15, hang@30/6, kill-coordinator@20); repeatable",
     )
     ap.add_argument(
         "--ckpt-every",

@@ -117,9 +117,32 @@ def test_mismatched_joiner_is_refused_and_the_job_is_unharmed(server: Coordinato
     assert c.heartbeat(p.HeartbeatRequest("w0", 1, 0, 0.0)).status == "ok"
 
 
-def test_heartbeat_of_unknown_member_says_expelled(server: CoordinatorServer) -> None:
+def test_heartbeat_says_unknown_to_strangers_and_expelled_to_stale_incarnations(
+    server: CoordinatorServer,
+) -> None:
     c = CoordinatorClient(server.address, TOKEN)
-    assert c.heartbeat(p.HeartbeatRequest("ghost", 1, 0, 0.0)).status == "expelled"
+    # Never registered here (e.g. the coordinator restarted): register again.
+    assert c.heartbeat(p.HeartbeatRequest("ghost", 1, 0, 0.0)).status == "unknown"
+    inc = c.register(p.RegisterRequest("w0", 1, "h", SIG)).incarnation
+    assert c.register(p.RegisterRequest("w0", 1, "h", SIG)).incarnation == inc + 1
+    assert c.heartbeat(p.HeartbeatRequest("w0", inc, 0, 0.0)).status == "expelled"
+
+
+def test_restarted_coordinator_adopts_the_generation_workers_report(
+    server: CoordinatorServer,
+) -> None:
+    c = CoordinatorClient(server.address, TOKEN)
+    members = ["w0", "w1"]
+    r = c.register(
+        p.RegisterRequest(
+            "w1", 2, "h", SIG, gen=5, gen_members=members, committed=30, prev_incarnation=3
+        )
+    )
+    assert r.incarnation == 4
+    assert c.quorum(p.QuorumRequest("w1", 4, 5, 30)).verdict == "proceed"
+    assert c.quorum(p.QuorumRequest("w0", 1, 5, 30)).verdict == "unknown"
+    st = c.status()
+    assert st["gen"] == 5 and st["members"] == members and st["step"] == 30
 
 
 def test_decode_is_strict() -> None:

@@ -340,3 +340,33 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
                 os.kill(pid, 0)
     finally:
         stop_processes(proc, pids)
+
+
+def test_coordinator_killed_twice_training_goes_on_and_nothing_is_lost(run_job, reference) -> None:  # type: ignore[no-untyped-def]
+    # Steps take ~30 ms here; the coordinator needs ~3 s to start again, so the
+    # faults are far enough apart that each one lands after the previous recovery.
+    steps = 900
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=2,
+        name="coordkill",
+        replace_delay_s=0.5,
+        faults=["kill-coordinator@10", "kill-coordinator@350", "kill@650:w1"],
+    )
+    assert_invariants(job, steps)
+    kills = job.of("fault_injected", fault="kill-coordinator")
+    restarts = job.of("coordinator_restarted")
+    assert len(kills) == 2 and len(restarts) == 2
+    for kill, restart in zip(kills, restarts, strict=True):
+        # While it was down, the members kept committing in their generation...
+        during = [e for e in job.of("step_commit") if kill["t"] < e["t"] < restart["t"]]
+        assert during, "no step was committed while the coordinator was down"
+        # ...and the new coordinator adopted that generation instead of regrouping.
+        adopted = [e for e in job.of("generation_adopted") if e["t"] > kill["t"]]
+        assert adopted and adopted[0]["gen"] == during[-1]["gen"]
+    # A worker failure after the restarts is still recovered: w1's replacement healed.
+    assert job.of("worker_exited", member="w1", returncode=-9)
+    assert job.of("heal_end", proc="w3", role="recv")
+    assert_survivors_kept_pids(job, ["w0", "w2"], steps - 1)
+    assert_same_math(reference, job, REF_STEPS)

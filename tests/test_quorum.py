@@ -169,3 +169,70 @@ def test_done_finishes_the_job_without_reforming() -> None:
     m.leave("a", 1, "done", 5.0)
     assert m.finished and m.gen is g
     assert m.rendezvous("b", 1, 1, 10, 5.1) == "finished"
+
+
+# ---- coordinator restarts: a fresh Membership learns the job from its workers ----
+
+
+def restarted(gen_members: tuple[str, ...] = ("a", "b", "c"), gen: int = 7) -> Membership:
+    """A restarted coordinator to which `a` has registered again, reporting `gen`."""
+    m = Membership(cfg(lease_s=3.0))
+    m.register("a", pid=100, host="h", now=10.0, gen=gen, gen_members=gen_members, committed=40)
+    return m
+
+
+def test_restart_adopts_the_running_generation_and_steps_go_on() -> None:
+    m = restarted()
+    assert m.quorum("b", 1, 7, 40, False, 10.1)[0] == "unknown"  # b must register first
+    assert m.gen is not None and m.gen.gen == 7 and m.gen.reason == "adopted"
+    assert m.gen.is_ready and m.gen.awaiting == {"b", "c"} and not m.gen.broken
+    assert m.quorum("a", 1, 7, 40, False, 10.1) == ("proceed", 7)
+    for mid, pid in (("b", 101), ("c", 102)):
+        m.register(mid, pid=pid, host="h", now=10.2, gen=7, gen_members=("a", "b", "c"))
+    assert m.gen.gen == 7 and not m.gen.awaiting
+    m.expire(20.0 - 7)  # past the adopted generation's grace, everyone is back
+    assert m.gen.gen == 7 and not m.gen.broken
+    assert m.quorum("c", 1, 7, 41, False, 13.1) == ("proceed", 7)
+    assert m.gen_interrupted(7) is False
+
+
+def test_restart_a_member_that_never_comes_back_breaks_the_adopted_generation() -> None:
+    m = restarted()
+    m.register("b", pid=101, host="h", now=10.5, gen=7, gen_members=("a", "b", "c"))
+    for t in (11.0, 12.0, 13.0):
+        m.touch("a", 1, t)
+        m.touch("b", 1, t)
+    m.expire(13.5)  # c's grace (lease_s=3) is over
+    assert [r.member for r in m.drain_removals()] == ["c"]
+    assert m.gen is not None and m.gen.gen == 8 and m.gen.members == ("a", "b")
+    assert m.gen_interrupted(7)
+
+
+def test_restart_exit_reported_for_an_awaited_member_breaks_at_once() -> None:
+    m = restarted()
+    m.register("b", pid=101, host="h", now=10.1, gen=7, gen_members=("a", "b", "c"))
+    assert m.exited("c", pid=102, now=10.2)
+    assert m.gen is not None and m.gen.gen == 8 and m.gen.members == ("a", "b")
+
+
+def test_restart_numbers_generations_after_the_highest_reported() -> None:
+    m = Membership(cfg(lease_s=3.0))
+    # Nobody runs a generation (all were regrouping when the coordinator died).
+    m.register("a", pid=100, host="h", now=10.0, gen=9)
+    m.register("b", pid=101, host="h", now=10.0, gen=9)
+    assert m.gen is not None and m.gen.gen == 10 and m.gen.members == ("a", "b")
+    assert m.rendezvous("a", 1, 9, 40, 10.1) == "pending"
+    assert m.rendezvous("b", 1, 9, 40, 10.1) == "ready"
+
+
+def test_restart_incarnations_keep_growing() -> None:
+    m = Membership(cfg())
+    assert m.register("a", pid=100, host="h", now=0.0, prev_incarnation=4) == 5
+
+
+def test_unknown_versus_expelled() -> None:
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    assert m.rendezvous("z", 1, 0, 0, 1.0) == "unknown"
+    m.remove("c", "suspected", 1.0)
+    assert m.rendezvous("c", 1, 1, 0, 1.1) == "expelled"

@@ -6,6 +6,8 @@ A fault is written `KIND@STEP[:MEMBER][/SECONDS]`:
     kill@15:w2       ... member w2
     hang@30/6        SIGSTOP a member at step 30, SIGCONT it 6 s later
     term@40          SIGTERM a member (graceful leave)
+    kill-coordinator@20
+                     SIGKILL the coordinator (the launcher restarts it)
 
 The victim is chosen with a seeded generator among the members alive at that
 moment, so a schedule with a seed is reproducible. To land *inside* a step
@@ -19,8 +21,10 @@ import random
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill", "hang", "term")
-_RE = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<member>[\w.-]+))?(?:/(?P<dur>[\d.]+))?$")
+KINDS = ("kill", "hang", "term", "kill-coordinator")
+COORDINATOR = "coordinator"
+"""The victim name of a fault aimed at the coordinator rather than a member."""
+_RE = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<member>[\w.-]+))?(?:/(?P<dur>[\d.]+))?$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ def parse_fault(text: str) -> Fault:
     if kind not in KINDS:
         raise ValueError(f"bad fault {text!r}: kind must be one of {', '.join(KINDS)}")
     dur = float(m["dur"]) if m["dur"] else None
+    if kind == "kill-coordinator" and m["member"]:
+        raise ValueError(f"bad fault {text!r}: kill-coordinator takes no member")
     if dur is not None and kind != "hang":
         raise ValueError(f"bad fault {text!r}: only hang takes a /SECONDS duration")
     return Fault(kind, int(m["step"]), m["member"], dur)
@@ -68,6 +74,8 @@ class FaultSchedule:
         return out
 
     def pick(self, fault: Fault, members: list[str]) -> str | None:
+        if fault.kind == "kill-coordinator":
+            return COORDINATOR
         if fault.member is not None:
             return fault.member if fault.member in members else None
         return self.rng.choice(members) if members else None

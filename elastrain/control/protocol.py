@@ -8,7 +8,8 @@ joiner's model does not match the job's). Unknown fields are rejected so that a
 client of another version fails loudly instead of being half-understood.
 
 Ops (who calls; blocking?):
-- `register`   a worker, once per incarnation; returns its incarnation and the store.
+- `register`   a worker, once per incarnation, and again after a coordinator
+               restart (answers "unknown"); returns its incarnation and the store.
 - `heartbeat`  every worker, in a background thread; long-polls up to `wait_s`
                and returns early when the worker's generation changes or breaks.
 - `rendezvous` a worker that needs a (new) generation; long-polls up to `wait_s`
@@ -119,6 +120,16 @@ class RegisterRequest:
     host: str
     signature: list[Any]
     """The model signature: [[name, shape, dtype], ...]; all members must match."""
+    gen: int = 0
+    """The newest generation this worker has run in (0: none). A restarted
+    coordinator numbers its generations after the highest one reported."""
+    gen_members: list[str] = field(default_factory=list)
+    """The members of `gen` if the worker is still running it, else empty. A
+    restarted coordinator adopts a running generation so training goes on."""
+    committed: int = 0
+    """The worker's committed step count."""
+    prev_incarnation: int = 0
+    """The incarnation it had (0: none); the new one is higher."""
 
 
 @dataclass(frozen=True)
@@ -189,14 +200,17 @@ class RegisterResponse:
 @dataclass(frozen=True)
 class HeartbeatResponse:
     status: str
-    """"ok", "changed" (a newer generation exists or the caller's broke), or "expelled"."""
+    """"ok", "changed" (a newer generation exists or the caller's broke),
+    "expelled", or "unknown" (this coordinator never saw the caller: it was
+    restarted; register again, reporting the generation you run)."""
     gen: int
 
 
 @dataclass(frozen=True)
 class RendezvousResponse:
     status: str
-    """"ready", "pending" (call again), "expelled" (register again), "finished"."""
+    """"ready", "pending" (call again), "expelled" or "unknown" (register
+    again), "finished"."""
     gen: int = 0
     members: list[str] = field(default_factory=list)
     committed: dict[str, int] = field(default_factory=dict)
@@ -207,7 +221,8 @@ class RendezvousResponse:
 @dataclass(frozen=True)
 class QuorumResponse:
     verdict: str
-    """"proceed" (run the step in this generation), "regroup", or "expelled"."""
+    """"proceed" (run the step in this generation), "regroup", "expelled", or
+    "unknown" (register again, then ask again)."""
     gen: int
     preempt_s: float = 0.0
     """> 0: the job is being preempted. After committing this step, take one

@@ -12,6 +12,13 @@ member has called rendezvous for it, reporting its committed step count; it
 *starts* at the highest reported count (members below it are healed). It is
 *broken* once one of its members is gone or a member reports a failure in it;
 a broken generation never proceeds with another step.
+
+Restarts: this state is soft. A restarted coordinator starts empty; workers
+that still run a generation register again reporting it, and the first such
+report *adopts* it (same number, same members, ready) so that training goes
+on without a regroup. Members of the adopted generation that do not register
+again within `lease_s` break it, as if their lease had expired. Generation
+numbers continue after the highest one any worker reports.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ class Generation:
     ready: dict[str, int] = field(default_factory=dict)
     """member -> committed step count reported at rendezvous."""
     broken: bool = False
+    awaiting: set[str] = field(default_factory=set)
+    """Adopted generations only: members that have not registered again yet."""
 
     @property
     def is_ready(self) -> bool:
@@ -172,20 +181,58 @@ class Membership:
         """Generations formed since the last `drain_formed()` (for events)."""
         self.progress_step = 0
         self.last_loss: float | None = None
+        self.gen_floor = 0
+        """The highest generation number workers reported (after a restart)."""
+        self.adopted: list[Generation] = []
+        """Generations adopted since the last `drain_adopted()` (for events)."""
 
     # ---- registration and liveness ---------------------------------------
 
-    def register(self, member: str, pid: int, host: str, now: float) -> int:
-        """Add (or re-add, after expulsion) a member; returns its incarnation."""
-        inc = self.incarnations.get(member, 0) + 1
+    def register(
+        self,
+        member: str,
+        pid: int,
+        host: str,
+        now: float,
+        *,
+        gen: int = 0,
+        gen_members: tuple[str, ...] = (),
+        committed: int = 0,
+        prev_incarnation: int = 0,
+    ) -> int:
+        """Add (or re-add, after expulsion or a coordinator restart) a member;
+        returns its incarnation. `gen`/`gen_members`/`committed` are what the
+        worker runs (see the module docstring on restarts)."""
+        inc = max(self.incarnations.get(member, 0), prev_incarnation) + 1
         self.incarnations[member] = inc
         if member in self.members:
             self._remove(member, "reregistered", now)
         self.members[member] = Member(member, inc, pid, host, now, now)
         if self.first_registration is None:
             self.first_registration = now
+        self.gen_floor = max(self.gen_floor, gen)
+        g = self.gen
+        if gen and member in gen_members:
+            if g is None or (g.reason == "adopted" and g.gen < gen):
+                self._adopt(gen, tuple(gen_members), committed, now)
+            elif g.gen == gen and member in g.awaiting:
+                g.awaiting.discard(member)
+                g.ready[member] = committed
         self.evaluate(now)
         return inc
+
+    def _adopt(self, gen: int, members: tuple[str, ...], committed: int, now: float) -> None:
+        g = Generation(gen, members, now, "adopted", ready=dict.fromkeys(members, committed))
+        g.awaiting = {m for m in members if m not in self.members}
+        self.gen = g
+        self.adopted.append(g)
+        self.failure_reported = False
+        self.decision = None
+        self.progress_step = max(self.progress_step, committed)
+
+    def knows(self, member: str) -> bool:
+        """Has this coordinator ever registered `member`? (No: it restarted since.)"""
+        return member in self.incarnations
 
     def gen_interrupted(self, gen: int) -> bool:
         """Must members still running `gen` abandon their collective now?
@@ -216,6 +263,14 @@ class Membership:
 
     def exited(self, member: str, pid: int, now: float) -> bool:
         """The launcher saw the process exit: drop it at once (if that PID is the member)."""
+        g = self.gen
+        if member not in self.members and g is not None and member in g.awaiting:
+            # Died while the coordinator was down: its adopted generation is broken.
+            g.awaiting.discard(member)
+            g.broken = True
+            self.removed.append(Removal(member, "exited"))
+            self.evaluate(now)
+            return True
         m = self.members.get(member)
         if m is None or m.pid != pid:
             return False
@@ -248,12 +303,22 @@ class Membership:
         alive = sorted(
             (m for m in self.members.values() if not m.leaving), key=lambda m: m.registered_at
         )
+        g = self.gen
+        # Members of an adopted generation count as alive until their grace ends.
+        awaiting = sorted(g.awaiting) if g is not None and not g.broken else []
+        last_seen = {m.id: m.last_seen for m in self.members.values()}
+        last_seen.update(dict.fromkeys(awaiting, g.formed_at if g is not None else 0.0))
+        current: tuple[str, ...] | None = g.members if g is not None else None
+        if current is None and self.gen_floor:
+            # Restarted while nobody ran a generation: re-form as after a failure
+            # rather than wait for a fresh start.
+            current = ()
         return MembershipView(
-            alive=tuple(m.id for m in alive),
-            current=self.gen.members if self.gen is not None else None,
-            current_broken=self.gen.broken if self.gen is not None else False,
+            alive=tuple(m.id for m in alive) + tuple(awaiting),
+            current=current,
+            current_broken=g.broken if g is not None else bool(self.gen_floor),
             failure_reported=self.failure_reported,
-            last_seen={m.id: m.last_seen for m in self.members.values()},
+            last_seen=last_seen,
             first_registration=self.first_registration,
             step_boundary=step_boundary,
         )
@@ -291,7 +356,7 @@ class Membership:
             # Superseded at a step boundary (join/leave): its members learn it
             # from their next quorum call; nobody's collective is aborted.
             self.clean_handoffs.add(self.gen.gen)
-        nxt = (self.gen.gen if self.gen is not None else 0) + 1
+        nxt = max(self.gen.gen if self.gen is not None else 0, self.gen_floor) + 1
         self.gen = Generation(nxt, plan.members, now, plan.reason)
         self.formed.append(self.gen)
         self.failure_reported = False
@@ -309,6 +374,8 @@ class Membership:
         """
         if self.finished:
             return "finished"
+        if not self.knows(member):
+            return "unknown"
         if not self.touch(member, incarnation, now):
             return "expelled"
         g = self.gen
@@ -329,7 +396,8 @@ class Membership:
         """Per-step verdict for (gen, step): the first request for a step
         decides for everyone asking about that step in that generation."""
         if not self.touch(member, incarnation, now):
-            return "expelled", self.gen.gen if self.gen else 0
+            verdict = "expelled" if self.knows(member) else "unknown"
+            return verdict, self.gen.gen if self.gen else 0
         if leaving and not self.members[member].leaving:
             self.members[member].leaving = True
         g = self.gen
@@ -353,6 +421,11 @@ class Membership:
             if now - m.last_seen > self.config.lease_s:
                 self._remove(m.id, "lease_expired", now)
         g = self.gen
+        if g is not None and g.awaiting and now - g.formed_at > self.config.lease_s:
+            for mid in sorted(g.awaiting):
+                self.removed.append(Removal(mid, "lease_expired"))
+            g.awaiting.clear()
+            g.broken = True
         late = g is not None and not g.broken and not g.is_ready
         if g is not None and late and now - g.formed_at > self.config.ready_timeout_s:
             for mid in g.members:
@@ -366,4 +439,8 @@ class Membership:
 
     def drain_formed(self) -> list[Generation]:
         out, self.formed = self.formed, []
+        return out
+
+    def drain_adopted(self) -> list[Generation]:
+        out, self.adopted = self.adopted, []
         return out

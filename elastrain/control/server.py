@@ -84,6 +84,15 @@ class Coordinator:
         keeps an idle coordinator idle: heartbeats are long polls."""
         removed = self.state.drain_removals()
         formed = self.state.drain_formed()
+        adopted = self.state.drain_adopted()
+        for g in adopted:
+            self.events.emit(
+                "generation_adopted",
+                gen=g.gen,
+                members=list(g.members),
+                awaiting=sorted(g.awaiting),
+                step=g.start_step,
+            )
         for r in removed:
             self.events.emit("member_removed", member=r.member, reason=r.reason)
         for g in formed:
@@ -99,7 +108,7 @@ class Coordinator:
                 min=self.config.min_members,
             )
         self._last_wait = self.state.waiting
-        if wake or removed or formed or wait_changed:
+        if wake or removed or formed or adopted or wait_changed:
             self.cond.notify_all()
 
     def check_token(self, header: str | None) -> None:
@@ -127,8 +136,24 @@ class Coordinator:
                     f"refused {req.member}: its model does not match the job's: {why}",
                 )
             now = time.monotonic()
-            inc = self.state.register(req.member, req.pid, req.host, now)
-            self.events.emit("member_registered", member=req.member, incarnation=inc, pid=req.pid)
+            inc = self.state.register(
+                req.member,
+                req.pid,
+                req.host,
+                now,
+                gen=req.gen,
+                gen_members=tuple(req.gen_members),
+                committed=req.committed,
+                prev_incarnation=req.prev_incarnation,
+            )
+            self.events.emit(
+                "member_registered",
+                member=req.member,
+                incarnation=inc,
+                pid=req.pid,
+                gen=req.gen,
+                running=bool(req.gen_members),
+            )
             self._flush(wake=True)
             return p.RegisterResponse(
                 inc, self.store_host, self.store_port, self.job_id, self.config.heartbeat_s
@@ -140,7 +165,8 @@ class Coordinator:
             while True:
                 now = time.monotonic()
                 if not self.state.touch(req.member, req.incarnation, now):
-                    return p.HeartbeatResponse("expelled", self._gen_id())
+                    known = self.state.knows(req.member)
+                    return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
                 if req.gen and self.state.gen_interrupted(req.gen):
                     return p.HeartbeatResponse("changed", self._gen_id())
                 if now >= deadline:
@@ -173,7 +199,7 @@ class Coordinator:
                     return p.RendezvousResponse(
                         "ready", g.gen, list(g.members), dict(g.ready), g.start_step
                     )
-                if status in ("expelled", "finished") or now >= deadline:
+                if status in ("expelled", "unknown", "finished") or now >= deadline:
                     msg = self.state.waiting or ""
                     if status == "pending" and g is not None and not msg:
                         missing = [m for m in g.members if m not in g.ready]

@@ -11,7 +11,13 @@ Durable state: before spawning anyone, the launcher picks the checkpoint to
 resume from in ``<run_dir>/checkpoints`` (the newest that verifies; damaged
 ones are skipped with a warning naming the file) and clears the step
 directories newer than it, so running `elastrain run` again on the same run
-directory continues the job. SIGTERM to the launcher (a preemption notice for
+directory continues the job.
+
+Coordinator restarts: the coordinator's state is soft. If its process dies,
+the launcher starts a new one on the same ports with the same job id; workers
+keep training meanwhile, register again and the new coordinator adopts their
+generation (see elastrain.control.quorum). Exits seen while it was down are
+reported to the new one. SIGTERM to the launcher (a preemption notice for
 the whole job) asks the coordinator to have every member take one emergency
 checkpoint at the next step boundary; the launcher waits for the workers to
 exit within the grace period, then stops everything.
@@ -35,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
-from elastrain.chaos.schedule import Fault, FaultSchedule
+from elastrain.chaos.schedule import COORDINATOR, Fault, FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_REFUSED
@@ -77,6 +83,8 @@ class LaunchConfig:
     """Coordinator suspicion window (see CoordinatorConfig)."""
     max_fast_failures: int = 5
     """Give up after this many consecutive workers die within 10 s of their start."""
+    max_coordinator_restarts: int = 5
+    """Give up after the coordinator died this many times within 10 minutes."""
     progress: bool = True
     """Show live progress."""
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -170,11 +178,19 @@ class Launcher:
         self.resume_step: int | None = None
         self._preempt_asked = threading.Event()
         self._preempt_deadline: float | None = None
+        self._coordinator_bind: tuple[str, int, int] | None = None
+        """(host, port, store port) of the first coordinator; restarts reuse them."""
+        self._coordinator_deaths: list[float] = []
+        self._unreported_exits: list[p.ExitRequest] = []
 
     # ---- processes -------------------------------------------------------------
 
     def _start_coordinator(self) -> None:
         c = self.config
+        bind = []
+        if self._coordinator_bind is not None:
+            host, port, store_port = self._coordinator_bind
+            bind = ["--bind", f"{host}:{port}", "--store-port", str(store_port)]
         cmd = [
             sys.executable,
             "-m",
@@ -191,6 +207,7 @@ class Launcher:
             str(c.lease_s),
             "--suspect",
             str(c.suspect_s),
+            *bind,
         ]
         log = open(self.run_dir / "logs" / "coordinator.log", "ab")  # noqa: SIM115
         e = dict(os.environ)
@@ -206,7 +223,50 @@ class Launcher:
             )
         info = json.loads(line)
         self.address = f"{info['host']}:{info['port']}"
-        self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
+        self._coordinator_bind = (info["host"], int(info["port"]), int(info["store_port"]))
+        if self.client is None:
+            self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
+
+    def _restart_coordinator(self) -> None:
+        """The coordinator died: start a new one on the same ports (blocks until it listens)."""
+        assert self.coordinator is not None
+        rc = self.coordinator.returncode
+        now = time.monotonic()
+        self._coordinator_deaths = [t for t in self._coordinator_deaths if now - t < 600] + [now]
+        self.events.emit("coordinator_exited", pid=self.coordinator.pid, returncode=rc)
+        if len(self._coordinator_deaths) > self.config.max_coordinator_restarts:
+            raise _Failed(
+                f"the coordinator died {len(self._coordinator_deaths)} times in 10 minutes "
+                f"(last exit code {rc}); see {self.run_dir / 'logs' / 'coordinator.log'}"
+            )
+        print(
+            f"elastrain: the coordinator exited ({rc}); restarting it on {self.address}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self._start_coordinator()
+        except (RuntimeError, OSError, ValueError) as e:
+            raise _Failed(f"could not restart the coordinator: {e}") from e
+        assert self.coordinator is not None
+        self.events.emit(
+            "coordinator_restarted",
+            pid=self.coordinator.pid,
+            down_s=time.monotonic() - now,
+            restarts=len(self._coordinator_deaths),
+        )
+        pending, self._unreported_exits = self._unreported_exits, []
+        for req in pending:
+            self._report_exit(req)
+
+    def _report_exit(self, req: p.ExitRequest) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.exit(req)
+        except CoordinatorError:
+            # Down (restarting): tell the next one, so it need not wait out a lease.
+            self._unreported_exits.append(req)
 
     def _spawn(self, replacement: bool, replaces: str | None = None) -> Worker:
         c = self.config
@@ -420,7 +480,7 @@ class Launcher:
                 _, _, what, arg = heapq.heappop(self._timers)
                 self._on_timer(what, arg)
             if self.coordinator is not None and self.coordinator.poll() is not None:
-                return "failed", f"the coordinator exited ({self.coordinator.returncode})"
+                self._restart_coordinator()
             if now - last_status >= 0.25:
                 last_status = now
                 self._poll_status()
@@ -435,11 +495,7 @@ class Launcher:
     def _on_exit(self, member: str, pid: int, rc: int) -> tuple[str, str] | None:
         w = self.workers.pop(member, None)
         self.events.emit("worker_exited", member=member, pid=pid, returncode=rc)
-        if self.client is not None:
-            try:
-                self.client.exit(p.ExitRequest(member, pid, rc))
-            except CoordinatorError:
-                pass
+        self._report_exit(p.ExitRequest(member, pid, rc))
         if rc == 0:
             if not self.done_members:
                 # The job is finishing: members still alive get a grace period to finish too.
@@ -492,9 +548,13 @@ class Launcher:
         if self.client is None:
             return
         try:
-            self.status = self.client.status()
+            status = self.client.status()
         except CoordinatorError:
             return
+        # A restarted coordinator learns the step from its workers' next
+        # quorum calls; never report progress going backwards.
+        status["step"] = max(int(status.get("step", 0)), int(self.status.get("step", 0)))
+        self.status = status
         if self.on_status is not None:
             self.on_status(self.status)
         step = int(self.status.get("step", 0))
@@ -507,6 +567,9 @@ class Launcher:
             self._at(self.schedule.offset(1.0 / rate if rate > 0 else 0.2), "signal", (f, victim))
 
     def _signal(self, fault: Fault, member: str) -> None:
+        if member == COORDINATOR:
+            self._kill_coordinator(fault)
+            return
         w = self.workers.get(member)
         if w is None:
             return
@@ -521,6 +584,19 @@ class Launcher:
         os.kill(w.proc.pid, sig)
         if fault.kind == "hang" and fault.duration_s is not None:
             self._at(fault.duration_s, "resume", (member, w.proc.pid))
+
+    def _kill_coordinator(self, fault: Fault) -> None:
+        c = self.coordinator
+        if c is None or c.poll() is not None:
+            return
+        step = self.status.get("step", 0)
+        self.events.emit(
+            "fault_injected", fault=fault.kind, member=COORDINATOR, pid=c.pid, step=step
+        )
+        self.fault_log.append(
+            {"fault": fault.kind, "member": COORDINATOR, "pid": c.pid, "step": step}
+        )
+        os.kill(c.pid, signal.SIGKILL)
 
     def member_pids(self) -> dict[str, int]:
         return {m: w.proc.pid for m, w in self.workers.items()}

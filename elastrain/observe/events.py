@@ -29,6 +29,10 @@ KINDS = frozenset(
         # coordinator (preempt_notice: also the launcher)
         "coordinator_start", "member_registered", "member_refused", "member_removed",
         "generation_formed", "generation_ready", "waiting_for_members", "preempt_notice",
+        "generation_adopted",
+        # launcher: coordinator restarts; worker: losing and finding it again
+        "coordinator_exited", "coordinator_restarted",
+        "coordinator_unreachable", "coordinator_reachable",
         # worker
         "worker_start", "rendezvous_begin", "group_built", "heal_begin", "heal_end",
         "generation_start", "step_contrib", "step_commit", "step_abort",

@@ -5,6 +5,13 @@ training thread is running. The coordinator answers early when that generation
 breaks or is superseded; the thread then records the broken generation and
 interrupts the training thread's collective wait (`Waiter.interrupt`), which
 drops the group at once instead of waiting out a timeout.
+
+Coordinator restarts: while the coordinator cannot be reached, the session
+keeps trying (one warning and one event per outage) and training goes on in
+the current generation. A coordinator that answers "unknown" was restarted:
+the session registers again, reporting the generation it runs, and the new
+coordinator adopts it. Registrations are serialised, and `ensure_registered`
+makes the training thread and the heartbeat thread register once, not twice.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,6 +31,7 @@ from elastrain.control.client import (
     CoordinatorRefused,
     CoordinatorUnavailable,
 )
+from elastrain.observe.events import EventLog
 
 log = logging.getLogger("elastrain.session")
 
@@ -43,18 +52,27 @@ class MemberSession:
         *,
         host: str,
         on_change: Callable[[], None],
+        events: EventLog | None = None,
+        register_timeout_s: float = 60.0,
     ) -> None:
         self.client = client
         self.member = member
         self.signature = signature
         self.host = host
         self.on_change = on_change
+        self.events = events if events is not None else EventLog(None, member)
+        self.register_timeout_s = register_timeout_s
         self.incarnation = 0
         self.job_id = ""
         self.heartbeat_s = 0.25
         self.store_addr: tuple[str, int] | None = None
         self._lock = threading.Lock()
+        self._reg_lock = threading.Lock()
         self._gen = 0
+        self._members: tuple[str, ...] = ()
+        self._last_gen = 0
+        self._committed = 0
+        self._unreachable_since: float | None = None
         self._broken_gen = 0
         self._expelled_inc = 0
         self._leave_reason: str | None = None
@@ -66,22 +84,55 @@ class MemberSession:
     # ---- registration ------------------------------------------------------
 
     def register(self) -> None:
-        """Register (again); blocks. Raises JoinRefused on a 4xx answer."""
-        try:
-            r = self.client.register(
-                p.RegisterRequest(
-                    self.member, os.getpid(), self.host or socket.gethostname(), self.signature
+        """Register (again); blocks, retrying an unreachable coordinator for up to
+        `register_timeout_s`. Raises JoinRefused on a 4xx answer and
+        CoordinatorUnavailable once the time is up."""
+        with self._reg_lock:
+            self._register()
+        self._start_heartbeats()
+
+    def ensure_registered(self, stale_incarnation: int) -> None:
+        """Register again unless somebody already did since `stale_incarnation`
+        was current (the coordinator answered "unknown" or "expelled" to it)."""
+        with self._reg_lock:
+            if self.incarnation == stale_incarnation:
+                self._register()
+
+    def _register(self) -> None:
+        deadline = time.monotonic() + self.register_timeout_s
+        while True:
+            with self._lock:
+                req = p.RegisterRequest(
+                    self.member,
+                    os.getpid(),
+                    self.host or socket.gethostname(),
+                    self.signature,
+                    gen=self._last_gen,
+                    gen_members=list(self._members) if self._gen else [],
+                    committed=self._committed,
+                    prev_incarnation=self.incarnation,
                 )
-            )
-        except CoordinatorRefused as e:
-            raise JoinRefused(e.message) from e
+            try:
+                r = self.client.register(req)
+                break
+            except CoordinatorRefused as e:
+                raise JoinRefused(e.message) from e
+            except CoordinatorUnavailable:
+                self._note_unreachable("register")
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(self.heartbeat_s)  # back-off while the coordinator restarts
+        self._note_reachable()
         with self._lock:
             self.incarnation = r.incarnation
             self.job_id = r.job_id
             self.heartbeat_s = r.heartbeat_s
-            if self.store_addr != (r.store_host, r.store_port):
-                self.store_addr = (r.store_host, r.store_port)
-                self._store = None
+            # A new registration may mean a new store server behind the same
+            # address (a restarted coordinator): old clients never recover.
+            self.store_addr = (r.store_host, r.store_port)
+            self._store = None
+
+    def _start_heartbeats(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._beat, name="elastrain-heartbeat", daemon=True
@@ -107,9 +158,39 @@ class MemberSession:
 
     # ---- state shared with the training thread -------------------------------
 
-    def set_gen(self, gen: int) -> None:
+    def set_gen(self, gen: int, members: tuple[str, ...] | list[str] = ()) -> None:
+        """The generation the training thread runs now (0: none) and its members."""
         with self._lock:
             self._gen = gen
+            self._members = tuple(members)
+            self._last_gen = max(self._last_gen, gen)
+
+    def note_committed(self, committed: int) -> None:
+        with self._lock:
+            self._committed = committed
+
+    def coordinator_unreachable(self, what: str, error: str) -> None:
+        """The training thread could not reach the coordinator (`what` failed)."""
+        log.debug("%s failed: %s", what, error)
+        self._note_unreachable(what)
+
+    def _note_unreachable(self, what: str) -> None:
+        if self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+            log.warning(
+                "coordinator unreachable (%s); training goes on in generation %d meanwhile",
+                what,
+                self._gen,
+            )
+            self.events.emit("coordinator_unreachable", gen=self._gen, op=what)
+
+    def _note_reachable(self) -> None:
+        since = self._unreachable_since
+        if since is not None:
+            self._unreachable_since = None
+            down = time.monotonic() - since
+            log.warning("coordinator reachable again after %.2f s", down)
+            self.events.emit("coordinator_reachable", gen=self._gen, down_s=down)
 
     def gen_broken(self, gen: int) -> bool:
         with self._lock:
@@ -141,11 +222,24 @@ class MemberSession:
                 r = self.client.heartbeat(
                     p.HeartbeatRequest(self.member, inc, gen, self.heartbeat_s)
                 )
-            except (CoordinatorUnavailable, CoordinatorRefused) as e:
-                log.warning("heartbeat failed: %s", e)
+            except CoordinatorUnavailable:
+                self._note_unreachable("heartbeat")
                 self._stop.wait(self.heartbeat_s)
                 continue
+            except CoordinatorRefused as e:
+                log.warning("heartbeat refused: %s", e)
+                self._stop.wait(self.heartbeat_s)
+                continue
+            self._note_reachable()
             if r.status == "ok":
+                continue
+            if r.status == "unknown":
+                # A restarted coordinator: register again, keep the generation.
+                try:
+                    self.ensure_registered(inc)
+                except (CoordinatorUnavailable, JoinRefused) as e:
+                    log.warning("registering again failed: %s", e)
+                    self._stop.wait(self.heartbeat_s)
                 continue
             with self._lock:
                 if r.status == "expelled":

@@ -47,7 +47,7 @@ from torch.utils.data import default_collate
 from elastrain import env
 from elastrain.chaos.points import FaultPoint, FaultPoints, parse_points
 from elastrain.control import protocol as p
-from elastrain.control.client import CoordinatorClient, CoordinatorError
+from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.observe.events import EventLog
@@ -182,6 +182,7 @@ class ElasticTrainer:
             model_signature(model),
             host=self.host,
             on_change=self.waiter.interrupt,
+            events=self.events,
         )
         self.faults = FaultPoints(
             self.member, parse_points(os.environ.get(env.FAULTS)), on_fire=self._fault_fired
@@ -235,6 +236,13 @@ class ElasticTrainer:
             self.session.register()
         except JoinRefused as e:
             self._refused(str(e))
+        except CoordinatorUnavailable as e:
+            self.events.emit("worker_exit", reason="no_coordinator", committed=self.committed)
+            self._shutdown()
+            raise SystemExit(
+                f"[{self.member}] cannot reach the coordinator after "
+                f"{self.session.register_timeout_s:g} s: {e}"
+            ) from e
         try:
             while self.committed < self.config.total_steps and not self._job_finished:
                 if self._pg is None:
@@ -268,16 +276,12 @@ class ElasticTrainer:
             self._exit_left()
         if self.session.expelled:
             log.warning("%s was expelled from the job; registering again", self.member)
-            try:
-                self.session.register()
-            except JoinRefused as e:
-                self._refused(str(e))
+            self._register_again(self.session.incarnation)
         self.events.emit("rendezvous_begin", known_gen=self.gen, committed=self.committed)
+        inc = self.session.incarnation
         try:
             r = self.client.rendezvous(
-                p.RendezvousRequest(
-                    self.member, self.session.incarnation, self.gen, self.committed, wait_s=5.0
-                )
+                p.RendezvousRequest(self.member, inc, self.gen, self.committed, wait_s=5.0)
             )
         except CoordinatorError as e:
             log.warning("rendezvous failed: %s; retrying", e)
@@ -289,8 +293,8 @@ class ElasticTrainer:
             log.info("the job finished while %s was waiting", self.member)
             self._job_finished = True
             return
-        if r.status == "expelled":
-            self.session.register()
+        if r.status in ("expelled", "unknown"):
+            self._register_again(inc)
             return
         if r.status != "ready":
             now = time.monotonic()
@@ -323,7 +327,7 @@ class ElasticTrainer:
             "group_built", gen=r.gen, rank=rank, size=len(r.members), build_s=time.monotonic() - t0
         )
         self._pg, self.gen, self.members, self.rank = pg, r.gen, list(r.members), rank
-        self.session.set_gen(r.gen)
+        self.session.set_gen(r.gen, r.members)
         try:
             self._heal(r)
         except (HealError, RuntimeError) as e:
@@ -437,6 +441,7 @@ class ElasticTrainer:
 
     def _load_meta(self, meta: dict[str, Any]) -> None:
         self.committed = int(meta["committed"])
+        self.session.note_committed(self.committed)
         self._last_loss = meta.get("last_loss")
         rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
         torch.set_rng_state(rng)
@@ -489,18 +494,8 @@ class ElasticTrainer:
         cfg = self.config
         s = self.committed
         t0 = time.monotonic()
-        verdict = self._quorum_pool.submit(
-            self.client.quorum,
-            p.QuorumRequest(
-                self.member,
-                self.session.incarnation,
-                self.gen,
-                s,
-                self.session.leaving,
-                self._last_loss,
-                cfg.global_batch_size,
-            ),
-        )
+        inc = self.session.incarnation
+        verdict = self._quorum_pool.submit(self.client.quorum, self._quorum_request(s, inc))
         flats = self._ensure_grad_views()
         for f in flats:
             f.zero_()
@@ -523,10 +518,7 @@ class ElasticTrainer:
             if k == 0:
                 self.faults.hit(s, "compute")
         t_compute = time.monotonic()
-        try:
-            v = verdict.result(timeout=cfg.coordinator_timeout_s)
-        except (CoordinatorError, concurrent.futures.TimeoutError) as e:
-            raise _Regroup("quorum", str(e)) from e
+        v = self._verdict(verdict, s, inc)
         if v.verdict != "proceed":
             if self.session.leaving:
                 self._exit_left()
@@ -563,6 +555,7 @@ class ElasticTrainer:
         self._settle_hash()
         self.optimizer.step()
         self.committed = s + 1
+        self.session.note_committed(self.committed)
         loss_mean = total_loss / count
         self._last_loss = loss_mean
         t_end = time.monotonic()
@@ -586,6 +579,54 @@ class ElasticTrainer:
         )
         self.faults.hit(s, "commit")
         return StepResult(s, loss_mean, self.gen, len(self.members), self.rank, t_end - t0)
+
+    def _verdict(
+        self, pending: concurrent.futures.Future[p.QuorumResponse], step: int, inc: int
+    ) -> p.QuorumResponse:
+        """The coordinator's verdict for `step` (asked with incarnation `inc`), or
+        "proceed" when it cannot be reached: its state is soft and it may be
+        restarting. Going on without it is safe because the all-reduce is the
+        real agreement: a dead or departed peer makes it fail, and the sample
+        count checks the rest."""
+        try:
+            v = pending.result(timeout=self.config.coordinator_timeout_s)
+        except (CoordinatorUnavailable, concurrent.futures.TimeoutError) as e:
+            if self.session.leaving:
+                self._exit_left()
+            self.session.coordinator_unreachable("quorum", str(e))
+            return p.QuorumResponse("proceed", self.gen)
+        except CoordinatorError as e:
+            raise _Regroup("quorum", str(e)) from e
+        if v.verdict == "unknown":
+            # A restarted coordinator: register (reporting this generation), ask again.
+            self._register_again(inc)
+        if v.verdict in ("unknown", "expelled") and self.session.incarnation != inc:
+            # Registered again since the question was sent (the heartbeat thread
+            # may have done it): the answer was about the old incarnation.
+            try:
+                v = self.client.quorum(self._quorum_request(step, self.session.incarnation))
+            except CoordinatorError as e:
+                raise _Regroup("quorum", str(e)) from e
+        return v
+
+    def _quorum_request(self, step: int, inc: int) -> p.QuorumRequest:
+        return p.QuorumRequest(
+            self.member,
+            inc,
+            self.gen,
+            step,
+            self.session.leaving,
+            self._last_loss,
+            self.config.global_batch_size,
+        )
+
+    def _register_again(self, stale_incarnation: int) -> None:
+        try:
+            self.session.ensure_registered(stale_incarnation)
+        except JoinRefused as e:
+            self._refused(str(e))
+        except CoordinatorUnavailable as e:
+            log.warning("registering again failed: %s; retrying", e)
 
     # ---- leaving ---------------------------------------------------------------
 

@@ -77,7 +77,7 @@ def test_automatic_schedule_bootstraps_then_follows_young_daly() -> None:
     assert s.due(1)
     s.taken(1)
     # The next all-reduce brings the members' mean save cost and step time.
-    s.absorb([2 * 0.5, 2.0, 2 * 0.1, 2.0])  # two members: 0.5 s save, 0.1 s steps
+    s.absorb([2 * 0.5, 2.0, 2 * 0.1, 2.0, 0.0, 0.0, 0.0])  # two members: 0.5 s save, 0.1 s steps
     choice = s.plan(2)
     assert choice is not None
     want_s = math.sqrt(2 * 3600 * 0.5)  # 60 s
@@ -87,7 +87,7 @@ def test_automatic_schedule_bootstraps_then_follows_young_daly() -> None:
     assert s.next == 1 + 600 and not s.due(600) and s.due(601)
     # The same interval chosen again is not announced again.
     s.taken(601)
-    s.absorb([1.0, 2.0, 0.2, 2.0])
+    s.absorb([1.0, 2.0, 0.2, 2.0, 0.0, 0.0, 0.0])
     assert s.step_s == pytest.approx(0.1)  # 0.8 x 0.1 + 0.2 x 0.1
     assert s.plan(602) is None and s.next == 1201
 
@@ -107,9 +107,37 @@ def test_schedule_is_agreed_state_that_travels_in_meta() -> None:
 
 def test_contribution_counts_only_real_measurements(tmp_path: Path) -> None:
     ck = Checkpointing(cfg(), str(tmp_path), EventLog(None, "w0"), "w0")
-    assert ck.contribution() == [0.0, 0.0, 0.0, 0.0]
+    assert ck.contribution() == [0.0] * 7
     ck.note_step_time(0.25)
-    assert ck.contribution() == [0.0, 0.0, 0.25, 1.0]
+    assert ck.contribution() == [0.0, 0.0, 0.25, 1.0, 0.0, 0.0, 0.0]
+    ck.note_generation("failure")
+    since, since_n, failed = ck.contribution()[4:]
+    assert since >= 0.0 and since_n == 1.0 and failed == 1.0
+    ck.absorb([0.0, 0.0, 0.25, 1.0, since, 1.0, 1.0])
+    assert ck.contribution()[6] == 0.0  # counted once, by the step that committed
+    assert ck.schedule.failures == 1 and ck.schedule.elapsed_s == pytest.approx(since)
+    ck.note_generation("join")
+    assert ck.contribution()[6] == 0.0
+
+
+def test_observed_failures_shorten_the_automatic_interval() -> None:
+    s = Schedule(every=0, mtbf_s=3600.0, cost_s=0.5, step_s=0.1)
+    quiet = s.plan(1)
+    assert quiet is not None and quiet.mtbf_s == 3600.0 and "0 failure(s)" in quiet.reason
+    s.taken(quiet.next_step)
+    # Three members, each 10 s since its previous commit; one flagged a failure.
+    for _ in range(3):
+        s.absorb([0.0, 0.0, 0.3, 3.0, 30.0, 3.0, 1.0])
+    assert s.failures == 3 and s.elapsed_s == pytest.approx(30.0)
+    c = s.plan(quiet.next_step)
+    assert c is not None
+    assert c.mtbf_s == pytest.approx((3600 + 30) / 4)
+    assert c.interval_steps < quiet.interval_steps
+    assert "3 failure(s) observed" in c.reason and c.failures == 3
+    # No failures for a long time: the estimate grows again.
+    s.taken(c.next_step)
+    s.absorb([0.0, 0.0, 0.1, 1.0, 20_000.0, 1.0, 0.0])
+    assert s.mtbf_estimate() == pytest.approx((3600 + 20_030) / 4)
 
 
 def test_config_rejects_bad_checkpoint_settings() -> None:

@@ -216,6 +216,8 @@ class RendezvousResponse:
     committed: dict[str, int] = field(default_factory=dict)
     start_step: int = 0
     message: str = ""
+    reason: str = ""
+    """Why the generation was formed: "start", "failure", "join", "leave", "adopted"."""
 
 
 @dataclass(frozen=True)

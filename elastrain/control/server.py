@@ -197,7 +197,12 @@ class Coordinator:
                             start_step=g.start_step,
                         )
                     return p.RendezvousResponse(
-                        "ready", g.gen, list(g.members), dict(g.ready), g.start_step
+                        "ready",
+                        g.gen,
+                        list(g.members),
+                        dict(g.ready),
+                        g.start_step,
+                        reason=g.reason,
                     )
                 if status in ("expelled", "unknown", "finished") or now >= deadline:
                     msg = self.state.waiting or ""

@@ -70,7 +70,9 @@ class TrainerConfig:
     interval is automatic (Young/Daly: sqrt(2 x MTBF x save cost), with the
     members' mean measured blocking save cost and step time, agreed through
     the step's all-reduce) and re-chosen after every checkpoint; each choice is
-    logged and emitted as a `checkpoint_interval` event. --ckpt-mtbf overrides it."""
+    logged and emitted as a `checkpoint_interval` event. The value is a prior
+    that the job's observed failures update: MTBF = (given + trained time) /
+    (1 + failures observed). --ckpt-mtbf overrides it."""
 
     checkpoint_keep_last: int = 3
     """Committed checkpoints kept (the newest verified one is always kept too)."""

@@ -87,9 +87,11 @@ log = logging.getLogger("elastrain.checkpoint")
 POLL_S = 0.05
 """How often the committer looks for the shard manifests of a pending checkpoint."""
 
-CONTRIB_SLOTS = 4
+CONTRIB_SLOTS = 7
 """Values each member adds to the step's all-reduce for the schedule:
-save-cost sum, save-cost count, step-time sum, step-time count."""
+save-cost sum, save-cost count, step-time sum, step-time count, time since
+its previous commit (sum, count), and a failure flag (it joined a generation
+formed after a failure since its previous commit)."""
 
 StateFn = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
 """Returns the flattened state (names -> live tensors) and its JSON meta."""
@@ -113,6 +115,8 @@ class IntervalChoice:
     mtbf_s: float
     next_step: int
     reason: str
+    failures: int = 0
+    elapsed_s: float = 0.0
 
 
 @dataclass
@@ -137,8 +141,14 @@ class Schedule:
     (exponential moving average, weight 0.2 for the newest step)."""
     interval_steps: int | None = None
     """Automatic mode: the interval last chosen, in steps."""
+    elapsed_s: float = 0.0
+    """Agreed training time so far: per committed step, the members' mean time
+    since their previous commit (recoveries included; carried over resumes)."""
+    failures: int = 0
+    """Agreed count of failures observed: committed steps that were the first
+    after a generation was re-formed because of a failure."""
 
-    _AGREED = ("last", "next", "cost_s", "step_s", "interval_steps")
+    _AGREED = ("last", "next", "cost_s", "step_s", "interval_steps", "elapsed_s", "failures")
 
     @property
     def automatic(self) -> bool:
@@ -158,7 +168,11 @@ class Schedule:
 
     def absorb(self, values: list[float]) -> None:
         """Take the all-reduced `CONTRIB_SLOTS` values of the step just committed."""
-        cost_sum, cost_n, step_sum, step_n = values
+        cost_sum, cost_n, step_sum, step_n, since_sum, since_n, failed = values
+        if round(since_n) >= 1:
+            self.elapsed_s += since_sum / round(since_n)
+        if failed >= 0.5:
+            self.failures += 1
         if round(cost_n) >= 1:
             self.cost_s = cost_sum / round(cost_n)
         if round(step_n) >= 1:
@@ -166,10 +180,28 @@ class Schedule:
             # Smoothed (one step is noisy); every member computes the same from the same input.
             self.step_s = mean if self.step_s is None else 0.8 * self.step_s + 0.2 * mean
 
+    def mtbf_estimate(self) -> float | None:
+        """The MTBF the interval uses: the user's value as a prior worth one
+        failure, updated with what this job observed (the mean of an
+        exponential's gamma posterior): (given + elapsed) / (1 + failures).
+        A job that runs long without failing trusts a longer MTBF; one that
+        fails often, a shorter one."""
+        if self.mtbf_s is None:
+            return None
+        return (self.mtbf_s + self.elapsed_s) / (1 + self.failures)
+
+    def _mtbf_why(self, mtbf: float) -> str:
+        assert self.mtbf_s is not None
+        return (
+            f"MTBF {mtbf:.4g} s = (given {self.mtbf_s:g} s + {self.elapsed_s:.4g} s trained) / "
+            f"(1 + {self.failures} failure(s) observed)"
+        )
+
     def plan(self, n: int) -> IntervalChoice | None:
         """Automatic mode: choose the next checkpoint if none is chosen; returns the
         choice when the interval changed (or on the first one), else None."""
-        if self.mtbf_s is None or self.next is not None:
+        mtbf = self.mtbf_estimate()
+        if mtbf is None or self.next is not None:
             return None
         if self.cost_s is None or not self.step_s:
             self.next = max(n, self.every or 1)
@@ -181,24 +213,27 @@ class Schedule:
                 None,
                 self.cost_s,
                 self.step_s,
-                self.mtbf_s,
+                mtbf,
                 self.next,
                 f"no save cost measured yet: the first checkpoint, at step {self.next}, "
                 "measures it",
+                self.failures,
+                self.elapsed_s,
             )
         cost = max(self.cost_s, 1e-6)
         try:
-            interval_s = young_daly_interval(self.mtbf_s, cost)
+            interval_s = young_daly_interval(mtbf, cost)
             why = (
-                f"Young/Daly sqrt(2 x MTBF {self.mtbf_s:g} s x blocking save cost "
+                f"Young/Daly sqrt(2 x MTBF {mtbf:.4g} s x blocking save cost "
                 f"{cost:.4g} s) = {interval_s:.3g} s"
             )
         except ValueError:
-            interval_s = self.mtbf_s
+            interval_s = mtbf
             why = (
-                f"blocking save cost {cost:.4g} s is not much below MTBF {self.mtbf_s:g} s "
+                f"blocking save cost {cost:.4g} s is not much below MTBF {mtbf:.4g} s "
                 "(Young/Daly does not apply): one checkpoint per MTBF"
             )
+        why += f"; {self._mtbf_why(mtbf)}"
         k = max(1, round(interval_s / self.step_s))
         why += f" = {k} steps of {self.step_s:.4g} s"
         self.next = max(n, (self.last or 0) + k)
@@ -206,7 +241,9 @@ class Schedule:
         self.interval_steps = k
         if not changed:
             return None
-        return IntervalChoice(k, interval_s, cost, self.step_s, self.mtbf_s, self.next, why)
+        return IntervalChoice(
+            k, interval_s, cost, self.step_s, mtbf, self.next, why, self.failures, self.elapsed_s
+        )
 
     def taken(self, n: int) -> None:
         """Record that the checkpoint at ``n`` was due (whatever happened to the writes)."""
@@ -463,6 +500,8 @@ class Checkpointing:
         self._handle: SaveHandle | None = None
         self._pending_cost: float | None = None
         self._last_step_s: float | None = None
+        self._last_commit: float | None = None
+        self._saw_failure = False
         self._blocking: dict[int, float] = {}
 
     @property
@@ -477,14 +516,34 @@ class Checkpointing:
         cost measured since the last committed step (if any) and its last step time."""
         cost = self._pending_cost
         step = self._last_step_s
-        return [cost or 0.0, 1.0 if cost is not None else 0.0, step or 0.0, 1.0 if step else 0.0]
+        since = time.monotonic() - self._last_commit if self._last_commit is not None else None
+        return [
+            cost or 0.0,
+            1.0 if cost is not None else 0.0,
+            step or 0.0,
+            1.0 if step else 0.0,
+            since or 0.0,
+            1.0 if since is not None else 0.0,
+            1.0 if self._saw_failure else 0.0,
+        ]
 
     def note_step_time(self, step_s: float) -> None:
         self._last_step_s = step_s
 
+    def note_generation(self, reason: str) -> None:
+        """The member starts training in a generation formed for `reason`. The
+        first one starts its clock for the MTBF; "failure" flags a failure,
+        counted once by the next committed step however many re-forms it took."""
+        if self._last_commit is None:
+            self._last_commit = time.monotonic()
+        if reason == "failure":
+            self._saw_failure = True
+
     def absorb(self, values: list[float]) -> None:
         """After a commit: fold in the all-reduced values (identical on every member)."""
         self._pending_cost = None
+        self._last_commit = time.monotonic()
+        self._saw_failure = False
         self.schedule.absorb(values)
 
     # ---- saving ------------------------------------------------------------------
@@ -646,6 +705,8 @@ class Checkpointing:
             mtbf_s=c.mtbf_s,
             next_step=c.next_step,
             reason=c.reason,
+            failures=c.failures,
+            elapsed_s=c.elapsed_s,
         )
 
     def close(self) -> None:

@@ -336,6 +336,7 @@ class ElasticTrainer:
             )
             self._abandon("heal", str(e))
             return
+        self.ckpt.note_generation(r.reason)
         # Hash the state off the recovery's critical path: it overlaps the first
         # step's compute, which only reads the parameters; `_settle_hash` joins
         # it before anything writes them (optimizer step, heal, shutdown).

@@ -369,3 +369,66 @@ def test_sigterm_to_the_launcher_takes_an_emergency_checkpoint_then_resume(
     assert attempted["w0"] == attempted["w1"] and len(attempted["w0"]) >= 2, attempted
     done = {e["step"] for e in ev if e["kind"] == "checkpoint_committed"}
     assert done and done <= attempted["w0"]
+
+
+def test_sigterm_to_the_coordinator_preempts_the_whole_job(
+    run_job, reference, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Kubernetes evicting a job sends SIGTERM to every pod, the coordinator's
+    included; there may be no launcher to tell. The coordinator turns it into
+    the job's preemption notice: one emergency checkpoint, then every member
+    exits and nobody is replaced; a rerun resumes from that checkpoint."""
+    from elastrain.launch.launcher import LaunchConfig, Launcher
+
+    grace = 30.0
+    la = Launcher(
+        LaunchConfig(
+            script=MLP,
+            workers=WORKERS,
+            steps=100_000,  # only the notice ends it
+            run_dir=str(tmp_path / "job"),
+            progress=False,
+            grace_s=grace,
+            extra_env={"PYTHONPATH": str(ROOT)},
+        )
+    )
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(la.run()), name="launcher")
+    t.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(
+            e["kind"] == "step_commit" and e["step"] >= 3 for e in read_events(la.run_dir)
+        ):
+            assert t.is_alive() and time.monotonic() < deadline, "job did not start"
+            time.sleep(0.2)  # polling files other processes write
+        coordinator = la.coordinator
+        assert coordinator is not None
+        t_term = time.monotonic()
+        coordinator.send_signal(signal.SIGTERM)
+        t.join(timeout=grace + 30)
+        took = time.monotonic() - t_term
+    finally:
+        if t.is_alive():
+            la.stop()
+            t.join(timeout=30)
+    (result,) = out
+    assert result.status == "preempted", result.message
+    assert took < grace, f"the job took {took:.1f} s to stop, grace was {grace} s"
+    ev = read_events(la.run_dir)
+    assert any(e["kind"] == "preempt_notice" and e["proc"] == "coordinator" for e in ev)
+    emergency = [e for e in ev if e["kind"] == "checkpoint_emergency"]
+    assert len(emergency) == WORKERS and all(e["ok"] for e in emergency), emergency
+    (step,) = {e["step"] for e in emergency}
+    exits = [e for e in ev if e["kind"] == "worker_exited"]
+    assert len(exits) == WORKERS and {e["returncode"] for e in exits} == {EXIT_PREEMPTED}
+    assert not [e for e in ev if e["kind"] == "worker_spawned" and e["replacement"]]
+    assert not [e for e in ev if e["kind"] == "coordinator_restarted"]
+    for pids in la.pids.values():
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    assert latest_verified(la.run_dir / "checkpoints").step == step  # type: ignore[union-attr]
+    if step < STEPS:
+        job = run_job(steps=STEPS, workers=WORKERS)
+        assert_resumed(job, reference, step)

@@ -6,7 +6,11 @@ restarted on its own:
     python -m elastrain.control.server --run-dir runs/x --target 4 --min 2
 
 The job token comes from $ELASTRAIN_TOKEN or $ELASTRAIN_TOKEN_FILE, never from
-the command line. On start it prints one JSON line to stdout with where it
+the command line. SIGINT stops it at once. SIGTERM means the whole job is
+being preempted (Kubernetes sends it to every pod of an evicted job, this one
+included): it tells every member to take one emergency checkpoint after the
+next step and exit, waits until they are gone or `--grace` seconds have
+passed, then exits with status 0. On start it prints one JSON line to stdout with where it
 listens: {"host": ..., "port": ..., "store_port": ...}.
 """
 
@@ -446,6 +450,22 @@ class CoordinatorServer:
         while not self._stop.wait(0.1):
             self.coord.tick()
 
+    def drain_for_preemption(self, grace_s: float) -> bool:
+        """The whole job is being preempted: notice every member (as the `preempt`
+        op does), then block until no member is registered or `grace_s` has
+        passed; returns whether every member left in time. A margin of the
+        grace (at most 5 s) is kept for the members' own exit."""
+        margin = min(5.0, 0.2 * grace_s)
+        deadline = time.monotonic() + grace_s
+        self.coord.preempt(p.PreemptRequest(grace_s - margin))
+        with self.coord.cond:
+            while self.coord.state.members:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.coord.cond.wait(min(left, 0.5))
+        return True
+
     def stop(self) -> None:
         self._stop.set()
         self.httpd.shutdown()
@@ -485,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM: seconds for the members' emergency checkpoint and exit (default 30)",
+    )
     args = ap.parse_args(argv)
     host, _, port = args.bind.rpartition(":")
     try:
@@ -513,9 +539,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.run_dir, "coordinator.json").write_text(json.dumps(info))
     print(json.dumps(info), flush=True)
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    preempted = threading.Event()
+
+    def on_term(*_: object) -> None:
+        preempted.set()
+        done.set()
+
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signal.signal(signal.SIGTERM, on_term)
     done.wait()
+    if preempted.is_set() and not srv.drain_for_preemption(args.grace):
+        print("elastrain coordinator: grace period over with members left", file=sys.stderr)
     srv.stop()
     return 0
 

@@ -44,7 +44,7 @@ from elastrain import env
 from elastrain.chaos.schedule import COORDINATOR, Fault, FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
-from elastrain.exitcodes import EXIT_LEFT, EXIT_REFUSED
+from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.observe.events import EventLog
 
 CHECKPOINTS = "checkpoints"
@@ -226,6 +226,24 @@ class Launcher:
         self._coordinator_bind = (info["host"], int(info["port"]), int(info["store_port"]))
         if self.client is None:
             self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
+
+    def _on_coordinator_exit(self) -> None:
+        """Status 0 means it was told to end (SIGTERM: the whole job is being
+        preempted, see elastrain.control.server): end the job the same way.
+        Anything else is a crash: restart it."""
+        assert self.coordinator is not None
+        if self.coordinator.returncode != 0:
+            self._restart_coordinator()
+            return
+        if not self._preempt_asked.is_set():
+            self.events.emit("coordinator_exited", pid=self.coordinator.pid, returncode=0)
+            print(
+                "elastrain: the coordinator was terminated: the job is being preempted",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.preempt()
+        self.coordinator = None
 
     def _restart_coordinator(self) -> None:
         """The coordinator died: start a new one on the same ports (blocks until it listens)."""
@@ -449,7 +467,7 @@ class Launcher:
             file=sys.stderr,
             flush=True,
         )
-        if self.client is not None:
+        if self.client is not None and self.coordinator is not None:
             try:
                 self.client.preempt(p.PreemptRequest(c.grace_s - margin))
             except CoordinatorError as e:
@@ -480,7 +498,7 @@ class Launcher:
                 _, _, what, arg = heapq.heappop(self._timers)
                 self._on_timer(what, arg)
             if self.coordinator is not None and self.coordinator.poll() is not None:
-                self._restart_coordinator()
+                self._on_coordinator_exit()
             if now - last_status >= 0.25:
                 last_status = now
                 self._poll_status()
@@ -506,6 +524,12 @@ class Launcher:
             return None
         if self._preempt_deadline is not None:
             return None  # the job is ending: nobody is replaced
+        if rc == EXIT_PREEMPTED:
+            # Members exit so only on a whole-job preemption notice (from the
+            # coordinator, which got SIGTERM itself): end the job with them.
+            if not self._preempt_asked.is_set():
+                self.preempt()
+            return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
         if w is not None and time.monotonic() - w.started < 10 and rc != EXIT_LEFT:
@@ -623,7 +647,8 @@ class Launcher:
                 pr.kill()
                 pr.wait()
         if self.coordinator is not None and self.coordinator.poll() is None:
-            self.coordinator.terminate()
+            # SIGINT: stop now. (SIGTERM would be a preemption notice to drain.)
+            self.coordinator.send_signal(signal.SIGINT)
             try:
                 self.coordinator.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -51,6 +51,7 @@ from elastrain.transfer.manifest import (
     encode_manifest,
     validate_manifest,
 )
+from elastrain.transfer.tamper import LIES, Tamper
 
 REPO = Path(__file__).resolve().parent.parent
 GROUP_TIMEOUT = datetime.timedelta(seconds=20)
@@ -432,8 +433,11 @@ def test_heal_threads_crc_mismatch_raises_and_leaves_receiver_intact(
         return heal(pg, rank, [0, 1], [2], *states[rank], {"step": 3}, 10.0)
 
     res = run_threads(master_store, 3, fn)
-    assert isinstance(res[2], HealError) and "sender rank 0" in str(res[2]), res
-    assert isinstance(res[0], tuple) and isinstance(res[1], tuple)
+    # Both senders' stripes were refused: nobody is left to send them again, and
+    # every rank says so (the receiver names the first bad sender).
+    assert all(isinstance(r, HealError) for r in res), res
+    assert all("no sender is left to retry from (refused senders: [0, 1])" in str(r) for r in res)
+    assert "checksum mismatch on the stripe from sender rank 0" in str(res[2])
     assert state_hash(*states[2]) == before
     assert torch.equal(states[2][0].fc1.weight, weight_before)
 
@@ -483,6 +487,130 @@ def test_heal_threads_unjsonable_meta_fails_everyone_fast(master_store: TCPStore
     assert isinstance(res[1], HealError) and "could not build the manifest" in str(res[1])
 
 
+# ---------------------------------------------------------------- hostile senders: refuse, retry
+
+
+def test_tamper_damages_copies_repeatably() -> None:
+    bufs = [torch.arange(10, dtype=torch.uint8), torch.arange(5, dtype=torch.uint8)]
+    keep = [b.clone() for b in bufs]
+    a, b = Tamper(flip=4, seed=3).stripe(bufs), Tamper(flip=4, seed=3).stripe(bufs)
+    assert all(torch.equal(x, y) for x, y in zip(bufs, keep, strict=True))  # live bytes intact
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # seeded
+    assert sum(int((x != y).sum()) for x, y in zip(a, keep, strict=True)) == 4
+    assert Tamper().stripe(bufs) is bufs
+    with pytest.raises(ValueError, match="one of"):
+        Tamper(manifest="fib")
+
+
+@pytest.mark.parametrize(
+    "lie, needle",
+    [
+        ("more_bytes", r"claims \d+ bytes but shape"),
+        ("fewer_bytes", r"claims \d+ bytes but shape"),
+        ("dtype", r"claims \d+ bytes but shape .* of torch.float64"),
+        ("shape", r"claims \d+ bytes but shape \[.*2\]"),
+        ("total_bytes", "total_bytes"),
+        ("truncated", "not JSON"),
+    ],
+)
+def test_every_manifest_lie_is_caught_with_a_clear_message(lie: str, needle: str) -> None:
+    assert lie in LIES
+    data = encode_manifest(_manifest())
+    with pytest.raises(HealError, match=needle):
+        validate_manifest(
+            decode_manifest(Tamper(manifest=lie, seed=1).manifest_bytes(data)), [0, 1]
+        )
+
+
+def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
+    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Small thresholds: the flipped bytes land in direct messages (written straight
+    # into the receiver's landing buffer) as well as packed ones.
+    monkeypatch.setattr(chunks, "DIRECT_MIN", 64)
+    monkeypatch.setattr(chunks, "DIRECT_MAX", 200)
+    monkeypatch.setattr(chunks, "PACK_MAX", 300)
+    states = [trained(), trained(), fresh(), fresh()]
+    want = state_hash(*states[0])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(flip=40, seed=rank) if rank == 0 else None
+        return heal(pg, rank, [0, 1], [2, 3], *states[rank], {"step": 3}, 10.0, tamper=tamper)
+
+    res = run_threads(master_store, 4, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    stats = [r[1] for r in res]
+    assert all(st.refused == (0,) for st in stats)
+    assert state_hash(*states[2]) == state_hash(*states[3]) == want == state_hash(*states[0])
+    total = sum(t.nbytes for _, t in flatten_state(*states[2]).tensors)
+    s0, s1 = stats[0].bytes // 2, stats[1].bytes // 2 - stats[0].bytes // 2
+    assert abs(s0 - s1) <= 1 and s0 + s1 == total  # sender 1 sent its stripe and 0's
+    assert stats[2].bytes == stats[3].bytes == total + s0
+
+
+def test_heal_threads_two_bad_senders_of_three(master_store: TCPStore) -> None:
+    """Both refused stripes go to the one good sender: two ranges, one receiver, one round."""
+    states = [trained(), trained(), trained(), fresh()]
+    want = state_hash(*states[2])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(flip=1, seed=rank) if rank in (0, 1) else None
+        return heal(pg, rank, [0, 1, 2], [3], *states[rank], {}, 10.0, tamper=tamper)
+
+    res = run_threads(master_store, 4, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert all(r[1].refused == (0, 1) for r in res)
+    assert state_hash(*states[3]) == want
+    total = sum(t.nbytes for _, t in flatten_state(*states[3]).tensors)
+    assert res[2][1].bytes == total  # its own third plus the other two thirds again
+    assert res[3][1].bytes == total + res[0][1].bytes + res[1][1].bytes
+
+
+@pytest.mark.parametrize("lie", LIES)
+def test_heal_threads_lying_manifest_root_is_replaced_by_the_next_sender(
+    master_store: TCPStore, lie: str
+) -> None:
+    states = [trained(), trained(), fresh()]
+    want = state_hash(*states[1])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(manifest=lie, seed=2) if rank == 0 else None
+        meta = {"root": rank} if rank < 2 else None
+        return heal(pg, rank, [0, 1], [2], *states[rank], meta, 10.0, tamper=tamper)
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert all(r[1].refused == (0,) for r in res)
+    assert res[2][0] == {"root": 1}  # the meta of the sender that became root
+    assert res[0][1].bytes == 0 and res[1][1].bytes == res[2][1].bytes > 0
+    assert state_hash(*states[2]) == want
+
+
+@pytest.mark.parametrize(
+    "tamper", [Tamper(manifest="shape"), Tamper(manifest="truncated"), Tamper(flip=1)]
+)
+def test_heal_threads_no_honest_sender_left_fails_loudly(
+    master_store: TCPStore, tamper: Tamper
+) -> None:
+    states = [trained(), fresh()]
+    before = state_hash(*states[1])
+
+    def fn(rank: int, pg: Any) -> Any:
+        return heal(
+            pg, rank, [0], [1], *states[rank], {}, 20.0, tamper=tamper if rank == 0 else None
+        )
+
+    t0 = time.perf_counter()
+    res = run_threads(master_store, 2, fn)
+    # Decided together: nobody waits out the 20 s deadline (before, a manifest that
+    # was not JSON left the root waiting in the verdict until it).
+    assert time.perf_counter() - t0 < 8
+    assert all(isinstance(r, HealError) and "no sender is left" in str(r) for r in res), res
+    why = {"shape": "claims", "truncated": "not JSON", None: "checksum mismatch on the stripe"}
+    assert why[tamper.manifest] in str(res[1])
+    assert state_hash(*states[1]) == before
+
+
 # ---------------------------------------------------------------- heal across processes
 
 # Every scenario runs in the same 3 worker processes, one fresh gloo group per
@@ -491,6 +619,7 @@ SCENARIOS: dict[str, tuple[list[int], list[int]]] = {
     "two_senders": ([0, 1], [2]),
     "one_sender": ([0], [1, 2]),
     "mismatch": ([0, 1], [2]),  # rank 2 has a wider model
+    "corrupt_stripe": ([0, 1], [2]),  # rank 0 flips bytes of its stripe on the wire
 }
 WORLD = 3
 SENT_META = {"step": 3, "rng": [1, 2, 3], "pair": (4.5, None), "cursor": {"epoch": 0}}
@@ -576,6 +705,18 @@ def test_heal_processes_mismatched_receiver_fails_cleanly(process_results: dict[
     assert max(r["seconds"] for r in res) < 5  # the verdict fails everyone fast, no timeout
 
 
+def test_heal_processes_corrupt_stripe_is_fetched_from_the_other_sender(
+    process_results: dict[str, Any],
+) -> None:
+    res = process_results["corrupt_stripe"]
+    assert all(r["ok"] for r in res), res
+    assert all(r["stats"]["refused"] == [0] for r in res)
+    assert res[2]["before"] != res[0]["before"] == res[1]["before"] == res[2]["after"]
+    assert res[0]["after"] == res[0]["before"]  # the tampering sender's own state is intact
+    assert res[2]["stats"]["bytes"] == res[2]["total_bytes"] + res[0]["stats"]["bytes"]
+    assert len({r["after_step"] for r in res}) == 1
+
+
 # ---------------------------------------------------------------- worker process entry point
 
 
@@ -590,7 +731,8 @@ def _run_scenario(name: str, gen: int, rank: int, client: TCPStore, out_dir: Pat
     t0 = time.perf_counter()
     try:
         meta = SENT_META if rank in senders else None
-        got, stats = heal(pg, rank, senders, receivers, model, opt, meta, 10.0)
+        tamper = Tamper(flip=7, seed=5) if name == "corrupt_stripe" and rank == 0 else None
+        got, stats = heal(pg, rank, senders, receivers, model, opt, meta, 10.0, tamper=tamper)
     except Exception as e:  # noqa: BLE001 - reported to the test
         report.update(ok=False, error_type=type(e).__name__, error=str(e))
     else:

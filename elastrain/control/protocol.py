@@ -26,13 +26,18 @@ See docs/wire-api.md for examples.
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
 API_VERSION = 1
 PREFIX = f"/v{API_VERSION}/"
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""Wire integers are signed 64-bit, whatever the client's language."""
 
 
 class ProtocolError(ValueError):
@@ -52,7 +57,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
                 return _check(value, arm, where)
             except ProtocolError:
                 continue
-        raise ProtocolError(f"{where}: {value!r} is not of type {tp}")
+        raise ProtocolError(f"{where}: {_short(value)} is not of type {tp}")
     if tp is type(None):
         if value is not None:
             raise ProtocolError(f"{where}: expected null")
@@ -69,21 +74,71 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         return {str(k): _check(v, varg, f"{where}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected true/false, got {value!r}")
+            raise ProtocolError(f"{where}: expected true/false, got {_short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer, got {value!r}")
+            raise ProtocolError(f"{where}: expected an integer, got {_short(value)}")
+        if not INT_MIN <= value <= INT_MAX:
+            raise ProtocolError(f"{where}: integer {_short(value)} does not fit in 64 bits")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ProtocolError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+            raise ProtocolError(f"{where}: expected a number, got {_short(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ProtocolError(f"{where}: number {_short(value)} is out of range") from None
+        if where.endswith("_s") and not (math.isfinite(number) and number >= 0):
+            raise ProtocolError(
+                f"{where}: a duration must be a finite number of seconds >= 0, got {number!r}"
+            )
+        return number
     if tp is str:
         if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string, got {value!r}")
+            raise ProtocolError(f"{where}: expected a string, got {_short(value)}")
         return value
     raise TypeError(f"unsupported schema type {tp}")
+
+
+class _ShortRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        return super().repr_int(x, level) if abs(x) < 10**30 else "<huge int>"
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of ``value`` (length and depth): errors echo hostile input, not all of it."""
+    return _ShortRepr().repr(value)
+
+
+def _check_signature(value: Any, where: str) -> None:
+    for i, e in enumerate(value):
+        if not (
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], str)
+            and isinstance(e[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e[1])
+            and isinstance(e[2], str)
+        ):
+            raise ProtocolError(
+                f"{where}[{i}]: expected [name, [dim, ...], dtype] with dims >= 0, got {_short(e)}"
+            )
+
+
+def _check_leave_reason(value: Any, where: str) -> None:
+    if value not in ("left", "done"):
+        raise ProtocolError(f'{where}: expected "left" or "done", got {_short(value)}')
+
+
+FIELD_CHECKS: dict[tuple[str, str], Callable[[Any, str], None]] = {
+    ("RegisterRequest", "signature"): _check_signature,
+    ("LeaveRequest", "reason"): _check_leave_reason,
+}
+"""Checks beyond the field's type, run by `decode` after the type check. Every
+field also gets the generic rules of `_check`: integers fit in int64, and a
+float named ``*_s`` is a duration (finite, >= 0); other floats (a loss) may be
+NaN or infinite, as a diverged run reports them."""
 
 
 def decode(cls: type[T], body: Any) -> T:
@@ -95,14 +150,19 @@ def decode(cls: type[T], body: Any) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(body) - set(fields)
     if unknown:
-        raise ProtocolError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+        names = sorted(str(k)[:40] for k in unknown)
+        raise ProtocolError(f"{cls.__name__}: unknown field(s) {names[:5]}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in body:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
             continue
-        kwargs[name] = _check(body[name], hints[name], f"{cls.__name__}.{name}")
+        where = f"{cls.__name__}.{name}"
+        kwargs[name] = _check(body[name], hints[name], where)
+        extra = FIELD_CHECKS.get((cls.__name__, name))
+        if extra is not None:
+            extra(kwargs[name], where)
     return cls(**kwargs)
 
 

@@ -20,11 +20,14 @@ import argparse
 import hmac
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,8 @@ from elastrain.observe.events import EventLog
 
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
+BODY_TIMEOUT_S = 10.0
+"""A request body must arrive within this long after its headers, or 408."""
 
 
 class HttpError(Exception):
@@ -331,34 +336,88 @@ def make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
+        def send_error(
+            self, code: int, message: str | None = None, explain: str | None = None
+        ) -> None:
+            """http.server's own refusals (bad request line or headers, unknown method,
+            HTTP/2) as a JSON 4xx like ours; the connection is closed after it."""
+            status, err = {501: (405, "method_not_allowed"), 505: (400, "malformed")}.get(
+                code, (code, "malformed")
+            )
+            if code == 501:
+                message = (
+                    f"method {self.command[:20]!r} not allowed: use GET or POST {p.PREFIX}<op>"
+                )
+            self.close_connection = True
+            self.request_version = (
+                self.protocol_version
+            )  # a status line even for HTTP/0.9 or garbage
+            self._reply(status, {"error": err, "message": message or HTTPStatus(code).phrase})
+
+        def _read_body(self) -> bytes:
+            """The whole body (by Content-Length), or HttpError; any error before the
+            body was read closes the connection, so that keep-alive never desyncs."""
+            if self.headers.get("Transfer-Encoding") is not None:
+                self.close_connection = True
+                raise HttpError(
+                    400, "malformed", "chunked bodies are not supported: send Content-Length"
+                )
+            text = self.headers.get("Content-Length") or "0"
+            if not re.fullmatch(r"[0-9]{1,20}", text.strip()):
+                self.close_connection = True
+                raise HttpError(
+                    400, "malformed", f"Content-Length {text[:40]!r} is not a byte count"
+                )
+            length = int(text)
+            if length > MAX_BODY:
+                self.close_connection = True
+                raise HttpError(400, "too_large", f"body of {length} bytes exceeds {MAX_BODY}")
+            self.connection.settimeout(BODY_TIMEOUT_S)
+            try:
+                raw = self.rfile.read(length) if length else b""
+            except TimeoutError:
+                self.close_connection = True
+                raise HttpError(
+                    408,
+                    "timeout",
+                    f"the {length}-byte body did not arrive within {BODY_TIMEOUT_S:g} s",
+                ) from None
+            finally:
+                self.connection.settimeout(self.timeout)
+            if len(raw) < length:
+                self.close_connection = True
+                raise HttpError(400, "malformed", f"body ended after {len(raw)} of {length} bytes")
+            return raw
+
         def _dispatch(self, method: str) -> None:
             try:
+                raw = self._read_body()
                 coord.check_token(self.headers.get("Authorization"))
                 if not self.path.startswith(p.PREFIX):
                     raise HttpError(
                         404,
                         "not_found",
-                        f"unknown path {self.path!r}; this coordinator speaks {p.PREFIX}",
+                        f"unknown path {self.path[:100]!r}; this coordinator speaks {p.PREFIX}",
                     )
                 op = self.path[len(p.PREFIX) :]
                 if method == "GET":
                     if op != "status":
-                        raise HttpError(404, "not_found", f"unknown GET op {op!r}")
+                        raise HttpError(404, "not_found", f"unknown GET op {op[:100]!r}")
                     self._reply(200, coord.status())
                     return
                 if op not in ROUTES:
-                    raise HttpError(404, "not_found", f"unknown op {op!r}; known: {sorted(ROUTES)}")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    raise HttpError(400, "too_large", f"body of {length} bytes exceeds {MAX_BODY}")
-                raw = self.rfile.read(length) if length else b""
+                    raise HttpError(
+                        404, "not_found", f"unknown op {op[:100]!r}; known: {sorted(ROUTES)}"
+                    )
                 try:
                     body = json.loads(raw or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise HttpError(400, "malformed", f"body is not JSON: {e}") from None
+                except (ValueError, RecursionError) as e:  # incl. UnicodeDecodeError
+                    raise HttpError(400, "malformed", f"body is not JSON: {str(e)[:200]}") from None
                 cls, name = ROUTES[op]
                 try:
                     req: Any = p.decode(cls, body)
@@ -366,10 +425,13 @@ def make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
                     raise HttpError(400, "malformed", str(e)) from None
                 self._reply(200, p.encode(getattr(coord, name)(req)))
             except HttpError as e:
-                # Drain an unread body so the keep-alive connection stays usable.
                 self._reply(e.status, {"error": e.code, "message": e.message})
             except (ValueError, TypeError) as e:
                 self._reply(400, {"error": "malformed", "message": str(e)})
+            except Exception as e:  # a bug: say so (500) rather than drop the connection
+                traceback.print_exc()
+                self.close_connection = True
+                self._reply(500, {"error": "internal", "message": f"{type(e).__name__}: {e}"})
 
         def do_POST(self) -> None:  # noqa: N802
             self._dispatch("POST")

@@ -6,9 +6,15 @@ from __future__ import annotations
 class HealError(RuntimeError):
     """A heal could not complete; the receiver's state was not (fully) replaced.
 
-    Raised for: a manifest that lies (sizes, offsets or stripes inconsistent), a
-    model signature or optimizer structure that does not match, a checksum
-    mismatch, a transport failure (peer closed the connection) or a timeout.
+    Raised for: a manifest that lies (sizes, offsets or stripes inconsistent)
+    when no other sender is left to ask, a model signature or optimizer
+    structure that does not match, a checksum mismatch that no other sender
+    could repair, a transport failure (peer closed the connection) or a timeout.
     Transport errors are chained as ``__cause__``. After a HealError the process
     group may hold pending operations; the caller should drop it and regroup.
     """
+
+
+class ManifestUnavailable(HealError):
+    """The manifest root said it cannot build a manifest (its state cannot travel
+    without pickle); every rank raises, nothing is retried."""

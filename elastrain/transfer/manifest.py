@@ -1,7 +1,8 @@
 """The heal manifest: a JSON description of the flattened state and its stripes.
 
-senders[0] builds it (`build_manifest`), broadcasts `encode_manifest` bytes to the
-whole group, and every other rank parses them with `decode_manifest` and checks
+The root sender (senders[0], or the next one after a refusal) builds it
+(`build_manifest`), broadcasts `encode_manifest` bytes to the whole group, and
+every other rank parses them with `decode_manifest` and checks
 them with `validate_manifest` (layout) plus `check_model` / `check_optimizer`
 (against its own model and optimizer). All functions here are local and raise
 `HealError` with a message that names the offending entry or stripe.
@@ -19,7 +20,7 @@ Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``
 tensors (see `elastrain.transfer.flatten`); they tile ``[0, total_bytes)`` in
 order. Stripes split the same byte range evenly over the senders, in the order
 of the ``senders`` list. A manifest ``{"version": 1, "error": str}`` tells every
-rank that senders[0] could not build one.
+rank that the root could not build one (`ManifestUnavailable`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from elastrain.transfer.dtypes import dtype_from_name, dtype_name
-from elastrain.transfer.errors import HealError
+from elastrain.transfer.errors import HealError, ManifestUnavailable
 from elastrain.transfer.signature import signature_mismatch
 
 VERSION = 1
@@ -202,7 +203,9 @@ def decode_manifest(data: bytes) -> Manifest:
         if version != VERSION:
             raise HealError(f"manifest version {version} is not supported (expected {VERSION})")
         if "error" in doc:
-            raise HealError(f"senders[0] could not build the manifest: {doc['error']}")
+            raise ManifestUnavailable(
+                f"the manifest root could not build the manifest: {doc['error']}"
+            )
         entries = []
         for i, raw in enumerate(_list(doc["entries"], "entries")):
             ent = _dict(raw, f"entries[{i}]")

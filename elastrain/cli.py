@@ -40,8 +40,16 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="inject a fault: KIND@STEP[:MEMBER][/SECONDS], KIND in kill, hang, term, "
-        "kill-coordinator (e.g. kill@15, hang@30/6, kill-coordinator@20); repeatable",
+        help="inject a fault: KIND@WHEN[:MEMBER][/ARG], e.g. kill@15, hang@30/6, "
+        "kill@every45s~15s, slow@20:w1/0.2x30, kill-all@50, kill-coordinator@20, "
+        "corrupt-ckpt@60, truncate-ckpt@60, fill-disk@70/10 (see elastrain.chaos.schedule); "
+        "repeatable",
+    )
+    ap.add_argument(
+        "--faults-file",
+        default=None,
+        metavar="FILE",
+        help="faults to inject, one spec per line (# comments)",
     )
     ap.add_argument(
         "--ckpt-every",
@@ -73,10 +81,12 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]) -> object:
-    from elastrain.chaos.schedule import parse_fault
+    from elastrain.chaos.schedule import parse_fault, read_faults_file
     from elastrain.launch.launcher import LaunchConfig
 
     faults = [parse_fault(f) for f in args.fault]
+    if args.faults_file:
+        faults += read_faults_file(args.faults_file)
     return LaunchConfig(
         script=script,
         script_args=script_args,
@@ -139,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         script_args = script_args[1:]
     try:
         cfg = _launch_config(args, args.script, script_args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"elastrain run: error: {e}", file=sys.stderr)
         return 2
     result = _run_job(cfg, args.plain, args.steps)

@@ -87,6 +87,26 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
             assert la.coordinator.poll() is not None, "coordinator outlived its job"
 
 
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs mounted at tmp_path/small (needs root and mount permission)."""
+    import shutil
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs not permitted here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def stop_processes(proc: subprocess.Popen[str], pids: set[int] | list[int]) -> None:
     """Teardown: stop a launcher subprocess and, by PID, every process it started."""
     if proc.poll() is None:

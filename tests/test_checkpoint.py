@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -316,24 +315,6 @@ def test_enospc_from_write_fails_only_that_save(
     monkeypatch.setattr(os, "write", real_write)
     assert w.save_async(30, snap, generation=1, members=["w0"]).wait(30).ok  # still usable
     w.close()
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Any:
-    """A 1 MiB tmpfs mounted at tmp_path/small (needs root and mount permission)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root and mount(8)")
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"mount -t tmpfs not permitted here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_enospc_on_real_small_filesystem(small_fs: Path) -> None:

@@ -12,15 +12,26 @@ phases: "compute" (between micro-batches), "allreduce" (collective issued, not
 finished), "commit" (after the optimizer step). actions: "kill" (SIGKILL),
 "hang" (SIGSTOP: someone else must SIGCONT or kill it), "term" (SIGTERM:
 graceful leave).
+
+The launcher can also send orders while the job runs, through the member's
+chaos inbox (`elastrain.chaos.inject.send_slow`): a JSON list of orders in
+`<run_dir>/chaos/<member>.json`, polled at the start of every step (one
+`stat`). The one order today is "slow": spend `delay_s` more on each of the
+next `steps` steps, a straggler.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("elastrain.chaos")
 
 PHASES = ("compute", "allreduce", "commit")
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
@@ -57,12 +68,47 @@ class FaultPoints:
         member: str,
         points: list[FaultPoint],
         on_fire: Callable[[FaultPoint], None] | None = None,
+        inbox: Path | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.points = [p for p in points if p.member == member]
         self.on_fire = on_fire
+        self.inbox = inbox
+        self._sleep = sleep
         self._fired: set[FaultPoint] = set()
+        self._inbox_mtime: int | None = None
+        self._last_order = 0
+        self._slow_delay = 0.0
+        self._slow_until = -1
+
+    def _poll(self, step: int) -> None:
+        if self.inbox is None:
+            return
+        try:
+            mtime = self.inbox.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime == self._inbox_mtime:
+            return
+        self._inbox_mtime = mtime
+        try:
+            orders = json.loads(self.inbox.read_text())
+        except (OSError, ValueError) as e:
+            log.warning("unreadable chaos inbox %s: %s", self.inbox, e)
+            return
+        for o in orders:
+            if int(o.get("id", 0)) <= self._last_order:
+                continue
+            self._last_order = int(o["id"])
+            if o.get("action") == "slow":
+                self._slow_delay = float(o["delay_s"])
+                self._slow_until = step + int(o["steps"])
 
     def hit(self, step: int, phase: str) -> None:
+        if phase == "compute":
+            self._poll(step)
+            if step < self._slow_until:
+                self._sleep(self._slow_delay)  # the injected straggler itself
         for p in self.points:
             if p.step == step and p.phase == phase and p not in self._fired:
                 self._fired.add(p)

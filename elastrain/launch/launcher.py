@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
-from elastrain.chaos.schedule import COORDINATOR, Fault, FaultSchedule
+from elastrain.chaos.schedule import Fault, FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.launch.faults import Injector
 from elastrain.observe.events import EventLog
 
 CHECKPOINTS = "checkpoints"
@@ -168,13 +169,20 @@ class Launcher:
         self._seq = 0
         self._stop = threading.Event()
         self._fast_failures = 0
-        self.schedule = FaultSchedule(config.faults, config.seed)
+        self.checkpoint_dir = self.run_dir / CHECKPOINTS
+        self.injector = Injector(
+            config.faults,
+            config.seed,
+            events=self.events,
+            run_dir=self.run_dir,
+            checkpoint_dir=self.checkpoint_dir,
+            at=self._at,
+        )
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.client: CoordinatorClient | None = None
         self.status: dict[str, Any] = {}
         self.done_members: set[str] = set()
-        self.fault_log: list[dict[str, Any]] = []
-        self.checkpoint_dir = self.run_dir / CHECKPOINTS
+
         self.resume_step: int | None = None
         self._preempt_asked = threading.Event()
         self._preempt_deadline: float | None = None
@@ -532,7 +540,12 @@ class Launcher:
             return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
-        if w is not None and time.monotonic() - w.started < 10 and rc != EXIT_LEFT:
+        if (
+            w is not None
+            and time.monotonic() - w.started < 10
+            and rc != EXIT_LEFT
+            and pid not in self.injector.killed
+        ):
             self._fast_failures += 1
             if self._fast_failures >= self.config.max_fast_failures:
                 return "failed", (
@@ -552,21 +565,15 @@ class Launcher:
         elif what == "finish":
             self._stop_reason = ("done", "")
             self._stop.set()
-        elif what == "signal":
-            fault, member = arg
-            self._signal(fault, member)
+        elif what == "fault":
+            fault, victim = arg
+            step = int(self.status.get("step", 0))
+            self.injector.fire(fault, victim, self.workers, self.coordinator, step)
         elif what == "resume":
             member, pid = arg
-            w = self.workers.get(member)
-            if w is not None and w.proc.pid == pid:
-                os.kill(pid, signal.SIGCONT)
-                self.events.emit(
-                    "fault_injected",
-                    fault="resume",
-                    member=member,
-                    pid=pid,
-                    step=self.status.get("step", 0),
-                )
+            self.injector.resume(member, pid, self.workers, int(self.status.get("step", 0)))
+        elif what == "release-disk":
+            self.injector.release_disk(int(self.status.get("step", 0)))
 
     def _poll_status(self) -> None:
         if self.client is None:
@@ -581,46 +588,15 @@ class Launcher:
         self.status = status
         if self.on_status is not None:
             self.on_status(self.status)
-        step = int(self.status.get("step", 0))
-        for f in self.schedule.due(step):
-            members = [m for m in self.status.get("members", []) if m in self.workers]
-            victim = self.schedule.pick(f, members)
-            if victim is None:
-                continue
-            rate = float(self.status.get("steps_per_s") or 0.0)
-            self._at(self.schedule.offset(1.0 / rate if rate > 0 else 0.2), "signal", (f, victim))
+        self.injector.poll(self.status, list(self.workers))
 
-    def _signal(self, fault: Fault, member: str) -> None:
-        if member == COORDINATOR:
-            self._kill_coordinator(fault)
-            return
-        w = self.workers.get(member)
-        if w is None:
-            return
-        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}[fault.kind]
-        step = self.status.get("step", 0)
-        self.events.emit(
-            "fault_injected", fault=fault.kind, member=member, pid=w.proc.pid, step=step
-        )
-        self.fault_log.append(
-            {"fault": fault.kind, "member": member, "pid": w.proc.pid, "step": step}
-        )
-        os.kill(w.proc.pid, sig)
-        if fault.kind == "hang" and fault.duration_s is not None:
-            self._at(fault.duration_s, "resume", (member, w.proc.pid))
+    @property
+    def schedule(self) -> FaultSchedule:
+        return self.injector.schedule
 
-    def _kill_coordinator(self, fault: Fault) -> None:
-        c = self.coordinator
-        if c is None or c.poll() is not None:
-            return
-        step = self.status.get("step", 0)
-        self.events.emit(
-            "fault_injected", fault=fault.kind, member=COORDINATOR, pid=c.pid, step=step
-        )
-        self.fault_log.append(
-            {"fault": fault.kind, "member": COORDINATOR, "pid": c.pid, "step": step}
-        )
-        os.kill(c.pid, signal.SIGKILL)
+    @property
+    def fault_log(self) -> list[dict[str, Any]]:
+        return self.injector.log
 
     def member_pids(self) -> dict[str, int]:
         return {m: w.proc.pid for m, w in self.workers.items()}
@@ -629,6 +605,7 @@ class Launcher:
 
     def _shutdown(self) -> None:
         """Stop every child: SIGCONT (a stopped one cannot die of SIGTERM), SIGTERM, then SIGKILL."""
+        self.injector.close()  # frees a disk it filled
         procs = [w.proc for w in self.workers.values()]
         for w in self.workers.values():
             w.stopped = True

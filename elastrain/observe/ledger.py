@@ -10,10 +10,16 @@ Exactly-once (`check_exactly_once`): for every step s with a `step_commit`,
   - the `step_contrib` events of (s, g), one per member of g, partition
     `expected_ids(s)`: no id twice, none missing, none extra;
   - the committed steps are exactly 0..S-1.
+Rolled-back commits are not part of the job's lineage and are left out: a
+commit of step s is rolled back when a later generation became ready with a
+start step <= s (every member that held it died and the job resumed from an
+older checkpoint, so s is committed again). They are counted in
+`LedgerReport.rolled_back` (work lost, recomputed).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,6 +44,8 @@ class LedgerReport:
     committed_steps: int
     violations: list[str]
     committed_by_step: dict[int, int]
+    rolled_back: int = 0
+    """Distinct steps whose commits were rolled back and committed again."""
 
     @property
     def ok(self) -> bool:
@@ -140,6 +148,19 @@ def check_exactly_once(
             healed_at[str(e.get("proc"))].append(float(e["t"]))
         elif e.get("kind") == "step_commit":
             commit_times[str(e.get("proc"))].append(float(e["t"]))
+    later_start = _LaterStart(
+        (float(e["t"]), int(e["start_step"]))
+        for e in evs
+        if e.get("kind") == "generation_ready" and _int(e.get("start_step")) is not None
+    )
+    rolled_back: set[int] = set()
+    for s in list(commits):
+        kept = [e for e in commits[s] if later_start.min_after(float(e["t"])) > s]
+        if len(kept) < len(commits[s]):
+            rolled_back.add(s)
+            commits[s] = kept
+        if not kept:
+            del commits[s]
     committed_by_step: dict[int, int] = {}
     for s in sorted(commits):
         cs = [e for e in commits[s] if not _discarded(e, healed_at, commit_times)]
@@ -167,7 +188,24 @@ def check_exactly_once(
                 f"steps never committed (gap): {_ranges(missing)} "
                 f"(committed {len(steps)} steps up to {steps[-1]})"
             )
-    return LedgerReport(len(steps), violations, committed_by_step)
+    return LedgerReport(len(steps), violations, committed_by_step, len(rolled_back))
+
+
+class _LaterStart:
+    """The lowest start step of the generations that became ready after a time."""
+
+    def __init__(self, starts: Iterable[tuple[float, int]]) -> None:
+        pairs = sorted(starts)
+        self.times = [t for t, _ in pairs]
+        self.suffix_min = [0] * len(pairs)
+        low = math.inf
+        for i in range(len(pairs) - 1, -1, -1):
+            low = min(low, pairs[i][1])
+            self.suffix_min[i] = int(low)
+
+    def min_after(self, t: float) -> float:
+        i = bisect.bisect_right(self.times, t)
+        return self.suffix_min[i] if i < len(self.times) else math.inf
 
 
 def _discarded(

@@ -45,6 +45,7 @@ import torch
 from torch.utils.data import default_collate
 
 from elastrain import env
+from elastrain.chaos.inject import inbox_path
 from elastrain.chaos.points import FaultPoint, FaultPoints, parse_points
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
@@ -185,7 +186,10 @@ class ElasticTrainer:
             events=self.events,
         )
         self.faults = FaultPoints(
-            self.member, parse_points(os.environ.get(env.FAULTS)), on_fire=self._fault_fired
+            self.member,
+            parse_points(os.environ.get(env.FAULTS)),
+            on_fire=self._fault_fired,
+            inbox=inbox_path(run_dir, self.member) if run_dir else None,
         )
         self.order = GlobalOrder(len(dataset), config.seed, shuffle=config.shuffle)
         self.hang = HangTimeout(config)

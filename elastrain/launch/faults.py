@@ -1,0 +1,156 @@
+"""The launcher's fault injector: fires the fault schedule at the running job.
+
+Who calls: the launcher's main loop only (single-threaded): `poll` with each
+fresh coordinator status decides which faults are due and on whom, and hands
+them back to the loop's timer (`at`) so that member signals land mid-step;
+`fire` then injects one. Every fault becomes a `fault_injected` event and an
+entry in `log`; a fault that cannot be injected (no committed checkpoint to
+damage, a filesystem too large to fill) is still an event, with `skipped`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
+from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
+from elastrain.observe.events import EventLog
+
+_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
+
+
+class _Proc(Protocol):
+    proc: subprocess.Popen[bytes]
+
+
+class Injector:
+    def __init__(
+        self,
+        faults: list[Fault],
+        seed: int,
+        *,
+        events: EventLog,
+        run_dir: Path,
+        checkpoint_dir: Path,
+        at: Callable[[float, str, Any], None],
+        fill_limit_bytes: int = 1 << 30,
+    ) -> None:
+        self.schedule = FaultSchedule(faults, seed)
+        self.events = events
+        self.run_dir = run_dir
+        self.checkpoint_dir = checkpoint_dir
+        self._at = at
+        self.rng = random.Random(seed + 1)
+        self.filler = DiskFiller(checkpoint_dir, fill_limit_bytes)
+        self.log: list[dict[str, Any]] = []
+        self.killed: set[int] = set()
+        """PIDs this injector killed (their deaths are not the job's fault)."""
+        self._t_first_commit: float | None = None
+
+    def poll(self, status: Mapping[str, Any], live: list[str]) -> None:
+        """Schedule the faults due at this status; `live` are the members with a process."""
+        step = int(status.get("step", 0))
+        if step >= 1 and self._t_first_commit is None:
+            self._t_first_commit = time.monotonic()
+        elapsed = (
+            time.monotonic() - self._t_first_commit if self._t_first_commit is not None else None
+        )
+        for f in self.schedule.due(step, elapsed):
+            members = [m for m in status.get("members", []) if m in live]
+            victim = self.schedule.pick(f, members)
+            if victim is None:
+                self._record(f, None, None, step, skipped="no live member to pick")
+                continue
+            if f.kind in _SIGNALS:
+                rate = float(status.get("steps_per_s") or 0.0)
+                self._at(
+                    self.schedule.offset(1.0 / rate if rate > 0 else 0.2), "fault", (f, victim)
+                )
+            else:
+                self._at(0.0, "fault", (f, victim))
+
+    def fire(
+        self,
+        fault: Fault,
+        victim: str,
+        workers: Mapping[str, _Proc],
+        coordinator: subprocess.Popen[bytes] | None,
+        step: int,
+    ) -> None:
+        k = fault.kind
+        if victim == COORDINATOR:
+            if coordinator is None or coordinator.poll() is not None:
+                return
+            self._record(fault, victim, coordinator.pid, step)
+            os.kill(coordinator.pid, signal.SIGKILL)
+            return
+        if victim == JOB:
+            self._fire_job(fault, workers, step)
+            return
+        w = workers.get(victim)
+        if w is None:
+            return
+        pid = w.proc.pid
+        if k == "slow":
+            assert fault.delay_s is not None and fault.steps is not None
+            send_slow(self.run_dir, victim, fault.delay_s, fault.steps)
+            self._record(fault, victim, pid, step, delay_s=fault.delay_s, steps=fault.steps)
+            return
+        self._record(fault, victim, pid, step)
+        if k == "kill":
+            self.killed.add(pid)
+        os.kill(pid, _SIGNALS[k])
+        if k == "hang" and fault.duration_s is not None:
+            self._at(fault.duration_s, "resume", (victim, pid))
+
+    def _fire_job(self, fault: Fault, workers: Mapping[str, _Proc], step: int) -> None:
+        k = fault.kind
+        if k == "kill-all":
+            pids = [w.proc.pid for w in workers.values() if w.proc.poll() is None]
+            self._record(fault, JOB, None, step, pids=pids)
+            for pid in pids:
+                self.killed.add(pid)
+                os.kill(pid, signal.SIGKILL)
+        elif k in ("corrupt-ckpt", "truncate-ckpt"):
+            how = "corrupt" if k == "corrupt-ckpt" else "truncate"
+            self._record(
+                fault, JOB, None, step, **damage_checkpoint(self.checkpoint_dir, self.rng, how)
+            )
+        elif k == "fill-disk":
+            details = self.filler.fill()
+            self._record(fault, JOB, None, step, duration_s=fault.duration_s, **details)
+            if "skipped" not in details:
+                self._at(fault.duration_s or 0.0, "release-disk", None)
+        else:
+            raise ValueError(f"unknown job fault {k!r}")
+
+    def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:
+        """SIGCONT a hung member (if that process is still the member)."""
+        w = workers.get(member)
+        if w is not None and w.proc.pid == pid:
+            os.kill(pid, signal.SIGCONT)
+            self.events.emit("fault_injected", fault="resume", member=member, pid=pid, step=step)
+
+    def release_disk(self, step: int) -> None:
+        self.filler.release()
+        self.events.emit("fault_injected", fault="release-disk", member=JOB, pid=None, step=step)
+
+    def close(self) -> None:
+        self.filler.release()
+
+    def _record(
+        self, fault: Fault, victim: str | None, pid: int | None, step: int, **details: Any
+    ) -> None:
+        self.events.emit(
+            "fault_injected", fault=fault.kind, member=victim, pid=pid, step=step, **details
+        )
+        self.log.append(
+            {"fault": fault.kind, "member": victim, "pid": pid, "step": step, **details}
+        )

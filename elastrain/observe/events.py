@@ -36,6 +36,8 @@ KINDS = frozenset(
         # worker: durable checkpoints
         "checkpoint_saved", "checkpoint_failed", "checkpoint_skipped", "checkpoint_committed",
         "checkpoint_interval", "checkpoint_loaded", "checkpoint_emergency",
+        # worker: metering (elastrain.observe.worker)
+        "flops_measured", "power_sample",
     }
 )  # fmt: skip
 

@@ -301,6 +301,7 @@ def _walk(
         if count is not None and count in blocking and count not in carved:
             carved.add(count)
             acc.to(min(t, acc.cursor + blocking[count]), "checkpoint")
+
     mine: list[tuple[float, str, Event]] = []
     for e in evs:
         t = float(e["t"])

@@ -36,11 +36,38 @@ class FlopCount:
     method: str = METHOD
 
 
+def _extra_formulas() -> dict[Any, Any]:
+    """Formulas torch's counter lacks: the CPU flash-attention kernels that
+    `scaled_dot_product_attention` (and so nn.MultiheadAttention, nn.Transformer*)
+    dispatches to on CPU; counted like the CUDA ones (full T x T, no causal discount)."""
+    from torch.utils import flop_counter as fcm
+
+    out: dict[Any, Any] = {}
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and hasattr(fcm, "sdpa_flop_count"):
+
+        def flash_cpu(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any) -> int:
+            return int(fcm.sdpa_flop_count(q, k, v))
+
+        out[fwd] = flash_cpu
+    if bwd is not None and hasattr(fcm, "sdpa_backward_flop_count"):
+
+        def flash_cpu_bwd(
+            g: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any
+        ) -> int:
+            return int(fcm.sdpa_backward_flop_count(g, q, k, v))
+
+        out[bwd] = flash_cpu_bwd
+    return out
+
+
 def count_flops(fn: Callable[[], torch.Tensor]) -> int:
     """FLOPs of `fn()` (returning a scalar loss) plus its backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc:
+    with FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as fc:
         loss = fn()
         loss.backward()
     return int(fc.get_total_flops())

@@ -103,6 +103,7 @@ def _run_job(cfg: object, plain: bool, total: int | None) -> object:
     with Progress(total, plain=plain or None) as prog:
         launcher = Launcher(cfg, on_status=prog.update)
         prog.note(f"run directory: {launcher.run_dir}")
+        prog.attach(launcher.run_dir)
         result = launcher.run()
     return result
 
@@ -117,6 +118,7 @@ def _summary(result: object) -> None:
         print(f"resumed from the checkpoint at step {result.resumed_from}")
     if result.message:
         print(result.message)
+    print(f"report: elastrain report {result.run_dir}")
     try:
         from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
 

@@ -838,3 +838,53 @@ def test_goodput_segments_match_the_buckets(make: Any) -> None:
     for b in BUCKETS:
         seg = sum(g.member_s for g in gp.segments if g.bucket == b)
         assert seg == pytest.approx(gp.buckets[b], abs=1e-6), b
+
+
+# ---- live view ---------------------------------------------------------------------------
+
+
+def test_event_tail_returns_new_complete_lines_only(tmp_path: Any) -> None:
+    import json
+
+    from elastrain.observe.events import EventTail
+
+    d = tmp_path / "events"
+    d.mkdir()
+    tail = EventTail(tmp_path)
+    (d / "w0-1.jsonl").write_text(json.dumps({"t": 1.0, "kind": "a"}) + "\n" + '{"t": 2.0, "ki')
+    assert [e["kind"] for e in tail.poll()] == ["a"]
+    with open(d / "w0-1.jsonl", "a") as f:
+        f.write('nd": "b"}\n')
+    (d / "w1-2.jsonl").write_text(json.dumps({"t": 3.0, "kind": "c"}) + "\n")
+    assert sorted(e["kind"] for e in tail.poll()) == ["b", "c"]
+    assert tail.poll() == []
+
+
+def test_live_view_shows_goodput_eta_and_the_last_failure(tmp_path: Any) -> None:
+    import json
+    import time
+
+    from elastrain.launch.progress import Progress, observe
+
+    r = kill_run()
+    o = observe(r.events)
+    assert o.failures == 1 and o.last_failure == "kill w1 at 3.8 s"
+    rec = recoveries(r.events)[0]
+    assert o.last_recovery_s == pytest.approx(rec.total_s)
+    assert o.time_goodput == pytest.approx(goodput(r.events).time_goodput)
+    prog = Progress(100, plain=True)
+    line = prog.line({"step": 40, "steps_per_s": 2.0, "target": 3, "members": ["a", "b"],
+                      "samples_per_s": 64.0, "loss": 0.5})  # fmt: skip
+    assert "members 2/3" in line and "eta 30s" in line and "loss 0.5000" in line
+    assert prog.health() == ""
+    # attached to a run directory, the background thread picks the events up
+    d = tmp_path / "events"
+    d.mkdir()
+    (d / "all-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in r.events))
+    with Progress(12, plain=True) as live:
+        live.attach(tmp_path)
+        deadline = time.monotonic() + 30
+        while live.observed.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the thread's result, bounded by the deadline
+        h = live.health()
+    assert "goodput so far" in h and "last: kill w1 at 3.8 s" in h and "recovered in" in h

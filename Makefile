@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint browser clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,7 +25,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check elastrain tests benchmarks examples
 	$(BIN)/mypy
 
-test: lint
+# The report test renders HTML in headless Chromium (Debian's `chromium` package).
+browser:
+	command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: lint browser
 	$(BIN)/pytest -q tests
 
 clean:

@@ -4,6 +4,7 @@ elastrain demo                                # the elastic demo (about 2 minute
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
 elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: resumes
 elastrain coordinator --bind 127.0.0.1:0 --target 4
+elastrain report runs/my-job [-o report.html]    # self-contained HTML + terminal summary
 elastrain sim --preset llama3-16k
 """
 
@@ -112,6 +113,7 @@ def _run_job(cfg: object, plain: bool, total: int | None) -> object:
     with Progress(total, plain=plain or None) as prog:
         launcher = Launcher(cfg, on_status=prog.update)
         prog.note(f"run directory: {launcher.run_dir}")
+        prog.attach(launcher.run_dir)
         result = launcher.run()
     return result
 
@@ -126,6 +128,7 @@ def _summary(result: object) -> None:
         print(f"resumed from the checkpoint at step {result.resumed_from}")
     if result.message:
         print(result.message)
+    print(f"report: elastrain report {result.run_dir}")
     try:
         from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
 
@@ -163,6 +166,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, run_dir=args.run_dir, plain=args.plain)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from elastrain.observe.report import format_summary, write_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "events").is_dir():
+        print(f"elastrain report: {run_dir} has no events/ (not a run directory)", file=sys.stderr)
+        return 2
+    try:
+        path, rep = write_report(
+            run_dir, args.output, peak_tflops=args.peak_tflops, grid_gco2_per_kwh=args.grid
+        )
+    except ValueError as e:
+        print(f"elastrain report: error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(rep))
+    print(f"\nreport: {path}")
+    return 0
+
+
 def cmd_coordinator(argv: list[str]) -> int:
     from elastrain.control.server import main
 
@@ -190,6 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--run-dir", default=None)
     d.add_argument("--plain", action="store_true")
     sub.add_parser("coordinator", help="run a standalone coordinator (see --help after it)")
+    rp = sub.add_parser("report", help="write a run's HTML report and print its summary")
+    rp.add_argument("run_dir", help="the run directory (holds events/)")
+    rp.add_argument("-o", "--output", default=None, help="HTML file (default RUN_DIR/report.html)")
+    rp.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak TFLOPS per device for MFU (default: the device table or the CPU estimate)",
+    )
+    rp.add_argument(
+        "--grid",
+        type=float,
+        default=None,
+        metavar="GCO2_PER_KWH",
+        help="grid carbon intensity in gCO2e/kWh (default $ELASTRAIN_GRID_GCO2_PER_KWH or 400)",
+    )
     s = sub.add_parser("sim", help="simulate failures and goodput at cluster scale")
     try:
         from elastrain.sim.cli import add_arguments as sim_args
@@ -204,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.cmd == "demo":
         return cmd_demo(args)
+    if args.cmd == "report":
+        return cmd_report(args)
     if args.cmd == "sim":
         from elastrain.sim.cli import run as sim_run
 

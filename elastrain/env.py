@@ -45,3 +45,22 @@ RESUME = "ELASTRAIN_RESUME"
 (the newest verified one), or a step number (the one the launcher chose and
 verified at whole-job resume; newer step directories were already discarded).
 Unset: "latest" when checkpointing is on, else "none"."""
+
+METERING = "ELASTRAIN_METERING"
+"""Worker power/utilisation sampling and the one-time FLOP count: "off" (or "0")
+turns both off; a number is the sampling interval in seconds (default 1)."""
+
+POWER_METER = "ELASTRAIN_POWER_METER"
+"""Which power meters a worker uses: "auto" (default: NVML and RAPL where
+readable, else the labelled estimate), or a comma list of "nvml", "rapl", "estimate"."""
+
+CPU_TDP_W = "ELASTRAIN_CPU_TDP_W"
+"""Thermal design power of this host's CPUs in watts, for the estimate meter
+(default: 10 W per logical CPU)."""
+
+PEAK_TFLOPS = "ELASTRAIN_PEAK_TFLOPS"
+"""Override of the per-device peak TFLOPS used for MFU (default: the table in
+elastrain.observe.efficiency)."""
+
+GRID_GCO2_PER_KWH = "ELASTRAIN_GRID_GCO2_PER_KWH"
+"""Grid carbon intensity for CO2e figures, in gCO2e per kWh (default 400)."""

@@ -52,6 +52,7 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
         name: str = "job",
         script: str = MLP,
         script_args: list[str] | None = None,
+        on_status: Callable[[Launcher, dict[str, Any]], None] | None = None,
         **kw: Any,
     ) -> Job:
         import json
@@ -68,7 +69,9 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
             extra_env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
             **kw,
         )
-        launcher = Launcher(cfg)
+        launcher = Launcher(
+            cfg, on_status=None if on_status is None else lambda st: on_status(launcher, st)
+        )
         launched.append(launcher)
         return Job(launcher, launcher.run())
 

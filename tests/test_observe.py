@@ -798,3 +798,93 @@ def test_ledger_ignores_a_commit_whose_state_was_healed_away() -> None:
     assert check_exactly_once(_zombie_commit_run(True), expected_ids).violations == []
     bad = check_exactly_once(_zombie_commit_run(False), expected_ids).violations
     assert any("committed in 2 generations" in v for v in bad)
+
+
+def test_goodput_checkpoint_blocking_and_data_wait_have_their_buckets() -> None:
+    """A checkpoint at committed count 3 blocks each member 0.1 s before step 3
+    runs; every committed step spent 0.05 s in the dataset and collate."""
+    r = Run()
+    g1 = ["w0", "w1"]
+    t = r.start(g1)
+    t = r.steps(t, 1, g1, 0, 6)
+    for e in r.events:
+        if e["kind"] == "step_commit":
+            e["data_s"] = 0.05
+    for m in g1:
+        r.ev(t, m, "checkpoint_saved", step=3, shard=g1.index(m), num_shards=2, generation=1,
+             path="x", bytes=10, seconds=0.3, blocking_s=0.1)  # fmt: skip
+    r.ev(t + 0.1, "launcher", "job_end", status="done", steps=6)
+    plain = goodput([e for e in r.events if e["kind"] != "checkpoint_saved"])
+    gp = goodput(r.events)
+    assert gp.buckets["checkpoint"] == pytest.approx(2 * 0.1, abs=1e-6)
+    assert gp.buckets["data_wait"] == pytest.approx(2 * 6 * 0.05, abs=1e-6)
+    assert gp.buckets["productive"] == pytest.approx(
+        plain.buckets["productive"] - 2 * 0.1, abs=1e-6
+    )
+    assert sum(gp.buckets.values()) == pytest.approx(gp.total_s, rel=1e-9)
+    # the segments cover the same member-seconds as the buckets, bucket by bucket
+    for b in BUCKETS:
+        seg = sum(g.member_s for g in gp.segments if g.bucket == b)
+        assert seg == pytest.approx(gp.buckets[b], abs=1e-6), b
+    # the blocking sits at the start of step 3 of each member
+    ck = [g for g in gp.segments if g.bucket == "checkpoint"]
+    c2 = next(e["t"] for e in r.events if e["kind"] == "step_commit" and e["step"] == 2)
+    assert len(ck) == 2 and all(g.start == pytest.approx(c2, abs=0.01) for g in ck)
+
+
+@pytest.mark.parametrize("make", [kill_run, hang_run, term_run, close_faults_run])
+def test_goodput_segments_match_the_buckets(make: Any) -> None:
+    gp = goodput(make().events)
+    for b in BUCKETS:
+        seg = sum(g.member_s for g in gp.segments if g.bucket == b)
+        assert seg == pytest.approx(gp.buckets[b], abs=1e-6), b
+
+
+# ---- live view ---------------------------------------------------------------------------
+
+
+def test_event_tail_returns_new_complete_lines_only(tmp_path: Any) -> None:
+    import json
+
+    from elastrain.observe.events import EventTail
+
+    d = tmp_path / "events"
+    d.mkdir()
+    tail = EventTail(tmp_path)
+    (d / "w0-1.jsonl").write_text(json.dumps({"t": 1.0, "kind": "a"}) + "\n" + '{"t": 2.0, "ki')
+    assert [e["kind"] for e in tail.poll()] == ["a"]
+    with open(d / "w0-1.jsonl", "a") as f:
+        f.write('nd": "b"}\n')
+    (d / "w1-2.jsonl").write_text(json.dumps({"t": 3.0, "kind": "c"}) + "\n")
+    assert sorted(e["kind"] for e in tail.poll()) == ["b", "c"]
+    assert tail.poll() == []
+
+
+def test_live_view_shows_goodput_eta_and_the_last_failure(tmp_path: Any) -> None:
+    import json
+    import time
+
+    from elastrain.launch.progress import Progress, observe
+
+    r = kill_run()
+    o = observe(r.events)
+    assert o.failures == 1 and o.last_failure == "kill w1 at 3.8 s"
+    rec = recoveries(r.events)[0]
+    assert o.last_recovery_s == pytest.approx(rec.total_s)
+    assert o.time_goodput == pytest.approx(goodput(r.events).time_goodput)
+    prog = Progress(100, plain=True)
+    line = prog.line({"step": 40, "steps_per_s": 2.0, "target": 3, "members": ["a", "b"],
+                      "samples_per_s": 64.0, "loss": 0.5})  # fmt: skip
+    assert "members 2/3" in line and "eta 30s" in line and "loss 0.5000" in line
+    assert prog.health() == ""
+    # attached to a run directory, the background thread picks the events up
+    d = tmp_path / "events"
+    d.mkdir()
+    (d / "all-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in r.events))
+    with Progress(12, plain=True) as live:
+        live.attach(tmp_path)
+        deadline = time.monotonic() + 30
+        while live.observed.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the thread's result, bounded by the deadline
+        h = live.health()
+    assert "goodput so far" in h and "last: kill w1 at 3.8 s" in h and "recovered in" in h

@@ -37,6 +37,7 @@ from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.quorum import Membership
 from elastrain.observe.events import EventLog
+from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
 
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
@@ -398,6 +399,14 @@ def make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
             try:
                 raw = self._read_body()
                 coord.check_token(self.headers.get("Authorization"))
+                if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
+                    data = prometheus_text(coord.status()).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", CONTENT_TYPE)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 if not self.path.startswith(p.PREFIX):
                     raise HttpError(
                         404,

@@ -17,6 +17,7 @@ from elastrain.launch.progress import Progress
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
+from elastrain.observe.report import format_summary, write_report
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -59,6 +60,7 @@ def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = Fals
     with Progress(steps, plain=plain or None) as prog:
         launcher = Launcher(cfg, on_status=prog.update)
         prog.note(f"run directory: {launcher.run_dir}")
+        prog.attach(launcher.run_dir)
         result = launcher.run()
     return report(result, launcher)
 
@@ -110,6 +112,10 @@ def report(result: RunResult, launcher: Launcher) -> int:
         "\ninvariants: all members bit-identical at every generation start: "
         + ("yes" if not same else f"NO ({len(same)} violations)")
     )
+    path, rep = write_report(result.run_dir)
+    print("\ngoodput and energy:")
+    print(format_summary(rep))
+    print(f"\nreport (open in a browser, works offline): {path}")
     return 0 if result.status == "done" and not same else 1
 
 

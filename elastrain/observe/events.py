@@ -40,6 +40,8 @@ KINDS = frozenset(
         # worker: durable checkpoints
         "checkpoint_saved", "checkpoint_failed", "checkpoint_skipped", "checkpoint_committed",
         "checkpoint_interval", "checkpoint_loaded", "checkpoint_emergency",
+        # worker: metering (elastrain.observe.worker)
+        "flops_measured", "power_sample",
     }
 )  # fmt: skip
 
@@ -110,3 +112,34 @@ def iter_events(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     continue  # torn last line of a killed process
+
+
+class EventTail:
+    """Follows a run directory's event files: each `poll()` returns the complete
+    lines written since the previous one (files that appear later included).
+    For live views in the launcher's process; never blocks on a writer."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(run_dir) / "events"
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not self.dir.is_dir():
+            return out
+        for path in sorted(self.dir.glob("*.jsonl")):
+            off = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(off)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n") + 1  # a torn last line waits for the next poll
+            self._offsets[path] = off + end
+            for line in chunk[:end].splitlines():
+                try:
+                    out.append(json.loads(line))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+        return out

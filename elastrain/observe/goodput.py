@@ -24,8 +24,13 @@ Each worker process (one `worker_spawned` member/pid, alive until its
   replacement_wait  capacity missing: empty slots (below target) between the
                     first generation_start and the last step_commit (before:
                     startup, after: other), and an expelled, still-hung victim
-  checkpoint        checkpoint blocking (no events yet: always 0)
-  data_wait         waiting for input data (no events yet: always 0)
+  checkpoint        checkpoint blocking: the training thread's snapshot time
+                    (`blocking_s` of the member's checkpoint_saved/failed/skipped
+                    event for that step count), carved from the start of the
+                    step that followed it; an emergency checkpoint (commit ->
+                    `checkpoint_emergency`)
+  data_wait         time the step spent in the dataset and collate function
+                    (`step_commit.data_s`), carved from the committed step
   other             the rest: shutdown after the last step, unknown states
 
 Mapping to ml-goodput-measurement (Google): productive = productive training
@@ -74,6 +79,9 @@ class Goodput:
     nominal_samples_per_s: median step throughput while the job ran at full
     size (None when it never did and no commit says otherwise).
     throughput_goodput: committed_samples / (nominal_samples_per_s * wall_s).
+    segments: where the member-seconds went over time, for plots and energy
+    attribution: one `Segment` per stretch of a process in one bucket, plus
+    empty-slot segments (member None, `slots` missing members).
     """
 
     total_s: float
@@ -84,18 +92,46 @@ class Goodput:
     committed_samples: int
     nominal_samples_per_s: float | None
     throughput_goodput: float | None
+    segments: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """[start, end] wall seconds of `slots` member slots in `bucket`: a worker
+    process (member, pid) or, with member None, capacity nobody filled."""
+
+    member: str | None
+    pid: Any
+    bucket: str
+    start: float
+    end: float
+    slots: int = 1
+
+    @property
+    def member_s(self) -> float:
+        return (self.end - self.start) * self.slots
 
 
 class _Acc:
-    """Adds the time from a moving cursor to named buckets, clipped to [start, end]."""
+    """Adds the time from a moving cursor to named buckets, clipped to [start, end],
+    and records it as segments of process `p` (adjacent ones of a bucket merged)."""
 
-    def __init__(self, start: float, end: float, into: dict[str, float]) -> None:
-        self.cursor, self.end, self.into = start, end, into
+    def __init__(
+        self, start: float, end: float, into: dict[str, float], p: _Proc | None = None
+    ) -> None:
+        self.cursor, self.end, self.into, self.p = start, end, into, p
+        self.segments: list[Segment] = []
 
     def to(self, t: float, bucket: str) -> None:
         t = min(t, self.end)
         if t > self.cursor:
             self.into[bucket] += t - self.cursor
+            last = self.segments[-1] if self.segments else None
+            if last is not None and last.bucket == bucket and last.end == self.cursor:
+                self.segments[-1] = Segment(last.member, last.pid, bucket, last.start, t)
+            else:
+                m, pid = (self.p.member, self.p.pid) if self.p is not None else (None, None)
+                self.segments.append(Segment(m, pid, bucket, self.cursor, t))
             self.cursor = t
 
 
@@ -155,6 +191,7 @@ def goodput(events: Sequence[Event]) -> Goodput:
     buckets = dict.fromkeys(BUCKETS, 0.0)
     if not evs:
         return Goodput(0.0, 0.0, 0, buckets, 0.0, 0, None, None)
+    segments: list[Segment] = []
     js = next((e for e in evs if e.get("kind") == "job_start"), None)
     je = next((e for e in reversed(evs) if e.get("kind") == "job_end"), None)
     t_start = float(js["t"]) if js is not None else float(evs[0]["t"])
@@ -178,8 +215,11 @@ def goodput(events: Sequence[Event]) -> Goodput:
         elif e.get("kind") in ("member_registered", "member_removed", "fault_injected"):
             by_member.setdefault(str(e.get("member")), []).append(e)
     procs = _processes(evs, t_start, t_end)
+    blocking = _checkpoint_blocking(evs)
     for p in procs:
-        _walk(p, by_member.get(p.member, []), fault_ts, buckets)
+        segments += _walk(
+            p, by_member.get(p.member, []), fault_ts, buckets, blocking.get((p.member, p.pid), {})
+        )
 
     # Empty slots: capacity missing below the target. Before the first generation
     # starts that is the job's startup; after the last commit, its shutdown.
@@ -194,8 +234,11 @@ def goodput(events: Sequence[Event]) -> Goodput:
         mid = (a + b) / 2
         live = sum(1 for p in procs if p.start <= mid < p.end)
         empty = "startup" if mid < first_start else "other" if mid > last_commit else None
-        buckets[empty or "replacement_wait"] += max(0, capacity - live) * (b - a)
+        missing = max(0, capacity - live)
+        buckets[empty or "replacement_wait"] += missing * (b - a)
         total += max(capacity, live) * (b - a)
+        if missing:
+            segments.append(Segment(None, None, empty or "replacement_wait", a, b, missing))
 
     committed: dict[int, int] = {}
     full_rates: list[float] = []
@@ -219,15 +262,46 @@ def goodput(events: Sequence[Event]) -> Goodput:
     samples = sum(committed.values())
     tput = samples / (nominal * wall) if nominal and wall > 0 else None
     tg = buckets["productive"] / total if total > 0 else 0.0
-    return Goodput(total, wall, capacity, buckets, tg, samples, nominal, tput)
+    segments.sort(key=lambda g: g.start)
+    return Goodput(total, wall, capacity, buckets, tg, samples, nominal, tput, tuple(segments))
+
+
+_BLOCKING_KINDS = frozenset({"checkpoint_saved", "checkpoint_failed", "checkpoint_skipped"})
+
+
+def _checkpoint_blocking(evs: Sequence[Event]) -> dict[tuple[str, Any], dict[int, float]]:
+    """(member, pid) -> {committed step count: seconds the training thread spent
+    snapshotting the checkpoint taken at that count}."""
+    out: dict[tuple[str, Any], dict[int, float]] = {}
+    for e in evs:
+        b, s = e.get("blocking_s"), e.get("step")
+        if e.get("kind") not in _BLOCKING_KINDS or not isinstance(s, int):
+            continue
+        if isinstance(b, int | float) and math.isfinite(b) and b > 0:
+            out.setdefault((str(e.get("proc")), e.get("pid")), {}).setdefault(s, float(b))
+    return out
 
 
 def _walk(
-    p: _Proc, evs: Sequence[Event], fault_ts: Sequence[float], buckets: dict[str, float]
-) -> None:
+    p: _Proc,
+    evs: Sequence[Event],
+    fault_ts: Sequence[float],
+    buckets: dict[str, float],
+    blocking: Mapping[int, float],
+) -> list[Segment]:
     """Put one process's lifetime into buckets (see the module docstring). `evs`:
-    the events written by or about this member, in time order."""
-    acc = _Acc(p.start, p.end, buckets)
+    the events written by or about this member, in time order; `blocking`: its
+    checkpoint blocking per committed step count. Returns its segments."""
+    acc = _Acc(p.start, p.end, buckets, p)
+    carved: set[int] = set()
+    count: int | None = None  # committed step count while stepping
+
+    def checkpoint_first(t: float) -> None:
+        """A step interval begins with the blocking of the checkpoint taken at its count."""
+        if count is not None and count in blocking and count not in carved:
+            carved.add(count)
+            acc.to(min(t, acc.cursor + blocking[count]), "checkpoint")
+
     mine: list[tuple[float, str, Event]] = []
     for e in evs:
         t = float(e["t"])
@@ -248,6 +322,7 @@ def _walk(
     def aborted(t: float) -> None:
         """The step running since the cursor was lost at t: wasted up to the last
         fault inside it, detection after."""
+        checkpoint_first(t)
         t0 = max((x for x in fault_ts if acc.cursor < x <= t), default=None)
         if t0 is not None:
             acc.to(t0, "wasted")
@@ -256,9 +331,12 @@ def _walk(
             acc.to(t, "wasted")
 
     state = "startup"
-    for t, k, _e in mine:
+    for t, k, e in mine:
+        if k == "generation_start" and isinstance(e.get("step"), int):
+            count = int(e["step"])
         if k == "@victim":
             if state == "step":
+                checkpoint_first(t)
                 acc.to(t, "wasted")
             else:
                 acc.to(t, _STATE_BUCKET[state])
@@ -296,7 +374,15 @@ def _walk(
                 state = "other"
         elif state == "step":
             if k == "step_commit":
+                checkpoint_first(t)
+                data_s = e.get("data_s")
+                if isinstance(data_s, int | float) and math.isfinite(data_s) and data_s > 0:
+                    acc.to(min(t, acc.cursor + float(data_s)), "data_wait")
                 acc.to(t, "productive")
+                if isinstance(e.get("step"), int):
+                    count = int(e["step"]) + 1
+            elif k == "checkpoint_emergency":
+                acc.to(t, "checkpoint")
             elif k in ("step_abort", "watchdog_fired", "rendezvous_begin"):
                 aborted(t)
                 state = "regroup"
@@ -304,6 +390,7 @@ def _walk(
                 acc.to(t, "other")
                 state = "other"
     acc.to(p.end, _STATE_BUCKET[state])
+    return acc.segments
 
 
 _STATE_BUCKET = {

@@ -52,6 +52,7 @@ from elastrain.control.client import CoordinatorClient, CoordinatorError, Coordi
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.observe.events import EventLog
+from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.durable import (
     CONTRIB_SLOTS,
@@ -236,6 +237,7 @@ class ElasticTrainer:
         self._install_sigterm()
         self.events.emit("worker_start", member=self.member)
         self._resume()
+        self._metering = WorkerMetering.start(self)
         try:
             self.session.register()
         except JoinRefused as e:
@@ -508,6 +510,7 @@ class ElasticTrainer:
         mine = assign_microbatches(len(mbs), len(self.members), self.rank)
         samples: list[int] = []
         loss_sum = 0.0
+        data_s = 0.0
         self.model.train()
         for k, i in enumerate(mine):
             if self.session.gen_broken(self.gen):
@@ -515,7 +518,9 @@ class ElasticTrainer:
             ids = self.order.ids(mbs[i].start, mbs[i].stop)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed((cfg.seed * 0x9E3779B1 + s * 1_000_003 + i) & 0x7FFF_FFFF_FFFF)
+                t_data = time.monotonic()
                 batch = self.collate_fn([self.dataset[j] for j in ids])
+                data_s += time.monotonic() - t_data
                 loss = self.loss_fn(self.model, batch)
                 (loss * len(ids)).backward()
             loss_sum += float(loss.detach()) * len(ids)
@@ -572,6 +577,7 @@ class ElasticTrainer:
             step_s=t_end - t0,
             compute_s=t_compute - t0,
             allreduce_s=t_done - t_ar,
+            data_s=data_s,
             samples=count,
             samples_per_s=count / max(t_end - t0, 1e-9),
         )
@@ -711,6 +717,8 @@ class ElasticTrainer:
         self._hash_pool.shutdown(wait=False)
         self.graveyard.close()
         self.client.close()
+        if getattr(self, "_metering", None) is not None:
+            self._metering.stop()
         self.events.close()
 
 

@@ -1,4 +1,4 @@
-"""elastrain's command line: run, demo, coordinator, report, sim.
+"""elastrain's command line: run, demo, coordinator, report, sim, chaos soak.
 
 elastrain demo                                # the elastic demo (about 2 minutes)
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "coordinator":
         return cmd_coordinator(argv[1:])
+    if argv[:2] == ["chaos", "soak"]:
+        from elastrain.chaos.soak import main as soak_main
+
+        return soak_main(argv[2:])
     ap = argparse.ArgumentParser(
         prog="elastrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -212,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--run-dir", default=None)
     d.add_argument("--plain", action="store_true")
     sub.add_parser("coordinator", help="run a standalone coordinator (see --help after it)")
+    sub.add_parser(
+        "chaos", help="chaos soak: train under random faults, check invariants (chaos soak --help)"
+    )
     rp = sub.add_parser("report", help="write a run's HTML report and print its summary")
     rp.add_argument("run_dir", help="the run directory (holds events/)")
     rp.add_argument("-o", "--output", default=None, help="HTML file (default RUN_DIR/report.html)")
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         from elastrain.sim.cli import run as sim_run
 
         return sim_run(args)
+    if args.cmd == "chaos":
+        ap.error("usage: elastrain chaos soak --duration D [options] (see --help)")
     ap.error(f"unknown command {args.cmd}")
     return 2
 

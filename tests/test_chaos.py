@@ -125,7 +125,7 @@ def test_damaged_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, how: str
     save(d, 5, make_state(1), num_shards=2)
     save(d, 10, make_state(2), num_shards=2)
     info = damage_checkpoint(d, random.Random(0), how)
-    assert info["step"] == 10 and Path(info["path"]).exists()
+    assert info["checkpoint_step"] == 10 and Path(info["path"]).exists()
     skipped: list[int] = []
     got = latest_verified(d, on_skip=lambda step, _p, _r: skipped.append(step))
     assert got is not None and got.step == 5 and skipped == [10]

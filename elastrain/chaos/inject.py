@@ -51,7 +51,7 @@ def damage_checkpoint(
 ) -> dict[str, Any]:
     """Damage one shard of the newest committed checkpoint: `how` is "corrupt"
     (flip 64 bytes in the middle of the file) or "truncate" (cut it in half).
-    Returns {"path", "step", ...} or {"skipped": reason} when there is none."""
+    Returns {"path", "checkpoint_step", ...} or {"skipped": reason} when there is none."""
     if how not in ("corrupt", "truncate"):
         raise ValueError(f"how must be 'corrupt' or 'truncate', got {how!r}")
     committed = [(s, d) for s, d in list_steps(checkpoint_dir) if (d / MARKER).exists()]
@@ -65,7 +65,7 @@ def damage_checkpoint(
     size = path.stat().st_size
     if how == "truncate":
         os.truncate(path, size // 2)
-        return {"path": str(path), "step": step, "size": size, "truncated_to": size // 2}
+        return {"path": str(path), "checkpoint_step": step, "size": size, "truncated_to": size // 2}
     off = max(0, size // 2 - 32)
     with open(path, "r+b") as f:
         f.seek(off)
@@ -76,7 +76,7 @@ def damage_checkpoint(
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"path": str(path), "step": step, "offset": off, "bytes": len(data)}
+    return {"path": str(path), "checkpoint_step": step, "offset": off, "bytes": len(data)}
 
 
 class DiskFiller:

@@ -65,6 +65,9 @@ class Injector:
         for f in self.schedule.due(step, elapsed):
             members = [m for m in status.get("members", []) if m in live]
             victim = self.schedule.pick(f, members)
+            if victim is None and f.member is None and f.every_s is None:
+                self.schedule.pending.append(f)  # nobody to pick right now: at the next status
+                continue
             if victim is None:
                 self._record(f, None, None, step, skipped="no live member to pick")
                 continue

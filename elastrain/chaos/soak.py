@@ -1,0 +1,417 @@
+"""`elastrain chaos soak`: train under a random mix of faults and check every invariant.
+
+    elastrain chaos soak --duration 3m [-n 3] [--every 9s] [--kinds kill,hang,...]
+        [--seed 0] [--run-dir DIR]
+
+It runs `elastrain/chaos/soak_job.py` (a small MLP, checkpointed every 20
+steps) with a seeded schedule of faults, one every `--every` seconds (with
+jitter), drawn so that each kind in `--kinds` comes up (each damaged
+checkpoint comes right after a kill of every worker and before their
+replacements start, so the resume path must notice the damage). The last
+quarter of the duration is quiet so every fault has time to recover; the
+clock starts at the job's first committed step. Then the job is ended with a preemption
+notice, and the same job runs failure-free, as one member, for as many steps:
+the reference. Checks, each a count of violations:
+
+- same state: all members hash-identical at every generation start;
+- exactly-once: every committed step consumed its samples exactly once
+  (steps rolled back by a resume from an older checkpoint are counted apart);
+- math: the loss curve equals the reference's within 1e-5 relative;
+- leaks: each long-lived worker's and the coordinator's file descriptors and
+  threads, sampled every 2 s, stay bounded (last third against first third),
+  and no process, fill file or mount is left at the end;
+- recovery: after every fault the job commits a step beyond the last one
+  committed before it, within the kind's bound.
+
+It prints a table (faults by kind, recoveries, median and max recovery) and
+ends with `violations: N`; the exit status is 0 only when N is 0. Everything
+lands in the run directory, with `soak.json`. `fill-disk` needs root to mount
+a small tmpfs for the checkpoints; without it that kind is left out and the
+table says so. Cutting a host off the network needs several hosts: the netns
+partition test (tests/test_partition.py) covers it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastrain.chaos import soak_job
+from elastrain.chaos.schedule import KINDS, Fault, parse_duration
+from elastrain.observe.events import read_events
+from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+
+DEFAULT_KINDS = tuple(KINDS)
+BOUND_S = {"kill-all": 120.0}
+"""Seconds within which the job must make new progress after a fault (default 60)."""
+DEFAULT_BOUND_S = 60.0
+FD_SLACK, THREAD_SLACK = 16, 8
+QUIET_TAIL = 0.25
+WARMUP_S = 20.0
+"""Leak samples of a process's first seconds (imports, first connections) are not judged."""
+REL_TOL = 1e-5
+
+
+@dataclass
+class Sampler:
+    """Samples fds and threads of the job's processes every `period_s` (own thread)."""
+
+    pids: Any
+    """Callable returning {name: pid} of the processes to sample now."""
+    period_s: float = 2.0
+    samples: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            for name, pid in dict(self.pids()).items():
+                got = _fds_threads(pid)
+                if got is not None:
+                    self.names[pid] = name
+                    self.samples.setdefault(pid, []).append((time.monotonic(), *got))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def violations(self) -> list[str]:
+        out = []
+        for pid, all_xs in self.samples.items():
+            xs = [x for x in all_xs if x[0] - all_xs[0][0] >= WARMUP_S]
+            if len(xs) < 6:
+                continue
+            third = len(xs) // 3
+            first, last = xs[:third], xs[-third:]
+            fd0, fd1 = min(x[1] for x in first), max(x[1] for x in last)
+            th0, th1 = min(x[2] for x in first), max(x[2] for x in last)
+            who = f"{self.names[pid]} (pid {pid})"
+            if fd1 - fd0 > FD_SLACK:
+                out.append(f"{who}: open files grew from {fd0} to {fd1}")
+            if th1 - th0 > THREAD_SLACK:
+                out.append(f"{who}: threads grew from {th0} to {th1}")
+        return out
+
+
+def _fds_threads(pid: int) -> tuple[int, int] | None:
+    try:
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        with open(f"/proc/{pid}/status") as f:
+            threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return fds, threads
+
+
+def plan_faults(kinds: list[str], duration_s: float, every_s: float, seed: int) -> list[Fault]:
+    """A seeded mix: one fault every `every_s` (+-30%) in the first 80% of the
+    duration, kinds dealt from a shuffled deck so each kind comes up."""
+    rng = random.Random(seed)
+    out: list[Fault] = []
+    deck: list[str] = []
+    t = every_s
+    end = duration_s * (1 - QUIET_TAIL)
+    while t < end:
+        if not deck:
+            deck = list(kinds)
+            rng.shuffle(deck)
+        kind = deck.pop()
+        if kind == "hang":
+            out.append(Fault("hang", at_s=t, duration_s=round(rng.uniform(2, 6), 1)))
+        elif kind == "slow":
+            out.append(Fault("slow", at_s=t, delay_s=0.05, steps=rng.randint(20, 60)))
+        elif kind == "fill-disk":
+            out.append(Fault("fill-disk", at_s=t, duration_s=round(rng.uniform(3, 6), 1)))
+        elif kind in ("corrupt-ckpt", "truncate-ckpt"):
+            # Kill everyone, then damage the newest checkpoint before their
+            # replacements start (1 s later): the resume must skip it.
+            out.append(Fault("kill-all", at_s=t))
+            out.append(Fault(kind, at_s=t + 0.2))
+        else:
+            out.append(Fault(kind, at_s=t))
+        t += every_s * rng.uniform(0.7, 1.3)
+    return out
+
+
+def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per injected fault: seconds until a step beyond the last one committed before it."""
+    commits = sorted((float(e["t"]), int(e["step"])) for e in events if e["kind"] == "step_commit")
+    out = []
+    for f in sorted(
+        (e for e in events if e["kind"] == "fault_injected" and e.get("fault") in KINDS),
+        key=lambda e: float(e["t"]),
+    ):
+        t0 = float(f["t"])
+        before = max((s for t, s in commits if t <= t0), default=-1)
+        after = next((t for t, s in commits if t > t0 and s > before), None)
+        out.append(
+            {
+                "fault": f["fault"],
+                "member": f.get("member"),
+                "t": t0,
+                "skipped": f.get("skipped"),
+                "recovery_s": None if after is None else after - t0,
+                "bound_s": BOUND_S.get(str(f["fault"]), DEFAULT_BOUND_S),
+            }
+        )
+    return out
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    return r.returncode == 0
+
+
+def _run_job(
+    run_dir: Path, workers: int, steps: int | None, faults: list[Fault], seed: int,
+    on_launcher: Any = None,
+) -> Any:  # fmt: skip
+    from elastrain.launch.launcher import LaunchConfig, Launcher
+
+    cfg = LaunchConfig(
+        script=soak_job.__file__,
+        workers=workers,
+        min_workers=1,
+        replace_delay_s=1.0,
+        run_dir=str(run_dir),
+        steps=steps,
+        faults=faults,
+        seed=seed,
+        progress=False,
+        grace_s=20.0,
+        extra_env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    la = Launcher(cfg)
+    if on_launcher is not None:
+        on_launcher(la)
+    return la, la.run()
+
+
+def soak(
+    duration_s: float,
+    *,
+    workers: int = 3,
+    every_s: float = 9.0,
+    kinds: list[str] | None = None,
+    seed: int = 0,
+    run_dir: Path,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Run the soak (see the module docstring); returns the summary written to soak.json."""
+    kinds = list(kinds or DEFAULT_KINDS)
+    notes: list[str] = []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = run_dir / "faulty" / "checkpoints"
+    mounted = False
+    if "fill-disk" in kinds:
+        mounted = _mount_tmpfs(ckpt, "4m")
+        if not mounted:
+            kinds.remove("fill-disk")
+            notes.append("fill-disk left out: mounting a small tmpfs needs root and mount(8)")
+    faults = plan_faults(kinds, duration_s, every_s, seed)
+    log(f"soak: {duration_s:g} s, {workers} workers, {len(faults)} faults: "
+        + ", ".join(str(f) for f in faults))  # fmt: skip
+    launchers: list[Any] = []
+    sampler = Sampler(lambda: _live_pids(launchers))
+    timer: threading.Thread | None = None
+
+    stop_clock = threading.Event()
+
+    def end_after_duration(la: Any) -> None:
+        # Same clock as the fault schedule: from the first committed step.
+        while not stop_clock.wait(0.2):
+            if int(la.status.get("step", 0)) >= 1:
+                break
+        if not stop_clock.wait(duration_s):
+            la.preempt()
+
+    def started(la: Any) -> None:
+        nonlocal timer
+        launchers.append(la)
+        sampler.start()
+        timer = threading.Thread(target=end_after_duration, args=(la,), daemon=True)
+        timer.start()
+
+    try:
+        la, result = _run_job(run_dir / "faulty", workers, None, faults, seed, started)
+    finally:
+        stop_clock.set()
+        if timer is not None:
+            timer.join(timeout=5)
+        sampler.stop()
+        if mounted:
+            subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    events = read_events(run_dir / "faulty")
+    led = check_exactly_once(events, soak_job.expected_ids)
+    steps = led.committed_steps
+    log(f"soak: the faulty job ended ({result.status}) after {steps} steps; "
+        "running the failure-free reference")  # fmt: skip
+    _, ref = _run_job(run_dir / "reference", 1, steps, [], seed)
+    ref_events = read_events(run_dir / "reference")
+    checks: dict[str, list[str]] = {
+        "same state at generation starts": check_same_state(events),
+        "exactly-once ledger": led.violations,
+        "loss vs failure-free reference": _loss_violations(events, ref_events, steps)
+        + ([] if ref.status == "done" else [f"the reference run ended {ref.status}"]),
+        "leaks (fds, threads, processes)": sampler.violations() + _leftovers(la, run_dir),
+    }
+    recs = recoveries(events)
+    late = [
+        f"{r['fault']} at {r['t'] - recs[0]['t']:.0f} s: "
+        + ("no progress after it" if r["recovery_s"] is None else f"{r['recovery_s']:.1f} s")
+        + f" (bound {r['bound_s']:g} s)"
+        for r in recs
+        if not r["skipped"] and (r["recovery_s"] is None or r["recovery_s"] > r["bound_s"])
+    ]
+    checks["recovery within bound"] = late
+    summary = {
+        "duration_s": duration_s,
+        "workers": workers,
+        "seed": seed,
+        "status": result.status,
+        "steps": steps,
+        "rolled_back_steps": led.rolled_back,
+        "faults": recs,
+        "checks": checks,
+        "notes": notes,
+        "violations": sum(len(v) for v in checks.values()),
+    }
+    (run_dir / "soak.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _live_pids(launchers: list[Any]) -> dict[str, int]:
+    if not launchers:
+        return {}
+    la = launchers[-1]
+    try:
+        out = dict(la.member_pids())
+    except RuntimeError:  # the launcher changed its worker table meanwhile; next time
+        return {}
+    c = la.coordinator
+    if c is not None and c.poll() is None:
+        out["coordinator"] = c.pid
+    return out
+
+
+def _leftovers(la: Any, run_dir: Path) -> list[str]:
+    out = []
+    pids = [pid for ps in la.pids.values() for pid in ps]
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            out.append(f"process {pid} is still running after the job")
+        except ProcessLookupError:
+            pass
+    out += [f"fill file left behind: {p}" for p in run_dir.rglob(".chaos-fill-*")]
+    return out
+
+
+def _loss_violations(
+    events: list[dict[str, Any]], ref_events: list[dict[str, Any]], steps: int
+) -> list[str]:
+    a, b = loss_curve(events), loss_curve(ref_events)
+    out = []
+    for s in range(steps):
+        if s not in a or s not in b:
+            out.append(f"step {s}: no loss in {'the soak' if s not in a else 'the reference'}")
+        elif not math.isclose(a[s], b[s], rel_tol=REL_TOL):
+            out.append(f"step {s}: loss {a[s]!r} vs reference {b[s]!r}")
+    return out[:20] + ([f"... {len(out) - 20} more"] if len(out) > 20 else [])
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    recs = summary["faults"]
+    lines = [
+        f"soak: {summary['duration_s']:g} s, {summary['workers']} workers, seed "
+        f"{summary['seed']}: {summary['steps']} steps committed "
+        f"({summary['rolled_back_steps']} rolled back and recomputed), job {summary['status']}",
+        "",
+        f"{'fault':<18}{'injected':>9}{'skipped':>9}{'recovered':>11}{'median s':>10}"
+        f"{'max s':>8}{'bound s':>9}",
+    ]
+    for kind in sorted({r["fault"] for r in recs}):
+        rs = [r for r in recs if r["fault"] == kind]
+        done = [r["recovery_s"] for r in rs if not r["skipped"] and r["recovery_s"] is not None]
+        skipped = sum(1 for r in rs if r["skipped"])
+        med = f"{statistics.median(done):.2f}" if done else "-"
+        mx = f"{max(done):.2f}" if done else "-"
+        lines.append(
+            f"{kind:<18}{len(rs):>9}{skipped:>9}{len(done):>11}{med:>10}{mx:>8}"
+            f"{rs[0]['bound_s']:>9g}"
+        )
+    lines += ["", f"{'invariant':<36}{'violations':>11}"]
+    for name, vs in summary["checks"].items():
+        lines.append(f"{name:<36}{len(vs):>11}")
+        lines += [f"    {v}" for v in vs[:10]]
+    lines += [f"note: {n}" for n in summary["notes"]]
+    lines.append(f"violations: {summary['violations']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="elastrain chaos soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--duration", required=True, help="e.g. 180, 3m, 30m, 1h")
+    ap.add_argument("-n", "--workers", type=int, default=3)
+    ap.add_argument("--every", default="9s", help="mean time between faults (default 9s)")
+    ap.add_argument(
+        "--kinds",
+        default=",".join(DEFAULT_KINDS),
+        help=f"fault kinds to mix (default all: {','.join(DEFAULT_KINDS)})",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", default=None, help="default runs/soak-<time>")
+    args = ap.parse_args(argv)
+    try:
+        duration = parse_duration(args.duration)
+        every = parse_duration(args.every)
+    except ValueError as e:
+        ap.error(str(e))
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        ap.error(f"unknown fault kind(s) {', '.join(bad)}; known: {', '.join(KINDS)}")
+    if not duration > 0 or not every > 0:
+        ap.error("--duration and --every must be > 0")
+    if args.workers < 2:
+        ap.error("-n must be >= 2 (survivors are the point)")
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")).resolve()
+    summary = soak(
+        duration, workers=args.workers, every_s=every, kinds=kinds, seed=args.seed, run_dir=run_dir
+    )
+    print(format_table(summary), flush=True)
+    print(f"details: {run_dir / 'soak.json'}", file=sys.stderr)
+    return 0 if summary["violations"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

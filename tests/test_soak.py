@@ -1,0 +1,44 @@
+"""The short soak CI runs: every fault kind at least once, zero invariant violations."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from elastrain.chaos.schedule import KINDS
+from elastrain.chaos.soak import format_table, main, plan_faults, soak
+
+
+def test_plan_deals_every_kind_and_keeps_a_quiet_tail() -> None:
+    faults = plan_faults(list(KINDS), 90.0, 7.0, seed=3)
+    assert {f.kind for f in faults} == set(KINDS)
+    assert max(f.at_s or 0 for f in faults) < 90.0 * 0.75 + 1
+    assert plan_faults(list(KINDS), 90.0, 7.0, seed=3) == faults
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--duration", "soon"], "bad duration"),
+        (["--duration", "1m", "--kinds", "kill,explode"], "unknown fault kind"),
+        (["--duration", "1m", "-n", "1"], "-n must be >= 2"),
+    ],
+)
+def test_bad_arguments(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_short_soak_every_fault_kind_zero_violations(tmp_path: Path) -> None:
+    summary = soak(90.0, workers=3, every_s=7.0, seed=0, run_dir=tmp_path / "soak")
+    table = format_table(summary)
+    print(table)
+    injected = {f["fault"] for f in summary["faults"] if not f["skipped"]}
+    expected = set(KINDS) if os.geteuid() == 0 else set(KINDS) - {"fill-disk"}
+    assert injected >= expected, table
+    assert summary["violations"] == 0, table
+    assert table.splitlines()[-1] == "violations: 0"
+    assert summary["steps"] > 100 and summary["rolled_back_steps"] > 0

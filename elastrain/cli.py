@@ -11,13 +11,20 @@ elastrain sim --preset llama3-16k
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from pathlib import Path
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
-        "-n", "--workers", type=int, default=4, help="workers to keep running (default 4)"
+        "-n",
+        "--workers",
+        "--nproc",
+        type=int,
+        default=4,
+        help="workers to keep running (default 4)",
     )
     ap.add_argument(
         "--min",
@@ -81,6 +88,18 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _agent_token(args: argparse.Namespace) -> str:
+    from elastrain import env
+
+    path = args.token_file or os.environ.get(env.TOKEN_FILE)
+    if path:
+        return Path(path).read_text().strip()
+    tok = os.environ.get(env.TOKEN, "").strip()
+    if not tok:
+        raise ValueError(f"no job token: pass --token-file FILE or set {env.TOKEN}")
+    return tok
+
+
 def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]) -> object:
     from elastrain.chaos.schedule import parse_fault, read_faults_file
     from elastrain.launch.launcher import LaunchConfig
@@ -102,6 +121,16 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         checkpoint_every=args.ckpt_every,
         checkpoint_mtbf_s=args.ckpt_mtbf,
         grace_s=args.grace,
+        **(
+            {
+                "coordinator": args.coordinator,
+                "token": _agent_token(args),
+                "name": args.name,
+                "advertise_host": args.host,
+            }
+            if getattr(args, "coordinator", None)
+            else {}
+        ),
     )
 
 
@@ -160,6 +189,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if getattr(result, "status", "") == "done" else 1
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    """One per node: runs and replaces this node's workers of a job whose
+    coordinator runs elsewhere (`elastrain coordinator`)."""
+    script_args = list(args.script_args)
+    if script_args and script_args[0] == "--":
+        script_args = script_args[1:]
+    try:
+        cfg = _launch_config(args, args.script, script_args)
+    except (ValueError, OSError) as e:
+        print(f"elastrain agent: error: {e}", file=sys.stderr)
+        return 2
+    result = _run_job(cfg, args.plain, args.steps)
+    _summary(result)
+    return 0 if getattr(result, "status", "") in ("done", "drained") else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from elastrain.demo.show import run_demo
 
@@ -209,6 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)"
     )
+    a = sub.add_parser(
+        "agent", help="run this node's workers of a job whose coordinator runs elsewhere"
+    )
+    _add_run_args(a)
+    a.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    a.add_argument(
+        "--token-file", default=None, help="file with the job token (or $ELASTRAIN_TOKEN)"
+    )
+    a.add_argument(
+        "--name",
+        default=socket.gethostname().split(".")[0],
+        help="this node's name, the prefix of its member ids (default: the host name)",
+    )
+    a.add_argument("--host", default=None, help="the address this node's workers give their peers")
+    a.add_argument("script", help="the training script")
+    a.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     d = sub.add_parser(
         "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
     )
@@ -249,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     if args.cmd == "demo":
         return cmd_demo(args)
+    if args.cmd == "agent":
+        if not Path(args.script).is_file():
+            ap.error(f"training script not found: {args.script}")
+        return cmd_agent(args)
     if args.cmd == "report":
         return cmd_report(args)
     if args.cmd == "sim":

@@ -97,8 +97,31 @@ class LaunchConfig:
     grace_s: float = 30.0
     """Seconds between SIGTERM to the launcher and the end of the job (--grace):
     the emergency checkpoint and every worker's exit must fit in it."""
+    coordinator: str | None = None
+    """Agent mode (`elastrain agent`): HOST:PORT of a coordinator that runs
+    elsewhere. This process then runs only its own `workers` and neither starts
+    nor restarts a coordinator; SIGTERM drains its workers (a node leaving)."""
+    token: str | None = None
+    """Agent mode: the job token (from --token-file or $ELASTRAIN_TOKEN)."""
+    name: str = ""
+    """Agent mode: prefix of this agent's member ids ("node1" -> node1-w0, ...),
+    unique per agent so members on different hosts never collide."""
+    advertise_host: str | None = None
+    """The address this host's workers give their peers (ELASTRAIN_HOST)."""
 
     def __post_init__(self) -> None:
+        if self.coordinator is not None:
+            if not self.token:
+                raise ValueError(
+                    "an agent needs the job token: --token-file FILE or $ELASTRAIN_TOKEN"
+                )
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
+            if self.faults and any(f.kind == "kill-coordinator" for f in self.faults):
+                raise ValueError("an agent cannot kill a coordinator it does not run")
+        if self.name and not all(ch.isalnum() or ch in "-_." for ch in self.name):
+            raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
         if self.workers < 1:
             raise ValueError(f"-n must be >= 1 (got {self.workers})")
         if not 1 <= self.min_workers <= self.workers:
@@ -117,6 +140,14 @@ class LaunchConfig:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the spawning thread dies (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class _Failed(Exception):
@@ -155,11 +186,15 @@ class Launcher:
         self.job_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
         self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).resolve()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.token = secrets.token_hex(16)
-        tok = self.run_dir / "token"
-        tok.write_text(self.token)
-        tok.chmod(0o600)
-        self.events = EventLog(self.run_dir, "launcher")
+        self.agent = config.coordinator is not None
+        if config.token:
+            self.token = config.token
+        else:
+            self.token = secrets.token_hex(16)
+            tok = self.run_dir / "token"
+            tok.write_text(self.token)
+            tok.chmod(0o600)
+        self.events = EventLog(self.run_dir, f"agent-{config.name}" if self.agent else "launcher")
         self.on_status = on_status
         self.workers: dict[str, Worker] = {}
         self.pids: dict[str, list[int]] = {}
@@ -185,6 +220,8 @@ class Launcher:
 
         self.resume_step: int | None = None
         self._preempt_asked = threading.Event()
+        self._drain_asked = threading.Event()
+        self._draining = False
         self._preempt_deadline: float | None = None
         self._coordinator_bind: tuple[str, int, int] | None = None
         """(host, port, store port) of the first coordinator; restarts reuse them."""
@@ -296,7 +333,7 @@ class Launcher:
 
     def _spawn(self, replacement: bool, replaces: str | None = None) -> Worker:
         c = self.config
-        member = f"w{self._next_id}"
+        member = f"{c.name}-w{self._next_id}" if c.name else f"w{self._next_id}"
         self._next_id += 1
         e = dict(os.environ)
         e.update(c.extra_env)
@@ -308,6 +345,8 @@ class Launcher:
                 env.RUN_DIR: str(self.run_dir),
             }
         )
+        if c.advertise_host:
+            e[env.ADVERTISE_HOST] = c.advertise_host
         if c.steps is not None:
             e[env.STEPS] = str(c.steps)
         e[env.CKPT_DIR] = str(self.checkpoint_dir)
@@ -315,7 +354,7 @@ class Launcher:
             e[env.CKPT_EVERY] = str(c.checkpoint_every)
         if c.checkpoint_mtbf_s is not None:
             e[env.CKPT_MTBF] = repr(c.checkpoint_mtbf_s)
-        if replacement:
+        if replacement or self.agent:
             # Peers heal it if they are further; if every worker died, it is the state.
             e[env.RESUME] = "latest"
         else:
@@ -329,6 +368,8 @@ class Launcher:
             stderr=subprocess.STDOUT,
             env=e,
             start_new_session=True,
+            # An agent's workers die with it, as they would with their node.
+            preexec_fn=_die_with_parent if self.agent else None,
         )
         log.close()
         w = Worker(member, proc, time.monotonic(), replacement)
@@ -362,17 +403,25 @@ class Launcher:
         status, message = "failed", ""
         previous = None
         if threading.current_thread() is threading.main_thread():
-            # SIGTERM to the launcher: a preemption notice for the whole job.
-            previous = signal.signal(signal.SIGTERM, lambda *_: self.preempt())
+            # SIGTERM to the launcher: a preemption notice for the whole job;
+            # to an agent: its node is going away, its workers leave.
+            previous = signal.signal(
+                signal.SIGTERM, lambda *_: self.drain() if self.agent else self.preempt()
+            )
         try:
-            try:
-                self._prepare_resume()
-            except OSError as e:
-                raise _Failed(
-                    f"cannot prepare the checkpoint directory {self.checkpoint_dir} for "
-                    f"resuming: {e}"
-                ) from e
-            self._start_coordinator()
+            if self.agent:
+                assert c.coordinator is not None
+                self.address = c.coordinator
+                self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
+            else:
+                try:
+                    self._prepare_resume()
+                except OSError as e:
+                    raise _Failed(
+                        f"cannot prepare the checkpoint directory {self.checkpoint_dir} for "
+                        f"resuming: {e}"
+                    ) from e
+                self._start_coordinator()
             for _ in range(c.workers):
                 self._spawn(replacement=False)
             status, message = self._loop()
@@ -399,6 +448,12 @@ class Launcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def drain(self) -> None:
+        """Agent mode: this node is leaving (any thread, signal-safe). Its workers
+        get SIGTERM (a graceful leave: the job goes on without them), nobody is
+        replaced, and the agent ends once they have exited."""
+        self._drain_asked.set()
 
     def preempt(self) -> None:
         """The whole job is being preempted (what SIGTERM does; any thread, signal-safe).
@@ -484,6 +539,12 @@ class Launcher:
     def _loop(self) -> tuple[str, str]:
         last_status = 0.0
         while not self._stop.is_set():
+            if self._drain_asked.is_set() and not self._draining:
+                self._draining = True
+                self.events.emit("drain", members=sorted(self.workers))
+                for w in self.workers.values():
+                    if w.proc.poll() is None:
+                        w.proc.send_signal(signal.SIGTERM)
             if self._preempt_asked.is_set() and self._preempt_deadline is None:
                 self._begin_preempt()
             if self._preempt_deadline is not None:
@@ -511,6 +572,8 @@ class Launcher:
                 last_status = now
                 self._poll_status()
             if not self.workers and not any(t[2] == "spawn" for t in self._timers):
+                if self._draining:
+                    return "drained", "SIGTERM: this node's workers left the job"
                 if self._preempt_deadline is not None:
                     return "preempted", "preempted (SIGTERM): " + self._newest_checkpoint()
                 if self.status.get("finished") or self.done_members:
@@ -530,8 +593,8 @@ class Launcher:
             return None
         if w is not None and w.stopped:
             return None
-        if self._preempt_deadline is not None:
-            return None  # the job is ending: nobody is replaced
+        if self._preempt_deadline is not None or self._draining:
+            return None  # the job (or this node) is ending: nobody is replaced
         if rc == EXIT_PREEMPTED:
             # Members exit so only on a whole-job preemption notice (from the
             # coordinator, which got SIGTERM itself): end the job with them.

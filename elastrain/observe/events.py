@@ -24,7 +24,7 @@ from typing import Any
 KINDS = frozenset(
     {
         # launcher
-        "job_start", "worker_spawned", "worker_exited", "fault_injected", "job_end",
+        "job_start", "worker_spawned", "worker_exited", "fault_injected", "job_end", "drain",
         "checkpoint_resume",
         # coordinator (preempt_notice: also the launcher)
         "coordinator_start", "member_registered", "member_refused", "member_removed",

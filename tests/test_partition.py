@@ -50,7 +50,7 @@ MIN_STEP_S = 0.05
 """The job is paced to at most 20 steps/s (it makes 15-20 here), so the step
 budget does not depend on the machine's speed: the cut lasts ~10.5 s, of
 which ~7.5 s the survivors train, so the heal comes before step ~160 and
-leaves >= 7 s for the cut-off worker to rejoin (it takes 0.3-2 s)."""
+leaves >= 7 s for the cut-off worker to rejoin (it takes 0.1-1 s)."""
 
 Event = dict[str, Any]
 
@@ -169,11 +169,8 @@ def test_partitioned_host_rejoins_and_heals_without_divergence(
     for m, h in hosts.items():
         run.start_worker(m, h)
     info = run.coordinator_info()
-    assert (info["host"], info["port"], info["store_port"]) == (
-        net.coord.addr,
-        COORD_PORT,
-        STORE_PORT,
-    )
+    where = (info["host"], info["port"], info["store_port"])
+    assert where == (net.coord.addr, COORD_PORT, STORE_PORT), info
     survivors, victim = ["w0", "w1"], "w2"
     pids = {m: p.pid for m, p in run.workers.items()}
 
@@ -209,6 +206,9 @@ def test_partitioned_host_rejoins_and_heals_without_divergence(
     )
     removed = [e for e in of(evs, "member_removed", member=victim) if e["t"] > t_cut]
     assert removed, "the coordinator never dropped the cut-off member"
+    # Detection is the step watchdog (3 s floor) or the coordinator's 5 s lease.
+    resumed_s = first_pair_commit["t"] - t_cut
+    assert resumed_s < 12, f"the survivors needed {resumed_s:.1f} s to commit without w2"
 
     # 3. Reconnect h2. Its worker registers again and is healed into a 3-member generation.
     t_heal = time.time()
@@ -259,7 +259,10 @@ def test_partitioned_host_rejoins_and_heals_without_divergence(
         if g["t"] > t_heal and sorted(g["members"]) == sorted([*survivors, member])
     ]
     assert trio, "no 3-member generation formed after the heal"
-    assert healed["gen"] == trio[0]["gen"]
+    assert healed["gen"] in {g["gen"] for g in trio}
+    if member == victim:
+        took = healed["t"] - t_heal
+        assert took < 15, f"{victim} was healed {took:.1f} s after its link came back"
     assert of(evs, "step_commit", proc=member, gen=trio[0]["gen"]), member
     assert of(evs, "step_commit", proc=member, step=STEPS - 1), f"{member} did not finish"
     if member == victim:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--hang-floor", type=float, default=3.0, help="watchdog floor (s)")
     ap.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="pace: at least this long per committed step (caps the step rate on fast machines)",
+    )
+    ap.add_argument(
         "--mismatch", action="store_true", help="build a different model (must be refused)"
     )
     args = ap.parse_args()
@@ -60,8 +67,11 @@ def main() -> None:
         hang_timeout_floor_s=args.hang_floor,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
+    last = time.monotonic()
     for _ in trainer.steps():
-        pass
+        if args.min_step_s > 0:
+            time.sleep(max(0.0, args.min_step_s - (time.monotonic() - last)))
+            last = time.monotonic()
     run_dir = os.environ.get("ELASTRAIN_RUN_DIR")
     if run_dir and trainer.holds_final_state:
         out = Path(run_dir) / "final"

@@ -20,16 +20,14 @@ from elastrain.control.client import CoordinatorClient
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.server import CoordinatorServer
 from elastrain.observe.events import EventLog, read_events
+from elastrain.runtime.ckpt_schedule import Schedule
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.durable import (
-    Checkpointing,
+from elastrain.runtime.durable import Checkpointing, failed_marker, mark_failed
+from elastrain.runtime.resume import (
     ResumeError,
-    Schedule,
-    failed_marker,
     from_ordered_json,
     install_checkpoint,
     load_resume,
-    mark_failed,
     ordered_json,
     parse_resume,
     resolve_directory,

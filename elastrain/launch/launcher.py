@@ -36,110 +36,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elastrain import env
-from elastrain.chaos.schedule import Fault, FaultSchedule
+from elastrain.chaos.schedule import FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.launch.config import LaunchConfig
 from elastrain.launch.faults import Injector
+from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
 from elastrain.observe.events import EventLog
+
+__all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
 
 CHECKPOINTS = "checkpoints"
 """The checkpoint directory inside the run directory."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LaunchConfig:
-    """How `elastrain run` runs a job on this machine."""
-
-    script: str
-    """The training script (run with this Python)."""
-    script_args: list[str] = field(default_factory=list)
-    """Arguments passed through to the script."""
-    workers: int = 4
-    """Workers to keep running (-n)."""
-    min_workers: int = 1
-    """Fewer members than this: training pauses until replacements arrive (--min)."""
-    replace_delay_s: float = 0.0
-    """Seconds between a worker's death and its replacement's start (stands in for pod scheduling)."""
-    replace: bool = True
-    """Replace workers that die or leave."""
-    run_dir: str | None = None
-    """Where everything about the run goes (default runs/<job-id>)."""
-    steps: int | None = None
-    """Override the script's total steps."""
-    faults: list[Fault] = field(default_factory=list)
-    """Faults to inject (see elastrain.chaos.schedule)."""
-    fault_points: str | None = None
-    """JSON of in-worker fault points (see elastrain.chaos.points), for tests."""
-    seed: int = 0
-    """Seeds the fault schedule's choices."""
-    lease_s: float = 5.0
-    """Coordinator lease (see CoordinatorConfig)."""
-    suspect_s: float = 1.0
-    """Coordinator suspicion window (see CoordinatorConfig)."""
-    max_fast_failures: int = 5
-    """Give up after this many consecutive workers die within 10 s of their start."""
-    max_coordinator_restarts: int = 5
-    """Give up after the coordinator died this many times within 10 minutes."""
-    progress: bool = True
-    """Show live progress."""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    """More environment for the workers."""
-    checkpoint_every: int | None = None
-    """Override the script's checkpoint interval, in steps (--ckpt-every; 0: none)."""
-    checkpoint_mtbf_s: float | None = None
-    """Override the script's MTBF for the automatic Young/Daly interval (--ckpt-mtbf)."""
-    grace_s: float = 30.0
-    """Seconds between SIGTERM to the launcher and the end of the job (--grace):
-    the emergency checkpoint and every worker's exit must fit in it."""
-    coordinator: str | None = None
-    """Agent mode (`elastrain agent`): HOST:PORT of a coordinator that runs
-    elsewhere. This process then runs only its own `workers` and neither starts
-    nor restarts a coordinator; SIGTERM drains its workers (a node leaving)."""
-    token: str | None = None
-    """Agent mode: the job token (from --token-file or $ELASTRAIN_TOKEN)."""
-    name: str = ""
-    """Agent mode: prefix of this agent's member ids ("node1" -> node1-w0, ...),
-    unique per agent so members on different hosts never collide."""
-    advertise_host: str | None = None
-    """The address this host's workers give their peers (ELASTRAIN_HOST)."""
-
-    def __post_init__(self) -> None:
-        if self.coordinator is not None:
-            if not self.token:
-                raise ValueError(
-                    "an agent needs the job token: --token-file FILE or $ELASTRAIN_TOKEN"
-                )
-            host, _, port = self.coordinator.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
-            if self.faults and any(f.kind == "kill-coordinator" for f in self.faults):
-                raise ValueError("an agent cannot kill a coordinator it does not run")
-        if self.name and not all(ch.isalnum() or ch in "-_." for ch in self.name):
-            raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
-        if self.workers < 1:
-            raise ValueError(f"-n must be >= 1 (got {self.workers})")
-        if not 1 <= self.min_workers <= self.workers:
-            raise ValueError(
-                f"--min must be between 1 and -n={self.workers} (got {self.min_workers})"
-            )
-        if self.replace_delay_s < 0:
-            raise ValueError("--replace-delay must be >= 0")
-        if not Path(self.script).is_file():
-            raise ValueError(f"training script not found: {self.script}")
-        if self.steps is not None and self.steps < 0:
-            raise ValueError("--steps must be >= 0")
-        if self.checkpoint_every is not None and self.checkpoint_every < 0:
-            raise ValueError("--ckpt-every must be >= 0 (0 turns periodic checkpoints off)")
-        if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
-            raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
-        if not self.grace_s > 0:
-            raise ValueError("--grace must be > 0 seconds")
 
 
 def _die_with_parent() -> None:
@@ -470,55 +384,10 @@ class Launcher:
         self._preempt_asked.set()
 
     def _prepare_resume(self) -> None:
-        """Choose the checkpoint to resume from and clear newer step directories (once,
-        before any worker starts). Damaged checkpoints are skipped with a warning."""
-        d = self.checkpoint_dir
-        if not d.is_dir():
-            return
-        from elastrain.checkpoint import discard_newer, latest_verified
-
-        skipped: list[dict[str, Any]] = []
-
-        def on_skip(step: int, path: Path, reason: str) -> None:
-            skipped.append({"step": step, "path": str(path), "reason": reason})
-
-        ckpt = latest_verified(d, on_skip=on_skip)
-        discarded = discard_newer(d, ckpt.step if ckpt is not None else None)
-        self.resume_step = ckpt.step if ckpt is not None else None
-        using = (
-            f"the previous one, step {ckpt.step} ({ckpt.path})"
-            if ckpt is not None
-            else "none (no older checkpoint verifies): starting from scratch"
-        )
-        for sk in skipped:
-            print(
-                f"elastrain: warning: checkpoint step {sk['step']} fails verification: "
-                f"{sk['reason']}; using {using}",
-                file=sys.stderr,
-                flush=True,
-            )
-        if ckpt is not None:
-            print(
-                f"elastrain: resuming from checkpoint step {ckpt.step} ({ckpt.path})",
-                file=sys.stderr,
-                flush=True,
-            )
-        if ckpt is not None or skipped or discarded:
-            self.events.emit(
-                "checkpoint_resume",
-                step=self.resume_step,
-                path=str(ckpt.path) if ckpt is not None else None,
-                skipped=skipped,
-                discarded=[str(x) for x in discarded],
-            )
+        self.resume_step = choose_checkpoint(self.checkpoint_dir, self.events)
 
     def _newest_checkpoint(self) -> str:
-        from elastrain.checkpoint.files import MARKER, list_steps
-
-        committed = [s for s, d in list_steps(self.checkpoint_dir) if (d / MARKER).exists()]
-        if not committed:
-            return "no checkpoint was committed"
-        return f"newest committed checkpoint: step {committed[-1]} in {self.checkpoint_dir}"
+        return newest_checkpoint_note(self.checkpoint_dir)
 
     def _begin_preempt(self) -> None:
         c = self.config

@@ -53,23 +53,23 @@ from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.observe.events import EventLog
 from elastrain.observe.worker import WorkerMetering
+from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.durable import (
-    CONTRIB_SLOTS,
-    Checkpointing,
-    from_ordered_json,
-    install_checkpoint,
-    load_resume,
-    ordered_json,
-    parse_resume,
-    resolve_directory,
-)
+from elastrain.runtime.durable import Checkpointing
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
     Waiter,
     build_group,
     tensor_allreduce,
+)
+from elastrain.runtime.resume import (
+    from_ordered_json,
+    install_checkpoint,
+    load_resume,
+    ordered_json,
+    parse_resume,
+    resolve_directory,
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.watchdog import HangTimeout

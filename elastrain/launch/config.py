@@ -1,0 +1,98 @@
+"""`LaunchConfig`: how `elastrain run` (and `elastrain agent`) runs a job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastrain.chaos.schedule import Fault
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How `elastrain run` runs a job on this machine."""
+
+    script: str
+    """The training script (run with this Python)."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments passed through to the script."""
+    workers: int = 4
+    """Workers to keep running (-n)."""
+    min_workers: int = 1
+    """Fewer members than this: training pauses until replacements arrive (--min)."""
+    replace_delay_s: float = 0.0
+    """Seconds between a worker's death and its replacement's start (stands in for pod scheduling)."""
+    replace: bool = True
+    """Replace workers that die or leave."""
+    run_dir: str | None = None
+    """Where everything about the run goes (default runs/<job-id>)."""
+    steps: int | None = None
+    """Override the script's total steps."""
+    faults: list[Fault] = field(default_factory=list)
+    """Faults to inject (see elastrain.chaos.schedule)."""
+    fault_points: str | None = None
+    """JSON of in-worker fault points (see elastrain.chaos.points), for tests."""
+    seed: int = 0
+    """Seeds the fault schedule's choices."""
+    lease_s: float = 5.0
+    """Coordinator lease (see CoordinatorConfig)."""
+    suspect_s: float = 1.0
+    """Coordinator suspicion window (see CoordinatorConfig)."""
+    max_fast_failures: int = 5
+    """Give up after this many consecutive workers die within 10 s of their start."""
+    max_coordinator_restarts: int = 5
+    """Give up after the coordinator died this many times within 10 minutes."""
+    progress: bool = True
+    """Show live progress."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for the workers."""
+    checkpoint_every: int | None = None
+    """Override the script's checkpoint interval, in steps (--ckpt-every; 0: none)."""
+    checkpoint_mtbf_s: float | None = None
+    """Override the script's MTBF for the automatic Young/Daly interval (--ckpt-mtbf)."""
+    grace_s: float = 30.0
+    """Seconds between SIGTERM to the launcher and the end of the job (--grace):
+    the emergency checkpoint and every worker's exit must fit in it."""
+    coordinator: str | None = None
+    """Agent mode (`elastrain agent`): HOST:PORT of a coordinator that runs
+    elsewhere. This process then runs only its own `workers` and neither starts
+    nor restarts a coordinator; SIGTERM drains its workers (a node leaving)."""
+    token: str | None = None
+    """Agent mode: the job token (from --token-file or $ELASTRAIN_TOKEN)."""
+    name: str = ""
+    """Agent mode: prefix of this agent's member ids ("node1" -> node1-w0, ...),
+    unique per agent so members on different hosts never collide."""
+    advertise_host: str | None = None
+    """The address this host's workers give their peers (ELASTRAIN_HOST)."""
+
+    def __post_init__(self) -> None:
+        if self.coordinator is not None:
+            if not self.token:
+                raise ValueError(
+                    "an agent needs the job token: --token-file FILE or $ELASTRAIN_TOKEN"
+                )
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
+            if self.faults and any(f.kind == "kill-coordinator" for f in self.faults):
+                raise ValueError("an agent cannot kill a coordinator it does not run")
+        if self.name and not all(ch.isalnum() or ch in "-_." for ch in self.name):
+            raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
+        if self.workers < 1:
+            raise ValueError(f"-n must be >= 1 (got {self.workers})")
+        if not 1 <= self.min_workers <= self.workers:
+            raise ValueError(
+                f"--min must be between 1 and -n={self.workers} (got {self.min_workers})"
+            )
+        if self.replace_delay_s < 0:
+            raise ValueError("--replace-delay must be >= 0")
+        if not Path(self.script).is_file():
+            raise ValueError(f"training script not found: {self.script}")
+        if self.steps is not None and self.steps < 0:
+            raise ValueError("--steps must be >= 0")
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise ValueError("--ckpt-every must be >= 0 (0 turns periodic checkpoints off)")
+        if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
+            raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
+        if not self.grace_s > 0:
+            raise ValueError("--grace must be > 0 seconds")

@@ -236,3 +236,25 @@ def test_unknown_versus_expelled() -> None:
     assert m.rendezvous("z", 1, 0, 0, 1.0) == "unknown"
     m.remove("c", "suspected", 1.0)
     assert m.rendezvous("c", 1, 1, 0, 1.1) == "expelled"
+
+
+def test_heal_senders_prefer_the_newest_lineage_at_the_start_step() -> None:
+    from elastrain.control.protocol import RendezvousResponse
+    from elastrain.runtime.trainer import heal_senders
+
+    # c completed step 9 in gen 4 after a and b had abandoned it and re-run it in gen 5.
+    r = RendezvousResponse(
+        "ready",
+        6,
+        ["a", "b", "c", "d"],
+        {"a": 10, "b": 10, "c": 10, "d": 0},
+        10,
+        commit_gens={"a": 5, "b": 5, "c": 4, "d": 0},
+    )
+    assert heal_senders(r) == ([0, 1], 5)
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    m.exited("c", pid=102, now=1.0)
+    m.rendezvous("a", 1, 1, 7, 1.2, commit_gen=1)
+    m.rendezvous("b", 1, 1, 6, 1.2)
+    assert m.gen is not None and m.gen.is_ready and m.gen.commit_gens == {"a": 1, "b": 0}

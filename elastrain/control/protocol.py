@@ -209,6 +209,9 @@ class RendezvousRequest:
     committed: int
     """The caller's committed step count."""
     wait_s: float = 10.0
+    commit_gen: int = 0
+    """The generation whose commits the caller's state carries (the one it last
+    committed in, or its healers'; 0: none, or fresh from a checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,11 @@ class RendezvousResponse:
     start_step: int = 0
     message: str = ""
     reason: str = ""
+    commit_gens: dict[str, int] = field(default_factory=dict)
+    """member -> its `commit_gen`. Among the members at `start_step`, those with
+    the highest one are the heal senders: a member that completed a step its
+    peers abandoned (and re-ran without it) holds the same step count but not
+    the job's state."""
     """Why the generation was formed: "start", "failure", "join", "leave", "adopted"."""
 
 

@@ -47,6 +47,8 @@ class Generation:
     reason: str
     ready: dict[str, int] = field(default_factory=dict)
     """member -> committed step count reported at rendezvous."""
+    commit_gens: dict[str, int] = field(default_factory=dict)
+    """member -> the generation its state's last commit came from (rendezvous)."""
     broken: bool = False
     awaiting: set[str] = field(default_factory=set)
     """Adopted generations only: members that have not registered again yet."""
@@ -364,7 +366,13 @@ class Membership:
         return self.gen
 
     def rendezvous(
-        self, member: str, incarnation: int, known_gen: int, committed: int, now: float
+        self,
+        member: str,
+        incarnation: int,
+        known_gen: int,
+        committed: int,
+        now: float,
+        commit_gen: int = 0,
     ) -> str:
         """A member asks for a generation newer than `known_gen`.
 
@@ -388,6 +396,7 @@ class Membership:
         if g is None or member not in g.members or g.gen <= known_gen or g.broken:
             return "expelled" if member not in self.members else "pending"
         g.ready[member] = committed
+        g.commit_gens[member] = commit_gen
         return "ready" if g.is_ready else "pending"
 
     def quorum(

@@ -190,7 +190,7 @@ class Coordinator:
                 now = time.monotonic()
                 before = self._barrier()
                 status = self.state.rendezvous(
-                    req.member, req.incarnation, req.known_gen, req.committed, now
+                    req.member, req.incarnation, req.known_gen, req.committed, now, req.commit_gen
                 )
                 # Wake the other waiters only when the barrier moved, or they
                 # would wake each other forever.
@@ -213,6 +213,7 @@ class Coordinator:
                         dict(g.ready),
                         g.start_step,
                         reason=g.reason,
+                        commit_gens=dict(g.commit_gens),
                     )
                 if status in ("expelled", "unknown", "finished") or now >= deadline:
                     msg = self.state.waiting or ""

@@ -199,6 +199,7 @@ class ElasticTrainer:
             1, thread_name_prefix="elastrain-quorum"
         )
         self.committed = 0
+        self._commit_gen = 0
         self.gen = 0
         self.members: list[str] = []
         self.rank = 0
@@ -287,7 +288,14 @@ class ElasticTrainer:
         inc = self.session.incarnation
         try:
             r = self.client.rendezvous(
-                p.RendezvousRequest(self.member, inc, self.gen, self.committed, wait_s=5.0)
+                p.RendezvousRequest(
+                    self.member,
+                    inc,
+                    self.gen,
+                    self.committed,
+                    wait_s=5.0,
+                    commit_gen=self._commit_gen,
+                )
             )
         except CoordinatorError as e:
             log.warning("rendezvous failed: %s; retrying", e)
@@ -367,7 +375,7 @@ class ElasticTrainer:
             self._hashing = None
 
     def _heal(self, r: p.RendezvousResponse) -> None:
-        senders = [i for i, m in enumerate(r.members) if r.committed[m] == r.start_step]
+        senders, lineage = heal_senders(r)
         receivers = [i for i in range(len(r.members)) if i not in senders]
         if not receivers:
             return
@@ -386,6 +394,7 @@ class ElasticTrainer:
         )
         if role == "recv":
             self._load_meta(got)
+            self._commit_gen = lineage
         self.events.emit(
             "heal_end",
             gen=r.gen,
@@ -565,6 +574,7 @@ class ElasticTrainer:
         self._settle_hash()
         self.optimizer.step()
         self.committed = s + 1
+        self._commit_gen = self.gen
         self.session.note_committed(self.committed)
         loss_mean = total_loss / count
         self._last_loss = loss_mean
@@ -720,6 +730,19 @@ class ElasticTrainer:
         if getattr(self, "_metering", None) is not None:
             self._metering.stop()
         self.events.close()
+
+
+def heal_senders(r: p.RendezvousResponse) -> tuple[list[int], int]:
+    """Ranks whose state a generation starts from, and the generation that state
+    was committed in. They are the members at `start_step` whose state carries
+    the newest commits: a member that completed a step its peers abandoned and
+    re-ran without it has the same count but not the job's state, and is healed."""
+    at_start = [m for m in r.members if r.committed[m] == r.start_step]
+    lineage = max((r.commit_gens.get(m, 0) for m in at_start), default=0)
+    ranks = [
+        i for i, m in enumerate(r.members) if m in at_start and r.commit_gens.get(m, 0) == lineage
+    ]
+    return ranks, lineage
 
 
 def _env_overrides(config: TrainerConfig) -> TrainerConfig:

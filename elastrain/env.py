@@ -47,6 +47,8 @@ verified at whole-job resume; newer step directories were already discarded).
 Unset: "latest" when checkpointing is on, else "none"."""
 
 METERING = "ELASTRAIN_METERING"
+EVENTS_STDOUT = "ELASTRAIN_EVENTS_STDOUT"
+"""1: every process also prints its events to stdout, one JSON line each (cluster mode)."""
 """Worker power/utilisation sampling and the one-time FLOP count: "off" (or "0")
 turns both off; a number is the sampling interval in seconds (default 1)."""
 

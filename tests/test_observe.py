@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -888,3 +889,22 @@ def test_live_view_shows_goodput_eta_and_the_last_failure(tmp_path: Any) -> None
             time.sleep(0.05)  # polling the thread's result, bounded by the deadline
         h = live.health()
     assert "goodput so far" in h and "last: kill w1 at 3.8 s" in h and "recovered in" in h
+
+
+def test_events_echo_to_stdout_in_cluster_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from elastrain.observe.events import EventLog as Log
+
+    monkeypatch.setenv("ELASTRAIN_EVENTS_STDOUT", "1")
+    log = Log(tmp_path, "w0")
+    log.emit("worker_start", member="w0")
+    log.close()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["kind"] == "worker_start"
+    assert (tmp_path / "events").is_dir() and list((tmp_path / "events").iterdir())
+    monkeypatch.delenv("ELASTRAIN_EVENTS_STDOUT")
+    Log(None, "w1").emit("worker_start", member="w1")
+    assert capsys.readouterr().out == ""

@@ -171,6 +171,8 @@ class Launcher:
         log = open(self.run_dir / "logs" / "coordinator.log", "ab")  # noqa: SIM115
         e = dict(os.environ)
         e[env.TOKEN] = self.token
+        # Its stdout is a pipe read once (where it listens): keep events off it.
+        e.pop(env.EVENTS_STDOUT, None)
         self.coordinator = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log, env=e, start_new_session=True
         )

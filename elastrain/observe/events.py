@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from elastrain import env
 
 KINDS = frozenset(
     {
@@ -53,11 +56,18 @@ class EventLog:
     log that drops everything (a worker started outside a run directory).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, proc: str) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str] | None, proc: str, *, echo: bool | None = None
+    ) -> None:
         self.proc = proc
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._file = None
+        # Cluster mode: a pod's stdout is where its logs go, so every event is
+        # printed there too (one JSON line each) when $ELASTRAIN_EVENTS_STDOUT=1.
+        self.echo = (
+            os.environ.get(env.EVENTS_STDOUT, "") in ("1", "true", "yes") if echo is None else echo
+        )
         if run_dir is not None:
             d = Path(run_dir) / "events"
             d.mkdir(parents=True, exist_ok=True)
@@ -76,10 +86,14 @@ class EventLog:
             "kind": kind,
         }
         rec.update(fields)
-        if self._file is not None:
+        if self._file is not None or self.echo:
             line = json.dumps(rec, separators=(",", ":"))
             with self._lock:
-                self._file.write(line + "\n")
+                if self._file is not None:
+                    self._file.write(line + "\n")
+                if self.echo:
+                    sys.stdout.write(line + "\n")
+                    sys.stdout.flush()
         return rec
 
     def close(self) -> None:

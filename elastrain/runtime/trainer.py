@@ -26,6 +26,15 @@ The step protocol (docs/design.md has the full argument):
    to resume from and reports its step count. A preemption notice from the
    coordinator (the whole job got SIGTERM) makes every member take one
    emergency checkpoint after the step it is told, then exit.
+5. Coordinator outages: a verdict that cannot be fetched counts as "proceed"
+   (the all-reduce is the agreement); a restarted coordinator that does not
+   know this member gets a registration reporting the running generation.
+
+This module is longer than our ~600-line norm on purpose: it is the one state
+machine of the step protocol, and its invariants (never reuse a buffer with a
+collective in flight, never apply a step without the full sample count, settle
+the state hash before anything writes the parameters) are easier to check in
+one place. Checkpointing, resume, sessions, groups and heals live beside it.
 """
 
 from __future__ import annotations

@@ -578,6 +578,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
     ap.add_argument(
+        "--gen-floor",
+        type=int,
+        default=0,
+        help="a restart: number generations after this one (the highest seen before)",
+    )
+    ap.add_argument(
         "--grace",
         type=float,
         default=30.0,
@@ -605,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir=args.run_dir,
         job_id=args.job_id,
     )
+    if args.gen_floor < 0:
+        ap.error("--gen-floor must be >= 0")
+    srv.coord.state.gen_floor = args.gen_floor
     srv.start()
     info = {"host": srv.host, "port": srv.port, "store_port": srv.store.port, "pid": os.getpid()}
     if args.run_dir:

@@ -92,6 +92,7 @@ class Injector:
             if coordinator is None or coordinator.poll() is not None:
                 return
             self._record(fault, victim, coordinator.pid, step)
+            self.killed.add(coordinator.pid)
             os.kill(coordinator.pid, signal.SIGKILL)
             return
         if victim == JOB:

@@ -149,7 +149,10 @@ class Launcher:
         bind = []
         if self._coordinator_bind is not None:
             host, port, store_port = self._coordinator_bind
+            # Same ports; generation numbers go on after the highest one seen,
+            # even if no worker that ran one is left to report it.
             bind = ["--bind", f"{host}:{port}", "--store-port", str(store_port)]
+            bind += ["--gen-floor", str(int(self.status.get("gen", 0)))]
         cmd = [
             sys.executable,
             "-m",
@@ -211,7 +214,10 @@ class Launcher:
         assert self.coordinator is not None
         rc = self.coordinator.returncode
         now = time.monotonic()
-        self._coordinator_deaths = [t for t in self._coordinator_deaths if now - t < 600] + [now]
+        injected = self.coordinator.pid in self.injector.killed
+        # Kills the fault schedule injected are not a crash loop.
+        recent = [t for t in self._coordinator_deaths if now - t < 600]
+        self._coordinator_deaths = recent if injected else [*recent, now]
         self.events.emit("coordinator_exited", pid=self.coordinator.pid, returncode=rc)
         if len(self._coordinator_deaths) > self.config.max_coordinator_restarts:
             raise _Failed(

@@ -203,9 +203,7 @@ class K8sConfig:
         if self.priority is not None:
             _check_name("priority class", self.priority)
             if self.queue is None:
-                raise ValueError(
-                    "a Kueue priority needs a queue: pass --queue with --priority"
-                )
+                raise ValueError("a Kueue priority needs a queue: pass --queue with --priority")
         if self.kueue_setup and self.queue is None:
             raise ValueError("--kueue-setup writes the queue's objects: pass --queue too")
         _check_name("cluster queue", self.cluster_queue)

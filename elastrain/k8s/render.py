@@ -261,9 +261,7 @@ def worker_pod(cfg: K8sConfig) -> Obj:
         # job is stopped the coordinator gets SIGTERM at the same moment (it has no
         # preStop) and its preemption notice reaches this worker first, so it writes
         # its emergency-checkpoint shard and exits 76 instead of leaving.
-        container["lifecycle"] = {
-            "preStop": {"exec": {"command": ["sleep", str(cfg.prestop_s)]}}
-        }
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(cfg.prestop_s)]}}}
     spec: Obj = {
         # Required by backoffLimitPerIndex and podFailurePolicy; a failed container
         # fails its pod, and the Job makes a new pod for the same index.
@@ -273,9 +271,7 @@ def worker_pod(cfg: K8sConfig) -> Obj:
         "volumes": vols,
     }
     if cfg.gpus_per_worker > 0:
-        spec["tolerations"] = [
-            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-        ]
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     return {"metadata": {"labels": labels(cfg, "worker")}, "spec": spec}
 
 

@@ -12,6 +12,7 @@ The formatting and victim choice are pure functions of plain dicts (what
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -53,9 +54,13 @@ def connect(context: str | None = None, namespace: str | None = None) -> Cluster
         ) from None
     ns = namespace
     try:
-        config.load_kube_config(context=context)
+        # $KUBECONFIG read now (the client reads it once, at import).
+        kubeconfig = os.environ.get("KUBECONFIG") or None
+        config.load_kube_config(config_file=kubeconfig, context=context)
         if ns is None:
-            _, active = config.list_kube_config_contexts()
+            contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+            if context is not None:
+                active = next((c for c in contexts if c.get("name") == context), active)
             ns = (active or {}).get("context", {}).get("namespace")
     except (ConfigException, OSError, ValueError, TypeError) as kube_err:
         if context is not None:

@@ -6,6 +6,7 @@ elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: res
 elastrain coordinator --bind 127.0.0.1:0 --target 4
 elastrain report runs/my-job [-o report.html]    # self-contained HTML + terminal summary
 elastrain sim --preset llama3-16k
+elastrain k8s render --workers 4 --image IMG -o job.yaml   # also: k8s status, k8s chaos
 """
 
 from __future__ import annotations
@@ -244,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastrain.chaos.soak import main as soak_main
 
         return soak_main(argv[2:])
+    if argv[:1] == ["k8s"]:
+        from elastrain.k8s.cli import main as k8s_main
+
+        return k8s_main(argv[1:])
     ap = argparse.ArgumentParser(
         prog="elastrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "chaos", help="chaos soak: train under random faults, check invariants (chaos soak --help)"
     )
+    sub.add_parser("k8s", help="Kubernetes: render manifests, job status, pod chaos (k8s --help)")
     rp = sub.add_parser("report", help="write a run's HTML report and print its summary")
     rp.add_argument("run_dir", help="the run directory (holds events/)")
     rp.add_argument("-o", "--output", default=None, help="HTML file (default RUN_DIR/report.html)")

@@ -41,4 +41,5 @@ def test_short_soak_every_fault_kind_zero_violations(tmp_path: Path) -> None:
     assert injected >= expected, table
     assert summary["violations"] == 0, table
     assert table.splitlines()[-1] == "violations: 0"
-    assert summary["steps"] > 100 and summary["rolled_back_steps"] > 0
+    # Every fault was followed by progress (zero violations includes that).
+    assert all(f["recovery_s"] is not None for f in summary["faults"] if not f["skipped"])

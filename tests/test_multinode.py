@@ -391,11 +391,12 @@ def _scenarios(job: Cluster, net: netns.Network, pace: Path, t: dict[str, float]
     def rejoined(evs: list[Event]) -> str | None:
         t0 = t["heal"]
         for h in of(evs, "heal_end", role="recv"):
-            m = h["proc"]
+            m = str(h["proc"])
             if h["t"] > t0 and m.startswith("b-"):
-                g = gens_with(evs, lambda ms, m=m: ms == {*trio, m}, t0)
+                four = {*trio, m}
+                g = gens_with(evs, four.__eq__, t0)
                 if h["gen"] in g and commits(evs, m, g, t0):
-                    return str(m)
+                    return m
         return None
 
     who = job.wait_for("h1's worker to rejoin, heal and train with the others", rejoined, 180)

@@ -51,6 +51,13 @@ def main() -> None:
         help="pace: at least this long per committed step (caps the step rate on fast machines)",
     )
     ap.add_argument(
+        "--pace-file",
+        default=None,
+        help="a file holding the pace in seconds, read every step; while it exists and "
+        "parses it overrides --min-step-s (a test slows the job while it injects faults, "
+        "then lets it run to the end at full speed)",
+    )
+    ap.add_argument(
         "--mismatch", action="store_true", help="build a different model (must be refused)"
     )
     args = ap.parse_args()
@@ -69,9 +76,15 @@ def main() -> None:
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
     last = time.monotonic()
     for _ in trainer.steps():
-        if args.min_step_s > 0:
-            time.sleep(max(0.0, args.min_step_s - (time.monotonic() - last)))
-            last = time.monotonic()
+        pace = args.min_step_s
+        if args.pace_file:
+            try:
+                pace = float(Path(args.pace_file).read_text())
+            except (OSError, ValueError):
+                pass
+        if pace > 0:
+            time.sleep(max(0.0, pace - (time.monotonic() - last)))
+        last = time.monotonic()
     run_dir = os.environ.get("ELASTRAIN_RUN_DIR")
     if run_dir and trainer.holds_final_state:
         out = Path(run_dir) / "final"

@@ -258,3 +258,21 @@ def test_heal_senders_prefer_the_newest_lineage_at_the_start_step() -> None:
     m.rendezvous("a", 1, 1, 7, 1.2, commit_gen=1)
     m.rendezvous("b", 1, 1, 6, 1.2)
     assert m.gen is not None and m.gen.is_ready and m.gen.commit_gens == {"a": 1, "b": 0}
+
+
+def test_a_silent_member_does_not_hold_up_an_unready_generation_until_its_lease() -> None:
+    # A node died: its members were heard from just before the failure generation
+    # formed (so they are in it), then never again.
+    m = Membership(cfg(target=4, lease_s=5.0, suspect_s=1.0))
+    started(m, ["a", "b", "c", "d"])
+    for t in (0.5, 1.0):
+        for mid in "abcd":
+            m.touch(mid, 1, t)
+    m.rendezvous("a", 1, 1, 10, 1.2)  # a's all-reduce failed: re-formed with everyone
+    assert m.gen is not None and m.gen.gen == 2 and set(m.gen.members) == set("abcd")
+    m.rendezvous("b", 1, 1, 10, 1.3)
+    for t in (1.5, 2.0, 2.3):
+        m.touch("a", 1, t)
+        m.touch("b", 1, t)
+        m.expire(t)
+    assert m.gen.gen == 3 and m.gen.members == ("a", "b")  # c, d suspected at 2.3 s, not 6 s

@@ -440,6 +440,18 @@ class Membership:
             for mid in g.members:
                 if mid not in g.ready and mid in self.members:
                     self._remove(mid, "not_ready", now)
+        elif g is not None and late:
+            # A member the new generation waits for that has gone silent (its
+            # whole node died with no agent left to report it) is not waited
+            # for until its lease ends: suspicion is enough, as when forming.
+            for mid in g.members:
+                m = self.members.get(mid)
+                if (
+                    mid not in g.ready
+                    and m is not None
+                    and now - m.last_seen > self.config.suspect_s
+                ):
+                    self._remove(mid, "suspected", now)
         self.evaluate(now)
 
     def drain_removals(self) -> list[Removal]:

@@ -86,8 +86,8 @@ def main() -> None:
     pg = torchft.ProcessGroupGloo(timeout=datetime.timedelta(seconds=a.pg_timeout))
 
     def load_state_dict(sd: dict[str, object]) -> None:
-        model.load_state_dict(sd["model"])  # type: ignore[arg-type]
-        inner_opt.load_state_dict(sd["optim"])  # type: ignore[arg-type]
+        model.load_state_dict(sd["model"])
+        inner_opt.load_state_dict(sd["optim"])
 
     def state_dict() -> dict[str, object]:
         return {"model": model.state_dict(), "optim": inner_opt.state_dict()}
@@ -136,12 +136,12 @@ def main() -> None:
             loss_sum += float(loss.detach()) * len(ids)
             n += len(ids)
         if a.mode == "flat":
-            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
             manager.allreduce(flat).wait()
             off = 0
             for p in params:
                 k = p.numel()
-                p.grad.copy_(flat[off : off + k].view_as(p))  # type: ignore[union-attr]
+                p.grad.copy_(flat[off : off + k].view_as(p))
                 off += k
         participating = manager.is_participating()
         participants = manager.num_participants()

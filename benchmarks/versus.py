@@ -117,7 +117,7 @@ from analysis import (  # noqa: E402
 from common import Shape  # noqa: E402
 
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
-from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
+from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
 from elastrain.observe.ledger import check_exactly_once  # noqa: E402
 from elastrain.observe.recovery import joins, recoveries  # noqa: E402
@@ -408,8 +408,17 @@ def run_elastrain(plan: Plan, run: Run) -> None:
     timer = threading.Timer(RUN_TIMEOUT_S, on_timeout)
     timer.daemon = True
     timer.start()
+    out: dict[str, RunResult] = {}
+    # Off the main thread, so that the launcher leaves SIGTERM to the benchmark.
+    th = threading.Thread(target=lambda: out.update(r=launcher.run()), name="launcher")
+    th.start()
     try:
-        result = launcher.run()
+        while th.is_alive():
+            th.join(0.2)
+    except KeyboardInterrupt:
+        launcher.stop()
+        th.join(30)
+        raise
     finally:
         timer.cancel()
         for pids in launcher.pids.values():
@@ -418,11 +427,14 @@ def run_elastrain(plan: Plan, run: Run) -> None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
                         os.kill(pid, signal.SIGKILL)
+    result = out.get("r")
     events = read_events(run.run_dir)
     run.commits, run.faults = from_elastrain(events, SHAPE.global_batch)
     run.t_launch = next((e["t"] for e in events if e["kind"] == "job_start"), math.nan)
     if state.get("timeout"):
         run.survived, run.why = False, f"no end within {RUN_TIMEOUT_S:.0f} s"
+    elif result is None:
+        run.survived, run.why = False, "the launcher raised (see the log above)"
     elif result.status not in ("done", "interrupted"):
         run.survived, run.why = False, f"job {result.status}: {result.message}"
     if run.faulty:
@@ -821,6 +833,10 @@ def main() -> int:
         f"w{HANG_VICTIM}@{args.hang_at}/{args.hang_s:g}s, replace delay "
         f"{args.replace_delay:g}s; {repeats} repeat(s) of {len(cases)} case(s)")  # fmt: skip
 
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # stop: the finally below stops every process by PID
+
+    signal.signal(signal.SIGTERM, on_term)
     runs: dict[str, list[Run]] = {c.name: [] for c in cases}
     ref = Run(REFERENCE.name, 0, False, base / "reference")
     interrupted = False

@@ -986,6 +986,10 @@ def summarize(
         n_same = sum(same)
         lost = sum(r.survivors_lost for r in rs)
         n_rec = span(kills)[3]
+        n_repl = span([r.repl_s for r in rs])[3]
+        repl_note = (
+            f" [{n_repl}/{len(rs)} within {REPLACEMENT_CAP_S:g} s]" if n_repl < len(rs) else ""
+        )
         rec_note = f" [{n_rec}/{len(rs)} recovered]" if n_rec < len(rs) else ""
         if not same:
             math_cell = "n/a (no run survived)"
@@ -995,7 +999,7 @@ def summarize(
         rows.append([
             c.name, cell(step_s, 3), cell(kills) + rec_note, fmt(span(kills)[2]),
             cell([r.back_s for r in rs]) if c.system == "torchrun" else "= next commit",
-            cell([r.hang_s for r in rs]), cell([r.repl_s for r in rs], 1),
+            cell([r.hang_s for r in rs]), cell([r.repl_s for r in rs], 1) + repl_note,
             cell([float(r.recomputed) for r in rs], 0), cell([float(r.dropped) for r in rs], 0),
             f"{cell(wall, 1)} [no faults: {fmt(span(ideal)[1], 1)}]", cell(gp, 0, "%"),
             math_cell,

@@ -1,0 +1,197 @@
+"""The arithmetic of benchmarks/versus.py (benchmarks/_versus/analysis.py) on hand-built
+logs: no jobs, no processes."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "_versus"))
+
+from analysis import (  # noqa: E402
+    Commit,
+    FaultMark,
+    Plan,
+    back_to_reached,
+    commits_from_steplog,
+    first_commit_of,
+    from_elastrain,
+    global_loss_curve,
+    goodput,
+    max_rel_dev,
+    next_lineage_commit,
+    next_progress_commit,
+    read_steplogs,
+    recomputed_steps,
+    samples_dropped,
+    short_steps,
+    span,
+    step_time_s,
+    step_times,
+)
+
+B = 32
+W = 4
+
+
+def tr(t: float, step: int, rank: int, attempt: int, pid: int, loss: float = 1.0) -> dict:
+    """A torchrun worker's commit line."""
+    return {"t": t, "kind": "commit", "proc": f"r{rank}", "pid": pid, "attempt": attempt,
+            "step": step, "loss": loss, "n": B // W}  # fmt: skip
+
+
+def ft(
+    t: float, step: int, g: int, pid: int, q: int, parts: int = 4, part: bool = True,
+    loss: float = 1.0,
+) -> dict:  # fmt: skip
+    """A torchft replica's commit line."""
+    return {"t": t, "kind": "commit", "proc": f"g{g}", "pid": pid, "quorum": q, "step": step,
+            "loss": loss, "n": B // W, "participants": parts, "participating": part}  # fmt: skip
+
+
+def torchrun_log() -> list[dict]:
+    """Steps 0..6 at 1 s each by 4 ranks (attempt 0); rank 1 (pid 101) killed at 6.5 s;
+    checkpoint at step 5, so the restart (attempt 1, from 20 s) re-runs 5 and 6."""
+    recs = []
+    for s in range(7):
+        for r in range(W):
+            recs.append(tr(float(s) + 0.01 * r, s, r, 0, 100 + r, loss=5.0 - s * 0.1))
+    for k, s in enumerate(range(5, 10)):
+        for r in range(W):
+            recs.append(tr(20.0 + k + 0.01 * r, s, r, 1, 200 + r, loss=5.0 - s * 0.1))
+    return recs
+
+
+def test_torchrun_kill_restart_figures() -> None:
+    commits = commits_from_steplog(torchrun_log(), "attempt", W)
+    kill = FaultMark("kill", 6.5, "r1", 101, 7)
+    # Survivors' next commit: the restarted round's first (rank 0 at 20.0).
+    assert next_lineage_commit(commits, kill) == pytest.approx(13.5)
+    # Back to step 6 (the highest committed before the kill) at 21.0.
+    assert back_to_reached(commits, kill) == pytest.approx(14.5)
+    # Steps 5 and 6 were committed twice: recomputed.
+    assert recomputed_steps(commits) == 2
+    assert samples_dropped(commits, B, 10) == 0
+    # A re-run step's commit time is its re-run's.
+    ts = step_times(commits)
+    assert ts[4] == pytest.approx(4.0) and ts[5] == pytest.approx(20.0)
+    # The restarted rank 1 trains at 20.01.
+    t = first_commit_of(commits, "r1", kill.t, kill.pid, participating=False)
+    assert t == pytest.approx(20.01)
+    assert step_time_s(commits, 0, 5) == pytest.approx(1.0)
+
+
+def test_hang_waited_out_counts_to_the_step_in_flight() -> None:
+    """torchrun waits for a hung rank: the next commit is of the step in flight."""
+    recs = [tr(float(s) + 0.01 * r, s, r, 0, 100 + r) for s in range(3) for r in range(W)]
+    # Rank 2 (pid 102) stopped at 2.5 during step 3; everyone commits step 3 at 8.5.
+    recs += [tr(8.5 + 0.01 * r, 3, r, 0, 100 + r) for r in range(W)]
+    commits = commits_from_steplog(recs, "attempt", W)
+    hang = FaultMark("hang", 2.5, "r2", 102, 3)
+    assert next_progress_commit(commits, hang) == pytest.approx(6.0)
+    assert recomputed_steps(commits) == 0
+
+
+def torchft_log() -> list[dict]:
+    """4 groups commit steps 0..4 (quorum 1) at 1 s each; group 1 (pid 11) killed at 4.5;
+    quorum 2 of 3 groups from 10 s (steps 5..9); the replacement (pid 21) heals at
+    step 10 (quorum 3, not participating) and trains from step 11."""
+    recs = []
+    for s in range(5):
+        for g in range(W):
+            recs.append(ft(float(s) + 0.01 * g, s, g, 10 + g, 1))
+    for k, s in enumerate(range(5, 10)):
+        for g in (0, 2, 3):
+            recs.append(ft(10.0 + k + 0.01 * g, s, g, 10 + g, 2, parts=3))
+    for g in (0, 2, 3):
+        recs.append(ft(15.0 + 0.01 * g, 10, g, 10 + g, 3, parts=3))
+    recs.append(ft(15.02, 10, 1, 21, 3, parts=3, part=False))
+    for g in range(W):
+        recs.append(ft(16.0 + 0.01 * g, 11, g, 21 if g == 1 else 10 + g, 3, parts=4))
+    return recs
+
+
+def test_torchft_quorum_recovery_and_dropped_samples() -> None:
+    commits = commits_from_steplog(torchft_log(), "quorum", W)
+    kill = FaultMark("kill", 4.5, "g1", 11, 5)
+    assert next_lineage_commit(commits, kill) == pytest.approx(5.5)
+    assert recomputed_steps(commits) == 0
+    # Steps 5..10 used 3 of 4 groups' samples: 8 dropped each.
+    assert samples_dropped(commits, B, 100) == 6 * 8
+    assert samples_dropped(commits, B, 8) == 3 * 8
+    assert short_steps(commits, B, 100) == 6
+    # The replacement healed at step 10 (not taking part) and trained at step 11.
+    healed = first_commit_of(commits, "g1", kill.t, kill.pid, participating=False)
+    trained = first_commit_of(commits, "g1", kill.t, kill.pid, participating=True)
+    assert healed == pytest.approx(15.02) and trained == pytest.approx(16.01)
+
+
+def test_global_loss_weights_participants_and_skips_incomplete_steps() -> None:
+    recs = [
+        ft(1.0, 0, 0, 10, 1, parts=2, loss=1.0),
+        ft(1.0, 0, 1, 11, 1, parts=2, loss=3.0),
+        ft(1.0, 0, 2, 12, 1, parts=2, part=False, loss=100.0),  # healing: not counted
+        ft(2.0, 1, 0, 10, 1, parts=2, loss=1.0),  # its partner never logged step 1
+    ]
+    curve = global_loss_curve(commits_from_steplog(recs, "quorum", W))
+    assert curve == {0: pytest.approx(2.0)}
+
+
+def test_loss_deviation_and_goodput() -> None:
+    ref = {0: 2.0, 1: 1.0, 2: 4.0}
+    assert max_rel_dev({0: 2.0, 1: 1.1, 2: 4.0}, ref, 3) == pytest.approx(0.1)
+    assert max_rel_dev({0: 2.0, 1: 1.1}, ref, 1) == 0.0
+    assert math.isnan(max_rel_dev({}, ref, 3))
+    # Half as fast as failure-free and a quarter of the samples dropped: 37.5%.
+    assert goodput(10.0, 20.0, dropped=8 * 10, steps=10, global_batch=32) == pytest.approx(0.375)
+    assert math.isnan(goodput(10.0, 0.0, 0, 10, 32))
+    assert span([3.0, None, 1.0, math.nan, 2.0]) == (1.0, 2.0, 3.0, 3)
+    assert span([])[3] == 0
+
+
+def test_from_elastrain_events() -> None:
+    ev = [
+        {"t": 0.0, "kind": "job_start", "proc": "launcher"},
+        {"t": 1.0, "kind": "step_commit", "proc": "w0", "pid": 1, "step": 0, "gen": 1, "loss": 2.5},
+        {"t": 1.0, "kind": "step_contrib", "proc": "w0", "step": 0, "gen": 1, "samples": [1, 2]},
+        {"t": 1.0, "kind": "step_contrib", "proc": "w1", "step": 0, "gen": 1, "samples": [3]},
+        {"t": 1.5, "kind": "fault_injected", "proc": "launcher", "fault": "kill", "member": "w1",
+         "pid": 2, "step": 1},
+        {"t": 1.5, "kind": "fault_injected", "proc": "launcher", "fault": "resume",
+         "member": "w1", "pid": 2, "step": 1},
+        {"t": 2.0, "kind": "step_commit", "proc": "w0", "pid": 1, "step": 1, "gen": 2, "loss": 2.0},
+    ]  # fmt: skip
+    commits, faults = from_elastrain(ev, 3)
+    assert [(c.step, c.lineage, c.step_samples) for c in commits] == [(0, 1, 3), (1, 2, None)]
+    assert faults == [FaultMark("kill", 1.5, "w1", 2, 1)]
+    assert global_loss_curve(commits) == {0: 2.5, 1: 2.0}
+    assert samples_dropped(commits, 3, 10) == 0
+    assert samples_dropped(commits, 4, 10) == 1
+
+
+def test_read_steplogs_skips_torn_lines(tmp_path: Path) -> None:
+    p = tmp_path / "r0.jsonl"
+    p.write_text('{"t": 2, "kind": "commit"}\n{"t": 1, "kind": "start"}\n{"t": 3, "ki')
+    recs = read_steplogs([p, tmp_path / "missing.jsonl"])
+    assert [r["t"] for r in recs] == [1, 2]
+
+
+def test_fault_offsets_match_elastrain_schedule() -> None:
+    """The torchrun/torchft injector draws the same mid-step offsets as elastrain's
+    launcher for the same seed (victims are named, so no other draws intervene)."""
+    from elastrain.chaos.schedule import FaultSchedule, parse_fault
+
+    plan = Plan(steps=50, kill_at=15, hang_at=30, hang_s=6, replace_delay_s=2, seed=3)
+    draw = plan.offsets()
+    sched = FaultSchedule([parse_fault("kill@15:w1"), parse_fault("hang@30:w2/6")], seed=3)
+    assert sched.pick(sched.pending[0], ["w0", "w1"]) == "w1"
+    assert draw(0.25) == sched.offset(0.25)
+    assert draw(0.3) == sched.offset(0.3)
+
+
+def test_commit_is_a_value() -> None:
+    c = Commit(1.0, 0, "w0", 1, 1, 2.0)
+    assert c.participating and c.expect is None and not c.global_loss

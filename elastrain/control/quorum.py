@@ -445,11 +445,11 @@ class Membership:
             # whole node died with no agent left to report it) is not waited
             # for until its lease ends: suspicion is enough, as when forming.
             for mid in g.members:
-                m = self.members.get(mid)
+                silent = self.members.get(mid)
                 if (
                     mid not in g.ready
-                    and m is not None
-                    and now - m.last_seen > self.config.suspect_s
+                    and silent is not None
+                    and now - silent.last_seen > self.config.suspect_s
                 ):
                     self._remove(mid, "suspected", now)
         self.evaluate(now)

@@ -45,7 +45,14 @@ class Generation:
     broken: bool = False
     awaiting: set[str] = field(default_factory=set)
     """Adopted generations only: members that have not registered again yet."""
+    ready_version: int = field(default=0, init=False, repr=False, compare=False)
+    """Bumped whenever `ready` changes (the server caches the ready answer)."""
     _first_missing: int = field(default=0, init=False, repr=False, compare=False)
+
+    def set_ready(self, member: str, committed: int) -> None:
+        if self.ready.get(member) != committed:
+            self.ready[member] = committed
+            self.ready_version += 1
 
     @cached_property
     def member_set(self) -> frozenset[str]:

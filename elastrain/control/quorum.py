@@ -167,7 +167,7 @@ class Membership:
                 self._adopt(gen, tuple(gen_members), committed, now)
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)
-                g.ready[member] = committed
+                g.set_ready(member, committed)
         self.evaluate(now)
         return inc
 
@@ -465,7 +465,7 @@ class Membership:
             g = self.gen
         if g is None or member not in g.member_set or g.gen <= known_gen or g.broken:
             return "expelled" if member not in self.members else "pending"
-        g.ready[member] = committed
+        g.set_ready(member, committed)
         return "ready" if g.is_ready else "pending"
 
     def quorum(

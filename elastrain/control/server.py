@@ -13,42 +13,50 @@ listens: {"host": ..., "port": ..., "store_port": ...}.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import os
+import resource
 import signal
 import sys
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elastrain import env
 from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.http import HttpError, HttpServer, Request, Response, error_response
+from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.observe.events import EventLog
 
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
+BODY_TIMEOUT_S = 10.0
+"""A request must arrive within this long (its headers after its first byte,
+its body after its headers), or 408."""
 
+__all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "MAX_WAIT_S", "ROUTES", "Coordinator", "HttpError"]
 
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
+R = TypeVar("R")
 
 
 class Coordinator:
     """Owns the membership state, its lock, and the long-poll wake-ups.
 
-    All handlers run on the HTTP server's threads; every state access holds
-    `self.cond`. Long polls wait on the same condition, which is notified after
-    every state change.
+    Requests are handled on the server's event-loop thread; every state access
+    holds `self.lock` (other threads, e.g. tests calling `status()`, may read).
+    A long poll (heartbeat, rendezvous) is an attempt that either answers or
+    returns None, then an `await` on `changed()`, which returns when the state
+    changed in a way a long poll can see (a removal, a generation formed,
+    adopted, broken or ready, the job finished), or at the deadline. Waking
+    only on such changes keeps an idle coordinator idle and makes waking cost
+    O(waiters) per change, never per heartbeat or registration.
     """
 
     def __init__(
@@ -64,24 +72,43 @@ class Coordinator:
         self.state = Membership(config)
         self.config = config
         self.token = token
+        self._token = token.encode()
         self.job_id = job_id
         self.store_host = store_host
         self.store_port = store_port
         self.events = events
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.started = time.time()
         self._commits: list[tuple[float, int]] = []
         self._global_batch = 0
         self._preempt_deadline: float | None = None
         self._preempt_decision: tuple[int, int, float | None] | None = None
         """(gen, step, preemption deadline or None) of the latest "proceed" verdict."""
+        self.epoch = 0
+        """Bumped on every change a long poll can see."""
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_loop: Callable[[], bool] = lambda: False
+        self._last_key: tuple[int, bool, bool, bool] = (0, False, False, False)
+        self._last_wait: str | None = None
+        self._ready_body: tuple[Generation, int, bytes] | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop, in_loop: Callable[[], bool]) -> None:
+        """Serve long polls on `loop`; `in_loop()`: is the caller its thread?"""
+        self._loop = loop
+        self._in_loop = in_loop
 
     # ---- helpers ------------------------------------------------------------
 
+    def _key(self) -> tuple[int, bool, bool, bool]:
+        g = self.state.gen
+        if g is None:
+            return (0, False, False, self.state.finished)
+        return (g.gen, g.broken, g.is_ready, self.state.finished)
+
     def _flush(self, wake: bool = False) -> None:
         """Emit events for what changed; wake the long polls if membership or
-        generations changed (or `wake`). Holds cond. Waking only on change
-        keeps an idle coordinator idle: heartbeats are long polls."""
+        generations changed (or `wake`). Holds the lock."""
         removed = self.state.drain_removals()
         formed = self.state.drain_formed()
         adopted = self.state.drain_adopted()
@@ -99,8 +126,7 @@ class Coordinator:
             self.events.emit(
                 "generation_formed", gen=g.gen, members=list(g.members), reason=g.reason
             )
-        wait_changed = self.state.waiting != getattr(self, "_last_wait", None)
-        if self.state.waiting and wait_changed:
+        if self.state.waiting and self.state.waiting != self._last_wait:
             self.events.emit(
                 "waiting_for_members",
                 message=self.state.waiting,
@@ -108,21 +134,66 @@ class Coordinator:
                 min=self.config.min_members,
             )
         self._last_wait = self.state.waiting
-        if wake or removed or formed or adopted or wait_changed:
-            self.cond.notify_all()
+        key = self._key()
+        if wake or removed or formed or adopted or key != self._last_key:
+            self._last_key = key
+            self._notify()
 
-    def check_token(self, header: str | None) -> None:
-        if not header or not header.startswith("Bearer "):
+    def _notify(self) -> None:
+        self.epoch += 1
+        loop = self._loop
+        if loop is None or not self._waiters:
+            return
+        if self._in_loop():
+            self._wake_all()
+        else:
+            loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def changed(self, epoch: int, timeout: float) -> None:
+        """Return once the state changed since `epoch` was read, or after `timeout`."""
+        if self.epoch != epoch or timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(fut)
+        timer = loop.call_later(timeout, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._waiters.discard(fut)
+
+    async def long_poll(
+        self, attempt: Callable[[float], R | None], deadline: float, epoch: int
+    ) -> R:
+        """Repeat `attempt(deadline)` after every change until it answers."""
+        while True:
+            await self.changed(epoch, deadline - time.monotonic())
+            epoch = self.epoch
+            out = attempt(deadline)
+            if out is not None:
+                return out
+
+    def check_token(self, header: str | bytes | None) -> None:
+        if isinstance(header, str):
+            header = header.encode()
+        if not header or not header.startswith(b"Bearer "):
             raise HttpError(
                 401, "unauthorized", "missing job token (Authorization: Bearer <token>)"
             )
-        if not hmac.compare_digest(header[len("Bearer ") :].encode(), self.token.encode()):
+        if not hmac.compare_digest(header[7:], self._token):
             raise HttpError(401, "unauthorized", "wrong job token")
 
     # ---- ops ----------------------------------------------------------------
 
     def register(self, req: p.RegisterRequest) -> p.RegisterResponse:
-        with self.cond:
+        with self.lock:
             if self.state.signature is None:
                 self.state.signature = req.signature
             elif req.signature != self.state.signature:
@@ -154,61 +225,68 @@ class Coordinator:
                 gen=req.gen,
                 running=bool(req.gen_members),
             )
-            self._flush(wake=True)
+            self._flush()
             return p.RegisterResponse(
                 inc, self.store_host, self.store_port, self.job_id, self.config.heartbeat_s
             )
 
-    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
-        deadline = time.monotonic() + min(req.wait_s, MAX_WAIT_S)
-        with self.cond:
-            while True:
-                now = time.monotonic()
-                if not self.state.touch(req.member, req.incarnation, now):
-                    known = self.state.knows(req.member)
-                    return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
-                if req.gen and self.state.gen_interrupted(req.gen):
-                    return p.HeartbeatResponse("changed", self._gen_id())
-                if now >= deadline:
-                    return p.HeartbeatResponse("ok", self._gen_id())
-                self.cond.wait(deadline - now)
+    def heartbeat(self, req: p.HeartbeatRequest, deadline: float) -> p.HeartbeatResponse | None:
+        """One attempt of a heartbeat long poll; None: nothing to say yet."""
+        with self.lock:
+            now = time.monotonic()
+            if not self.state.touch(req.member, req.incarnation, now):
+                known = self.state.knows(req.member)
+                return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
+            if req.gen and self.state.gen_interrupted(req.gen):
+                return p.HeartbeatResponse("changed", self._gen_id())
+            if now >= deadline:
+                return p.HeartbeatResponse("ok", self._gen_id())
+            return None
 
-    def rendezvous(self, req: p.RendezvousRequest) -> p.RendezvousResponse:
-        deadline = time.monotonic() + min(req.wait_s, MAX_WAIT_S)
-        with self.cond:
-            while True:
-                now = time.monotonic()
-                before = self._barrier()
-                status = self.state.rendezvous(
-                    req.member, req.incarnation, req.known_gen, req.committed, now
-                )
-                # Wake the other waiters only when the barrier moved, or they
-                # would wake each other forever.
-                self._flush(wake=self._barrier() != before)
-                g = self.state.gen
-                if status == "ready" and g is not None:
-                    if not getattr(g, "_announced", False):
-                        g._announced = True  # type: ignore[attr-defined]
-                        self.events.emit(
-                            "generation_ready",
-                            gen=g.gen,
-                            members=list(g.members),
-                            steps=dict(g.ready),
-                            start_step=g.start_step,
-                        )
-                    return p.RendezvousResponse(
+    def rendezvous(
+        self, req: p.RendezvousRequest, deadline: float
+    ) -> p.RendezvousResponse | bytes | None:
+        """One attempt of a rendezvous long poll; None: wait for a change. The
+        "ready" answer is the same for every member of a generation: encoded
+        once (bytes), not once per member."""
+        with self.lock:
+            now = time.monotonic()
+            status = self.state.rendezvous(
+                req.member, req.incarnation, req.known_gen, req.committed, now
+            )
+            self._flush()
+            g = self.state.gen
+            if status == "ready" and g is not None:
+                if not getattr(g, "_announced", False):
+                    g._announced = True  # type: ignore[attr-defined]
+                    self.events.emit(
+                        "generation_ready",
+                        gen=g.gen,
+                        members=list(g.members),
+                        steps=dict(g.ready),
+                        start_step=g.start_step,
+                    )
+                cached = self._ready_body
+                if cached is None or cached[0] is not g or cached[1] != g.ready_version:
+                    r = p.RendezvousResponse(
                         "ready", g.gen, list(g.members), dict(g.ready), g.start_step
                     )
-                if status in ("expelled", "unknown", "finished") or now >= deadline:
-                    msg = self.state.waiting or ""
-                    if status == "pending" and g is not None and not msg:
-                        missing = [m for m in g.members if m not in g.ready]
-                        msg = f"generation {g.gen}: waiting for {', '.join(missing) or 'members'}"
-                    return p.RendezvousResponse(status, message=msg)
-                self.cond.wait(deadline - now)
+                    cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
+                    self._ready_body = cached
+                return cached[2]
+            if status in ("expelled", "unknown", "finished") or now >= deadline:
+                msg = self.state.waiting or ""
+                if status == "pending" and g is not None and not msg:
+                    names, count = g.missing(5)
+                    who = ", ".join(names) or "members"
+                    if names and count > len(names):
+                        who += f" and {count - len(names)} more"
+                    msg = f"generation {g.gen}: waiting for {who}"
+                return p.RendezvousResponse(status, message=msg)
+            return None
 
     def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
-        with self.cond:
+        with self.lock:
             verdict, gen = self.state.quorum(
                 req.member, req.incarnation, req.gen, req.step, req.leaving, time.monotonic()
             )
@@ -234,7 +312,7 @@ class Coordinator:
     def preempt(self, req: p.PreemptRequest) -> p.OkResponse:
         """The whole job is being preempted: from the next step decided on, every
         member is told to take an emergency checkpoint after it and exit."""
-        with self.cond:
+        with self.lock:
             if self._preempt_deadline is None:
                 self._preempt_deadline = time.monotonic() + max(0.0, req.grace_s)
                 self.events.emit("preempt_notice", grace_s=req.grace_s)
@@ -242,7 +320,7 @@ class Coordinator:
             return p.OkResponse(True)
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
-        with self.cond:
+        with self.lock:
             ok = self.state.leave(req.member, req.incarnation, req.reason, time.monotonic())
             if ok and req.reason == "done":
                 self.state.progress_step = max(self.state.progress_step, req.committed)
@@ -250,13 +328,13 @@ class Coordinator:
             return p.OkResponse(ok)
 
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
-        with self.cond:
+        with self.lock:
             ok = self.state.exited(req.member, req.pid, time.monotonic())
             self._flush(wake=True)
             return p.OkResponse(ok)
 
     def status(self) -> dict[str, Any]:
-        with self.cond:
+        with self.lock:
             s = self.state
             g = s.gen
             rate = 0.0
@@ -287,13 +365,9 @@ class Coordinator:
             }
 
     def tick(self) -> None:
-        with self.cond:
+        with self.lock:
             self.state.expire(time.monotonic())
             self._flush()
-
-    def _barrier(self) -> tuple[int, int, bool]:
-        g = self.state.gen
-        return (g.gen, len(g.ready), g.broken) if g is not None else (0, 0, False)
 
     def _gen_id(self) -> int:
         return self.state.gen.gen if self.state.gen else 0
@@ -310,73 +384,95 @@ ROUTES: dict[str, tuple[type, str]] = {
 }
 
 
-def make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+LONG_POLLS = frozenset({"heartbeat", "rendezvous"})
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            pass  # requests are not logged line by line; events carry what matters
 
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
-        def _dispatch(self, method: str) -> None:
+
+def _wait_s(wait_s: float) -> float:
+    """`wait_s` clamped to [0, MAX_WAIT_S] (NaN: 0)."""
+    if 0.0 <= wait_s <= MAX_WAIT_S:
+        return wait_s
+    return MAX_WAIT_S if wait_s > MAX_WAIT_S else 0.0
+
+
+def _ok(out: Any) -> Response:
+    if isinstance(out, bytes):
+        return Response(200, out)
+    return Response(200, json.dumps(out if isinstance(out, dict) else p.encode(out)).encode())
+
+
+def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable[Response]]:
+    """The wire API over `coord`: token, route, strict decoding, then the op.
+    Answers at once, or returns an awaitable for a long poll that must wait."""
+
+    async def wait(attempt: Callable[[float], Any], deadline: float, epoch: int) -> Response:
+        return _ok(await coord.long_poll(attempt, deadline, epoch))
+
+    def _dispatch(req: Request) -> Response | Awaitable[Response]:
+        try:
+            coord.check_token(req.headers.get(b"authorization"))
+            path = req.path
+            if not path.startswith(p.PREFIX):
+                raise HttpError(
+                    404,
+                    "not_found",
+                    f"unknown path {path[:100]!r}; this coordinator speaks {p.PREFIX}",
+                )
+            op = path[len(p.PREFIX) :]
+            if req.method == "GET":
+                if op != "status":
+                    raise HttpError(404, "not_found", f"unknown GET op {op[:100]!r}")
+                return _ok(coord.status())
+            route = ROUTES.get(op)
+            if route is None:
+                raise HttpError(
+                    404, "not_found", f"unknown op {op[:100]!r}; known: {sorted(ROUTES)}"
+                )
             try:
-                coord.check_token(self.headers.get("Authorization"))
-                if not self.path.startswith(p.PREFIX):
-                    raise HttpError(
-                        404,
-                        "not_found",
-                        f"unknown path {self.path!r}; this coordinator speaks {p.PREFIX}",
-                    )
-                op = self.path[len(p.PREFIX) :]
-                if method == "GET":
-                    if op != "status":
-                        raise HttpError(404, "not_found", f"unknown GET op {op!r}")
-                    self._reply(200, coord.status())
-                    return
-                if op not in ROUTES:
-                    raise HttpError(404, "not_found", f"unknown op {op!r}; known: {sorted(ROUTES)}")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    raise HttpError(400, "too_large", f"body of {length} bytes exceeds {MAX_BODY}")
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw or b"null")
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise HttpError(400, "malformed", f"body is not JSON: {e}") from None
-                cls, name = ROUTES[op]
-                try:
-                    req: Any = p.decode(cls, body)
-                except p.ProtocolError as e:
-                    raise HttpError(400, "malformed", str(e)) from None
-                self._reply(200, p.encode(getattr(coord, name)(req)))
-            except HttpError as e:
-                # Drain an unread body so the keep-alive connection stays usable.
-                self._reply(e.status, {"error": e.code, "message": e.message})
-            except (ValueError, TypeError) as e:
-                self._reply(400, {"error": "malformed", "message": str(e)})
+                body = json.loads(req.body or b"null")
+            except (ValueError, RecursionError) as e:  # incl. UnicodeDecodeError
+                raise HttpError(400, "malformed", f"body is not JSON: {str(e)[:200]}") from None
+            cls, name = route
+            try:
+                msg: Any = p.decode(cls, body)
+            except p.ProtocolError as e:
+                raise HttpError(400, "malformed", str(e)) from None
+            if name in LONG_POLLS:
+                deadline = time.monotonic() + _wait_s(msg.wait_s)
+                attempt = getattr(coord, name)
+                epoch = coord.epoch
+                out = attempt(msg, deadline)
+                if out is None:
+                    return wait(lambda d: attempt(msg, d), deadline, epoch)
+                return _ok(out)
+            return _ok(getattr(coord, name)(msg))
+        except HttpError as e:
+            return error_response(e.status, e.code, e.message)
+        except (ValueError, TypeError) as e:
+            return error_response(400, "malformed", str(e))
 
-        def do_POST(self) -> None:  # noqa: N802
-            self._dispatch("POST")
+    return _dispatch
 
-        def do_GET(self) -> None:  # noqa: N802
-            self._dispatch("GET")
 
-    return Handler
+def default_max_connections() -> int:
+    """What the open-file limit allows, less a margin for the store and logs."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, min(soft - 64, 1 << 17))
 
 
 class CoordinatorServer:
     """The coordinator's HTTP server, TCPStore and expiry ticker, in-process.
 
-    `start()` binds (port 0 picks a free port) and serves on background threads;
-    `stop()` closes everything. Tests use this class directly; the launcher runs
-    `main()` in a process of its own.
+    The constructor binds (port 0 picks a free port); `start()` serves on a
+    background thread running an asyncio event loop (see control/http.py), so
+    this API stays synchronous; `stop()` closes everything. Tests use this
+    class directly; the launcher runs `main()` in a process of its own.
     """
 
     def __init__(
@@ -389,6 +485,7 @@ class CoordinatorServer:
         store_port: int = 0,
         run_dir: str | None = None,
         job_id: str | None = None,
+        max_connections: int | None = None,
     ) -> None:
         if not token:
             raise ValueError(
@@ -406,15 +503,19 @@ class CoordinatorServer:
             store_port=self.store.port,
             events=self.events,
         )
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(self.coord))
-        self.httpd.daemon_threads = True
+        self.http = HttpServer(
+            make_handler(self.coord),
+            host,
+            port,
+            max_body=MAX_BODY,
+            read_timeout_s=BODY_TIMEOUT_S,
+            max_connections=max_connections or default_max_connections(),
+        )
         self.host = host
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1])
+        return self.http.port
 
     @property
     def address(self) -> str:
@@ -424,29 +525,13 @@ class CoordinatorServer:
         self.coord.events.emit(
             "coordinator_start", host=self.host, port=self.port, store_port=self.store.port
         )
-        t = threading.Thread(
-            target=self.httpd.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="coordinator-http",
-            daemon=True,
-        )
-        t.start()
-        self._threads.append(t)
-        k = threading.Thread(target=self._ticker, name="coordinator-tick", daemon=True)
-        k.start()
-        self._threads.append(k)
+        self.coord.attach(self.http.loop, self.http.in_loop_thread)
+        self.http.start()
+        self.http.loop.call_soon_threadsafe(self.http.call_every, 0.1, self.coord.tick)
         return self
 
-    def _ticker(self) -> None:
-        while not self._stop.wait(0.1):
-            self.coord.tick()
-
     def stop(self) -> None:
-        self._stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        for t in self._threads:
-            t.join(timeout=5)
+        self.http.stop()
         self.events.close()
 
 
@@ -480,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="most open client connections (default: what the open-file limit allows)",
+    )
     args = ap.parse_args(argv)
     host, _, port = args.bind.rpartition(":")
     try:
@@ -501,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         store_port=args.store_port,
         run_dir=args.run_dir,
         job_id=args.job_id,
+        max_connections=args.max_connections or None,
     )
     srv.start()
     info = {"host": srv.host, "port": srv.port, "store_port": srv.store.port, "pid": os.getpid()}

@@ -29,10 +29,12 @@ import functools
 import json
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import TypeVar
 
 MAX_LINE = 65536
 """Longest request line (as http.server)."""
@@ -71,6 +73,72 @@ class Response:
 
 
 Handler = Callable[[Request], "Response | Awaitable[Response]"]
+R = TypeVar("R")
+
+
+class Notifier:
+    """Long polls on an event loop: `long_poll(attempt, ...)` repeats
+    `attempt(deadline)` after each `notify()` until it answers or the deadline
+    passes. Waking costs O(waiters) per notify and nothing per poll; a poll
+    that times out leaves nothing behind. `notify` may be called from any
+    thread; `epoch` counts the notifications (read it before an attempt so a
+    change during the attempt is not missed)."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.waiters: set[asyncio.Future[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_loop: Callable[[], bool] = lambda: False
+
+    def attach(self, loop: asyncio.AbstractEventLoop, in_loop: Callable[[], bool]) -> None:
+        """Wake polls on `loop`; `in_loop()`: is the caller the loop's thread?"""
+        self._loop = loop
+        self._in_loop = in_loop
+
+    def notify(self) -> None:
+        self.epoch += 1
+        if self._loop is None or not self.waiters:
+            return
+        if self._in_loop():
+            self._wake_all()
+        else:
+            self._loop.call_soon_threadsafe(self._wake_all)
+
+    def _wake_all(self) -> None:
+        waiters, self.waiters = self.waiters, set()
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def changed(self, epoch: int, timeout: float) -> None:
+        """Return once notified since `epoch` was read, or after `timeout`."""
+        if self.epoch != epoch or timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self.waiters.add(fut)
+        timer = loop.call_later(timeout, _resolve, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.waiters.discard(fut)
+
+    async def long_poll(
+        self, attempt: Callable[[float], R | None], deadline: float, epoch: int
+    ) -> R:
+        """After a first attempt made at `epoch`: wait, retry, until it answers."""
+        while True:
+            await self.changed(epoch, deadline - time.monotonic())
+            epoch = self.epoch
+            out = attempt(deadline)
+            if out is not None:
+                return out
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def error_response(status: int, code: str, message: str, *, close: bool = False) -> Response:

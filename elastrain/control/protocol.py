@@ -91,10 +91,9 @@ def decode(cls: type[T], body: Any) -> T:
     or missing fields and wrong types raise ProtocolError naming the field)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__}: body must be a JSON object")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(body) - set(fields)
-    if unknown:
+    hints, fields = _schema(cls)
+    if not body.keys() <= fields.keys():
+        unknown = set(body) - set(fields)
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
@@ -102,12 +101,32 @@ def decode(cls: type[T], body: Any) -> T:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
             continue
-        kwargs[name] = _check(body[name], hints[name], f"{cls.__name__}.{name}")
+        value, tp = body[name], hints[name]
+        # The common cases first (the per-request cost of a heartbeat).
+        if type(value) is tp and tp in (str, int, float, bool):
+            kwargs[name] = value
+        else:
+            kwargs[name] = _check(value, tp, f"{cls.__name__}.{name}")
     return cls(**kwargs)
 
 
+_Schema = tuple[dict[str, Any], dict[str, "dataclasses.Field[Any]"]]
+_schemas: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    """A message class's field types and fields, resolved once (resolving the
+    string annotations costs more than the rest of a request)."""
+    out = _schemas.get(cls)
+    if out is None:
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        out = _schemas[cls] = (get_type_hints(cls), fields)
+    return out
+
+
 def encode(msg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(msg)
+    """A message as a JSON-ready dict (messages are flat: no nested dataclasses)."""
+    return {name: getattr(msg, name) for name in _schema(type(msg))[1]}
 
 
 # ---- requests -------------------------------------------------------------

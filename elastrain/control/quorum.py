@@ -344,7 +344,9 @@ class Membership:
             current = ()
         n_alive = len(self.members) - len(self._leaving) + len(awaiting)
         return MembershipView(
-            alive=LazySequence(n_alive, lambda: self._alive_ids() + awaiting),
+            alive=LazySequence(
+                n_alive, (lambda: self._alive_ids() + awaiting) if awaiting else self._alive_ids
+            ),
             current=current,
             current_broken=g.broken if g is not None else bool(self.gen_floor),
             failure_reported=self.failure_reported,
@@ -422,7 +424,9 @@ class Membership:
         if fast:
             self._outside = dict.fromkeys(islice(self._outside, admitted, None))
         elif old is None and self._registration_sorted:
-            self._outside = dict.fromkeys(self._alive_ids()[len(plan.members) :])
+            n_alive = len(self.members) - len(self._leaving)
+            beyond = self._alive_ids()[len(plan.members) :] if n_alive > len(plan.members) else ()
+            self._outside = dict.fromkeys(beyond)  # the start admitted the first ones
         self._lost = {}
         self._ix_gen = self.gen if fast or old is None and self._registration_sorted else None
         self.formed.append(self.gen)

@@ -13,7 +13,6 @@ listens: {"host": ..., "port": ..., "store_port": ...}.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import json
 import os
@@ -25,12 +24,19 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from elastrain import env
 from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig
-from elastrain.control.http import HttpError, HttpServer, Request, Response, error_response
+from elastrain.control.http import (
+    HttpError,
+    HttpServer,
+    Notifier,
+    Request,
+    Response,
+    error_response,
+)
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.observe.events import EventLog
@@ -43,8 +49,6 @@ its body after its headers), or 408."""
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "MAX_WAIT_S", "ROUTES", "Coordinator", "HttpError"]
 
-R = TypeVar("R")
-
 
 class Coordinator:
     """Owns the membership state, its lock, and the long-poll wake-ups.
@@ -52,7 +56,7 @@ class Coordinator:
     Requests are handled on the server's event-loop thread; every state access
     holds `self.lock` (other threads, e.g. tests calling `status()`, may read).
     A long poll (heartbeat, rendezvous) is an attempt that either answers or
-    returns None, then an `await` on `changed()`, which returns when the state
+    returns None, then an `await` on `changes` (a `Notifier`), woken when the state
     changed in a way a long poll can see (a removal, a generation formed,
     adopted, broken or ready, the job finished), or at the deadline. Waking
     only on such changes keeps an idle coordinator idle and makes waking cost
@@ -84,19 +88,11 @@ class Coordinator:
         self._preempt_deadline: float | None = None
         self._preempt_decision: tuple[int, int, float | None] | None = None
         """(gen, step, preemption deadline or None) of the latest "proceed" verdict."""
-        self.epoch = 0
-        """Bumped on every change a long poll can see."""
-        self._waiters: set[asyncio.Future[None]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._in_loop: Callable[[], bool] = lambda: False
+        self.changes = Notifier()
+        """Wakes the long polls (see the class docstring)."""
         self._last_key: tuple[int, bool, bool, bool] = (0, False, False, False)
         self._last_wait: str | None = None
         self._ready_body: tuple[Generation, int, bytes] | None = None
-
-    def attach(self, loop: asyncio.AbstractEventLoop, in_loop: Callable[[], bool]) -> None:
-        """Serve long polls on `loop`; `in_loop()`: is the caller its thread?"""
-        self._loop = loop
-        self._in_loop = in_loop
 
     # ---- helpers ------------------------------------------------------------
 
@@ -137,48 +133,7 @@ class Coordinator:
         key = self._key()
         if wake or removed or formed or adopted or key != self._last_key:
             self._last_key = key
-            self._notify()
-
-    def _notify(self) -> None:
-        self.epoch += 1
-        loop = self._loop
-        if loop is None or not self._waiters:
-            return
-        if self._in_loop():
-            self._wake_all()
-        else:
-            loop.call_soon_threadsafe(self._wake_all)
-
-    def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, set()
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
-
-    async def changed(self, epoch: int, timeout: float) -> None:
-        """Return once the state changed since `epoch` was read, or after `timeout`."""
-        if self.epoch != epoch or timeout <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.add(fut)
-        timer = loop.call_later(timeout, _resolve, fut)
-        try:
-            await fut
-        finally:
-            timer.cancel()
-            self._waiters.discard(fut)
-
-    async def long_poll(
-        self, attempt: Callable[[float], R | None], deadline: float, epoch: int
-    ) -> R:
-        """Repeat `attempt(deadline)` after every change until it answers."""
-        while True:
-            await self.changed(epoch, deadline - time.monotonic())
-            epoch = self.epoch
-            out = attempt(deadline)
-            if out is not None:
-                return out
+            self.changes.notify()
 
     def check_token(self, header: str | bytes | None) -> None:
         if isinstance(header, str):
@@ -387,11 +342,6 @@ ROUTES: dict[str, tuple[type, str]] = {
 LONG_POLLS = frozenset({"heartbeat", "rendezvous"})
 
 
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
 def _wait_s(wait_s: float) -> float:
     """`wait_s` clamped to [0, MAX_WAIT_S] (NaN: 0)."""
     if 0.0 <= wait_s <= MAX_WAIT_S:
@@ -399,9 +349,21 @@ def _wait_s(wait_s: float) -> float:
     return MAX_WAIT_S if wait_s > MAX_WAIT_S else 0.0
 
 
+_SMALL = (p.HeartbeatResponse, p.QuorumResponse, p.OkResponse)
+_encoded: dict[Any, bytes] = {}
+"""Encoded small answers (frozen, hashable): a heartbeat answer is one lookup."""
+
+
 def _ok(out: Any) -> Response:
     if isinstance(out, bytes):
         return Response(200, out)
+    if type(out) in _SMALL:
+        data = _encoded.get(out)
+        if data is None:
+            data = json.dumps(p.encode(out)).encode()
+            if len(_encoded) < 4096:
+                _encoded[out] = data
+        return Response(200, data)
     return Response(200, json.dumps(out if isinstance(out, dict) else p.encode(out)).encode())
 
 
@@ -410,7 +372,7 @@ def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable
     Answers at once, or returns an awaitable for a long poll that must wait."""
 
     async def wait(attempt: Callable[[float], Any], deadline: float, epoch: int) -> Response:
-        return _ok(await coord.long_poll(attempt, deadline, epoch))
+        return _ok(await coord.changes.long_poll(attempt, deadline, epoch))
 
     def _dispatch(req: Request) -> Response | Awaitable[Response]:
         try:
@@ -444,7 +406,7 @@ def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable
             if name in LONG_POLLS:
                 deadline = time.monotonic() + _wait_s(msg.wait_s)
                 attempt = getattr(coord, name)
-                epoch = coord.epoch
+                epoch = coord.changes.epoch
                 out = attempt(msg, deadline)
                 if out is None:
                     return wait(lambda d: attempt(msg, d), deadline, epoch)
@@ -525,7 +487,7 @@ class CoordinatorServer:
         self.coord.events.emit(
             "coordinator_start", host=self.host, port=self.port, store_port=self.store.port
         )
-        self.coord.attach(self.http.loop, self.http.in_loop_thread)
+        self.coord.changes.attach(self.http.loop, self.http.in_loop_thread)
         self.http.start()
         self.http.loop.call_soon_threadsafe(self.http.call_every, 0.1, self.coord.tick)
         return self

@@ -119,7 +119,7 @@ def _schema(cls: type) -> _Schema:
     string annotations costs more than the rest of a request)."""
     out = _schemas.get(cls)
     if out is None:
-        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
         out = _schemas[cls] = (get_type_hints(cls), fields)
     return out
 

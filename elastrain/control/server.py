@@ -527,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
+    ap.add_argument("--ready-timeout", type=float, default=15.0)
     ap.add_argument(
         "--max-connections",
         type=int,
@@ -543,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_s=args.lease,
             suspect_s=args.suspect,
             start_grace_s=args.start_grace,
+            ready_timeout_s=args.ready_timeout,
         )
     except ValueError as e:
         ap.error(str(e))

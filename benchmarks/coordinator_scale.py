@@ -331,6 +331,7 @@ async def heartbeats(
         hb_p99_ms=pct(lat, 0.99),
         hb_max_ms=max(lat) if lat else float("nan"),
         coord_cpu=cpu / wall,
+        coord_us_per_hb=cpu / max(1, len(got)) * 1e6,
         loadgen_cpu=me / wall,
     )
 
@@ -409,6 +410,7 @@ def service_table(results: list[dict]) -> str:
                 f"{r.get('hb_p50_ms', float('nan')):.1f}/{r.get('hb_p99_ms', float('nan')):.1f}"
                 f"/{r.get('hb_max_ms', float('nan')):.0f}",
                 f"{r.get('coord_cpu', float('nan')) * 100:.0f}%",
+                f"{r.get('coord_us_per_hb', float('nan')):.0f}",
                 f"{r.get('loadgen_cpu', float('nan')) * 100:.0f}%",
             ]
         )
@@ -422,6 +424,7 @@ def service_table(results: list[dict]) -> str:
         "heartbeats/s",
         "hb ms p50/p99/max",
         "coord CPU",
+        "CPU us/hb",
         "loadgen CPU",
     ]
     return table(head, rows)
@@ -468,7 +471,8 @@ def main() -> int:
     verdict = "; ".join(
         f"{r['members']} members/{r['conns']} conns: {r['hb_rate']:.0f} heartbeats/s served of "
         f"{r['hb_offered']} offered ({r['hb_answered'] / r['hb_sent'] * 100:.1f}%), coordinator "
-        f"{r['coord_cpu'] * 100:.0f}% of one core"
+        f"{r['coord_cpu'] * 100:.0f}% of one core, {r['coord_us_per_hb']:.0f} CPU-us per heartbeat "
+        f"(~{1e6 / r['coord_us_per_hb']:.0f}/s on a core of its own)"
         for r in ten
     )
     svc_out = (

@@ -368,9 +368,9 @@ def run_service(n: int, n_conns: int, seconds: float, core_server: int, core_cli
         "--target",
         str(n),
         "--lease",
-        "60",
+        "7200",  # no member is expelled for silence while the load generator is starved
         "--suspect",
-        "30",
+        "3600",
         "--start-grace",
         "3600",
         "--ready-timeout",

@@ -19,137 +19,48 @@ report *adopts* it (same number, same members, ready) so that training goes
 on without a regroup. Members of the adopted generation that do not register
 again within `lease_s` break it, as if their lease had expired. Generation
 numbers continue after the highest one any worker reports.
+
+Scale: every per-request transition (`touch`, `register`, `quorum`,
+`rendezvous`, `expire` with nothing due) is O(1) in the number of members, so
+one coordinator serves 100k members: members are kept in registration order
+(the alive list is not sorted per call), signs of life in the order they came
+(`expire` stops at the first live member), and `evaluate` remembers that
+nothing changed since it last found nothing to do (the per-step verdict is a
+lookup). Only forming a generation is O(members).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import islice
 
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.plan import (
+    Form,
+    Generation,
+    LazySequence,
+    Member,
+    MembershipView,
+    Plan,
+    Wait,
+    in_rank_order,
+    plan_generation,
+    plan_incremental,
+)
 
-
-@dataclass
-class Member:
-    id: str
-    incarnation: int
-    pid: int
-    host: str
-    registered_at: float
-    last_seen: float
-    leaving: bool = False
-
-
-@dataclass
-class Generation:
-    gen: int
-    members: tuple[str, ...]
-    formed_at: float
-    reason: str
-    ready: dict[str, int] = field(default_factory=dict)
-    """member -> committed step count reported at rendezvous."""
-    commit_gens: dict[str, int] = field(default_factory=dict)
-    """member -> the generation its state's last commit came from (rendezvous)."""
-    broken: bool = False
-    awaiting: set[str] = field(default_factory=set)
-    """Adopted generations only: members that have not registered again yet."""
-
-    @property
-    def is_ready(self) -> bool:
-        return len(self.ready) == len(self.members)
-
-    @property
-    def start_step(self) -> int:
-        return max(self.ready.values()) if self.ready else 0
-
-
-@dataclass(frozen=True)
-class MembershipView:
-    """What `plan_generation` looks at: a read-only snapshot."""
-
-    alive: tuple[str, ...]
-    """Registered, not leaving, ordered by registration time."""
-    current: tuple[str, ...] | None
-    """Members of the current generation, or None before the first."""
-    current_broken: bool
-    failure_reported: bool
-    """A member reported a failure in the current generation."""
-    last_seen: dict[str, float]
-    first_registration: float | None
-    step_boundary: bool
-    """True when asked from a quorum request, i.e. at a step boundary."""
-
-
-@dataclass(frozen=True)
-class Form:
-    members: tuple[str, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Wait:
-    message: str
-
-
-Plan = Form | Wait | None
-
-
-def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig) -> Plan:
-    """Decide whether to form a new generation now, and with whom.
-
-    - No generation yet: start once `target` members registered, or once
-      `min_members` have and `start_grace_s` has passed since the first one.
-    - Current generation broken (a member died/left/was expelled) or a failure
-      was reported in it: re-form at once from its surviving members (leaving
-      out those silent for `suspect_s`; a hung member must not stall the next
-      generation) plus waiting joiners, up to `max_members`.
-    - Otherwise, only at a step boundary: admit waiting joiners (up to
-      `max_members`) or drop members that announced a leave.
-    Fewer than `min_members` candidates: Wait with a message saying why.
-    """
-    cap = config.max_members
-    if view.current is None:
-        n = len(view.alive)
-        started = view.first_registration
-        if n >= config.target or (
-            n >= config.min_members
-            and started is not None
-            and now - started >= config.start_grace_s
-        ):
-            return Form(view.alive[:cap], "start")
-        return Wait(
-            f"waiting for workers to register: {n}/{config.target} "
-            f"(will start with >= {config.min_members} after {config.start_grace_s:g}s)"
-        )
-
-    alive = set(view.alive)
-    survivors = [m for m in view.current if m in alive]
-    joiners = [m for m in view.alive if m not in set(view.current)]
-    if view.current_broken or view.failure_reported:
-        fresh = [m for m in survivors if now - view.last_seen.get(m, now) <= config.suspect_s]
-        # If everybody looks silent (e.g. the coordinator itself was paused), keep them.
-        if not fresh and survivors:
-            fresh = survivors
-        candidates = (fresh + joiners)[:cap]
-        if len(candidates) < config.min_members:
-            return Wait(
-                f"below --min: {len(candidates)} member(s) alive, need {config.min_members}; "
-                "waiting for a replacement to register"
-            )
-        return Form(tuple(candidates), "failure")
-    if not view.step_boundary:
-        return None
-    leaving = len(survivors) < len(view.current)
-    room = max(0, cap - len(survivors))
-    admitted = joiners[:room]
-    if not leaving and not admitted:
-        return None
-    candidates = survivors + admitted
-    if len(candidates) < config.min_members:
-        return Wait(
-            f"below --min: {len(candidates)} member(s) after leave, need {config.min_members}; "
-            "waiting for a replacement to register"
-        )
-    return Form(tuple(candidates), "leave" if leaving else "join")
+__all__ = [
+    "Form",
+    "Generation",
+    "Member",
+    "Membership",
+    "MembershipView",
+    "Plan",
+    "Removal",
+    "Wait",
+    "plan_generation",
+]
 
 
 @dataclass(frozen=True)
@@ -167,6 +78,7 @@ class Membership:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.members: dict[str, Member] = {}
+        """In registration order (a re-registration moves a member to the end)."""
         self.incarnations: dict[str, int] = {}
         self.gen: Generation | None = None
         self.signature: list[object] | None = None
@@ -187,6 +99,35 @@ class Membership:
         """The highest generation number workers reported (after a restart)."""
         self.adopted: list[Generation] = []
         """Generations adopted since the last `drain_adopted()` (for events)."""
+        # ---- indexes (derived from the above; see the module docstring on scale)
+        self._seq = 0
+        self._last_registered = float("-inf")
+        self._registration_sorted = True
+        """`members` (dict order) is ordered by `registered_at` too, as long as
+        `now` never went backwards between registrations."""
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        """member -> last_seen, in the order the signs of life came (an
+        OrderedDict: the oldest is found in O(1), where a dict would skip the
+        holes that moving members to its end leaves at its front)."""
+        self._seen_last = float("-inf")
+        self._seen_sorted = True
+        """`_seen` is ordered by value (false once a caller's clock went back)."""
+        self._leaving: set[str] = set()
+        """Members with `leaving` set."""
+        self._ix_gen: Generation | None = None
+        """The generation `_lost` and `_outside` describe (None: rebuild them)."""
+        self._lost: dict[str, None] = {}
+        """Members of `_ix_gen` that are not alive (removed, or leaving)."""
+        self._outside: dict[str, None] = {}
+        """Alive members not in `_ix_gen`, in registration order."""
+        self._settled = 0
+        """2: the last `evaluate` at a step boundary found nothing to do and
+        nothing changed since; 1: likewise off a boundary; 0: must evaluate.
+        With no failure and no step boundary `plan_generation` returns None
+        whatever the clock says, so this needs resetting only on changes."""
+
+    def _changed(self) -> None:
+        self._settled = 0
 
     # ---- registration and liveness ---------------------------------------
 
@@ -209,7 +150,14 @@ class Membership:
         self.incarnations[member] = inc
         if member in self.members:
             self._remove(member, "reregistered", now)
-        self.members[member] = Member(member, inc, pid, host, now, now)
+        self._changed()
+        self._seq += 1
+        self.members[member] = Member(member, inc, pid, host, now, now, seq=self._seq)
+        if now < self._last_registered:
+            self._registration_sorted = False
+        self._last_registered = max(self._last_registered, now)
+        self._saw(member, now)
+        self._index_alive(member)
         if self.first_registration is None:
             self.first_registration = now
         self.gen_floor = max(self.gen_floor, gen)
@@ -219,7 +167,7 @@ class Membership:
                 self._adopt(gen, tuple(gen_members), committed, now)
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)
-                g.ready[member] = committed
+                g.set_ready(member, committed)
         self.evaluate(now)
         return inc
 
@@ -231,6 +179,7 @@ class Membership:
         self.failure_reported = False
         self.decision = None
         self.progress_step = max(self.progress_step, committed)
+        self._changed()
 
     def knows(self, member: str) -> bool:
         """Has this coordinator ever registered `member`? (No: it restarted since.)"""
@@ -253,6 +202,64 @@ class Membership:
         if m is None or m.incarnation != incarnation:
             return False
         m.last_seen = now
+        self._saw(member, now)
+        return True
+
+    def _saw(self, member: str, now: float) -> None:
+        seen = self._seen
+        if member in seen:
+            seen.move_to_end(member)
+        seen[member] = now
+        if now < self._seen_last:
+            self._seen_sorted = False
+        else:
+            self._seen_last = now
+
+    def _sort_seen(self) -> None:
+        """Restore `_seen`'s time order after a caller's clock went back (rare)."""
+        if not self._seen_sorted:
+            self._seen = OrderedDict(sorted(self._seen.items(), key=lambda kv: kv[1]))
+            self._seen_sorted = True
+            self._seen_last = next(reversed(self._seen.values()), float("-inf"))
+
+    def _set_leaving(self, m: Member) -> None:
+        m.leaving = True
+        self._leaving.add(m.id)
+        self._index_gone(m.id)
+        self._changed()
+
+    # ---- the indexes behind `plan_incremental` -----------------------------
+
+    def _index_alive(self, member: str) -> None:
+        g = self._ix_gen
+        if g is not None:
+            if member in g.member_set:
+                self._lost.pop(member, None)
+            else:
+                self._outside[member] = None
+
+    def _index_gone(self, member: str) -> None:
+        g = self._ix_gen
+        if g is not None:
+            if member in g.member_set:
+                self._lost[member] = None
+            else:
+                self._outside.pop(member, None)
+
+    def _index(self, g: Generation) -> bool:
+        """Make `_lost`/`_outside` describe `g` (O(members) if they did not);
+        False if `plan_incremental` does not apply (see `evaluate`)."""
+        if g.awaiting or not self._registration_sorted:
+            return False
+        self._sort_seen()
+        if self._ix_gen is not g:
+            if len(g.member_set) != len(g.members):
+                return False  # duplicate names (a malformed adoption report)
+            alive = self.members
+            leaving = self._leaving
+            self._lost = {m: None for m in g.members if m not in alive or m in leaving}
+            self._outside = {m: None for m in alive if m not in leaving and m not in g.member_set}
+            self._ix_gen = g
         return True
 
     def remove(self, member: str, reason: str, now: float, incarnation: int | None = None) -> bool:
@@ -270,6 +277,7 @@ class Membership:
             # Died while the coordinator was down: its adopted generation is broken.
             g.awaiting.discard(member)
             g.broken = True
+            self._changed()
             self.removed.append(Removal(member, "exited"))
             self.evaluate(now)
             return True
@@ -287,36 +295,58 @@ class Membership:
             self.finished = True
             self._remove(member, "done", now)
             return True
-        m.leaving = True
-        if self.gen is None or member not in self.gen.members or not self.gen.is_ready:
+        self._set_leaving(m)
+        g = self.gen
+        if g is None or member not in g.member_set or not g.is_ready:
             self._remove(member, "left", now)
             self.evaluate(now)
         return True
 
     def _remove(self, member: str, reason: str, now: float) -> None:
         del self.members[member]
+        del self._seen[member]
+        self._leaving.discard(member)
+        self._index_gone(member)
+        self._changed()
+        if not self.members:
+            self._registration_sorted = True
+            self._last_registered = float("-inf")
         self.removed.append(Removal(member, reason))
-        if self.gen is not None and member in self.gen.members and reason != "done":
+        if self.gen is not None and member in self.gen.member_set and reason != "done":
             self.gen.broken = True
 
     # ---- generations -------------------------------------------------------
 
-    def _view(self, step_boundary: bool) -> MembershipView:
+    def _alive_ids(self) -> tuple[str, ...]:
+        """Registered, not leaving, in registration order."""
+        leaving = self._leaving
+        if self._registration_sorted:
+            if not leaving:
+                return tuple(self.members)
+            return tuple(m for m in self.members if m not in leaving)
         alive = sorted(
             (m for m in self.members.values() if not m.leaving), key=lambda m: m.registered_at
         )
+        return tuple(m.id for m in alive)
+
+    def _view(self, step_boundary: bool) -> MembershipView:
         g = self.gen
         # Members of an adopted generation count as alive until their grace ends.
-        awaiting = sorted(g.awaiting) if g is not None and not g.broken else []
-        last_seen = {m.id: m.last_seen for m in self.members.values()}
-        last_seen.update(dict.fromkeys(awaiting, g.formed_at if g is not None else 0.0))
+        awaiting = tuple(sorted(g.awaiting)) if g is not None and not g.broken else ()
+        last_seen: Mapping[str, float] = self._seen  # read during the call only
+        if awaiting:
+            assert g is not None
+            last_seen = {**self._seen, **dict.fromkeys(awaiting, g.formed_at)}
         current: tuple[str, ...] | None = g.members if g is not None else None
         if current is None and self.gen_floor:
             # Restarted while nobody ran a generation: re-form as after a failure
             # rather than wait for a fresh start.
             current = ()
+        n_alive = len(self.members) - len(self._leaving) + len(awaiting)
         return MembershipView(
-            alive=tuple(m.id for m in alive) + tuple(awaiting),
+            alive=LazySequence(
+                n_alive, (lambda: self._alive_ids() + awaiting) if awaiting else self._alive_ids
+            ),
             current=current,
             current_broken=g.broken if g is not None else bool(self.gen_floor),
             failure_reported=self.failure_reported,
@@ -325,45 +355,94 @@ class Membership:
             step_boundary=step_boundary,
         )
 
+    verify = False
+    """Tests: check every incremental plan against `plan_generation`."""
+
     def evaluate(self, now: float, step_boundary: bool = False) -> Generation | None:
-        """Apply `plan_generation`; returns the newly formed generation, if any."""
+        """Apply `plan_generation`; returns the newly formed generation, if any.
+
+        With a current generation the plan comes from `plan_incremental` over
+        the indexes (the same answer, without a pass over every member)."""
         if self.finished:
             return None
-        plan = plan_generation(self._view(step_boundary), now, self.config)
+        level = 2 if step_boundary else 1
+        if self._settled >= level:
+            return None
+        old = self.gen
+        fast = old is not None and self._index(old)
+        out: list[str] = []
+        admitted = 0
+        if fast:
+            assert old is not None
+            plan, out, admitted = plan_incremental(
+                old,
+                self._lost,
+                self._outside,
+                self._seen,
+                self.failure_reported,
+                step_boundary,
+                now,
+                self.config,
+            )
+            if self.verify:
+                want = plan_generation(self._view(step_boundary), now, self.config)
+                assert plan == want, (plan, want)
+                assert isinstance(plan, Form) == isinstance(want, Form)
+                if isinstance(plan, Form):
+                    assert out == self._left_out(old, plan), (out, self._left_out(old, plan))
+        else:
+            plan = plan_generation(self._view(step_boundary), now, self.config)
         if isinstance(plan, Wait):
             self.waiting = plan.message
-            if self.gen is not None:
-                self.gen.broken = True
+            if old is not None:
+                old.broken = True
+            self._changed()
             return None
         if plan is None:
+            self._settled = max(self._settled, level)
             return None
         self.waiting = None
-        clean = self.gen is not None and step_boundary and not self.gen.broken
+        self._changed()
+        clean = old is not None and step_boundary and not old.broken
         # Members left out of a re-formed generation are expelled: they must
         # register again (and be healed) rather than drift back in.
-        if self.gen is not None:
-            for mid in self.gen.members:
-                if (
-                    mid in self.members
-                    and mid not in plan.members
-                    and not self.members[mid].leaving
-                ):
-                    self._remove(mid, "suspected", now)
-        for mid in list(self.members):
-            m = self.members[mid]
-            in_gen = self.gen is None or mid in self.gen.members
-            if m.leaving and in_gen and mid not in plan.members:
+        if not fast and old is not None:
+            out = self._left_out(old, plan)
+        for mid in out:
+            self._remove(mid, "suspected", now)
+        planned = set(plan.members) if not fast and self._leaving else frozenset()
+        for mid in sorted(self._leaving, key=lambda x: self.members[x].seq):
+            in_gen = old is None or mid in old.member_set
+            if in_gen and mid not in planned:  # (a leaving member is never planned)
                 self._remove(mid, "left", now)
-        if self.gen is not None and clean:
+        if old is not None and clean:
             # Superseded at a step boundary (join/leave): its members learn it
             # from their next quorum call; nobody's collective is aborted.
-            self.clean_handoffs.add(self.gen.gen)
-        nxt = max(self.gen.gen if self.gen is not None else 0, self.gen_floor) + 1
+            self.clean_handoffs.add(old.gen)
+        nxt = max(old.gen if old is not None else 0, self.gen_floor) + 1
         self.gen = Generation(nxt, plan.members, now, plan.reason)
+        if fast:
+            self._outside = dict.fromkeys(islice(self._outside, admitted, None))
+        elif old is None and self._registration_sorted:
+            n_alive = len(self.members) - len(self._leaving)
+            beyond = self._alive_ids()[len(plan.members) :] if n_alive > len(plan.members) else ()
+            self._outside = dict.fromkeys(beyond)  # the start admitted the first ones
+        self._lost = {}
+        self._ix_gen = self.gen if fast or old is None and self._registration_sorted else None
         self.formed.append(self.gen)
         self.failure_reported = False
         self.decision = None
         return self.gen
+
+    def _left_out(self, old: Generation, plan: Form) -> list[str]:
+        """Members of `old` that are alive but not in `plan`, in rank order."""
+        planned = set(plan.members)
+        gone = {
+            mid
+            for mid in old.member_set.difference(planned)
+            if mid in self.members and not self.members[mid].leaving
+        }
+        return in_rank_order(old.members, gone)
 
     def rendezvous(
         self,
@@ -387,16 +466,16 @@ class Membership:
         if not self.touch(member, incarnation, now):
             return "expelled"
         g = self.gen
-        if g is not None and g.gen <= known_gen and member in g.members:
+        if g is not None and g.gen <= known_gen and member in g.member_set:
             # The caller's generation failed under it.
             if not g.broken:
                 self.failure_reported = True
+                self._changed()
             self.evaluate(now)
             g = self.gen
-        if g is None or member not in g.members or g.gen <= known_gen or g.broken:
+        if g is None or member not in g.member_set or g.gen <= known_gen or g.broken:
             return "expelled" if member not in self.members else "pending"
-        g.ready[member] = committed
-        g.commit_gens[member] = commit_gen
+        g.set_ready(member, committed, commit_gen)
         return "ready" if g.is_ready else "pending"
 
     def quorum(
@@ -407,8 +486,9 @@ class Membership:
         if not self.touch(member, incarnation, now):
             verdict = "expelled" if self.knows(member) else "unknown"
             return verdict, self.gen.gen if self.gen else 0
-        if leaving and not self.members[member].leaving:
-            self.members[member].leaving = True
+        m = self.members[member]
+        if leaving and not m.leaving:
+            self._set_leaving(m)
         g = self.gen
         if g is None or g.gen != gen or g.broken or not g.is_ready:
             return "regroup", g.gen if g else 0
@@ -425,16 +505,25 @@ class Membership:
         return "proceed", gen
 
     def expire(self, now: float) -> None:
-        """Periodic check: leases and generations whose members never came."""
-        for m in list(self.members.values()):
-            if now - m.last_seen > self.config.lease_s:
-                self._remove(m.id, "lease_expired", now)
+        """Periodic check: leases and generations whose members never came.
+        O(expired members): signs of life are kept in the order they came."""
+        lease = self.config.lease_s
+        self._sort_seen()
+        due: list[str] = []
+        for mid, seen in self._seen.items():
+            if now - seen <= lease:
+                break  # everyone after it was seen later
+            due.append(mid)
+        due.sort(key=lambda mid: self.members[mid].seq)
+        for mid in due:
+            self._remove(mid, "lease_expired", now)
         g = self.gen
-        if g is not None and g.awaiting and now - g.formed_at > self.config.lease_s:
+        if g is not None and g.awaiting and now - g.formed_at > lease:
             for mid in sorted(g.awaiting):
                 self.removed.append(Removal(mid, "lease_expired"))
             g.awaiting.clear()
             g.broken = True
+            self._changed()
         late = g is not None and not g.broken and not g.is_ready
         if g is not None and late and now - g.formed_at > self.config.ready_timeout_s:
             for mid in g.members:

@@ -20,21 +20,28 @@ import argparse
 import hmac
 import json
 import os
-import re
+import resource
 import signal
 import sys
 import threading
 import time
-import traceback
 import uuid
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from elastrain import env
 from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.http import (
+    HttpError,
+    HttpServer,
+    Notifier,
+    Request,
+    Response,
+    error_response,
+)
+from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.observe.events import EventLog
 from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
@@ -42,23 +49,23 @@ from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
 BODY_TIMEOUT_S = 10.0
-"""A request body must arrive within this long after its headers, or 408."""
+"""A request must arrive within this long (its headers after its first byte,
+its body after its headers), or 408."""
 
-
-class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
+__all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "MAX_WAIT_S", "ROUTES", "Coordinator", "HttpError"]
 
 
 class Coordinator:
     """Owns the membership state, its lock, and the long-poll wake-ups.
 
-    All handlers run on the HTTP server's threads; every state access holds
-    `self.cond`. Long polls wait on the same condition, which is notified after
-    every state change.
+    Requests are handled on the server's event-loop thread; every state access
+    holds `self.lock` (other threads, e.g. tests calling `status()`, may read).
+    A long poll (heartbeat, rendezvous) is an attempt that either answers or
+    returns None, then an `await` on `changes` (a `Notifier`), woken when the state
+    changed in a way a long poll can see (a removal, a generation formed,
+    adopted, broken or ready, the job finished), or at the deadline. Waking
+    only on such changes keeps an idle coordinator idle and makes waking cost
+    O(waiters) per change, never per heartbeat or registration.
     """
 
     def __init__(
@@ -74,24 +81,37 @@ class Coordinator:
         self.state = Membership(config)
         self.config = config
         self.token = token
+        self._token = token.encode()
         self.job_id = job_id
         self.store_host = store_host
         self.store_port = store_port
         self.events = events
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.members_left = threading.Event()
+        """Set whenever members are removed (a preemption drain waits on it)."""
         self.started = time.time()
         self._commits: list[tuple[float, int]] = []
         self._global_batch = 0
         self._preempt_deadline: float | None = None
         self._preempt_decision: tuple[int, int, float | None] | None = None
         """(gen, step, preemption deadline or None) of the latest "proceed" verdict."""
+        self.changes = Notifier()
+        """Wakes the long polls (see the class docstring)."""
+        self._last_key: tuple[int, bool, bool, bool] = (0, False, False, False)
+        self._last_wait: str | None = None
+        self._ready_body: tuple[Generation, int, bytes] | None = None
 
     # ---- helpers ------------------------------------------------------------
 
+    def _key(self) -> tuple[int, bool, bool, bool]:
+        g = self.state.gen
+        if g is None:
+            return (0, False, False, self.state.finished)
+        return (g.gen, g.broken, g.is_ready, self.state.finished)
+
     def _flush(self, wake: bool = False) -> None:
         """Emit events for what changed; wake the long polls if membership or
-        generations changed (or `wake`). Holds cond. Waking only on change
-        keeps an idle coordinator idle: heartbeats are long polls."""
+        generations changed (or `wake`). Holds the lock."""
         removed = self.state.drain_removals()
         formed = self.state.drain_formed()
         adopted = self.state.drain_adopted()
@@ -105,12 +125,13 @@ class Coordinator:
             )
         for r in removed:
             self.events.emit("member_removed", member=r.member, reason=r.reason)
+        if removed:
+            self.members_left.set()
         for g in formed:
             self.events.emit(
                 "generation_formed", gen=g.gen, members=list(g.members), reason=g.reason
             )
-        wait_changed = self.state.waiting != getattr(self, "_last_wait", None)
-        if self.state.waiting and wait_changed:
+        if self.state.waiting and self.state.waiting != self._last_wait:
             self.events.emit(
                 "waiting_for_members",
                 message=self.state.waiting,
@@ -118,21 +139,25 @@ class Coordinator:
                 min=self.config.min_members,
             )
         self._last_wait = self.state.waiting
-        if wake or removed or formed or adopted or wait_changed:
-            self.cond.notify_all()
+        key = self._key()
+        if wake or removed or formed or adopted or key != self._last_key:
+            self._last_key = key
+            self.changes.notify()
 
-    def check_token(self, header: str | None) -> None:
-        if not header or not header.startswith("Bearer "):
+    def check_token(self, header: str | bytes | None) -> None:
+        if isinstance(header, str):
+            header = header.encode()
+        if not header or not header.startswith(b"Bearer "):
             raise HttpError(
                 401, "unauthorized", "missing job token (Authorization: Bearer <token>)"
             )
-        if not hmac.compare_digest(header[len("Bearer ") :].encode(), self.token.encode()):
+        if not hmac.compare_digest(header[7:], self._token):
             raise HttpError(401, "unauthorized", "wrong job token")
 
     # ---- ops ----------------------------------------------------------------
 
     def register(self, req: p.RegisterRequest) -> p.RegisterResponse:
-        with self.cond:
+        with self.lock:
             if self.state.signature is None:
                 self.state.signature = req.signature
             elif req.signature != self.state.signature:
@@ -164,49 +189,50 @@ class Coordinator:
                 gen=req.gen,
                 running=bool(req.gen_members),
             )
-            self._flush(wake=True)
+            self._flush()
             return p.RegisterResponse(
                 inc, self.store_host, self.store_port, self.job_id, self.config.heartbeat_s
             )
 
-    def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
-        deadline = time.monotonic() + min(req.wait_s, MAX_WAIT_S)
-        with self.cond:
-            while True:
-                now = time.monotonic()
-                if not self.state.touch(req.member, req.incarnation, now):
-                    known = self.state.knows(req.member)
-                    return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
-                if req.gen and self.state.gen_interrupted(req.gen):
-                    return p.HeartbeatResponse("changed", self._gen_id())
-                if now >= deadline:
-                    return p.HeartbeatResponse("ok", self._gen_id())
-                self.cond.wait(deadline - now)
+    def heartbeat(self, req: p.HeartbeatRequest, deadline: float) -> p.HeartbeatResponse | None:
+        """One attempt of a heartbeat long poll; None: nothing to say yet."""
+        with self.lock:
+            now = time.monotonic()
+            if not self.state.touch(req.member, req.incarnation, now):
+                known = self.state.knows(req.member)
+                return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
+            if req.gen and self.state.gen_interrupted(req.gen):
+                return p.HeartbeatResponse("changed", self._gen_id())
+            if now >= deadline:
+                return p.HeartbeatResponse("ok", self._gen_id())
+            return None
 
-    def rendezvous(self, req: p.RendezvousRequest) -> p.RendezvousResponse:
-        deadline = time.monotonic() + min(req.wait_s, MAX_WAIT_S)
-        with self.cond:
-            while True:
-                now = time.monotonic()
-                before = self._barrier()
-                status = self.state.rendezvous(
-                    req.member, req.incarnation, req.known_gen, req.committed, now, req.commit_gen
-                )
-                # Wake the other waiters only when the barrier moved, or they
-                # would wake each other forever.
-                self._flush(wake=self._barrier() != before)
-                g = self.state.gen
-                if status == "ready" and g is not None:
-                    if not getattr(g, "_announced", False):
-                        g._announced = True  # type: ignore[attr-defined]
-                        self.events.emit(
-                            "generation_ready",
-                            gen=g.gen,
-                            members=list(g.members),
-                            steps=dict(g.ready),
-                            start_step=g.start_step,
-                        )
-                    return p.RendezvousResponse(
+    def rendezvous(
+        self, req: p.RendezvousRequest, deadline: float
+    ) -> p.RendezvousResponse | bytes | None:
+        """One attempt of a rendezvous long poll; None: wait for a change. The
+        "ready" answer is the same for every member of a generation: encoded
+        once (bytes), not once per member."""
+        with self.lock:
+            now = time.monotonic()
+            status = self.state.rendezvous(
+                req.member, req.incarnation, req.known_gen, req.committed, now, req.commit_gen
+            )
+            self._flush()
+            g = self.state.gen
+            if status == "ready" and g is not None:
+                if not getattr(g, "_announced", False):
+                    g._announced = True  # type: ignore[attr-defined]
+                    self.events.emit(
+                        "generation_ready",
+                        gen=g.gen,
+                        members=list(g.members),
+                        steps=dict(g.ready),
+                        start_step=g.start_step,
+                    )
+                cached = self._ready_body
+                if cached is None or cached[0] is not g or cached[1] != g.ready_version:
+                    r = p.RendezvousResponse(
                         "ready",
                         g.gen,
                         list(g.members),
@@ -215,16 +241,22 @@ class Coordinator:
                         reason=g.reason,
                         commit_gens=dict(g.commit_gens),
                     )
-                if status in ("expelled", "unknown", "finished") or now >= deadline:
-                    msg = self.state.waiting or ""
-                    if status == "pending" and g is not None and not msg:
-                        missing = [m for m in g.members if m not in g.ready]
-                        msg = f"generation {g.gen}: waiting for {', '.join(missing) or 'members'}"
-                    return p.RendezvousResponse(status, message=msg)
-                self.cond.wait(deadline - now)
+                    cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
+                    self._ready_body = cached
+                return cached[2]
+            if status in ("expelled", "unknown", "finished") or now >= deadline:
+                msg = self.state.waiting or ""
+                if status == "pending" and g is not None and not msg:
+                    names, count = g.missing(5)
+                    who = ", ".join(names) or "members"
+                    if names and count > len(names):
+                        who += f" and {count - len(names)} more"
+                    msg = f"generation {g.gen}: waiting for {who}"
+                return p.RendezvousResponse(status, message=msg)
+            return None
 
     def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
-        with self.cond:
+        with self.lock:
             verdict, gen = self.state.quorum(
                 req.member, req.incarnation, req.gen, req.step, req.leaving, time.monotonic()
             )
@@ -250,7 +282,7 @@ class Coordinator:
     def preempt(self, req: p.PreemptRequest) -> p.OkResponse:
         """The whole job is being preempted: from the next step decided on, every
         member is told to take an emergency checkpoint after it and exit."""
-        with self.cond:
+        with self.lock:
             if self._preempt_deadline is None:
                 self._preempt_deadline = time.monotonic() + max(0.0, req.grace_s)
                 self.events.emit("preempt_notice", grace_s=req.grace_s)
@@ -258,7 +290,7 @@ class Coordinator:
             return p.OkResponse(True)
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
-        with self.cond:
+        with self.lock:
             ok = self.state.leave(req.member, req.incarnation, req.reason, time.monotonic())
             if ok and req.reason == "done":
                 self.state.progress_step = max(self.state.progress_step, req.committed)
@@ -266,13 +298,13 @@ class Coordinator:
             return p.OkResponse(ok)
 
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
-        with self.cond:
+        with self.lock:
             ok = self.state.exited(req.member, req.pid, time.monotonic())
             self._flush(wake=True)
             return p.OkResponse(ok)
 
     def status(self) -> dict[str, Any]:
-        with self.cond:
+        with self.lock:
             s = self.state
             g = s.gen
             rate = 0.0
@@ -303,13 +335,9 @@ class Coordinator:
             }
 
     def tick(self) -> None:
-        with self.cond:
+        with self.lock:
             self.state.expire(time.monotonic())
             self._flush()
-
-    def _barrier(self) -> tuple[int, int, bool]:
-        g = self.state.gen
-        return (g.gen, len(g.ready), g.broken) if g is not None else (0, 0, False)
 
     def _gen_id(self) -> int:
         return self.state.gen.gen if self.state.gen else 0
@@ -326,138 +354,112 @@ ROUTES: dict[str, tuple[type, str]] = {
 }
 
 
-def make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+LONG_POLLS = frozenset({"heartbeat", "rendezvous"})
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            pass  # requests are not logged line by line; events carry what matters
 
-        def _reply(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
+def _wait_s(wait_s: float) -> float:
+    """`wait_s` clamped to [0, MAX_WAIT_S] (NaN: 0)."""
+    if 0.0 <= wait_s <= MAX_WAIT_S:
+        return wait_s
+    return MAX_WAIT_S if wait_s > MAX_WAIT_S else 0.0
 
-        def send_error(
-            self, code: int, message: str | None = None, explain: str | None = None
-        ) -> None:
-            """http.server's own refusals (bad request line or headers, unknown method,
-            HTTP/2) as a JSON 4xx like ours; the connection is closed after it."""
-            status, err = {501: (405, "method_not_allowed"), 505: (400, "malformed")}.get(
-                code, (code, "malformed")
-            )
-            if code == 501:
-                message = (
-                    f"method {self.command[:20]!r} not allowed: use GET or POST {p.PREFIX}<op>"
+
+_SMALL = (p.HeartbeatResponse, p.QuorumResponse, p.OkResponse)
+_encoded: dict[Any, bytes] = {}
+"""Encoded small answers (frozen, hashable): a heartbeat answer is one lookup."""
+
+
+def _ok(out: Any) -> Response:
+    if isinstance(out, bytes):
+        return Response(200, out)
+    if type(out) in _SMALL:
+        data = _encoded.get(out)
+        if data is None:
+            data = json.dumps(p.encode(out)).encode()
+            if len(_encoded) < 4096:
+                _encoded[out] = data
+        return Response(200, data)
+    return Response(200, json.dumps(out if isinstance(out, dict) else p.encode(out)).encode())
+
+
+def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable[Response]]:
+    """The wire API over `coord`: token, route, strict decoding, then the op.
+    Answers at once, or returns an awaitable for a long poll that must wait."""
+
+    async def wait(attempt: Callable[[float], Any], deadline: float, epoch: int) -> Response:
+        return _ok(await coord.changes.long_poll(attempt, deadline, epoch))
+
+    def _dispatch(req: Request) -> Response | Awaitable[Response]:
+        try:
+            path = req.path
+            if req.method == "GET" and path == "/healthz":
+                # Tokenless liveness for probes: says only that it serves.
+                return Response(200, b'{"ok":true}')
+            coord.check_token(req.headers.get(b"authorization"))
+            if req.method == "GET" and path.split("?", 1)[0] == "/metrics":
+                # Prometheus text; the bearer token is required like everywhere else.
+                return Response(
+                    200,
+                    prometheus_text(coord.status()).encode(),
+                    content_type=CONTENT_TYPE.encode(),
                 )
-            self.close_connection = True
-            self.request_version = (
-                self.protocol_version
-            )  # a status line even for HTTP/0.9 or garbage
-            self._reply(status, {"error": err, "message": message or HTTPStatus(code).phrase})
-
-        def _read_body(self) -> bytes:
-            """The whole body (by Content-Length), or HttpError; any error before the
-            body was read closes the connection, so that keep-alive never desyncs."""
-            if self.headers.get("Transfer-Encoding") is not None:
-                self.close_connection = True
+            if not path.startswith(p.PREFIX):
                 raise HttpError(
-                    400, "malformed", "chunked bodies are not supported: send Content-Length"
+                    404,
+                    "not_found",
+                    f"unknown path {path[:100]!r}; this coordinator speaks {p.PREFIX}",
                 )
-            text = self.headers.get("Content-Length") or "0"
-            if not re.fullmatch(r"[0-9]{1,20}", text.strip()):
-                self.close_connection = True
+            op = path[len(p.PREFIX) :]
+            if req.method == "GET":
+                if op != "status":
+                    raise HttpError(404, "not_found", f"unknown GET op {op[:100]!r}")
+                return _ok(coord.status())
+            route = ROUTES.get(op)
+            if route is None:
                 raise HttpError(
-                    400, "malformed", f"Content-Length {text[:40]!r} is not a byte count"
+                    404, "not_found", f"unknown op {op[:100]!r}; known: {sorted(ROUTES)}"
                 )
-            length = int(text)
-            if length > MAX_BODY:
-                self.close_connection = True
-                raise HttpError(400, "too_large", f"body of {length} bytes exceeds {MAX_BODY}")
-            self.connection.settimeout(BODY_TIMEOUT_S)
             try:
-                raw = self.rfile.read(length) if length else b""
-            except TimeoutError:
-                self.close_connection = True
-                raise HttpError(
-                    408,
-                    "timeout",
-                    f"the {length}-byte body did not arrive within {BODY_TIMEOUT_S:g} s",
-                ) from None
-            finally:
-                self.connection.settimeout(self.timeout)
-            if len(raw) < length:
-                self.close_connection = True
-                raise HttpError(400, "malformed", f"body ended after {len(raw)} of {length} bytes")
-            return raw
-
-        def _dispatch(self, method: str) -> None:
+                body = json.loads(req.body or b"null")
+            except (ValueError, RecursionError) as e:  # incl. UnicodeDecodeError
+                raise HttpError(400, "malformed", f"body is not JSON: {str(e)[:200]}") from None
+            cls, name = route
             try:
-                raw = self._read_body()
-                coord.check_token(self.headers.get("Authorization"))
-                if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
-                    data = prometheus_text(coord.status()).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", CONTENT_TYPE)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                    return
-                if not self.path.startswith(p.PREFIX):
-                    raise HttpError(
-                        404,
-                        "not_found",
-                        f"unknown path {self.path[:100]!r}; this coordinator speaks {p.PREFIX}",
-                    )
-                op = self.path[len(p.PREFIX) :]
-                if method == "GET":
-                    if op != "status":
-                        raise HttpError(404, "not_found", f"unknown GET op {op[:100]!r}")
-                    self._reply(200, coord.status())
-                    return
-                if op not in ROUTES:
-                    raise HttpError(
-                        404, "not_found", f"unknown op {op[:100]!r}; known: {sorted(ROUTES)}"
-                    )
-                try:
-                    body = json.loads(raw or b"null")
-                except (ValueError, RecursionError) as e:  # incl. UnicodeDecodeError
-                    raise HttpError(400, "malformed", f"body is not JSON: {str(e)[:200]}") from None
-                cls, name = ROUTES[op]
-                try:
-                    req: Any = p.decode(cls, body)
-                except p.ProtocolError as e:
-                    raise HttpError(400, "malformed", str(e)) from None
-                self._reply(200, p.encode(getattr(coord, name)(req)))
-            except HttpError as e:
-                self._reply(e.status, {"error": e.code, "message": e.message})
-            except (ValueError, TypeError) as e:
-                self._reply(400, {"error": "malformed", "message": str(e)})
-            except Exception as e:  # a bug: say so (500) rather than drop the connection
-                traceback.print_exc()
-                self.close_connection = True
-                self._reply(500, {"error": "internal", "message": f"{type(e).__name__}: {e}"})
+                msg: Any = p.decode(cls, body)
+            except p.ProtocolError as e:
+                raise HttpError(400, "malformed", str(e)) from None
+            if name in LONG_POLLS:
+                deadline = time.monotonic() + _wait_s(msg.wait_s)
+                attempt = getattr(coord, name)
+                epoch = coord.changes.epoch
+                out = attempt(msg, deadline)
+                if out is None:
+                    return wait(lambda d: attempt(msg, d), deadline, epoch)
+                return _ok(out)
+            return _ok(getattr(coord, name)(msg))
+        except HttpError as e:
+            return error_response(e.status, e.code, e.message)
+        except (ValueError, TypeError) as e:
+            return error_response(400, "malformed", str(e))
 
-        def do_POST(self) -> None:  # noqa: N802
-            self._dispatch("POST")
+    return _dispatch
 
-        def do_GET(self) -> None:  # noqa: N802
-            self._dispatch("GET")
 
-    return Handler
+def default_max_connections() -> int:
+    """What the open-file limit allows, less a margin for the store and logs."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, min(soft - 64, 1 << 17))
 
 
 class CoordinatorServer:
     """The coordinator's HTTP server, TCPStore and expiry ticker, in-process.
 
-    `start()` binds (port 0 picks a free port) and serves on background threads;
-    `stop()` closes everything. Tests use this class directly; the launcher runs
-    `main()` in a process of its own.
+    The constructor binds (port 0 picks a free port); `start()` serves on a
+    background thread running an asyncio event loop (see control/http.py), so
+    this API stays synchronous; `stop()` closes everything. Tests use this
+    class directly; the launcher runs `main()` in a process of its own.
     """
 
     def __init__(
@@ -470,6 +472,7 @@ class CoordinatorServer:
         store_port: int = 0,
         run_dir: str | None = None,
         job_id: str | None = None,
+        max_connections: int | None = None,
     ) -> None:
         if not token:
             raise ValueError(
@@ -487,15 +490,19 @@ class CoordinatorServer:
             store_port=self.store.port,
             events=self.events,
         )
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(self.coord))
-        self.httpd.daemon_threads = True
+        self.http = HttpServer(
+            make_handler(self.coord),
+            host,
+            port,
+            max_body=MAX_BODY,
+            read_timeout_s=BODY_TIMEOUT_S,
+            max_connections=max_connections or default_max_connections(),
+        )
         self.host = host
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
 
     @property
     def port(self) -> int:
-        return int(self.httpd.server_address[1])
+        return self.http.port
 
     @property
     def address(self) -> str:
@@ -505,45 +512,32 @@ class CoordinatorServer:
         self.coord.events.emit(
             "coordinator_start", host=self.host, port=self.port, store_port=self.store.port
         )
-        t = threading.Thread(
-            target=self.httpd.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="coordinator-http",
-            daemon=True,
-        )
-        t.start()
-        self._threads.append(t)
-        k = threading.Thread(target=self._ticker, name="coordinator-tick", daemon=True)
-        k.start()
-        self._threads.append(k)
+        self.coord.changes.attach(self.http.loop, self.http.in_loop_thread)
+        self.http.start()
+        self.http.loop.call_soon_threadsafe(self.http.call_every, 0.1, self.coord.tick)
         return self
-
-    def _ticker(self) -> None:
-        while not self._stop.wait(0.1):
-            self.coord.tick()
 
     def drain_for_preemption(self, grace_s: float) -> bool:
         """The whole job is being preempted: notice every member (as the `preempt`
         op does), then block until no member is registered or `grace_s` has
         passed; returns whether every member left in time. A margin of the
-        grace (at most 5 s) is kept for the members' own exit."""
+        grace (at most 5 s) is kept for the members' own exit. Called from the
+        main thread while the event loop serves the members' last requests."""
         margin = min(5.0, 0.2 * grace_s)
         deadline = time.monotonic() + grace_s
         self.coord.preempt(p.PreemptRequest(grace_s - margin))
-        with self.coord.cond:
-            while self.coord.state.members:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.coord.cond.wait(min(left, 0.5))
-        return True
+        while True:
+            with self.coord.lock:
+                self.coord.members_left.clear()
+                if not self.coord.state.members:
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.coord.members_left.wait(left)
 
     def stop(self) -> None:
-        self._stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        for t in self._threads:
-            t.join(timeout=5)
+        self.http.stop()
         self.events.close()
 
 
@@ -589,6 +583,13 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="on SIGTERM: seconds for the members' emergency checkpoint and exit (default 30)",
     )
+    ap.add_argument("--ready-timeout", type=float, default=15.0)
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=0,
+        help="most open client connections (default: what the open-file limit allows)",
+    )
     args = ap.parse_args(argv)
     host, _, port = args.bind.rpartition(":")
     try:
@@ -599,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_s=args.lease,
             suspect_s=args.suspect,
             start_grace_s=args.start_grace,
+            ready_timeout_s=args.ready_timeout,
         )
     except ValueError as e:
         ap.error(str(e))
@@ -610,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         store_port=args.store_port,
         run_dir=args.run_dir,
         job_id=args.job_id,
+        max_connections=args.max_connections or None,
     )
     if args.gen_floor < 0:
         ap.error("--gen-floor must be >= 0")

@@ -62,7 +62,10 @@ def state_hash(leaves: NamedLeaves, committed: int) -> str:
     Two members with bit-identical params, optimizer state and key at the same
     step get the same digest. Local, read-only.
     """
-    header = {"committed": committed, "leaves": [[n, str(a.dtype), list(a.shape)] for n, a in leaves]}
+    header = {
+        "committed": committed,
+        "leaves": [[n, str(a.dtype), list(a.shape)] for n, a in leaves],
+    }
     h = hashlib.sha256()
     h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
     for _, a in leaves:

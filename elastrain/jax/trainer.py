@@ -204,7 +204,9 @@ class JaxElasticTrainer:
 
     def step_key(self, step: int, microbatch: int) -> jax.Array:
         """The PRNG key micro-batch `microbatch` of step `step` gets (membership-free)."""
-        base = jax.random.wrap_key_data(self.key, impl=self._key_impl) if self._typed_key else self.key
+        base = (
+            jax.random.wrap_key_data(self.key, impl=self._key_impl) if self._typed_key else self.key
+        )
         return jax.random.fold_in(jax.random.fold_in(base, step), microbatch)
 
     def state_tree(self) -> Tree:

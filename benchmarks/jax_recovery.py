@@ -135,8 +135,9 @@ def main() -> int:
         xs = [r.phase(ph) for r in recs if not math.isnan(r.phase(ph))]
         lo, hi = min(xs, default=0.0), max(xs, default=0.0)
         lines.append(f"|   {ph} | {med(xs)} | {lo:.3f} | {hi:.3f} | {len(xs)} |")
-    per_kill = format_recoveries(recs)
-    per_join = format_joins(js)
+    origin = min((float(e["t"]) for e in events), default=None)
+    per_kill = format_recoveries(recs, origin)
+    per_join = format_joins(js, origin)
     same = check_same_state(events)
     print("\n".join(lines))
     print(per_kill)
@@ -170,7 +171,8 @@ def main() -> int:
         + per_join
         + "\n```\n\n"
         f"- same state at every generation start (state_hash): {same or 'yes'}\n"
-        f"- run: {wall:.0f} s, status {result.status}, run dir {run_dir.relative_to(ROOT)}\n"
+        f"- run: {wall:.0f} s, status {result.status} (the pacer stops the job once the last "
+        "replacement settled), run dir {run_dir.relative_to(ROOT)}\n"
     )
     with open(HERE / "RESULTS.md", "a") as f:
         f.write(text)

@@ -31,8 +31,7 @@ session, gloo groups, waiter, graveyard and watchdog:
    Any error discards the step and goes back to 1 (the group is parked in the
    graveyard if work is in flight); the same step is retried.
 
-Not here (yet): durable checkpoints and resume (the PyTorch path has them),
-sharding inside a member (one JAX process holds one full replica).
+Not here: checkpoints/resume, resharding inside a member (docs/jax.md).
 """
 
 from __future__ import annotations

@@ -267,7 +267,6 @@ class JaxElasticTrainer:
         _, flat = self._grad(self.params, batch, self.step_key(0, 0))
         out = self._apply(self.params, self.opt_state, flat)
         jax.block_until_ready(out)
-        # (No event kind for it in elastrain.observe.events yet: a log line.)
         log.info("%s: jit compile + first run %.2f s", self.member, time.monotonic() - t0)
 
     def _join_generation(self) -> None:

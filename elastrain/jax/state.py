@@ -1,0 +1,171 @@
+"""A JAX training state as named host arrays: signature, hash, gradient packing.
+
+The state that moves between members is one pytree, ``{"params": ...,
+"opt_state": ..., "key": ...}``, flattened in JAX's canonical leaf order and
+named by each leaf's key path (``jax.tree_util.keystr``), e.g.
+``['params']['w1']`` or ``['opt_state'][0].mu['w1']``. Every member that built
+the same params and the same optax optimizer gets the same names, shapes and
+dtypes in the same order, which is what the coordinator's model signature, the
+heal manifest and the state hash rely on.
+
+Everything here is local (no communication) and never pickles: leaves are
+read as raw bytes (``np.asarray`` of a CPU array is a zero-copy, read-only
+view) and rebuilt from raw bytes plus the local leaf's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Tree = Any
+"""A JAX pytree (dicts, lists, tuples, NamedTuples of arrays)."""
+
+NamedLeaves = list[tuple[str, np.ndarray]]
+
+
+def is_typed_key(key: Any) -> bool:
+    """True for a new-style typed PRNG key (``jax.random.key``), False for raw uint32 data."""
+    return bool(jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key))
+
+
+def key_data(key: Any) -> jax.Array:
+    """The raw uint32 data of a PRNG key (typed or legacy ``PRNGKey``)."""
+    return jax.random.key_data(key) if is_typed_key(key) else jnp.asarray(key)
+
+
+def named_leaves(tree: Tree) -> NamedLeaves:
+    """``[(key path, host array), ...]`` in JAX's canonical order.
+
+    The arrays are zero-copy views of the live leaves where JAX allows it
+    (CPU), so they are read-only: copy before writing into one.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(path), np.asarray(leaf)) for path, leaf in flat]
+
+
+def signature(tree: Tree) -> list[list[Any]]:
+    """``[[name, shape, dtype], ...]``: what the coordinator compares across members."""
+    return [[n, [int(d) for d in a.shape], str(a.dtype)] for n, a in named_leaves(tree)]
+
+
+def state_hash(leaves: NamedLeaves, committed: int) -> str:
+    """SHA-256 of a flattened state: names, dtypes, shapes, raw bytes and the step count.
+
+    Two members with bit-identical params, optimizer state and key at the same
+    step get the same digest. Local, read-only.
+    """
+    header = {
+        "committed": committed,
+        "leaves": [[n, str(a.dtype), list(a.shape)] for n, a in leaves],
+    }
+    h = hashlib.sha256()
+    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    for _, a in leaves:
+        if a.size:
+            h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def rebuild(tree: Tree, arrays: Sequence[np.ndarray]) -> Tree:
+    """A tree with `tree`'s structure whose leaves are `arrays` (same order), as
+    device arrays with each local leaf's dtype and shape. Raises ValueError if
+    the count, a shape or a dtype differs."""
+    old, treedef = jax.tree_util.tree_flatten(tree)
+    if len(old) != len(arrays):
+        raise ValueError(f"state has {len(old)} leaves, got {len(arrays)}")
+    new = []
+    for i, (o, a) in enumerate(zip(old, arrays, strict=True)):
+        o_shape, o_dtype = np.shape(o), jnp.asarray(o).dtype
+        if tuple(a.shape) != tuple(o_shape) or a.dtype != o_dtype:
+            raise ValueError(
+                f"leaf {i}: got {a.dtype}{list(a.shape)}, expected {o_dtype}{list(o_shape)}"
+            )
+        new.append(jnp.array(a, copy=True))
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+@dataclass(frozen=True)
+class GradLayout:
+    """Where each parameter's gradient lives in the flat float32 all-reduce buffer.
+
+    The buffer is ``[grad leaf 0, grad leaf 1, ..., extra slots]``, every leaf
+    cast to float32 and raveled, in the params tree's leaf order.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    sizes: tuple[int, ...]
+    treedef: Any
+
+    @classmethod
+    def of(cls, params: Tree) -> GradLayout:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        arrs = [jnp.asarray(x) for x in leaves]
+        return cls(
+            tuple(tuple(int(d) for d in a.shape) for a in arrs),
+            tuple(a.dtype for a in arrs),
+            tuple(int(a.size) for a in arrs),
+            treedef,
+        )
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    def ravel(self, grads: Tree) -> jax.Array:
+        """Traceable: the gradient pytree as one float32 vector."""
+        leaves = jax.tree_util.tree_leaves(grads)
+        return jnp.concatenate([jnp.ravel(g).astype(jnp.float32) for g in leaves])
+
+    def unravel(self, flat: jax.Array) -> Tree:
+        """Traceable: the inverse of `ravel` (each leaf cast back to its dtype)."""
+        out, off = [], 0
+        for shape, dtype, size in zip(self.shapes, self.dtypes, self.sizes, strict=True):
+            out.append(flat[off : off + size].reshape(shape).astype(dtype))
+            off += size
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+LossFn = Callable[[Tree, Any, jax.Array], jax.Array]
+"""``loss_fn(params, batch, key) -> scalar``: the mean loss over one micro-batch."""
+
+
+def make_grad_fn(
+    loss_fn: LossFn, layout: GradLayout, micro_batch: int
+) -> Callable[[Tree, Any, jax.Array], tuple[jax.Array, jax.Array]]:
+    """Jitted ``(params, batch, key) -> (mean loss, flat float32 gradient x micro_batch)``:
+    the gradient of the micro-batch's loss *sum*, ready to be summed over the step."""
+
+    def f(params: Tree, batch: Any, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, key)
+        return loss, layout.ravel(grads) * micro_batch
+
+    return jax.jit(f)
+
+
+def make_apply_fn(
+    optimizer: Any, layout: GradLayout, global_batch: int
+) -> Callable[[Tree, Tree, jax.Array], tuple[Tree, Tree]]:
+    """Jitted ``(params, opt_state, summed flat gradient) -> (params, opt_state)``:
+    divide by the global batch, unflatten, one optax update."""
+    import optax
+
+    def f(params: Tree, opt_state: Tree, flat: jax.Array) -> tuple[Tree, Tree]:
+        grads = layout.unravel(flat / global_batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(f)
+
+
+def stack_collate(samples: list[Any]) -> Any:
+    """Default collate: stack each field of the samples (pytrees of arrays) with numpy."""
+    return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *samples)

@@ -284,7 +284,7 @@ def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> Non
         (["run", "-n", "0", MLP], "-n must be >= 1"),
         (["run", "-n", "2", "--min", "3", MLP], "--min must be between 1 and -n=2"),
         (["run", "--fault", "explode@3", MLP], "kind must be one of"),
-        (["run", "--fault", "kill", MLP], "expected KIND@STEP"),
+        (["run", "--fault", "kill", MLP], "expected KIND@WHEN"),
         (["run", "no-such-script.py"], "training script not found"),
         (["run", "--replace-delay", "-1", MLP], "--replace-delay must be >= 0"),
     ],

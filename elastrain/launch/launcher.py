@@ -140,6 +140,9 @@ class Launcher:
         self._coordinator_bind: tuple[str, int, int] | None = None
         """(host, port, store port) of the first coordinator; restarts reuse them."""
         self._coordinator_deaths: list[float] = []
+        self._max_gen = 0
+        """The highest generation any coordinator of this job reported (a restarted
+        one numbers after it: a status read between two quick restarts says 0)."""
         self._unreported_exits: list[p.ExitRequest] = []
 
     # ---- processes -------------------------------------------------------------
@@ -152,7 +155,7 @@ class Launcher:
             # Same ports; generation numbers go on after the highest one seen,
             # even if no worker that ran one is left to report it.
             bind = ["--bind", f"{host}:{port}", "--store-port", str(store_port)]
-            bind += ["--gen-floor", str(int(self.status.get("gen", 0)))]
+            bind += ["--gen-floor", str(self._max_gen)]
         cmd = [
             sys.executable,
             "-m",
@@ -525,6 +528,7 @@ class Launcher:
         # A restarted coordinator learns the step from its workers' next
         # quorum calls; never report progress going backwards.
         status["step"] = max(int(status.get("step", 0)), int(self.status.get("step", 0)))
+        self._max_gen = max(self._max_gen, int(status.get("gen", 0)))
         self.status = status
         if self.on_status is not None:
             self.on_status(self.status)

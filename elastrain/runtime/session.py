@@ -117,8 +117,8 @@ class MemberSession:
                 break
             except CoordinatorRefused as e:
                 raise JoinRefused(e.message) from e
-            except CoordinatorUnavailable:
-                self._note_unreachable("register")
+            except CoordinatorUnavailable as e:
+                self._note_unreachable("register", str(e))
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(self.heartbeat_s)  # back-off while the coordinator restarts
@@ -172,17 +172,18 @@ class MemberSession:
     def coordinator_unreachable(self, what: str, error: str) -> None:
         """The training thread could not reach the coordinator (`what` failed)."""
         log.debug("%s failed: %s", what, error)
-        self._note_unreachable(what)
+        self._note_unreachable(what, error)
 
-    def _note_unreachable(self, what: str) -> None:
+    def _note_unreachable(self, what: str, error: str = "") -> None:
         if self._unreachable_since is None:
             self._unreachable_since = time.monotonic()
             log.warning(
-                "coordinator unreachable (%s); training goes on in generation %d meanwhile",
+                "coordinator unreachable (%s: %s); training goes on in generation %d meanwhile",
                 what,
+                error or "no answer",
                 self._gen,
             )
-            self.events.emit("coordinator_unreachable", gen=self._gen, op=what)
+            self.events.emit("coordinator_unreachable", gen=self._gen, op=what, error=error[:300])
 
     def _note_reachable(self) -> None:
         since = self._unreachable_since
@@ -222,8 +223,8 @@ class MemberSession:
                 r = self.client.heartbeat(
                     p.HeartbeatRequest(self.member, inc, gen, self.heartbeat_s)
                 )
-            except CoordinatorUnavailable:
-                self._note_unreachable("heartbeat")
+            except CoordinatorUnavailable as e:
+                self._note_unreachable("heartbeat", str(e))
                 self._stop.wait(self.heartbeat_s)
                 continue
             except CoordinatorRefused as e:

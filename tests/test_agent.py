@@ -47,9 +47,18 @@ def start_agent(
     return subprocess.Popen(
         [sys.executable, "-m", "elastrain.cli", "agent", "--coordinator", address,
          "--token-file", str(token_file), "--name", name, "--nproc", str(nproc), "--plain",
-         "--steps", str(steps), "--run-dir", str(run_dir), *extra, MLP],
+         "--steps", str(steps), "--run-dir", str(run_dir), *_opts(extra), MLP,
+         *_script_args(extra)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+
+
+def _opts(extra: tuple[str, ...]) -> list[str]:
+    return list(extra[: extra.index("--")]) if "--" in extra else list(extra)
+
+
+def _script_args(extra: tuple[str, ...]) -> list[str]:
+    return list(extra[extra.index("--") :]) if "--" in extra else []
 
 
 def all_events(*dirs: Path) -> list[dict[str, Any]]:
@@ -69,18 +78,24 @@ def wait_for(cond: Any, what: str, dirs: tuple[Path, ...], timeout: float = 120)
 
 def test_two_agents_form_one_job_replace_their_own_and_drain(tmp_path: Path) -> None:
     steps = 400
+    # Paced until the replacement has healed and node b has left, so that a slow
+    # start-up (import torch on a loaded machine) never lets the job end first.
+    pace = tmp_path / "pace"
+    pace.write_text("0.1")
     coord, address = start_coordinator(tmp_path / "coord", target=4, min_members=2)
     dirs = (tmp_path / "coord", tmp_path / "a", tmp_path / "b")
-    a = start_agent(address, "a", dirs[1], 2, steps, "--fault", "kill@20:a-w0")
-    b = start_agent(address, "b", dirs[2], 2, steps)
+    a = start_agent(address, "a", dirs[1], 2, steps, "--fault", "kill@20:a-w0", "--",
+                    "--pace-file", str(pace))  # fmt: skip
+    b = start_agent(address, "b", dirs[2], 2, steps, "--", "--pace-file", str(pace))
     procs = [coord, a, b]
     try:
         # a-w0 dies and agent a replaces it; then node b leaves (SIGTERM to its agent).
         wait_for(lambda ev: any(e["kind"] == "heal_end" and e["proc"] == "a-w2" for e in ev),
-                 "a's replacement to heal", dirs)  # fmt: skip
+                 "a's replacement to heal", dirs, timeout=300)  # fmt: skip
         b.send_signal(signal.SIGTERM)
         out_b, _ = b.communicate(timeout=60)
         assert b.returncode == 0 and "job drained" in out_b, out_b
+        pace.write_text("0")
         out_a, _ = a.communicate(timeout=180)
         assert a.returncode == 0, out_a
     finally:

@@ -34,7 +34,9 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     cfg = LaunchConfig(
         script=MLP,
         workers=3,
-        steps=40,
+        # Long enough that the replacement (1 s after the kill) is spawned before
+        # the job ends even on a fast machine (steps take ~30 ms here).
+        steps=120,
         run_dir=str(tmp_path_factory.mktemp("observed") / "run"),
         faults=[parse_fault("kill@12")],
         replace_delay_s=1.0,

@@ -12,10 +12,10 @@ from elastrain.chaos.soak import format_table, main, plan_faults, soak
 
 
 def test_plan_deals_every_kind_and_keeps_a_quiet_tail() -> None:
-    faults = plan_faults(list(KINDS), 90.0, 7.0, seed=3)
+    faults = plan_faults(list(KINDS), 75.0, 6.0, seed=3)
     assert {f.kind for f in faults} == set(KINDS)
-    assert max(f.at_s or 0 for f in faults) < 90.0 * 0.75 + 1
-    assert plan_faults(list(KINDS), 90.0, 7.0, seed=3) == faults
+    assert max(f.at_s or 0 for f in faults) < 75.0 * 0.75 + 1
+    assert plan_faults(list(KINDS), 75.0, 6.0, seed=3) == faults
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_bad_arguments(args: list[str], needle: str, capsys: pytest.CaptureFixtu
 
 
 def test_short_soak_every_fault_kind_zero_violations(tmp_path: Path) -> None:
-    summary = soak(90.0, workers=3, every_s=7.0, seed=0, run_dir=tmp_path / "soak")
+    summary = soak(75.0, workers=3, every_s=6.0, seed=0, run_dir=tmp_path / "soak")
     table = format_table(summary)
     print(table)
     injected = {f["fault"] for f in summary["faults"] if not f["skipped"]}

@@ -135,6 +135,10 @@ def plan_faults(kinds: list[str], duration_s: float, every_s: float, seed: int) 
     rng = random.Random(seed)
     out: list[Fault] = []
     deck: list[str] = []
+    # Checkpoint damage brings its own kill-all; a deck with damage in it does
+    # not deal another (each kill-all restarts every process: the costliest fault).
+    if {"corrupt-ckpt", "truncate-ckpt"} & set(kinds):
+        kinds = [k for k in kinds if k != "kill-all"]
     t = every_s
     end = duration_s * (1 - QUIET_TAIL)
     while t < end:

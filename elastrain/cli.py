@@ -176,34 +176,29 @@ def _summary(result: object) -> None:
         pass
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, cmd: str, ok: tuple[str, ...]) -> int:
+    """`elastrain run` and `elastrain agent`: build the config, run, summarise."""
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
         script_args = script_args[1:]
     try:
         cfg = _launch_config(args, args.script, script_args)
     except (ValueError, OSError) as e:
-        print(f"elastrain run: error: {e}", file=sys.stderr)
+        print(f"elastrain {cmd}: error: {e}", file=sys.stderr)
         return 2
     result = _run_job(cfg, args.plain, args.steps)
     _summary(result)
-    return 0 if getattr(result, "status", "") == "done" else 1
+    return 0 if getattr(result, "status", "") in ok else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _launch(args, "run", ("done",))
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     """One per node: runs and replaces this node's workers of a job whose
-    coordinator runs elsewhere (`elastrain coordinator`)."""
-    script_args = list(args.script_args)
-    if script_args and script_args[0] == "--":
-        script_args = script_args[1:]
-    try:
-        cfg = _launch_config(args, args.script, script_args)
-    except (ValueError, OSError) as e:
-        print(f"elastrain agent: error: {e}", file=sys.stderr)
-        return 2
-    result = _run_job(cfg, args.plain, args.steps)
-    _summary(result)
-    return 0 if getattr(result, "status", "") in ("done", "drained") else 1
+    coordinator runs elsewhere (`elastrain coordinator`); a drained node is a success."""
+    return _launch(args, "agent", ("done", "drained"))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -388,8 +389,14 @@ def run_service(n: int, n_conns: int, seconds: float, core_server: int, core_cli
         os.sched_setaffinity(0, {core_client})
         res = asyncio.run(service(n, n_conns, seconds, info["host"], info["port"], proc.pid))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        # SIGINT stops the coordinator; SIGTERM would be a preemption notice for
+        # the whole job, which waits for these simulated members to checkpoint.
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     return res
 
@@ -447,6 +454,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats, 1k and 10k service only")
     ap.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase length")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument(
+        "--cases",
+        default=None,
+        help="service cases as MEMBERSxCONNS,... (default 1000x100,10000x500,10000x10000,"
+        "100000x500; --quick: the first two)",
+    )
     args = ap.parse_args()
     before = load()
     text, worst = pure_table([1000, 10_000, 100_000], 3 if args.quick else args.reps)
@@ -457,6 +470,11 @@ def main() -> int:
     cases = [(1000, 100), (10_000, 500)]
     if not args.quick:
         cases += [(10_000, 10_000), (100_000, 500)]
+    if args.cases:
+        try:
+            cases = [(int(a), int(b)) for a, b in (c.split("x") for c in args.cases.split(","))]
+        except ValueError:
+            ap.error(f"--cases: expected MEMBERSxCONNS,..., got {args.cases!r}")
     results = []
     for n, conns in cases:
         secs = args.seconds if n <= 10_000 else 0.0

@@ -146,28 +146,59 @@ def decode(cls: type[T], body: Any) -> T:
     or missing fields and wrong types raise ProtocolError naming the field)."""
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__}: body must be a JSON object")
-    hints, fields = _schema(cls)
-    if not body.keys() <= fields.keys():
-        names = sorted(str(k)[:40] for k in set(body) - set(fields))
-        raise ProtocolError(f"{cls.__name__}: unknown field(s) {names[:5]}")
+    plan, names = _plan(cls)
+    if not body.keys() <= names:
+        unknown = sorted(str(k)[:40] for k in set(body) - set(names))
+        raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown[:5]}")
     kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
+    for name, tp, required, where, fast, extra in plan:
         if name not in body:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
             continue
-        value, tp = body[name], hints[name]
-        where = f"{cls.__name__}.{name}"
-        # The common cases first (the per-request cost of a heartbeat); ints
-        # still get their range check and floats their duration check.
-        if type(value) is tp and tp in (str, bool):
+        value = body[name]
+        # The common cases inline (the per-request cost of a heartbeat); the same
+        # rules as `_check`, which answers everything else and raises the errors.
+        # NaN fails every comparison, so it falls through to `_check` too.
+        if type(value) is tp and (
+            fast == _EXACT
+            or (fast == _INT and INT_MIN <= value <= INT_MAX)
+            or (fast == _DURATION and 0.0 <= value < math.inf)
+        ):
             kwargs[name] = value
         else:
             kwargs[name] = _check(value, tp, where)
-        extra = FIELD_CHECKS.get((cls.__name__, name))
         if extra is not None:
             extra(kwargs[name], where)
     return cls(**kwargs)
+
+
+_GENERIC, _EXACT, _INT, _DURATION = range(4)
+_FieldPlan = tuple[str, Any, bool, str, int, "Callable[[Any, str], None] | None"]
+_plans: dict[type, tuple[tuple[_FieldPlan, ...], Any]] = {}
+
+
+def _plan(cls: type) -> tuple[tuple[_FieldPlan, ...], Any]:
+    """Per field of `cls`, resolved once: (name, type, required, where, fast
+    path, extra check); and the set of field names."""
+    out = _plans.get(cls)
+    if out is None:
+        hints, fields = _schema(cls)
+        plan = []
+        for name, f in fields.items():
+            tp = hints[name]
+            fast = _GENERIC
+            if tp in (str, bool) or (tp is float and not name.endswith("_s")):
+                fast = _EXACT
+            elif tp is int:
+                fast = _INT
+            elif tp is float:
+                fast = _DURATION
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            where = f"{cls.__name__}.{name}"
+            plan.append((name, tp, required, where, fast, FIELD_CHECKS.get((cls.__name__, name))))
+        out = _plans[cls] = (tuple(plan), fields.keys())
+    return out
 
 
 _Schema = tuple[dict[str, Any], dict[str, "dataclasses.Field[Any]"]]

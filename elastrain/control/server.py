@@ -355,6 +355,8 @@ ROUTES: dict[str, tuple[type, str]] = {
 
 
 LONG_POLLS = frozenset({"heartbeat", "rendezvous"})
+_json_decode = json.JSONDecoder().decode
+"""`json.loads` less its encoding sniffing: the wire is UTF-8 (anything else is a 400)."""
 
 
 def _wait_s(wait_s: float) -> float:
@@ -420,7 +422,7 @@ def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable
                     404, "not_found", f"unknown op {op[:100]!r}; known: {sorted(ROUTES)}"
                 )
             try:
-                body = json.loads(req.body or b"null")
+                body = _json_decode(req.body.decode()) if req.body else None
             except (ValueError, RecursionError) as e:  # incl. UnicodeDecodeError
                 raise HttpError(400, "malformed", f"body is not JSON: {str(e)[:200]}") from None
             cls, name = route

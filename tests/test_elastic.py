@@ -6,7 +6,6 @@ every generation start, and that every sample was consumed exactly once."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -74,9 +73,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
 
 
 def assert_same_math(ref: Job, job: Job, upto: int) -> None:
+    """Bit for bit: gradients are summed in float64 (reduce_dtype's default), so
+    the float32 result does not depend on how many members split the batch."""
     a, b = loss_curve(ref.events), loss_curve(job.events)
     for s in range(upto):
-        assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
+        assert a[s] == b[s], f"step {s}: {a[s]!r} vs {b[s]!r}"
 
 
 def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, reference) -> None:  # type: ignore[no-untyped-def]
@@ -103,14 +104,12 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, r
     for joiner in ("w4", "w5"):
         assert faulty.of("heal_end", proc=joiner, role="recv"), joiner
         assert faulty.of("step_commit", proc=joiner, step=steps - 1), joiner
-    # The math does not depend on membership.
-    a, b = loss_curve(ref.events), loss_curve(faulty.events)
-    assert sorted(a) == sorted(b) == list(range(steps))
-    for s in range(steps):
-        assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
+    # The math does not depend on membership, to the last bit.
+    assert sorted(loss_curve(ref.events)) == sorted(loss_curve(faulty.events)) == list(range(steps))
+    assert_same_math(ref, faulty, steps)
     pa = np.load(ref.run_dir / "final" / "w0.npy")
     pb = np.load(faulty.run_dir / "final" / "w0.npy")
-    np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(pa, pb)
     finals = [np.load(f) for f in sorted((faulty.run_dir / "final").glob("*.npy"))]
     assert all(np.array_equal(finals[0], f) for f in finals[1:])
 
@@ -120,7 +119,9 @@ def test_hung_peer_is_aborted_not_waited_for(tmp_path: Path) -> None:
     run_dir = tmp_path / "hang"
     cfg = LaunchConfig(
         script=MLP,
-        script_args=["--hang-floor", "1.5"],
+        # The "native" reduction (gradients summed in float32) keeps every
+        # invariant but bitwise math; the other tests use the float64 default.
+        script_args=["--hang-floor", "1.5", "--reduce-dtype", "native"],
         workers=3,
         min_workers=2,
         steps=steps,

@@ -24,7 +24,8 @@ session, gloo groups, waiter, graveyard and watchdog:
    this rank's micro-batches of the fixed global batch (`assign_microbatches`).
    Micro-batch `i` gets the key `fold_in(fold_in(key, s), i)`, so neither the
    data nor the randomness depends on who is alive. The gradients (of the loss
-   sums) go into one writable float32 buffer with two extra slots, loss sum and
+   sums) go into one writable float64 buffer (float32 with reduce_dtype
+   "native") with two extra slots, loss sum and
    sample count; on "proceed" it is all-reduced (SUM) as a torch tensor; then
    the sample count is checked against the global batch, the gradient is
    divided by it and one jitted optax update is applied: committed.
@@ -415,7 +416,12 @@ class JaxElasticTrainer:
         mine = assign_microbatches(len(mbs), len(self.members), self.rank)
         # A fresh buffer every step: an abandoned all-reduce may still write into
         # the old one. JAX hands numpy read-only views, so sum into our own array.
-        buf = np.zeros(self._layout.numel + _EXTRA, dtype=np.float32)
+        # float64 (reduce_dtype's default): exact sums of the float32 micro-batch
+        # gradients, so the rounded result does not depend on who computed what.
+        wide = cfg.reduce_dtype == "float64"
+        buf: np.ndarray[Any, np.dtype[np.floating[Any]]] = np.zeros(
+            self._layout.numel + _EXTRA, dtype=np.float64 if wide else np.float32
+        )
         grad = buf[: self._layout.numel]
         samples: list[int] = []
         losses: list[Any] = []
@@ -466,7 +472,8 @@ class JaxElasticTrainer:
                 "allreduce", f"step {s} summed {count} samples, expected {cfg.global_batch_size}"
             )
         self._settle_hash()
-        params, opt_state = self._apply(self.params, self.opt_state, jax.numpy.asarray(grad))
+        summed = jax.numpy.asarray(grad.astype(np.float32) if wide else grad)
+        params, opt_state = self._apply(self.params, self.opt_state, summed)
         jax.block_until_ready((params, opt_state))
         self.params, self.opt_state = params, opt_state
         self.committed = s + 1

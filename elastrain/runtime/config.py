@@ -48,6 +48,18 @@ class TrainerConfig:
     coordinator_timeout_s: float = 10.0
     """Timeout of one coordinator call (long polls add their wait)."""
 
+    reduce_dtype: str = "float64"
+    """What the step's gradients are summed in, on each member and across members.
+    "float64": each micro-batch's gradient is added into a float64 buffer and the
+    all-reduce sums those; the float32 sums it stands for are exact there (in
+    practice: unless one micro-batch's entry is ~2^29 times another's), so the
+    gradient rounded back to the parameters' dtype has the same bits whichever
+    members computed which micro-batches. The loss curve of a run with failures
+    then equals the failure-free run's bit for bit, not just to float32 noise
+    that grows over thousands of steps. Costs a float64 copy of the gradients
+    and twice the all-reduce bytes. "native": sum in the parameters' dtype (half
+    the bytes; the result depends on membership in the last bits)."""
+
     hash_state: bool = True
     """Hash the full state at every generation start (logged as an event, so
     tests and chaos runs can check that every member holds the same state)."""
@@ -122,6 +134,11 @@ class TrainerConfig:
             raise ValueError(
                 "need checkpoint_keep_last >= 1 and checkpoint_keep_every >= 0 "
                 f"(got {self.checkpoint_keep_last}, {self.checkpoint_keep_every})"
+            )
+        if self.reduce_dtype not in ("float64", "native"):
+            raise ValueError(
+                f"reduce_dtype must be 'float64' (membership-independent sums) or 'native' "
+                f"(the parameters' dtype, half the all-reduce bytes), got {self.reduce_dtype!r}"
             )
         if self.checkpoint_commit_timeout_s <= 0:
             raise ValueError("checkpoint_commit_timeout_s must be > 0")

@@ -89,7 +89,7 @@ log = logging.getLogger("elastrain.trainer")
 
 
 _EXTRA = 2 + CONTRIB_SLOTS
-"""Values riding at the end of the first gradient buffer in the step's all-reduce:
+"""Values riding at the end of the first reduce buffer in the step's all-reduce:
 loss sum, sample count, then the checkpoint schedule's measurements."""
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -215,6 +215,7 @@ class ElasticTrainer:
         self._pg: Any = None
         self._flats: list[torch.Tensor] = []
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._reduce: list[torch.Tensor] = []
         self._last_loss: float | None = None
         self._last_wait_msg = 0.0
         self._job_finished = False
@@ -483,27 +484,32 @@ class ElasticTrainer:
         self._inflight = []
         # An abandoned all-reduce may still complete later and write into its
         # buffer: never reuse it (fresh buffers, fresh .grad views).
-        self._flats, self._views = [], []
+        self._flats, self._views, self._reduce = [], [], []
         self.session.set_gen(0)
         log.warning("%s: generation %d abandoned in %s: %s", self.member, self.gen, phase, error)
 
     # ---- one step --------------------------------------------------------------
 
-    def _ensure_grad_views(self) -> list[torch.Tensor]:
-        """Point every parameter's .grad at a slice of one flat buffer per dtype,
-        so backward accumulates in place and the all-reduce needs no copy."""
+    def _ensure_grad_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(grads, reduce): point every parameter's .grad at a slice of one flat
+        buffer per dtype (`grads`), so backward accumulates in place; `reduce` are
+        the buffers the all-reduce sums, the extras riding at the end of the
+        first. With reduce_dtype "native" they are the grad buffers themselves
+        (no copy); with "float64" one float64 buffer that every micro-batch's
+        gradient is added into (see `TrainerConfig.reduce_dtype`)."""
         if self._flats and all(
             prm.grad is not None and prm.grad.data_ptr() == v.data_ptr() for prm, v in self._views
         ):
-            return self._flats
+            return self._flats, self._reduce
         params = [q for q in self.model.parameters() if q.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for q in params:
             by_dtype.setdefault(q.dtype, []).append(q)
+        native = self.config.reduce_dtype == "native"
         flats: list[torch.Tensor] = []
         views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for i, (dtype, group) in enumerate(by_dtype.items()):
-            extra = _EXTRA if i == 0 else 0  # loss sum, sample count, ... ride with the first
+            extra = _EXTRA if i == 0 and native else 0  # loss sum, sample count, ...
             flat = torch.zeros(sum(q.numel() for q in group) + extra, dtype=dtype)
             off = 0
             for q in group:
@@ -513,7 +519,33 @@ class ElasticTrainer:
                 off += q.numel()
             flats.append(flat)
         self._flats, self._views = flats, views
-        return flats
+        if native:
+            self._reduce = flats
+        else:
+            n = sum(f.numel() for f in flats)
+            self._reduce = [torch.zeros(n + _EXTRA, dtype=torch.float64)]
+        return self._flats, self._reduce
+
+    def _widen(self, grads: list[torch.Tensor], wide: torch.Tensor) -> None:
+        """Add one micro-batch's gradient into the float64 sum and clear it."""
+        off = 0
+        for g in grads:
+            wide[off : off + g.numel()].add_(g)
+            g.zero_()
+            off += g.numel()
+
+    def _narrow(self, grads: list[torch.Tensor], reduce: list[torch.Tensor]) -> None:
+        """The summed gradient over the global batch, into the parameters' .grad."""
+        b = self.config.global_batch_size
+        if reduce is grads:
+            for i, f in enumerate(grads):
+                (f[:-_EXTRA] if i == 0 else f).div_(b)
+            return
+        wide, off = reduce[0], 0
+        for g in grads:
+            # One rounding, from the exact float64 mean: same bits on every member.
+            g.copy_(wide[off : off + g.numel()].div_(b))
+            off += g.numel()
 
     def _run_step(self) -> StepResult:
         cfg = self.config
@@ -521,8 +553,8 @@ class ElasticTrainer:
         t0 = time.monotonic()
         inc = self.session.incarnation
         verdict = self._quorum_pool.submit(self.client.quorum, self._quorum_request(s, inc))
-        flats = self._ensure_grad_views()
-        for f in flats:
+        grads, bufs = self._ensure_grad_views()
+        for f in (*grads, *bufs):
             f.zero_()
         mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
         mine = assign_microbatches(len(mbs), len(self.members), self.rank)
@@ -541,6 +573,8 @@ class ElasticTrainer:
                 data_s += time.monotonic() - t_data
                 loss = self.loss_fn(self.model, batch)
                 (loss * len(ids)).backward()
+            if bufs is not grads:
+                self._widen(grads, bufs[0])
             loss_sum += float(loss.detach()) * len(ids)
             samples.extend(ids)
             if k == 0:
@@ -551,12 +585,12 @@ class ElasticTrainer:
             if self.session.leaving:
                 self._exit_left()
             raise _Regroup("quorum", v.verdict)
-        flats[0][-_EXTRA:] = torch.tensor(
-            [loss_sum, float(len(samples)), *self.ckpt.contribution()], dtype=flats[0].dtype
+        bufs[0][-_EXTRA:] = torch.tensor(
+            [loss_sum, float(len(samples)), *self.ckpt.contribution()], dtype=bufs[0].dtype
         )
         self.events.emit("step_contrib", step=s, gen=self.gen, samples=samples)
         t_ar = time.monotonic()
-        self._inflight = tensor_allreduce(self._pg, flats)
+        self._inflight = tensor_allreduce(self._pg, bufs)
         self.faults.hit(s, "allreduce")
         timeout = self.hang.timeout_s
         try:
@@ -571,15 +605,14 @@ class ElasticTrainer:
         self._inflight = []
         t_done = time.monotonic()
         self.hang.observe(t_done - t_ar)
-        extras = flats[0][-_EXTRA:].tolist()
+        extras = bufs[0][-_EXTRA:].tolist()
         total_loss, count = float(extras[0]), int(round(float(extras[1])))
         if count != cfg.global_batch_size:
             # Exactly-once would be violated: never apply such a step.
             raise _Regroup(
                 "allreduce", f"step {s} summed {count} samples, expected {cfg.global_batch_size}"
             )
-        for i, f in enumerate(flats):
-            (f[:-_EXTRA] if i == 0 else f).div_(cfg.global_batch_size)
+        self._narrow(grads, bufs)
         self._settle_hash()
         self.optimizer.step()
         self.committed = s + 1

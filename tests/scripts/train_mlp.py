@@ -58,6 +58,9 @@ def main() -> None:
         "then lets it run to the end at full speed)",
     )
     ap.add_argument(
+        "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
+    )
+    ap.add_argument(
         "--mismatch", action="store_true", help="build a different model (must be refused)"
     )
     args = ap.parse_args()
@@ -72,6 +75,7 @@ def main() -> None:
         total_steps=args.steps,
         seed=7,
         hang_timeout_floor_s=args.hang_floor,
+        reduce_dtype=args.reduce_dtype,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
     last = time.monotonic()

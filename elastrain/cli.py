@@ -51,8 +51,8 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="inject a fault: KIND@WHEN[:MEMBER][/ARG], e.g. kill@15, hang@30/6, "
         "kill@every45s~15s, slow@20:w1/0.2x30, kill-all@50, kill-coordinator@20, "
-        "corrupt-ckpt@60, truncate-ckpt@60, fill-disk@70/10 (see elastrain.chaos.schedule); "
-        "repeatable",
+        "corrupt-ckpt@60, truncate-ckpt@60, fill-disk@70/10, cut@30/8 (with --hosts; see "
+        "elastrain.chaos.schedule); repeatable",
     )
     ap.add_argument(
         "--faults-file",
@@ -122,6 +122,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         checkpoint_every=args.ckpt_every,
         checkpoint_mtbf_s=args.ckpt_mtbf,
         grace_s=args.grace,
+        hosts=getattr(args, "hosts", 0),
         **(
             {
                 "coordinator": args.coordinator,
@@ -250,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a training script elastically on this machine")
     _add_run_args(r)
+    r.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="spread the workers over N simulated hosts (network namespaces; root and "
+        "iproute2) so that cut faults can partition one, e.g. --hosts 3 --fault cut@30/8",
+    )
     r.add_argument("script", help="the training script")
     r.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)"

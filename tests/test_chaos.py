@@ -20,6 +20,7 @@ from elastrain.chaos.schedule import (
     read_faults_file,
 )
 from elastrain.checkpoint import latest_verified
+from elastrain.launch.config import LaunchConfig
 from elastrain.observe.ledger import check_exactly_once
 
 from .test_checkpoint import make_state, save
@@ -41,6 +42,8 @@ from .test_checkpoint import make_state, save
         ("truncate-ckpt@1h", Fault("truncate-ckpt", at_s=3600.0)),
         ("fill-disk@70", Fault("fill-disk", at_step=70, duration_s=10.0)),
         ("fill-disk@70/3", Fault("fill-disk", at_step=70, duration_s=3.0)),
+        ("cut@30:w1/8", Fault("cut", at_step=30, member="w1", duration_s=8.0)),
+        ("cut@2m", Fault("cut", at_s=120.0, duration_s=10.0)),
     ],
 )
 def test_fault_specs_parse_and_print_back(spec: str, want: Fault) -> None:
@@ -54,7 +57,7 @@ def test_fault_specs_parse_and_print_back(spec: str, want: Fault) -> None:
     [
         ("explode@3", "kind must be one of"),
         ("kill", "expected KIND@WHEN"),
-        ("kill@3/5", "only hang and fill-disk"),
+        ("kill@3/5", "only hang, fill-disk and cut"),
         ("kill-all@3:w1", "takes no member"),
         ("slow@3:w1", "DELAYxSTEPS"),
         ("slow@3/0x5", "DELAYxSTEPS"),
@@ -65,6 +68,18 @@ def test_fault_specs_parse_and_print_back(spec: str, want: Fault) -> None:
 def test_bad_fault_specs_say_what_is_wrong(spec: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         parse_fault(spec)
+
+
+def test_a_cut_needs_simulated_hosts(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(ValueError, match="--hosts N"):
+        LaunchConfig(script=str(script), faults=[parse_fault("cut@5/3")])
+    with pytest.raises(ValueError, match="--hosts must be >= 0"):
+        LaunchConfig(script=str(script), hosts=-1)
+    with pytest.raises(ValueError, match="an agent already runs on a host"):
+        LaunchConfig(script=str(script), hosts=2, coordinator="10.0.0.1:1", token="t")
+    assert LaunchConfig(script=str(script), hosts=3, faults=[parse_fault("cut@5/3")]).hosts == 3
 
 
 def test_durations() -> None:

@@ -33,11 +33,12 @@ def test_bad_arguments(args: list[str], needle: str, capsys: pytest.CaptureFixtu
 
 
 def test_short_soak_every_fault_kind_zero_violations(tmp_path: Path) -> None:
-    summary = soak(75.0, workers=3, every_s=6.0, seed=0, run_dir=tmp_path / "soak")
+    summary = soak(80.0, workers=3, every_s=5.5, seed=0, run_dir=tmp_path / "soak")
     table = format_table(summary)
     print(table)
     injected = {f["fault"] for f in summary["faults"] if not f["skipped"]}
-    expected = set(KINDS) if os.geteuid() == 0 else set(KINDS) - {"fill-disk"}
+    # fill-disk mounts a tmpfs and cut builds network namespaces: both need root.
+    expected = set(KINDS) if os.geteuid() == 0 else set(KINDS) - {"fill-disk", "cut"}
     assert injected >= expected, table
     assert summary["violations"] == 0, table
     assert table.splitlines()[-1] == "violations: 0"

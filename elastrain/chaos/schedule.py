@@ -16,8 +16,11 @@ A fault is written `KIND@WHEN[:MEMBER][/ARG]`:
     truncate-ckpt@60     cut one shard of the newest committed checkpoint in half
     fill-disk@70/10      fill the checkpoint filesystem for 10 s (only a small,
                          dedicated one: see `elastrain.launch.faults`)
+    cut@30:w1/8          take w1's host off the network for 8 s (default 10 s):
+                         its link goes dark, packets are dropped both ways
+                         (needs `elastrain run --hosts N`, simulated hosts)
 
-Member faults (kill, hang, term, slow) pick their victim with a seeded
+Member faults (kill, hang, term, slow, cut) pick their victim with a seeded
 generator among the members alive at that moment, so a schedule with a seed is
 reproducible; the others hit the job. To land *inside* a step rather than at
 its boundary, member signals are sent after a seeded fraction of the measured
@@ -32,7 +35,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-MEMBER_KINDS = ("kill", "hang", "term", "slow")
+MEMBER_KINDS = ("kill", "hang", "term", "slow", "cut")
 JOB_KINDS = (
     "kill-all",
     "kill-coordinator",
@@ -82,7 +85,8 @@ class Fault:
     """Each repetition is shifted by a seeded uniform draw in [-jitter, +jitter]."""
     member: str | None = None
     duration_s: float | None = None
-    """hang: when to SIGCONT (None: leave it stopped); fill-disk: how long the disk stays full."""
+    """hang: when to SIGCONT (None: leave it stopped); fill-disk: how long the disk
+    stays full; cut: how long the host stays off the network."""
     delay_s: float | None = None
     """slow: the extra seconds per step."""
     steps: int | None = None
@@ -144,14 +148,14 @@ def parse_fault(text: str) -> Fault:
             )
         return replace(f, delay_s=float(sm[1]), steps=int(sm[2]))
     if arg is not None:
-        if kind not in ("hang", "fill-disk"):
-            raise ValueError(f"bad fault {text!r}: only hang and fill-disk take a /SECONDS")
+        if kind not in ("hang", "fill-disk", "cut"):
+            raise ValueError(f"bad fault {text!r}: only hang, fill-disk and cut take a /SECONDS")
         try:
             dur = float(arg)
         except ValueError:
             raise ValueError(f"bad fault {text!r}: /SECONDS must be a number") from None
         return replace(f, duration_s=dur)
-    if kind == "fill-disk":
+    if kind in ("fill-disk", "cut"):
         return replace(f, duration_s=10.0)
     return f
 

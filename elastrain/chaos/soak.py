@@ -4,7 +4,9 @@
         [--seed 0] [--run-dir DIR]
 
 It runs `elastrain/chaos/soak_job.py` (a small MLP, checkpointed every 20
-steps) with a seeded schedule of faults, one every `--every` seconds (with
+steps), each worker on a simulated host of its own (a network namespace, see
+`elastrain.chaos.netns`, so that a `cut` can take one off the network), with a
+seeded schedule of faults, one every `--every` seconds (with
 jitter), drawn so that each kind in `--kinds` comes up (each damaged
 checkpoint comes right after a kill of every worker and before their
 replacements start, so the resume path must notice the damage). The last
@@ -28,9 +30,8 @@ the reference. Checks, each a count of violations:
 It prints a table (faults by kind, recoveries, median and max recovery) and
 ends with `violations: N`; the exit status is 0 only when N is 0. Everything
 lands in the run directory, with `soak.json`. `fill-disk` needs root to mount
-a small tmpfs for the checkpoints; without it that kind is left out and the
-table says so. Cutting a host off the network needs several hosts: the netns
-partition test (tests/test_partition.py) covers it.
+a small tmpfs for the checkpoints and `cut` needs root and iproute2 for the
+namespaces; without them those kinds are left out and the table says so.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain.chaos import soak_job
+from elastrain.chaos.netns import missing_requirement
 from elastrain.chaos.schedule import KINDS, Fault, parse_duration
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
@@ -148,6 +150,8 @@ def plan_faults(kinds: list[str], duration_s: float, every_s: float, seed: int) 
         kind = deck.pop()
         if kind == "hang":
             out.append(Fault("hang", at_s=t, duration_s=round(rng.uniform(2, 6), 1)))
+        elif kind == "cut":
+            out.append(Fault("cut", at_s=t, duration_s=round(rng.uniform(3, 8), 1)))
         elif kind == "slow":
             out.append(Fault("slow", at_s=t, delay_s=0.05, steps=rng.randint(20, 60)))
         elif kind == "fill-disk":
@@ -214,7 +218,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
 
 def _run_job(
     run_dir: Path, workers: int, steps: int | None, faults: list[Fault], seed: int,
-    on_launcher: Any = None,
+    on_launcher: Any = None, hosts: int = 0,
 ) -> Any:  # fmt: skip
     from elastrain.launch.launcher import LaunchConfig, Launcher
 
@@ -229,6 +233,7 @@ def _run_job(
         seed=seed,
         progress=False,
         grace_s=20.0,
+        hosts=hosts,
         extra_env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     la = Launcher(cfg)
@@ -258,6 +263,14 @@ def soak(
         if not mounted:
             kinds.remove("fill-disk")
             notes.append("fill-disk left out: mounting a small tmpfs needs root and mount(8)")
+    hosts = 0
+    if "cut" in kinds:
+        why = missing_requirement()
+        if why:
+            kinds.remove("cut")
+            notes.append(f"cut left out: {why}")
+        else:
+            hosts = workers  # one worker per simulated host
     faults = plan_faults(kinds, duration_s, every_s, seed)
     log(f"soak: {duration_s:g} s, {workers} workers, {len(faults)} faults: "
         + ", ".join(str(f) for f in faults))  # fmt: skip
@@ -283,7 +296,7 @@ def soak(
         timer.start()
 
     try:
-        la, result = _run_job(run_dir / "faulty", workers, None, faults, seed, started)
+        la, result = _run_job(run_dir / "faulty", workers, None, faults, seed, started, hosts)
     finally:
         stop_clock.set()
         if timer is not None:
@@ -321,6 +334,7 @@ def soak(
         "status": result.status,
         "steps": steps,
         "rolled_back_steps": led.rolled_back,
+        "loss_max_rel_diff": _max_rel_diff(events, ref_events),
         "faults": recs,
         "checks": checks,
         "notes": notes,
@@ -370,6 +384,13 @@ def _loss_violations(
     return out[:20] + ([f"... {len(out) - 20} more"] if len(out) > 20 else [])
 
 
+def _max_rel_diff(events: list[dict[str, Any]], ref_events: list[dict[str, Any]]) -> float:
+    """Largest relative loss difference against the reference over the steps both have."""
+    a, b = loss_curve(events), loss_curve(ref_events)
+    diffs = [abs(a[s] - b[s]) / max(abs(b[s]), 1e-30) for s in a.keys() & b.keys()]
+    return max(diffs, default=0.0)
+
+
 def format_table(summary: dict[str, Any]) -> str:
     recs = summary["faults"]
     lines = [
@@ -394,6 +415,10 @@ def format_table(summary: dict[str, Any]) -> str:
     for name, vs in summary["checks"].items():
         lines.append(f"{name:<36}{len(vs):>11}")
         lines += [f"    {v}" for v in vs[:10]]
+    lines.append(
+        f"largest loss difference from the reference: {summary['loss_max_rel_diff']:.3g} relative"
+        f" (bound {REL_TOL:g})"
+    )
     lines += [f"note: {n}" for n in summary["notes"]]
     lines.append(f"violations: {summary['violations']}")
     return "\n".join(lines)

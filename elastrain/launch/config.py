@@ -64,6 +64,12 @@ class LaunchConfig:
     unique per agent so members on different hosts never collide."""
     advertise_host: str | None = None
     """The address this host's workers give their peers (ELASTRAIN_HOST)."""
+    hosts: int = 0
+    """Spread the workers over this many simulated hosts (--hosts): Linux network
+    namespaces on one bridge, built for the run and deleted after it
+    (`elastrain.chaos.netns`; needs root and iproute2). The coordinator listens
+    on the bridge. What it is for: `cut` faults, which take one host off the
+    network. 0: every process on this host's loopback."""
 
     def __post_init__(self) -> None:
         if self.coordinator is not None:
@@ -80,6 +86,18 @@ class LaunchConfig:
             raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
         if self.workers < 1:
             raise ValueError(f"-n must be >= 1 (got {self.workers})")
+        if self.hosts < 0:
+            raise ValueError(f"--hosts must be >= 0 (got {self.hosts})")
+        if self.hosts and (self.coordinator is not None or self.advertise_host):
+            raise ValueError(
+                "--hosts builds simulated hosts for a one-machine job; an agent already runs "
+                "on a host of its own (leave out --hosts, or --coordinator/--advertise-host)"
+            )
+        if self.faults and not self.hosts and any(f.kind == "cut" for f in self.faults):
+            raise ValueError(
+                "a cut fault takes a host off the network: run the workers on simulated "
+                "hosts with --hosts N (N >= 2; root and iproute2 needed)"
+            )
         if not 1 <= self.min_workers <= self.workers:
             raise ValueError(
                 f"--min must be between 1 and -n={self.workers} (got {self.min_workers})"

@@ -3,7 +3,8 @@
 Who calls: the launcher's main loop only (single-threaded): `poll` with each
 fresh coordinator status decides which faults are due and on whom, and hands
 them back to the loop's timer (`at`) so that member signals land mid-step;
-`fire` then injects one. Every fault becomes a `fault_injected` event and an
+`fire` then injects one. A `cut` takes the victim's simulated host (the
+launcher's --hosts) off the network and schedules its `reconnect`. Every fault becomes a `fault_injected` event and an
 entry in `log`; a fault that cannot be injected (no committed checkpoint to
 damage, a filesystem too large to fill) is still an event, with `skipped`.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
+from elastrain.chaos.netns import Host, Network
 from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
 from elastrain.observe.events import EventLog
 
@@ -41,6 +43,7 @@ class Injector:
         checkpoint_dir: Path,
         at: Callable[[float, str, Any], None],
         fill_limit_bytes: int = 1 << 30,
+        host_of: Callable[[str], tuple[Network, Host] | None] = lambda member: None,
     ) -> None:
         self.schedule = FaultSchedule(faults, seed)
         self.events = events
@@ -53,6 +56,10 @@ class Injector:
         self.killed: set[int] = set()
         """PIDs this injector killed (their deaths are not the job's fault)."""
         self._t_first_commit: float | None = None
+        self._host_of = host_of
+        self._cuts: dict[str, int] = {}
+        """Host name -> cuts in force (overlapping cuts: the link comes back with the last)."""
+        self._nets: dict[str, tuple[Network, Host]] = {}
 
     def poll(self, status: Mapping[str, Any], live: list[str]) -> None:
         """Schedule the faults due at this status; `live` are the members with a process."""
@@ -107,6 +114,9 @@ class Injector:
             send_slow(self.run_dir, victim, fault.delay_s, fault.steps)
             self._record(fault, victim, pid, step, delay_s=fault.delay_s, steps=fault.steps)
             return
+        if k == "cut":
+            self._cut(fault, victim, pid, step)
+            return
         self._record(fault, victim, pid, step)
         if k == "kill":
             self.killed.add(pid)
@@ -134,6 +144,29 @@ class Injector:
                 self._at(fault.duration_s or 0.0, "release-disk", None)
         else:
             raise ValueError(f"unknown job fault {k!r}")
+
+    def _cut(self, fault: Fault, victim: str, pid: int, step: int) -> None:
+        where = self._host_of(victim)
+        if where is None:
+            self._record(fault, victim, pid, step, skipped="not on a simulated host (--hosts)")
+            return
+        net, host = where
+        net.cut(host)
+        self._nets[host.name] = where
+        self._cuts[host.name] = self._cuts.get(host.name, 0) + 1
+        self._record(fault, victim, pid, step, host=host.name, duration_s=fault.duration_s)
+        self._at(fault.duration_s if fault.duration_s is not None else 10.0, "reconnect", host.name)
+
+    def reconnect(self, host: str, step: int) -> None:
+        """End one cut of `host`; its link comes back when no other cut holds it down."""
+        self._cuts[host] -= 1
+        if self._cuts[host] > 0:
+            return
+        net, h = self._nets[host]
+        net.heal(h)
+        self.events.emit(
+            "fault_injected", fault="reconnect", member=JOB, pid=None, step=step, host=host
+        )
 
     def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:
         """SIGCONT a hung member (if that process is still the member)."""

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
+from elastrain.chaos.netns import Host, Network, entered
 from elastrain.chaos.schedule import FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
@@ -126,7 +127,13 @@ class Launcher:
             run_dir=self.run_dir,
             checkpoint_dir=self.checkpoint_dir,
             at=self._at,
+            host_of=self._host_of,
         )
+        self.net: Network | None = None
+        """The simulated hosts (--hosts), while the job runs."""
+        self._slot: dict[str, int] = {}
+        """Member -> index of the simulated host it runs on (a replacement takes
+        the host of the member it replaces, as a rescheduled pod would)."""
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.client: CoordinatorClient | None = None
         self.status: dict[str, Any] = {}
@@ -156,6 +163,8 @@ class Launcher:
             # even if no worker that ran one is left to report it.
             bind = ["--bind", f"{host}:{port}", "--store-port", str(store_port)]
             bind += ["--gen-floor", str(self._max_gen)]
+        elif self.net is not None:
+            bind = ["--bind", f"{self.net.coord.addr}:0"]  # where the hosts can reach it
         cmd = [
             sys.executable,
             "-m",
@@ -272,6 +281,13 @@ class Launcher:
         )
         if c.advertise_host:
             e[env.ADVERTISE_HOST] = c.advertise_host
+        argv = [sys.executable, c.script, *c.script_args]
+        if self.net is not None:
+            slot = self._slot.get(replaces or "", len(self._slot) % len(self.net.hosts))
+            self._slot[member] = slot
+            host = self.net.hosts[slot]
+            e[env.ADVERTISE_HOST] = host.addr
+            argv = [*self.net.exec_prefix(host), *argv]  # execs: the PID stays the worker's
         if c.steps is not None:
             e[env.STEPS] = str(c.steps)
         e[env.CKPT_DIR] = str(self.checkpoint_dir)
@@ -288,7 +304,7 @@ class Launcher:
             e[env.FAULTS] = c.fault_points
         log = open(self.run_dir / "logs" / f"{member}.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, c.script, *c.script_args],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=e,
@@ -306,6 +322,7 @@ class Launcher:
             pid=proc.pid,
             replacement=replacement,
             replaces=replaces,
+            **({} if self.net is None else {"host": self.net.hosts[self._slot[member]].name}),
         )
         threading.Thread(target=self._reap, args=(w,), daemon=True, name=f"reap-{member}").start()
         return w
@@ -321,6 +338,27 @@ class Launcher:
     # ---- main loop -------------------------------------------------------------
 
     def run(self) -> RunResult:
+        """Run the job to its end (see the module docstring). With --hosts, the
+        simulated hosts are built first and this thread (with the coordinator
+        and every thread it starts) moves into their switch's namespace until
+        the job is over; they are deleted after it."""
+        if not self.config.hosts:
+            return self._run()
+        try:
+            net = Network(self.config.hosts)
+        except (RuntimeError, OSError) as e:
+            msg = f"cannot build {self.config.hosts} simulated hosts (--hosts): {e}"
+            self.events.emit("job_end", status="failed", steps=0, message=msg)
+            self.events.close()
+            return RunResult("failed", self.run_dir, self.pids, 0, msg, None)
+        with net, entered(net.coord):
+            self.net = net
+            try:
+                return self._run()
+            finally:
+                self.net = None
+
+    def _run(self) -> RunResult:
         c = self.config
         self.events.emit(
             "job_start", job_id=self.job_id, target=c.workers, min=c.min_workers, script=c.script
@@ -517,6 +555,8 @@ class Launcher:
             self.injector.resume(member, pid, self.workers, int(self.status.get("step", 0)))
         elif what == "release-disk":
             self.injector.release_disk(int(self.status.get("step", 0)))
+        elif what == "reconnect":
+            self.injector.reconnect(arg, int(self.status.get("step", 0)))
 
     def _poll_status(self) -> None:
         if self.client is None:
@@ -541,6 +581,11 @@ class Launcher:
     @property
     def fault_log(self) -> list[dict[str, Any]]:
         return self.injector.log
+
+    def _host_of(self, member: str) -> tuple[Network, Host] | None:
+        if self.net is None or member not in self._slot:
+            return None
+        return self.net, self.net.hosts[self._slot[member]]
 
     def member_pids(self) -> dict[str, int]:
         return {m: w.proc.pid for m, w in self.workers.items()}

@@ -5,7 +5,8 @@ order is accepted; they sort by wall time `t`). Nothing here does I/O, so the
 report, the soak test and the unit tests use the same code on recorded or
 hand-built events. Definitions follow docs/events.md, "Recovery phases":
 
-For a fault (`fault_injected` of kind kill/hang/term at wall time t0, victim v)
+For a fault (`fault_injected` of kind kill/hang/term/cut at wall time t0, victim v;
+a cut host is silent, as a hung process is)
 the survivors' recovery is split at five marks, each phase being the time from
 the previous mark:
 
@@ -46,7 +47,7 @@ Event = Mapping[str, Any]
 PHASES = ("detect", "quorum", "regroup", "heal", "first_step")
 """Recovery phase names, in order."""
 
-FAULT_KINDS = frozenset({"kill", "hang", "term"})
+FAULT_KINDS = frozenset({"kill", "hang", "term", "cut"})
 """`fault_injected.fault` values that start a recovery (`resume` does not)."""
 
 DUPLICATE_FAULT_WINDOW_S = 1.0
@@ -250,7 +251,7 @@ def _phases(t0: float, marks: list[float | None], heal_zero: bool) -> list[Phase
 
 
 def recoveries(events: Sequence[Event]) -> list[Recovery]:
-    """One `Recovery` per injected kill/hang/term fault, in time order.
+    """One `Recovery` per injected kill/hang/term/cut fault, in time order.
 
     Pure; never raises on missing or partial events (unknown phases are NaN).
     """

@@ -99,6 +99,7 @@ from analysis import (  # noqa: E402
     Plan,
     back_to_reached,
     commits_from_steplog,
+    compare_runs,
     first_commit_of,
     from_elastrain,
     global_loss_curve,
@@ -788,6 +789,13 @@ def main() -> int:
         help="'all' or a comma-separated subset of: " + ", ".join(slug(c.name) for c in CASES),
     )  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument(
+        "--compare",
+        default="latest",
+        metavar="RUN_DIR",
+        help="check reproducibility against this earlier run directory's summary.json "
+        "('latest': the newest under benchmarks/runs; 'none': skip)",
+    )
     args = ap.parse_args()
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if not 2 < args.kill_at < args.hang_at < args.steps or repeats < 1:
@@ -878,6 +886,27 @@ def main() -> int:
         "one command, at most 15 minutes", f"{runtime / 60:.1f} min",
         "PASS" if runtime <= 900 else "FAIL",
     ])  # fmt: skip
+    # Reproducibility: against the newest earlier full run (or --compare), the
+    # same cases' ranges over the repeats must overlap.
+    prev_path = find_previous(args.compare, base)
+    repro_table = ""
+    if prev_path is not None and repeats >= 3:
+        prev = json.loads(prev_path.read_text())
+        rows = compare_runs(prev["stats"], report["stats"])
+        bad = [r for r in rows if not r[4]]
+        repro_table = table(
+            ["case", "metric", f"previous run ({prev['date']})", "this run", "within noise"],
+            [[a, b, c, d, "yes" if ok else "NO"] for a, b, c, d, ok in rows],
+        )
+        report["targets"].append([
+            f"reproducible: ranges over the repeats overlap those of {prev_path.parent.name}",
+            f"{len(rows) - len(bad)}/{len(rows)} case metrics",
+            "PASS" if rows and not bad else "FAIL",
+        ])  # fmt: skip
+    if not interrupted and repeats >= 3:
+        (base / "summary.json").write_text(
+            json.dumps({"date": date, "commit": head, "stats": report["stats"]}, indent=1)
+        )
     target_table = table(["target", "measured", "verdict"], report["targets"])
     print()
     print(report["main"])
@@ -886,6 +915,9 @@ def main() -> int:
     print()
     print(report["detail"])
     print()
+    if repro_table:
+        print(repro_table)
+        print()
     for n in notes:
         print("- " + n)
     for a in report["anomalies"]:
@@ -900,7 +932,9 @@ def main() -> int:
             f"Machine: `{uname}`, {os.cpu_count()} cores (shared with other work), load "
             f"average {load0[0]:.1f} at start. Code: commit {head}.", "",
             f"Command: `{command}`", "", "Targets:", "", target_table, "", report["main"], "",
-            "Per run:", "", report["detail"], "", *["- " + n for n in notes],
+            "Per run:", "", report["detail"], "",
+            *(["Against the previous run:", "", repro_table, ""] if repro_table else []),
+            *["- " + n for n in notes],
         ]  # fmt: skip
         if report["anomalies"]:
             sec += ["", "Anomalies:", ""] + ["- " + a for a in report["anomalies"]]
@@ -908,6 +942,22 @@ def main() -> int:
             f.write("\n".join(sec) + "\n")
         log(f"appended to {res}")
     return 0 if not interrupted else 130
+
+
+def find_previous(spec: str, current: Path) -> Path | None:
+    """The summary.json to compare with: `spec` names a run directory, 'latest'
+    the newest earlier one under benchmarks/runs, 'none' none."""
+    if spec == "none":
+        return None
+    if spec != "latest":
+        p = Path(spec) / "summary.json"
+        if not p.is_file():
+            raise SystemExit(f"--compare: no summary.json in {spec}")
+        return p
+    earlier = sorted(
+        p for p in (HERE / "runs").glob("versus-*/summary.json") if p.parent != current
+    )
+    return earlier[-1] if earlier else None
 
 
 def summarize(
@@ -927,6 +977,7 @@ def summarize(
     rows: list[list[str]] = []
     detail: list[list[str]] = []
     verdict: dict[str, dict[str, Any]] = {}
+    stats: dict[str, dict[str, tuple[float, float, float, int]]] = {}
     for c in cases:
         rs = runs[c.name]
         if c.system == "torchft" and not have_ft:
@@ -982,6 +1033,12 @@ def summarize(
             "kill_median_inf": statistics.median(kill_or_inf),
             "recomputed": sum(r.recomputed for r in rs), "dropped": sum(r.dropped for r in rs),
             "crashed": crashed, "runs": len(rs),
+        }  # fmt: skip
+        stats[c.name] = {
+            "step (s)": span(step_s), "kill->next commit (s)": span(kills),
+            "hang->next commit (s)": span([r.hang_s for r in rs]),
+            "replacement training (s)": span([r.repl_s for r in rs]),
+            f"wall to step {S} (s)": span(wall), "goodput (%)": span(gp),
         }  # fmt: skip
         n_same = sum(same)
         lost = sum(r.survivors_lost for r in rs)
@@ -1091,7 +1148,7 @@ def summarize(
     ]
     return {
         "main": table(header, rows), "detail": detail_table, "targets": targets,
-        "notes": notes, "anomalies": anomalies,
+        "notes": notes, "anomalies": anomalies, "stats": stats,
     }  # fmt: skip
 
 

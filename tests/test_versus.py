@@ -17,6 +17,7 @@ from analysis import (  # noqa: E402
     Plan,
     back_to_reached,
     commits_from_steplog,
+    compare_runs,
     first_commit_of,
     from_elastrain,
     global_loss_curve,
@@ -195,3 +196,24 @@ def test_fault_offsets_match_elastrain_schedule() -> None:
 def test_commit_is_a_value() -> None:
     c = Commit(1.0, 0, "w0", 1, 1, 2.0)
     assert c.participating and c.expect is None and not c.global_loss
+
+
+def test_a_second_run_reproduces_when_the_ranges_over_repeats_overlap() -> None:
+    nan = math.nan
+    prev = {
+        "elastrain": {"kill": (0.4, 0.6, 0.7, 3), "hang": (3.6, 3.6, 3.7, 3)},
+        "torchrun": {"kill": (21.0, 29.0, 47.0, 3), "replacement": (nan, nan, nan, 0)},
+    }
+    cur = {
+        "elastrain": {"kill": (0.65, 0.9, 1.0, 3), "hang": (3.8, 3.9, 4.0, 3)},
+        "torchrun": {"kill": (25.0, 26.0, 30.0, 3), "replacement": (20.0, 21.0, 22.0, 3)},
+        "torchft": {"kill": (5.0, 5.5, 6.0, 3)},
+    }
+    got = {(case, metric): ok for case, metric, _, _, ok in compare_runs(prev, cur)}
+    # Overlapping ranges agree, disjoint ones do not; a metric or case that one
+    # run lacks is not compared.
+    assert got == {
+        ("elastrain", "kill"): True,
+        ("elastrain", "hang"): False,
+        ("torchrun", "kill"): True,
+    }

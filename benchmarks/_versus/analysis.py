@@ -369,3 +369,28 @@ def goodput(
         return math.nan
     useful = 1.0 - dropped / (steps * global_batch)
     return ref_span_s / run_span_s * useful
+
+
+Spans = Mapping[str, Mapping[str, Sequence[float]]]
+"""case -> metric -> (min, median, max, count), as `span` gives them."""
+
+
+def compare_runs(prev: Spans, cur: Spans) -> list[tuple[str, str, str, str, bool]]:
+    """Does a second run of the benchmark reproduce the first within the noise
+    each reports? Per case and metric measured in both: they agree when the two
+    runs' [min, max] ranges over the repeats overlap (the difference between them
+    is no larger than the spread either saw). Returns (case, metric, previous
+    "median (min-max)", this run's, agrees); metrics without a value in either
+    run are left out."""
+    out: list[tuple[str, str, str, str, bool]] = []
+    for case, metrics in cur.items():
+        for metric, (lo, med, hi, n) in metrics.items():
+            p = prev.get(case, {}).get(metric)
+            if p is None or not n or not p[3] or any(math.isnan(x) for x in (lo, p[0])):
+                continue
+            agrees = lo <= p[2] and p[0] <= hi
+            out.append(
+                (case, metric, f"{p[1]:.3g} ({p[0]:.3g}-{p[2]:.3g})",
+                 f"{med:.3g} ({lo:.3g}-{hi:.3g})", agrees)
+            )  # fmt: skip
+    return out

@@ -144,6 +144,12 @@ def test_damaged_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, how: str
     skipped: list[int] = []
     got = latest_verified(d, on_skip=lambda step, _p, _r: skipped.append(step))
     assert got is not None and got.step == 5 and skipped == [10]
+    # Damage is never undone by more damage (a soak may hit the same file again).
+    rng = random.Random(1)
+    for _ in range(4):
+        damage_checkpoint(d, rng, how)
+        got = latest_verified(d)
+        assert got is not None and got.step == 5
 
 
 def test_disk_filler_refuses_a_big_filesystem(tmp_path: Path) -> None:

@@ -50,7 +50,9 @@ def damage_checkpoint(
     checkpoint_dir: str | os.PathLike[str], rng: random.Random, how: str
 ) -> dict[str, Any]:
     """Damage one shard of the newest committed checkpoint: `how` is "corrupt"
-    (flip 64 bytes in the middle of the file) or "truncate" (cut it in half).
+    (64 bytes from a seeded offset XORed with seeded non-zero bytes, so that
+    damaging the same file twice does not repair it, as a fixed flip would) or
+    "truncate" (cut it in half).
     Returns {"path", "checkpoint_step", ...} or {"skipped": reason} when there is none."""
     if how not in ("corrupt", "truncate"):
         raise ValueError(f"how must be 'corrupt' or 'truncate', got {how!r}")
@@ -66,12 +68,12 @@ def damage_checkpoint(
     if how == "truncate":
         os.truncate(path, size // 2)
         return {"path": str(path), "checkpoint_step": step, "size": size, "truncated_to": size // 2}
-    off = max(0, size // 2 - 32)
+    off = rng.randrange(0, max(1, size - 64))
     with open(path, "r+b") as f:
         f.seek(off)
         data = bytearray(f.read(64))
         for i in range(len(data)):
-            data[i] ^= 0xFF
+            data[i] ^= rng.randrange(1, 256)
         f.seek(off)
         f.write(data)
         f.flush()

@@ -148,10 +148,16 @@ def check_exactly_once(
             healed_at[str(e.get("proc"))].append(float(e["t"]))
         elif e.get("kind") == "step_commit":
             commit_times[str(e.get("proc"))].append(float(e["t"]))
+    # A generation that started below steps already committed rolls them back,
+    # if it went on to commit anything: one that broke first left the newer
+    # state with the members that had it, and the next generation heals from them.
+    trained = {_int(e.get("gen")) for e in evs if e.get("kind") == "step_commit"}
     later_start = _LaterStart(
         (float(e["t"]), int(e["start_step"]))
         for e in evs
-        if e.get("kind") == "generation_ready" and _int(e.get("start_step")) is not None
+        if e.get("kind") == "generation_ready"
+        and _int(e.get("start_step")) is not None
+        and _int(e.get("gen")) in trained
     )
     rolled_back: set[int] = set()
     for s in list(commits):

@@ -196,6 +196,33 @@ def test_restart_adopts_the_running_generation_and_steps_go_on() -> None:
     assert m.gen_interrupted(7) is False
 
 
+def test_restart_fresh_replacements_wait_for_the_survivors_to_report() -> None:
+    # The launcher restarted the coordinator (generations up to 7 ran). A fresh
+    # replacement registers before the survivors do: it must not form a
+    # generation of its own (a second lineage from an older checkpoint).
+    m = Membership(cfg(lease_s=3.0, target=3, min_members=1))
+    m.restarted(7, now=10.0)
+    m.register("r", pid=200, host="h", now=10.01)
+    assert m.gen is None and m.waiting is not None and "restarted" in m.waiting
+    m.register("a", pid=100, host="h", now=10.02, gen=7, gen_members=("a", "b", "r0"), committed=40)
+    assert m.gen is not None and m.gen.gen == 7 and m.gen.reason == "adopted"
+    # Nobody reports a generation: after one lease the fresh ones start, numbered after 7.
+    m2 = Membership(cfg(lease_s=3.0, target=3, min_members=1))
+    m2.restarted(7, now=10.0)
+    m2.register("r", pid=200, host="h", now=10.01)
+    m2.expire(12.9)
+    assert m2.gen is None
+    m2.touch("r", 1, 13.0)
+    m2.expire(13.1)
+    assert m2.gen is not None and m2.gen.gen == 8 and m2.gen.members == ("r",)
+    # Target reached by fresh workers (every worker was replaced): no wait.
+    m3 = Membership(cfg(lease_s=3.0, target=2, min_members=1))
+    m3.restarted(7, now=10.0)
+    m3.register("r", pid=200, host="h", now=10.01)
+    m3.register("s", pid=201, host="h", now=10.02)
+    assert m3.gen is not None and m3.gen.gen == 8 and m3.gen.members == ("r", "s")
+
+
 def test_restart_a_member_that_never_comes_back_breaks_the_adopted_generation() -> None:
     m = restarted()
     m.register("b", pid=101, host="h", now=10.5, gen=7, gen_members=("a", "b", "c"))

@@ -106,6 +106,12 @@ class MembershipView:
     first_registration: float | None
     step_boundary: bool
     """True when asked from a quorum request, i.e. at a step boundary."""
+    restart_grace_until: float | None = None
+    """A restarted coordinator with no generation yet: until this time, only
+    `target` registered members form one. Workers still running the previous
+    generation report it when they register again (and it is adopted); fresh
+    replacements that register first must not form a generation of their own,
+    which would start a second lineage from an older checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,8 @@ def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig)
       was reported in it: re-form at once from its surviving members (leaving
       out those silent for `suspect_s`; a hung member must not stall the next
       generation) plus waiting joiners, up to `max_members`.
+    - A restarted coordinator with no generation yet (none adopted): wait
+      until `restart_grace_until` unless `target` members registered.
     - Otherwise, only at a step boundary: admit waiting joiners (up to
       `max_members`) or drop members that announced a leave.
     Fewer than `min_members` candidates: Wait with a message saying why.
@@ -185,6 +193,17 @@ def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig)
             f"(will start with >= {config.min_members} after {config.start_grace_s:g}s)"
         )
 
+    if (
+        not view.current
+        and view.restart_grace_until is not None
+        and now < view.restart_grace_until
+        and len(view.alive) < config.target
+    ):
+        return Wait(
+            f"coordinator restarted: waiting {view.restart_grace_until - now:.1f}s more for "
+            f"workers still training to report their generation ({len(view.alive)}/"
+            f"{config.target} registered)"
+        )
     failed = view.current_broken or view.failure_reported
     if not failed and not view.step_boundary:
         return None

@@ -97,6 +97,8 @@ class Membership:
         self.last_loss: float | None = None
         self.gen_floor = 0
         """The highest generation number workers reported (after a restart)."""
+        self.restart_grace_until: float | None = None
+        """See `restarted` and `MembershipView.restart_grace_until`."""
         self.adopted: list[Generation] = []
         """Generations adopted since the last `drain_adopted()` (for events)."""
         # ---- indexes (derived from the above; see the module docstring on scale)
@@ -353,6 +355,7 @@ class Membership:
             last_seen=last_seen,
             first_registration=self.first_registration,
             step_boundary=step_boundary,
+            restart_grace_until=self.restart_grace_until if g is None else None,
         )
 
     verify = False
@@ -550,6 +553,15 @@ class Membership:
     def drain_formed(self) -> list[Generation]:
         out, self.formed = self.formed, []
         return out
+
+    def restarted(self, gen_floor: int, now: float) -> None:
+        """This coordinator replaces one that ran generations up to `gen_floor`
+        (the launcher knows it): new ones are numbered after it, and for one
+        lease no generation is formed of fewer than `target` members unless a
+        worker reports the one it runs (see `MembershipView.restart_grace_until`)."""
+        self.gen_floor = max(self.gen_floor, gen_floor)
+        if gen_floor > 0:
+            self.restart_grace_until = now + self.config.lease_s
 
     def drain_adopted(self) -> list[Generation]:
         out, self.adopted = self.adopted, []

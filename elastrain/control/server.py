@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.gen_floor < 0:
         ap.error("--gen-floor must be >= 0")
-    srv.coord.state.gen_floor = args.gen_floor
+    srv.coord.state.restarted(args.gen_floor, time.monotonic())
     srv.start()
     info = {"host": srv.host, "port": srv.port, "store_port": srv.store.port, "pid": os.getpid()}
     if args.run_dir:

@@ -321,8 +321,11 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         MLP,
     ]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A test runner started in the background (`cmd &` in a script) runs
+        # with SIGINT ignored, and a child inherits that; Ctrl-C is the point here.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 90

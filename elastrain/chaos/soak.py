@@ -311,10 +311,11 @@ def soak(
         "running the failure-free reference")  # fmt: skip
     _, ref = _run_job(run_dir / "reference", 1, steps, [], seed)
     ref_events = read_events(run_dir / "reference")
+    curve, ref_curve = loss_curve(events), loss_curve(ref_events)
     checks: dict[str, list[str]] = {
         "same state at generation starts": check_same_state(events),
         "exactly-once ledger": led.violations,
-        "loss vs failure-free reference": _loss_violations(events, ref_events, steps)
+        "loss vs failure-free reference": _loss_violations(curve, ref_curve, steps)
         + ([] if ref.status == "done" else [f"the reference run ended {ref.status}"]),
         "leaks (fds, threads, processes)": sampler.violations() + _leftovers(la, run_dir),
     }
@@ -334,7 +335,7 @@ def soak(
         "status": result.status,
         "steps": steps,
         "rolled_back_steps": led.rolled_back,
-        "loss_max_rel_diff": _max_rel_diff(events, ref_events),
+        "loss_max_rel_diff": _max_rel_diff(curve, ref_curve),
         "faults": recs,
         "checks": checks,
         "notes": notes,
@@ -371,10 +372,7 @@ def _leftovers(la: Any, run_dir: Path) -> list[str]:
     return out
 
 
-def _loss_violations(
-    events: list[dict[str, Any]], ref_events: list[dict[str, Any]], steps: int
-) -> list[str]:
-    a, b = loss_curve(events), loss_curve(ref_events)
+def _loss_violations(a: dict[int, float], b: dict[int, float], steps: int) -> list[str]:
     out = []
     for s in range(steps):
         if s not in a or s not in b:
@@ -384,9 +382,8 @@ def _loss_violations(
     return out[:20] + ([f"... {len(out) - 20} more"] if len(out) > 20 else [])
 
 
-def _max_rel_diff(events: list[dict[str, Any]], ref_events: list[dict[str, Any]]) -> float:
+def _max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
     """Largest relative loss difference against the reference over the steps both have."""
-    a, b = loss_curve(events), loss_curve(ref_events)
     diffs = [abs(a[s] - b[s]) / max(abs(b[s]), 1e-30) for s in a.keys() & b.keys()]
     return max(diffs, default=0.0)
 

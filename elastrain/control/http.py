@@ -337,10 +337,7 @@ class _Connection(asyncio.Protocol):
                 self.head[2].get(b"expect", b"").lower() == b"100-continue"
                 and len(buf) < (self.head[3])
             ):
-                if self.pending is not None:  # after the answers before it
-                    self.pending.append(b"HTTP/1.1 100 Continue\r\n\r\n")
-                elif self.transport is not None:
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self._write(b"HTTP/1.1 100 Continue\r\n\r\n")  # after earlier answers
         method, path, headers, length, keep_alive = self.head
         if len(buf) < length:
             return None
@@ -364,13 +361,17 @@ class _Connection(asyncio.Protocol):
             len(out.body),
             b"Connection: close\r\n" if close else b"",
         )
-        if self.pending is not None:
-            self.pending += (head, out.body)
-        else:
-            self.transport.write(head + out.body)
+        self._write(head + out.body)
         self.last = self.now
         if close:
             self._close()
+
+    def _write(self, data: bytes) -> None:
+        """Into the batch being answered (`_process`), else straight out."""
+        if self.pending is not None:
+            self.pending.append(data)
+        elif self.transport is not None:
+            self.transport.write(data)
 
     def _close(self) -> None:
         self.closing = True

@@ -4,8 +4,8 @@ Who calls: the launcher's main loop only (single-threaded): `poll` with each
 fresh coordinator status decides which faults are due and on whom, and hands
 them back to the loop's timer (`at`) so that member signals land mid-step;
 `fire` then injects one. A `cut` takes the victim's simulated host (the
-launcher's --hosts) off the network and schedules its `reconnect`. Every fault becomes a `fault_injected` event and an
-entry in `log`; a fault that cannot be injected (no committed checkpoint to
+launcher's --hosts) off the network and schedules its `reconnect`. Every
+fault becomes a `fault_injected` event and an entry in `log`; a fault that cannot be injected (no committed checkpoint to
 damage, a filesystem too large to fill) is still an event, with `skipped`.
 """
 
@@ -59,7 +59,6 @@ class Injector:
         self._host_of = host_of
         self._cuts: dict[str, int] = {}
         """Host name -> cuts in force (overlapping cuts: the link comes back with the last)."""
-        self._nets: dict[str, tuple[Network, Host]] = {}
 
     def poll(self, status: Mapping[str, Any], live: list[str]) -> None:
         """Schedule the faults due at this status; `live` are the members with a process."""
@@ -152,20 +151,19 @@ class Injector:
             return
         net, host = where
         net.cut(host)
-        self._nets[host.name] = where
         self._cuts[host.name] = self._cuts.get(host.name, 0) + 1
         self._record(fault, victim, pid, step, host=host.name, duration_s=fault.duration_s)
-        self._at(fault.duration_s if fault.duration_s is not None else 10.0, "reconnect", host.name)
+        self._at(fault.duration_s if fault.duration_s is not None else 10.0, "reconnect", where)
 
-    def reconnect(self, host: str, step: int) -> None:
-        """End one cut of `host`; its link comes back when no other cut holds it down."""
-        self._cuts[host] -= 1
-        if self._cuts[host] > 0:
+    def reconnect(self, where: tuple[Network, Host], step: int) -> None:
+        """End one cut of a host; its link comes back when no other cut holds it down."""
+        net, host = where
+        self._cuts[host.name] -= 1
+        if self._cuts[host.name] > 0:
             return
-        net, h = self._nets[host]
-        net.heal(h)
+        net.heal(host)
         self.events.emit(
-            "fault_injected", fault="reconnect", member=JOB, pid=None, step=step, host=host
+            "fault_injected", fault="reconnect", member=JOB, pid=None, step=step, host=host.name
         )
 
     def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:

@@ -554,7 +554,7 @@ class ElasticTrainer:
         inc = self.session.incarnation
         verdict = self._quorum_pool.submit(self.client.quorum, self._quorum_request(s, inc))
         grads, bufs = self._ensure_grad_views()
-        for f in (*grads, *bufs):
+        for f in grads if bufs is grads else (*grads, *bufs):
             f.zero_()
         mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
         mine = assign_microbatches(len(mbs), len(self.members), self.rank)

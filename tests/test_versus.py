@@ -23,6 +23,7 @@ from analysis import (  # noqa: E402
     global_loss_curve,
     goodput,
     max_rel_dev,
+    metric_noise,
     next_lineage_commit,
     next_progress_commit,
     read_steplogs,
@@ -198,7 +199,7 @@ def test_commit_is_a_value() -> None:
     assert c.participating and c.expect is None and not c.global_loss
 
 
-def test_a_second_run_reproduces_when_the_ranges_over_repeats_overlap() -> None:
+def test_a_second_run_reproduces_when_ranges_overlap_or_medians_are_within_noise() -> None:
     nan = math.nan
     prev = {
         "elastrain": {"kill": (0.4, 0.6, 0.7, 3), "hang": (3.6, 3.6, 3.7, 3)},
@@ -209,11 +210,34 @@ def test_a_second_run_reproduces_when_the_ranges_over_repeats_overlap() -> None:
         "torchrun": {"kill": (25.0, 26.0, 30.0, 3), "replacement": (20.0, 21.0, 22.0, 3)},
         "torchft": {"kill": (5.0, 5.5, 6.0, 3)},
     }
-    got = {(case, metric): ok for case, metric, _, _, ok in compare_runs(prev, cur)}
-    # Overlapping ranges agree, disjoint ones do not; a metric or case that one
+    got = {(r.case, r.metric): r.agrees for r in compare_runs(prev, cur)}
+    # Overlapping ranges agree. elastrain's hang medians are 8% apart, more than
+    # either run's hang noise (3% and 5%): they do not. A metric or case that one
     # run lacks is not compared.
     assert got == {
         ("elastrain", "kill"): True,
         ("elastrain", "hang"): False,
         ("torchrun", "kill"): True,
     }
+
+
+def test_disjoint_ranges_agree_when_the_medians_differ_by_less_than_the_typical_spread() -> None:
+    # Case a's three repeats happened to land within 1% of each other; b and c
+    # spread by 20% and 30%. The run's step-time noise is the median, 20%.
+    prev = {
+        "a": {"step": (1.00, 1.005, 1.01, 3)},
+        "b": {"step": (0.9, 1.0, 1.1, 3)},
+        "c": {"step": (0.85, 1.0, 1.15, 3)},
+    }
+    assert metric_noise(prev) == pytest.approx({"step": 0.2}, rel=0.05)
+    near = {"a": {"step": (1.08, 1.10, 1.12, 3)}}  # 9% above: disjoint, within the noise
+    far = {"a": {"step": (1.30, 1.32, 1.34, 3)}}  # 27% above: beyond it
+    (r,) = compare_runs(prev, near)
+    assert r.agrees and "noise 20%" in r.how
+    (r,) = compare_runs(prev, far)
+    assert not r.agrees
+    # A metric measured once per case has no spread to go by: only overlap counts.
+    once = {"a": {"step": (1.0, 1.0, 1.0, 1)}, "b": {"step": (2.0, 2.0, 2.0, 1)}}
+    assert metric_noise(once) == {}
+    (r,) = compare_runs({"a": {"step": (1.0, 1.0, 1.0, 1)}}, {"a": {"step": (1.01,) * 3 + (1,)}})
+    assert not r.agrees

@@ -38,7 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -375,22 +375,58 @@ Spans = Mapping[str, Mapping[str, Sequence[float]]]
 """case -> metric -> (min, median, max, count), as `span` gives them."""
 
 
-def compare_runs(prev: Spans, cur: Spans) -> list[tuple[str, str, str, str, bool]]:
+def metric_noise(stats: Spans) -> dict[str, float]:
+    """A run's noise per metric: the median, over the cases that measured it at
+    least twice, of its relative spread over the repeats, (max - min) / median.
+
+    Three repeats of one case can land close together by chance (two runs of
+    the same case once agreed to 0.01%), so one case's own range understates
+    what a second run on the same shared machine may see. All cases run the same
+    model on the same machine in the same interleaved order, so the typical
+    spread across them is the steadier estimate; the median keeps one erratic
+    case from widening it for all."""
+    rel: dict[str, list[float]] = {}
+    for metrics in stats.values():
+        for metric, (lo, med, hi, n) in metrics.items():
+            if n >= 2 and med > 0 and not math.isnan(lo):
+                rel.setdefault(metric, []).append((hi - lo) / med)
+    return {m: statistics.median(v) for m, v in rel.items()}
+
+
+class Agreement(NamedTuple):
+    case: str
+    metric: str
+    previous: str
+    current: str
+    agrees: bool
+    how: str
+
+
+def compare_runs(prev: Spans, cur: Spans) -> list[Agreement]:
     """Does a second run of the benchmark reproduce the first within the noise
-    each reports? Per case and metric measured in both: they agree when the two
-    runs' [min, max] ranges over the repeats overlap (the difference between them
-    is no larger than the spread either saw). Returns (case, metric, previous
-    "median (min-max)", this run's, agrees); metrics without a value in either
-    run are left out."""
-    out: list[tuple[str, str, str, str, bool]] = []
+    each reports? Per case and metric measured in both, they agree when the two
+    runs' [min, max] ranges over the repeats overlap, or when their medians
+    differ by no more than the larger of the two runs' noise for that metric
+    (`metric_noise`, relative to the mean of the medians). Metrics without a
+    value in either run are left out."""
+    noise_p, noise_c = metric_noise(prev), metric_noise(cur)
+    out: list[Agreement] = []
     for case, metrics in cur.items():
         for metric, (lo, med, hi, n) in metrics.items():
             p = prev.get(case, {}).get(metric)
             if p is None or not n or not p[3] or any(math.isnan(x) for x in (lo, p[0])):
                 continue
-            agrees = lo <= p[2] and p[0] <= hi
+            noise = max(noise_p.get(metric, 0.0), noise_c.get(metric, 0.0))
+            scale = (abs(med) + abs(p[1])) / 2
+            diff = abs(med - p[1]) / scale if scale > 0 else 0.0
+            if lo <= p[2] and p[0] <= hi:
+                agrees, how = True, "ranges overlap"
+            elif diff <= noise:
+                agrees, how = True, f"medians {diff:.0%} apart, noise {noise:.0%}"
+            else:
+                agrees, how = False, f"medians {diff:.0%} apart > noise {noise:.0%}"
             out.append(
-                (case, metric, f"{p[1]:.3g} ({p[0]:.3g}-{p[2]:.3g})",
-                 f"{med:.3g} ({lo:.3g}-{hi:.3g})", agrees)
+                Agreement(case, metric, f"{p[1]:.3g} ({p[0]:.3g}-{p[2]:.3g})",
+                          f"{med:.3g} ({lo:.3g}-{hi:.3g})", agrees, how)
             )  # fmt: skip
     return out

@@ -75,7 +75,14 @@ from elastrain.jax.state import (
 )
 from elastrain.observe.events import EventLog
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.group import CollectiveAborted, Graveyard, Waiter, build_group
+from elastrain.runtime.group import (
+    EXIT_SETTLE_S,
+    CollectiveAborted,
+    Graveyard,
+    Waiter,
+    build_group,
+    settle_before_exit,
+)
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.trainer import MapDataset, StepResult, heal_senders
 from elastrain.runtime.watchdog import HangTimeout
@@ -601,6 +608,12 @@ class JaxElasticTrainer:
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)
-        self.graveyard.close()
+        unsettled = settle_before_exit(self.waiter, self.graveyard, EXIT_SETTLE_S)
+        if unsettled:
+            log.warning(
+                "%s: exiting with %d collective(s) still pending (a hung peer?)",
+                self.member,
+                unsettled,
+            )
         self.client.close()
         self.events.close()

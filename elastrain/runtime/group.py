@@ -9,6 +9,14 @@ dropping such a group blocks until that operation times out (see
 ENGINE-NOTES), so it is parked in a graveyard whose reaper thread drops it once
 its pending work has ended. Groups whose work failed are dropped at once: their
 sockets closing is what unblocks peers stuck on them.
+
+A process must not exit while one of its threads is blocked in a collective
+that may still end: a daemon thread that returns from gloo into Python after
+interpreter shutdown has begun is unwound through C++ frames that do not allow
+it, and the process dies of SIGABRT ("terminate called without an active
+exception") instead of exiting with its code. A worker that leaves while an
+abandoned all-reduce is still pending (its peers closing their sockets ends it
+a moment later) hit exactly that. `settle_before_exit` waits for those threads.
 """
 
 from __future__ import annotations
@@ -65,6 +73,12 @@ class Waiter:
 
     def __init__(self) -> None:
         self._wake = threading.Event()
+        self._helpers: list[threading.Thread] = []
+
+    def blocked(self) -> list[threading.Thread]:
+        """Helper threads still inside a collective's wait (abandoned waits)."""
+        self._helpers = [t for t in self._helpers if t.is_alive()]
+        return list(self._helpers)
 
     def interrupt(self) -> None:
         self._wake.set()
@@ -86,7 +100,9 @@ class Waiter:
             done.set()
             wake.set()
 
-        threading.Thread(target=finish, name="elastrain-collective", daemon=True).start()
+        helper = threading.Thread(target=finish, name="elastrain-collective", daemon=True)
+        helper.start()
+        self._helpers = [t for t in self._helpers if t.is_alive()] + [helper]
         deadline = time.monotonic() + timeout_s
         while True:
             self._wake.clear()
@@ -110,13 +126,23 @@ class Graveyard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
+        self._reapers: list[threading.Thread] = []
 
     def bury(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
         with self._lock:
             self._count += 1
-        threading.Thread(
+        t = threading.Thread(
             target=self._reap, args=(pg, list(works)), daemon=True, name="elastrain-graveyard"
-        ).start()
+        )
+        t.start()
+        with self._lock:
+            self._reapers = [r for r in self._reapers if r.is_alive()] + [t]
+
+    def blocked(self) -> list[threading.Thread]:
+        """Reaper threads whose group's work has not ended yet."""
+        with self._lock:
+            self._reapers = [r for r in self._reapers if r.is_alive()]
+            return list(self._reapers)
 
     def _reap(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
         for w in works:
@@ -133,8 +159,27 @@ class Graveyard:
         with self._lock:
             return self._count
 
-    def close(self) -> None:
-        pass
+
+EXIT_SETTLE_S = 5.0
+"""How long an exiting worker waits for collectives it abandoned to end. Usually
+they end within ~50 ms of the peers dropping their groups; one stuck on a hung
+peer ends only at the group's timeout, and a leave should not wait for that."""
+
+
+def settle_before_exit(waiter: Waiter, graveyard: Graveyard, timeout_s: float) -> int:
+    """Wait until no thread of this process is blocked in a collective, at most
+    `timeout_s`; returns how many still are.
+
+    Called by the training thread once, just before the worker exits (leave,
+    preemption, refusal, end of training). Those threads must not return into
+    Python during interpreter shutdown (see the module docstring). One still
+    blocked after `timeout_s` waits for a hung peer and normally ends at the
+    group's timeout, long after this process is gone."""
+    deadline = time.monotonic() + timeout_s
+    threads = waiter.blocked() + graveyard.blocked()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return sum(1 for t in threads if t.is_alive())
 
 
 def tensor_allreduce(pg: ProcessGroupGloo, tensors: list[torch.Tensor]) -> list[Any]:

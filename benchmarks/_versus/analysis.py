@@ -30,6 +30,7 @@ Definitions (docs/versus.md explains the choices):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -393,6 +394,38 @@ def metric_noise(stats: Spans) -> dict[str, float]:
     return {m: statistics.median(v) for m, v in rel.items()}
 
 
+FAMILY_ALPHA = 0.05
+"""The chance that a benchmark whose every metric truly reproduces is still
+reported as not reproducing (over all its metrics together)."""
+
+
+@functools.cache
+def tolerance_factor(repeats: int, metrics: int, alpha: float = FAMILY_ALPHA) -> float:
+    """How many times a metric's noise (its expected relative range over
+    `repeats` repeats) two runs' medians may differ by before the difference is
+    called real, when `metrics` metrics are compared at once.
+
+    For a quantity with normal noise of spread sigma, the range of n repeats is
+    about d(n) x sigma on average and the difference of two runs' medians is
+    normal with spread s(n) x sigma; both factors are computed here by a seeded
+    simulation (n = 3: d = 1.69, s = 0.94). A difference beyond z x s(n) x sigma,
+    with z the normal quantile for alpha / metrics two-sided, happens by chance
+    with probability alpha / metrics per metric, so at most alpha for all of them
+    together. k = z x s(n) / d(n): 1.72 for 3 repeats and 25 metrics. (Without
+    the division by `metrics`, k = 1.09: one metric in 13 would miss by chance,
+    one or two of 25 in every comparison, as the first quiet runs did.)"""
+    if repeats < 2 or metrics < 1:
+        raise ValueError("need repeats >= 2 and metrics >= 1")
+    rng = random.Random(20261201)
+    medians, ranges = [], []
+    for _ in range(20_000):
+        xs = [rng.gauss(0.0, 1.0) for _ in range(repeats)]
+        medians.append(statistics.median(xs))
+        ranges.append(max(xs) - min(xs))
+    z = statistics.NormalDist().inv_cdf(1 - alpha / (2 * metrics))
+    return z * math.sqrt(2) * statistics.pstdev(medians) / statistics.fmean(ranges)
+
+
 class Agreement(NamedTuple):
     case: str
     metric: str
@@ -402,31 +435,38 @@ class Agreement(NamedTuple):
     how: str
 
 
-def compare_runs(prev: Spans, cur: Spans) -> list[Agreement]:
+def compare_runs(prev: Spans, cur: Spans, alpha: float = FAMILY_ALPHA) -> list[Agreement]:
     """Does a second run of the benchmark reproduce the first within the noise
     each reports? Per case and metric measured in both, they agree when the two
     runs' [min, max] ranges over the repeats overlap, or when their medians
-    differ by no more than the larger of the two runs' noise for that metric
-    (`metric_noise`, relative to the mean of the medians). Metrics without a
-    value in either run are left out."""
+    differ (relative to the mean of the two) by no more than the tolerance: the
+    metric's noise (`metric_noise`, the mean of the two runs' estimates) times
+    `tolerance_factor` for the fewer repeats of the two and the number of
+    metrics compared. Metrics without a value in either run are left out."""
     noise_p, noise_c = metric_noise(prev), metric_noise(cur)
-    out: list[Agreement] = []
+    pairs = []
     for case, metrics in cur.items():
-        for metric, (lo, med, hi, n) in metrics.items():
+        for metric, now in metrics.items():
             p = prev.get(case, {}).get(metric)
-            if p is None or not n or not p[3] or any(math.isnan(x) for x in (lo, p[0])):
+            if p is None or not now[3] or not p[3] or math.isnan(now[0]) or math.isnan(p[0]):
                 continue
-            noise = max(noise_p.get(metric, 0.0), noise_c.get(metric, 0.0))
-            scale = (abs(med) + abs(p[1])) / 2
-            diff = abs(med - p[1]) / scale if scale > 0 else 0.0
-            if lo <= p[2] and p[0] <= hi:
-                agrees, how = True, "ranges overlap"
-            elif diff <= noise:
-                agrees, how = True, f"medians {diff:.0%} apart, noise {noise:.0%}"
-            else:
-                agrees, how = False, f"medians {diff:.0%} apart > noise {noise:.0%}"
-            out.append(
-                Agreement(case, metric, f"{p[1]:.3g} ({p[0]:.3g}-{p[2]:.3g})",
-                          f"{med:.3g} ({lo:.3g}-{hi:.3g})", agrees, how)
-            )  # fmt: skip
+            pairs.append((case, metric, p, now))
+    out: list[Agreement] = []
+    for case, metric, p, (lo, med, hi, n) in pairs:
+        est = [x[metric] for x in (noise_p, noise_c) if metric in x]
+        noise = statistics.fmean(est) if est else 0.0
+        n_min = int(min(n, p[3]))
+        tol = noise * tolerance_factor(n_min, len(pairs), alpha) if n_min >= 2 else 0.0
+        scale = (abs(med) + abs(p[1])) / 2
+        diff = abs(med - p[1]) / scale if scale > 0 else 0.0
+        if lo <= p[2] and p[0] <= hi:
+            agrees, how = True, "ranges overlap"
+        elif diff <= tol:
+            agrees, how = True, f"medians {diff:.0%} apart <= {tol:.0%}"
+        else:
+            agrees, how = False, f"medians {diff:.0%} apart > {tol:.0%}"
+        out.append(
+            Agreement(case, metric, f"{p[1]:.3g} ({p[0]:.3g}-{p[2]:.3g})",
+                      f"{med:.3g} ({lo:.3g}-{hi:.3g})", agrees, how)
+        )  # fmt: skip
     return out

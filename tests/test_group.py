@@ -65,10 +65,10 @@ def test_settle_waits_for_an_abandoned_allreduce_until_the_peer_drops_its_group(
     del pg0, works
     # Both the abandoned wait's helper and the reaper are still blocked in gloo:
     # exiting now would let them wake during interpreter shutdown.
-    assert settle_before_exit(waiter, graveyard, 0.2) == 2
+    assert settle_before_exit(waiter, graveyard, "w0", 0.2) == 2
     assert len(graveyard) == 1
     del pg1  # rank 1 drops its group: its sockets close and rank 0's work fails
-    assert settle_before_exit(waiter, graveyard, 20.0) == 0
+    assert settle_before_exit(waiter, graveyard, "w0", 20.0) == 0
     assert len(graveyard) == 0 and waiter.blocked() == [] and graveyard.blocked() == []
 
 
@@ -81,7 +81,7 @@ def test_settle_returns_at_once_when_nothing_is_pending() -> None:
     waiter.wait(works1, 20.0, lambda: False)
     graveyard.bury(pg0, works0)
     graveyard.bury(pg1, works1)
-    assert settle_before_exit(waiter, graveyard, 20.0) == 0
+    assert settle_before_exit(waiter, graveyard, "w0", 20.0) == 0
     assert len(graveyard) == 0
 
 
@@ -129,7 +129,7 @@ def member(rank: int, port: int) -> int:
     graveyard.bury(pg, works)
     del pg, works
     store.set("leaving", "1")
-    left = settle_before_exit(waiter, graveyard, 20.0)
+    left = settle_before_exit(waiter, graveyard, "w0", 20.0)
     print(f"rank 0: {left} collective(s) still pending", file=sys.stderr, flush=True)
     return EXIT_LEFT if left == 0 else 1
 

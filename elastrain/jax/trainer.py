@@ -76,7 +76,6 @@ from elastrain.jax.state import (
 from elastrain.observe.events import EventLog
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.group import (
-    EXIT_SETTLE_S,
     CollectiveAborted,
     Graveyard,
     Waiter,
@@ -608,12 +607,6 @@ class JaxElasticTrainer:
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)
-        unsettled = settle_before_exit(self.waiter, self.graveyard, EXIT_SETTLE_S)
-        if unsettled:
-            log.warning(
-                "%s: exiting with %d collective(s) still pending (a hung peer?)",
-                self.member,
-                unsettled,
-            )
+        settle_before_exit(self.waiter, self.graveyard, self.member)
         self.client.close()
         self.events.close()

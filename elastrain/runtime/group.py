@@ -22,6 +22,7 @@ a moment later) hit exactly that. `settle_before_exit` waits for those threads.
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
+
+log = logging.getLogger("elastrain.group")
 
 
 class CollectiveAborted(RuntimeError):
@@ -125,12 +128,9 @@ class Graveyard:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._count = 0
         self._reapers: list[threading.Thread] = []
 
     def bury(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
-        with self._lock:
-            self._count += 1
         t = threading.Thread(
             target=self._reap, args=(pg, list(works)), daemon=True, name="elastrain-graveyard"
         )
@@ -152,12 +152,10 @@ class Graveyard:
                 pass
         works.clear()
         del pg  # closes its sockets (this is what unblocks peers stuck on it)
-        with self._lock:
-            self._count -= 1
 
     def __len__(self) -> int:
-        with self._lock:
-            return self._count
+        """Groups buried whose work has not ended yet."""
+        return len(self.blocked())
 
 
 EXIT_SETTLE_S = 5.0
@@ -166,9 +164,11 @@ they end within ~50 ms of the peers dropping their groups; one stuck on a hung
 peer ends only at the group's timeout, and a leave should not wait for that."""
 
 
-def settle_before_exit(waiter: Waiter, graveyard: Graveyard, timeout_s: float) -> int:
+def settle_before_exit(
+    waiter: Waiter, graveyard: Graveyard, who: str, timeout_s: float = EXIT_SETTLE_S
+) -> int:
     """Wait until no thread of this process is blocked in a collective, at most
-    `timeout_s`; returns how many still are.
+    `timeout_s`; returns how many still are (and logs a warning for `who` if any).
 
     Called by the training thread once, just before the worker exits (leave,
     preemption, refusal, end of training). Those threads must not return into
@@ -179,7 +179,10 @@ def settle_before_exit(waiter: Waiter, graveyard: Graveyard, timeout_s: float) -
     threads = waiter.blocked() + graveyard.blocked()
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    return sum(1 for t in threads if t.is_alive())
+    left = sum(1 for t in threads if t.is_alive())
+    if left:
+        log.warning("%s: exiting with %d collective(s) still pending (a hung peer?)", who, left)
+    return left
 
 
 def tensor_allreduce(pg: ProcessGroupGloo, tensors: list[torch.Tensor]) -> list[Any]:

@@ -66,7 +66,6 @@ from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.durable import Checkpointing
 from elastrain.runtime.group import (
-    EXIT_SETTLE_S,
     CollectiveAborted,
     Graveyard,
     Waiter,
@@ -769,13 +768,7 @@ class ElasticTrainer:
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)
-        unsettled = settle_before_exit(self.waiter, self.graveyard, EXIT_SETTLE_S)
-        if unsettled:
-            log.warning(
-                "%s: exiting with %d collective(s) still pending (a hung peer?)",
-                self.member,
-                unsettled,
-            )
+        settle_before_exit(self.waiter, self.graveyard, self.member)
         self.client.close()
         if getattr(self, "_metering", None) is not None:
             self._metering.stop()

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ElasticTrainer", "TrainerConfig", "StepResult", "__version__"]
+__all__ = ["ElasticTrainer", "TrainerConfig", "StepResult", "WorkerExit", "__version__"]
+
+from elastrain.exitcodes import WorkerExit
 
 if TYPE_CHECKING:
     from elastrain.runtime.trainer import ElasticTrainer, StepResult, TrainerConfig

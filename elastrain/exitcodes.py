@@ -13,3 +13,23 @@ EXIT_REFUSED = 3
 
 EXIT_PREEMPTED = 76
 """Stopped by a whole-job preemption notice after the emergency checkpoint."""
+
+EXIT_NO_COORDINATOR = 1
+"""Could not reach the coordinator within the register timeout: a crash."""
+
+
+class WorkerExit(Exception):
+    """The library's request to end this worker process with exit status `code`.
+
+    Raised from `steps()` (never `SystemExit`: a user's script may catch it to
+    clean up, and code that embeds a trainer is not killed by a library). The
+    worker entry point (`python -m elastrain.worker`, what `elastrain run`
+    starts) maps it to the process exit status; `reason` is the `worker_exit`
+    event's reason and `message` is printed on stderr when not empty.
+    """
+
+    def __init__(self, code: int, reason: str, message: str = "") -> None:
+        super().__init__(message or f"worker exit: {reason} (status {code})")
+        self.code = code
+        self.reason = reason
+        self.message = message

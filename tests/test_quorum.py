@@ -267,7 +267,7 @@ def test_unknown_versus_expelled() -> None:
 
 def test_heal_senders_prefer_the_newest_lineage_at_the_start_step() -> None:
     from elastrain.control.protocol import RendezvousResponse
-    from elastrain.runtime.trainer import heal_senders
+    from elastrain.runtime.member import heal_roles
 
     # c completed step 9 in gen 4 after a and b had abandoned it and re-run it in gen 5.
     r = RendezvousResponse(
@@ -278,7 +278,11 @@ def test_heal_senders_prefer_the_newest_lineage_at_the_start_step() -> None:
         10,
         commit_gens={"a": 5, "b": 5, "c": 4, "d": 0},
     )
-    assert heal_senders(r) == ([0, 1], 5)
+    assert heal_roles(tuple(r.members), r.committed, r.commit_gens, r.start_step) == (
+        (0, 1),
+        (2, 3),
+        5,
+    )
     m = Membership(cfg())
     started(m, ["a", "b", "c"])
     m.exited("c", pid=102, now=1.0)

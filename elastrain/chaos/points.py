@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("elastrain.chaos")
 
@@ -115,3 +116,48 @@ class FaultPoints:
                 if self.on_fire is not None:
                     self.on_fire(p)
                 os.kill(os.getpid(), ACTIONS[p.action])
+
+
+class FaultHook:
+    """The fault points as a step hook (`elastrain.runtime.hooks.StepHook`).
+
+    `from_env` reads $ELASTRAIN_FAULTS and the run directory's chaos inbox;
+    the worker entry point installs it, so the engine never imports chaos.
+    Every fault that fires is a `fault_injected` event in the member's log
+    before the signal is sent."""
+
+    def __init__(self, points: list[FaultPoint], inbox_dir: Path | None) -> None:
+        self._points = points
+        self._inbox_dir = inbox_dir
+        self._fp: FaultPoints | None = None
+
+    @classmethod
+    def from_env(cls) -> FaultHook | None:
+        """The hook the launcher asked for, or None (no faults and no run directory)."""
+        from elastrain import env
+
+        points = parse_points(os.environ.get(env.FAULTS))
+        run_dir = os.environ.get(env.RUN_DIR)
+        if not points and not run_dir:
+            return None
+        return cls(points, Path(run_dir) if run_dir else None)
+
+    def attach(self, member: str, events: Any) -> None:
+        from elastrain.chaos.inject import inbox_path
+
+        def fired(f: FaultPoint) -> None:
+            events.emit(
+                "fault_injected",
+                fault=f.action,
+                member=member,
+                pid=os.getpid(),
+                step=f.step,
+                phase=f.phase,
+            )
+
+        inbox = inbox_path(str(self._inbox_dir), member) if self._inbox_dir else None
+        self._fp = FaultPoints(member, self._points, on_fire=fired, inbox=inbox)
+
+    def at(self, step: int, point: str) -> None:
+        if self._fp is not None:
+            self._fp.hit(step, str(point))

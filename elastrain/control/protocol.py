@@ -32,6 +32,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, TypeVar, get_type_hints
 
 API_VERSION = 1
@@ -296,6 +297,48 @@ class ExitRequest:
     member: str
     pid: int
     returncode: int
+
+
+# ---- vocabulary -----------------------------------------------------------
+# The wire carries these as their plain string values (StrEnum members compare
+# equal to them), so the format is unchanged; code names them, never retypes them.
+
+
+class HeartbeatStatus(StrEnum):
+    OK = "ok"
+    CHANGED = "changed"
+    """A newer generation exists or the caller's broke."""
+    EXPELLED = "expelled"
+    UNKNOWN = "unknown"
+    """This coordinator never saw the caller (it was restarted): register again."""
+
+
+class RendezvousStatus(StrEnum):
+    READY = "ready"
+    PENDING = "pending"
+    """Call again."""
+    EXPELLED = "expelled"
+    UNKNOWN = "unknown"
+    FINISHED = "finished"
+
+
+class Verdict(StrEnum):
+    PROCEED = "proceed"
+    """Run the step in this generation."""
+    REGROUP = "regroup"
+    EXPELLED = "expelled"
+    UNKNOWN = "unknown"
+    """Register again, then ask again."""
+
+
+class GenerationReason(StrEnum):
+    """Why a generation was formed."""
+
+    START = "start"
+    FAILURE = "failure"
+    JOIN = "join"
+    LEAVE = "leave"
+    ADOPTED = "adopted"
 
 
 # ---- responses ------------------------------------------------------------

@@ -5,9 +5,9 @@
     from elastrain.jax import JaxElasticTrainer, TrainerConfig
 
 See docs/jax.md. The coordinator, launcher, process groups, data order and
-observability are the PyTorch path's; this package adds the trainer
-(`trainer.py`), the pytree state helpers (`state.py`) and the state heal
-(`heal.py`).
+observability are the PyTorch path's; this package adds the backend of
+the shared step engine (`backend.py`), the trainer's face (`trainer.py`) and
+the pytree state helpers (`state.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from elastrain.jax.trainer import JaxElasticTrainer
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.trainer import StepResult
+from elastrain.runtime.engine import StepResult
 
 __all__ = ["JaxElasticTrainer", "StepResult", "TrainerConfig"]

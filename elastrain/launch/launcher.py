@@ -281,7 +281,8 @@ class Launcher:
         )
         if c.advertise_host:
             e[env.ADVERTISE_HOST] = c.advertise_host
-        argv = [sys.executable, c.script, *c.script_args]
+        # The worker entry point maps a WorkerExit to the exit status and installs hooks.
+        argv = [sys.executable, "-m", "elastrain.worker", c.script, *c.script_args]
         if self.net is not None:
             slot = self._slot.get(replaces or "", len(self._slot) % len(self.net.hosts))
             self._slot[member] = slot

@@ -1,7 +1,7 @@
 """The worker's metering: a one-time FLOP count and a power/utilisation sampler.
 
-`WorkerMetering.start(trainer)` is called once by `ElasticTrainer.steps()` in
-the training thread, before the worker registers: it counts one micro-batch's
+`WorkerMetering.start(events, measure_flops)` is called once by the step
+engine in the training thread, before the worker registers: it counts one micro-batch's
 FLOPs (emits `flops_measured`, lands in the ledger's startup bucket) and
 starts the `Sampler` thread (`power_sample` events, default 1 Hz). `stop()`
 is called from the trainer's shutdown. $ELASTRAIN_METERING=off turns both off;
@@ -13,26 +13,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from elastrain import env
+from elastrain.observe.events import EventLog
 from elastrain.observe.power import Sampler, choose_meters
 
 log = logging.getLogger("elastrain.observe")
 
 DEFAULT_INTERVAL_S = 1.0
-
-
-class _Trainer(Protocol):
-    """What metering reads from `ElasticTrainer` (attributes, read once at start)."""
-
-    model: Any
-    loss_fn: Any
-    dataset: Any
-    collate_fn: Any
-    config: Any
-    order: Any
-    events: Any
 
 
 def metering_interval(raw: str | None = None) -> float | None:
@@ -60,15 +50,19 @@ class WorkerMetering:
         self.sampler = sampler
 
     @classmethod
-    def start(cls, trainer: _Trainer) -> WorkerMetering:
+    def start(
+        cls, events: EventLog, measure_flops: Callable[[], dict[str, Any] | None]
+    ) -> WorkerMetering:
+        """Count FLOPs once (`measure_flops` returns the `flops_measured` fields,
+        or None where the backend cannot count) and start the sampler."""
         interval = metering_interval()
         if interval is None:
             return cls(None)
-        _count_flops(trainer)
+        _count_flops(events, measure_flops)
         meters = choose_meters()
         if not meters:
             return cls(None)
-        return cls(Sampler(trainer.events, meters, interval).start())
+        return cls(Sampler(events, meters, interval).start())
 
     def stop(self) -> None:
         if self.sampler is not None:
@@ -76,30 +70,11 @@ class WorkerMetering:
             self.sampler = None
 
 
-def _count_flops(trainer: _Trainer) -> None:
-    from elastrain.observe.efficiency import device_info
-    from elastrain.observe.flops import measure_step_flops
-
-    cfg = trainer.config
+def _count_flops(events: EventLog, measure_flops: Callable[[], dict[str, Any] | None]) -> None:
     try:
-        ids = trainer.order.ids(0, cfg.micro_batch_size)
-        batch = trainer.collate_fn([trainer.dataset[j] for j in ids])
-        fc = measure_step_flops(
-            trainer.model, trainer.loss_fn, batch, cfg.micro_batch_size, cfg.global_batch_size
-        )
-        info = device_info(trainer.model)
+        fields = measure_flops()
     except Exception as e:  # noqa: BLE001 - metering must never stop training
         log.warning("could not count FLOPs per step: %s", e)
         return
-    trainer.events.emit(
-        "flops_measured",
-        flops_per_step=fc.flops_per_step,
-        flops_per_microbatch=fc.flops_per_microbatch,
-        flops_per_sample=fc.flops_per_sample,
-        tokens_per_sample=fc.tokens_per_sample,
-        micro_batch=cfg.micro_batch_size,
-        global_batch=cfg.global_batch_size,
-        seconds=fc.seconds,
-        method=fc.method,
-        **info,
-    )
+    if fields is not None:
+        events.emit("flops_measured", **fields)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from elastrain import env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,3 +161,80 @@ class TrainerConfig:
     def checkpoints_periodic(self) -> bool:
         """True when checkpoints are taken during training (fixed or automatic interval)."""
         return self.checkpoint_every > 0 or self.checkpoint_mtbf_s is not None
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What the launcher (or a pod spec) tells a worker through the environment.
+
+    Read once, by `read_worker_env`, when a trainer is built: nothing else in
+    the worker runtime reads `os.environ`. Explicit constructor arguments win
+    over these; these win over the script's `TrainerConfig` where they overlap
+    (--steps, --ckpt-every, --ckpt-mtbf: the launcher's flags are the user's
+    last word)."""
+
+    coordinator: str | None = None
+    token: str | None = None
+    member: str | None = None
+    run_dir: str | None = None
+    host: str = "127.0.0.1"
+    checkpoint_dir: str | None = None
+    resume: str | None = None
+    steps: int | None = None
+    checkpoint_every: int | None = None
+    checkpoint_mtbf_s: float | None = None
+
+    def overridden(
+        self,
+        coordinator: str | None = None,
+        token: str | None = None,
+        member: str | None = None,
+        run_dir: str | None = None,
+    ) -> WorkerEnv:
+        """This environment with a trainer's explicit constructor arguments winning."""
+        given = {"coordinator": coordinator, "token": token, "member": member, "run_dir": run_dir}
+        changes = {k: v for k, v in given.items() if v is not None}
+        return replace(self, **changes) if changes else self  # type: ignore[arg-type]
+
+    def apply(self, config: TrainerConfig) -> TrainerConfig:
+        """`config` with the launcher's overrides applied (the one place they are)."""
+        changes: dict[str, object] = {}
+        if self.steps is not None:
+            changes["total_steps"] = self.steps
+        if self.checkpoint_every is not None:
+            changes["checkpoint_every"] = self.checkpoint_every
+        if self.checkpoint_mtbf_s is not None:
+            changes["checkpoint_mtbf_s"] = self.checkpoint_mtbf_s
+        return replace(config, **changes) if changes else config  # type: ignore[arg-type]
+
+
+def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """The worker's environment (`elastrain.env` names every variable). The token
+    comes from $ELASTRAIN_TOKEN or, failing that, the file $ELASTRAIN_TOKEN_FILE."""
+    e = os.environ if environ is None else environ
+    token = e.get(env.TOKEN) or None
+    if token is None and e.get(env.TOKEN_FILE):
+        with open(e[env.TOKEN_FILE]) as f:
+            token = f.read().strip()
+
+    def num(name: str, kind: type[int] | type[float]) -> Any:
+        raw = e.get(name)
+        if not raw:
+            return None
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"${name}={raw!r} is not a number") from None
+
+    return WorkerEnv(
+        coordinator=e.get(env.COORDINATOR) or None,
+        token=token,
+        member=e.get(env.MEMBER_ID) or None,
+        run_dir=e.get(env.RUN_DIR) or None,
+        host=e.get(env.ADVERTISE_HOST) or "127.0.0.1",
+        checkpoint_dir=e.get(env.CKPT_DIR) or None,
+        resume=e.get(env.RESUME) or None,
+        steps=num(env.STEPS, int),
+        checkpoint_every=num(env.CKPT_EVERY, int),
+        checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
+    )

@@ -1,0 +1,76 @@
+"""What the step engine needs from a framework: a `Backend` that only moves tensors.
+
+The engine (`elastrain.runtime.engine`) owns the protocol: rendezvous,
+verdicts, the watchdog, commit and abandon, leave, preemption, events, heal
+and checkpoint scheduling. A backend owns one member's model replica and does
+the arithmetic of a step on the engine's orders:
+
+    begin_step()                       fresh or zeroed gradient buffers
+    compute(step, i, batch, n)         forward/backward of micro-batch i, summed
+    reduce_buffers()                   what the all-reduce sums (extras at the end of the first)
+    apply()                            divide by the global batch, optimizer update
+    discard()                          drop the buffers (an abandoned all-reduce may still write them)
+
+and exposes its state as named buffers (`state()`, a `NamedState`) that heal
+and checkpoints both read and write. `TorchBackend`
+(`elastrain.runtime.torch_backend`) and `JaxBackend` (`elastrain.jax.backend`)
+implement it. Nothing here depends on a framework but torch's tensor type,
+which is the wire format of the gloo collectives.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from elastrain.transfer.state import NamedState
+
+
+class Backend(Protocol):
+    framework: str
+    """"torch" or "jax": events and errors say which."""
+
+    def signature(self) -> list[list[Any]]:
+        """The model's signature: the coordinator refuses a member whose differs from the job's."""
+
+    def state(self) -> NamedState:
+        """This member's whole training state as named buffers (model, optimizer, PRNG)."""
+
+    def state_hash(self) -> str:
+        """A digest equal on two members iff their states are bit-identical."""
+
+    def meta(self) -> dict[str, Any]:
+        """JSON-able framework state that travels with a heal or a checkpoint (RNG, user extras)."""
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        """Install what `meta` returned on the member that sent or saved it."""
+
+    def warm_up(self, batch: Any) -> None:
+        """Compile or warm up once before registering (a joiner must not stall its peers)."""
+
+    def begin_step(self, extra_slots: int) -> None:
+        """Ready zeroed gradient buffers with `extra_slots` values at the end of the first
+        reduce buffer (loss sum, sample count, the checkpoint schedule's measurements)."""
+
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
+        """Forward and backward of one micro-batch (the gradient of the loss *sum*
+        added into the step's buffers); returns its loss sum. Its randomness depends
+        only on (seed, step, microbatch), never on membership."""
+
+    def reduce_buffers(self) -> list[torch.Tensor]:
+        """The CPU tensors the step's all-reduce sums in place, in a fixed order."""
+
+    def extras(self) -> torch.Tensor:
+        """The view of the extra slots at the end of the first reduce buffer."""
+
+    def apply(self) -> None:
+        """Divide the summed gradient by the global batch and update the parameters."""
+
+    def discard(self) -> None:
+        """Forget the step's buffers: an abandoned all-reduce may still write into them."""
+
+    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any] | None:
+        """The `flops_measured` event's FLOP and device fields for one step (measured on
+        `batch`, one micro-batch), or None where this backend cannot count them."""

@@ -1,0 +1,837 @@
+"""The step engine: one member's elastic step protocol, for every framework.
+
+    user script ──▶ ElasticTrainer / JaxElasticTrainer   (public API, thin)
+                        │ builds
+                        ▼
+                    StepEngine ──── MemberProtocol (pure: observation -> action)
+                     │  │  │
+       coordinator ◀─┘  │  └─▶ Backend (TorchBackend | JaxBackend: moves tensors only)
+       (client,         │
+        session)        └─▶ gloo group, Waiter, Graveyard, heal (transfer), Checkpointing,
+                            EventLog, step hooks (chaos, installed by the entry point)
+
+The engine is the thin loop that performs each `Action` the protocol returns
+and reports what happened as the next observation. It owns every piece of
+I/O: coordinator calls, the generation's gloo group, the all-reduce and its
+watchdog, heal and checkpoint scheduling, events, signals. A backend only
+computes gradients into buffers, applies them, and exposes its state as named
+buffers. The step (docs/design.md has the argument):
+
+1. Rendezvous: the coordinator answers with a generation (ordered members)
+   once all of them are ready, with each one's committed step.
+2. Build the generation's gloo group; heal members that are behind from the
+   up-to-date ones; hash the state off the critical path.
+3. Step `s`: ask the verdict for (gen, s) in the background while computing
+   this rank's share of the step's micro-batches; on "proceed" all-reduce
+   [gradient sum | loss sum, sample count, checkpoint measurements], check the
+   count, divide by the global batch, update: committed. Anything else drops
+   the group and goes back to 1; the same step is retried.
+4. After a commit: a due checkpoint snapshot; a preemption notice means one
+   emergency checkpoint, then exit.
+
+Invariants kept here: never reuse a buffer with a collective in flight
+(`Backend.discard` on abandon), never apply a step without the full sample
+count (the protocol), settle the state hash before anything writes the
+parameters (`_settle_hash` before apply, heal and shutdown).
+
+Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
+(`elastrain.worker`) turns it into the process exit status.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from elastrain.control import protocol as p
+from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
+from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
+from elastrain.exitcodes import WorkerExit
+from elastrain.observe.events import EventLog
+from elastrain.observe.worker import WorkerMetering
+from elastrain.runtime import hooks
+from elastrain.runtime import member as m
+from elastrain.runtime.backend import Backend
+from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
+from elastrain.runtime.config import TrainerConfig, WorkerEnv
+from elastrain.runtime.durable import Checkpointing
+from elastrain.runtime.group import (
+    CollectiveAborted,
+    Graveyard,
+    Waiter,
+    build_group,
+    settle_before_exit,
+    tensor_allreduce,
+)
+from elastrain.runtime.resume import (
+    from_ordered_json,
+    load_resume,
+    ordered_json,
+    parse_resume,
+    resolve_directory,
+)
+from elastrain.runtime.session import JoinRefused, MemberSession
+from elastrain.runtime.watchdog import HangTimeout
+from elastrain.transfer import HealError, heal
+
+log = logging.getLogger("elastrain.engine")
+
+EXTRA_SLOTS = 2 + CONTRIB_SLOTS
+"""Values riding at the end of the first reduce buffer in the step's all-reduce:
+loss sum, sample count, then the checkpoint schedule's measurements."""
+
+RENDEZVOUS_POLL_S = 5.0
+"""How long one rendezvous call may wait at the coordinator for the generation."""
+
+
+class MapDataset(Protocol):
+    """A map-style dataset: `len()` and integer indexing (torch Datasets qualify)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    """0-based index of the step just committed."""
+    loss: float
+    """Mean loss over the step's global batch."""
+    gen: int
+    members: int
+    rank: int
+    step_s: float
+
+
+class GroupFactory(Protocol):
+    def __call__(self, gen: int, rank: int, size: int) -> Any:
+        """Build this member's process group for generation `gen` (blocks for all members)."""
+
+
+HealFn = Callable[..., tuple[dict[str, Any], Any]]
+
+
+@dataclass
+class _Step:
+    """What one step carries between its actions."""
+
+    t0: float
+    incarnation: int
+    verdict: concurrent.futures.Future[p.QuorumResponse]
+    samples: list[int]
+    loss_sum: float = 0.0
+    data_s: float = 0.0
+    t_compute: float = 0.0
+    t_reduce: float = 0.0
+    t_done: float = 0.0
+    extras: tuple[float, ...] = ()
+
+
+class StepEngine:
+    """Drives one member through the step protocol with a `Backend`.
+
+    Contract: every member of the job builds one with the same backend type,
+    model architecture, optimizer, dataset and config, then iterates
+    `steps()`. Survivors keep their process and state across failures; a
+    joiner is healed from its peers. `steps()` yields after each committed
+    step and returns when `total_steps` are committed; it raises `WorkerExit`
+    when this worker must end (SIGTERM leave, preemption, refusal, no
+    coordinator). `client`, `groups` and `heal_fn` are seams for in-process
+    tests (tests/test_protocol.py); by default they are the coordinator's
+    HTTP client, gloo groups over the coordinator's store and the striped heal.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        dataset: MapDataset,
+        collate_fn: Callable[[list[Any]], Any],
+        config: TrainerConfig,
+        where: WorkerEnv,
+        *,
+        client: CoordinatorClient | None = None,
+        groups: GroupFactory | None = None,
+        heal_fn: HealFn | None = None,
+    ) -> None:
+        config = where.apply(config)
+        if not where.coordinator and client is None:
+            raise ValueError(
+                "no coordinator: start workers with `elastrain run`, or set "
+                "ELASTRAIN_COORDINATOR and ELASTRAIN_TOKEN (or pass coordinator= and token=)"
+            )
+        if not where.token and client is None:
+            raise ValueError(
+                "no job token: set ELASTRAIN_TOKEN or ELASTRAIN_TOKEN_FILE (or pass token=)"
+            )
+        self.backend = backend
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.config = config
+        self.member = where.member or f"pid{os.getpid()}"
+        self.host = where.host
+        self.run_dir = where.run_dir
+        self.token = where.token or ""
+        self.events = EventLog(where.run_dir, self.member)
+        self.ckpt = Checkpointing(
+            config,
+            resolve_directory(config.checkpoint_dir, where.checkpoint_dir, where.run_dir),
+            self.events,
+            self.member,
+        )
+        self._resume_mode = parse_resume(
+            where.resume, "latest" if config.checkpoints_periodic else "none"
+        )
+        self.client = client or CoordinatorClient(
+            where.coordinator or "", self.token, timeout_s=config.coordinator_timeout_s
+        )
+        self.waiter = Waiter()
+        self.session = MemberSession(
+            self.client,
+            self.member,
+            backend.signature(),
+            host=self.host,
+            on_change=self.waiter.interrupt,
+            events=self.events,
+        )
+        self._groups = groups or self._gloo_group
+        self._heal_fn: HealFn = heal_fn or heal
+        self.hooks = hooks.installed()
+        self.order = GlobalOrder(len(dataset), config.seed, shuffle=config.shuffle)
+        self.hang = HangTimeout(config)
+        self.graveyard = Graveyard()
+        self.proto = m.MemberProtocol(self.member, config.total_steps, config.global_batch_size)
+        self._quorum_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="elastrain-quorum"
+        )
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="elastrain-hash"
+        )
+        self._hashing: concurrent.futures.Future[None] | None = None
+        self._pg: Any = None
+        self._inflight: list[Any] = []
+        self._ready: p.RendezvousResponse | None = None
+        self._step: _Step | None = None
+        self._result: StepResult | None = None
+        self.last_loss: float | None = None
+        self._last_wait_msg = 0.0
+        self._metering: WorkerMetering | None = None
+        self._closed = False
+        self._perform: dict[m.Do, Callable[[m.Action], m.Observation]] = {
+            m.Do.REGISTER: self._register,
+            m.Do.REGISTER_AGAIN: self._register_again,
+            m.Do.RENDEZVOUS: self._rendezvous,
+            m.Do.BACK_OFF: self._back_off,
+            m.Do.CONNECT: self._connect,
+            m.Do.HEAL: self._heal,
+            m.Do.COMPUTE: self._compute,
+            m.Do.VERDICT: self._verdict,
+            m.Do.ASK_AGAIN: self._ask_again,
+            m.Do.REDUCE: self._reduce,
+            m.Do.APPLY: self._apply,
+            m.Do.EMERGENCY_CHECKPOINT: self._emergency,
+            m.Do.ABANDON: self._abandon,
+        }
+
+    # ---- the member's view -------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        return self.proto.committed
+
+    @property
+    def gen(self) -> int:
+        return self.proto.gen
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.proto.members)
+
+    @property
+    def rank(self) -> int:
+        return self.proto.rank
+
+    def request_leave(self) -> None:
+        """Leave the job at the next step boundary (what SIGTERM does)."""
+        self.session.request_leave("left")
+        self.waiter.interrupt()
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def steps(self) -> Iterator[StepResult]:
+        """Train until `total_steps` are committed, yielding after each commit."""
+        self._install_sigterm()
+        for h in self.hooks:
+            h.attach(self.member, self.events)
+        self.events.emit("worker_start", member=self.member)
+        try:
+            self._resume()
+            self._warm_up()
+            self._metering = WorkerMetering.start(self.events, self._count_flops)
+            action = self.proto.advance(m.Started())
+            while True:
+                if action.do is m.Do.FINISH:
+                    self._finish()
+                    return
+                if action.do is m.Do.EXIT:
+                    self._exit(action)
+                obs = self._perform[action.do](action)
+                action = self.proto.advance(obs, self._flags())
+                if isinstance(obs, m.Applied):
+                    assert self._result is not None
+                    yield self._result
+        finally:
+            self._shutdown()
+
+    def _flags(self) -> m.Flags:
+        return m.Flags(leaving=self.session.leaving, expelled=self.session.expelled)
+
+    def _first_batch(self) -> Any:
+        ids = self.order.ids(0, self.config.micro_batch_size)
+        return self.collate_fn([self.dataset[j] for j in ids])
+
+    def _count_flops(self) -> dict[str, Any] | None:
+        cfg = self.config
+        fields = self.backend.count_flops(
+            self._first_batch(), cfg.micro_batch_size, cfg.global_batch_size
+        )
+        if fields is None:
+            return None
+        return {
+            **fields,
+            "micro_batch": self.config.micro_batch_size,
+            "global_batch": self.config.global_batch_size,
+        }
+
+    def _warm_up(self) -> None:
+        t0 = time.monotonic()
+        self.backend.warm_up(self._first_batch())
+        log.debug("%s: warm-up %.2f s", self.member, time.monotonic() - t0)
+
+    # ---- registration and rendezvous -------------------------------------------------
+
+    def _register(self, a: m.Action) -> m.Observation:
+        try:
+            self.session.register()
+        except JoinRefused as e:
+            return m.Refused(str(e))
+        except CoordinatorUnavailable as e:
+            return m.Unreachable(
+                "register",
+                f"[{self.member}] cannot reach the coordinator after "
+                f"{self.session.register_timeout_s:g} s: {e}",
+            )
+        return m.Registered(self.session.incarnation)
+
+    def _register_again(self, a: m.Action) -> m.Observation:
+        if self.session.expelled:
+            log.warning("%s was expelled from the job; registering again", self.member)
+        stale = self.session.incarnation if a.incarnation is None else a.incarnation
+        try:
+            self.session.ensure_registered(stale)
+        except JoinRefused as e:
+            return m.Refused(str(e))
+        except CoordinatorUnavailable as e:
+            log.warning("registering again failed: %s; retrying", e)
+            return m.Unreachable("register", str(e))
+        return m.Registered(self.session.incarnation)
+
+    def _rendezvous(self, a: m.Action) -> m.Observation:
+        self.events.emit("rendezvous_begin", known_gen=a.gen, committed=a.step)
+        try:
+            r = self.client.rendezvous(
+                p.RendezvousRequest(
+                    self.member,
+                    self.session.incarnation,
+                    a.gen,
+                    a.step,
+                    wait_s=RENDEZVOUS_POLL_S,
+                    commit_gen=self.proto.commit_gen,
+                )
+            )
+        except CoordinatorError as e:
+            log.warning("rendezvous failed: %s; retrying", e)
+            return m.Unreachable("rendezvous", str(e))
+        try:
+            status = p.RendezvousStatus(r.status)
+        except ValueError:
+            log.warning("rendezvous answered an unknown status %r; asking again", r.status)
+            return m.Unreachable("rendezvous", f"unknown status {r.status!r}")
+        if status == p.RendezvousStatus.FINISHED:
+            log.info("the job finished while %s was waiting", self.member)
+        elif status == p.RendezvousStatus.PENDING and r.message:
+            now = time.monotonic()
+            if now - self._last_wait_msg > 5:
+                log.warning("waiting: %s", r.message)
+                print(f"[{self.member}] waiting: {r.message}", flush=True)
+                self._last_wait_msg = now
+        if status == p.RendezvousStatus.READY:
+            self._ready = r
+        return m.RendezvousAnswer(
+            status,
+            r.gen,
+            tuple(r.members),
+            dict(r.committed),
+            dict(r.commit_gens),
+            r.start_step,
+            r.message,
+        )
+
+    def _back_off(self, a: m.Action) -> m.Observation:
+        # Pace retries against an unreachable or restarting coordinator.
+        time.sleep(self.session.heartbeat_s)
+        return m.Waited()
+
+    def _gloo_group(self, gen: int, rank: int, size: int) -> Any:
+        return build_group(
+            self.session.store(self.config.rendezvous_timeout_s),
+            f"{self.session.job_id}/gen{gen}",
+            rank,
+            size,
+            host=self.host,
+            connect_timeout_s=self.config.rendezvous_timeout_s,
+            op_timeout_s=self.config.hang_timeout_ceiling_s,
+        )
+
+    def _connect(self, a: m.Action) -> m.Observation:
+        t0 = time.monotonic()
+        try:
+            pg = self._groups(a.gen, a.rank, len(a.members))
+        except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
+            log.warning("building group for generation %d failed: %s", a.gen, e)
+            self.events.emit(
+                "step_abort",
+                step=a.step,
+                gen=a.gen,
+                error=str(e)[:300],
+                phase=m.AbortPhase.REGROUP,
+            )
+            return m.ConnectFailed(str(e))
+        self.events.emit(
+            "group_built",
+            gen=a.gen,
+            rank=a.rank,
+            size=len(a.members),
+            build_s=time.monotonic() - t0,
+        )
+        self._pg = pg
+        self.session.set_gen(a.gen, a.members)
+        return m.Connected()
+
+    # ---- heal -----------------------------------------------------------------------
+
+    def _heal(self, a: m.Action) -> m.Observation:
+        committed, received = a.step, False
+        if a.receivers:
+            role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
+            self.events.emit("heal_begin", gen=a.gen, role=role, bytes=0)
+            try:
+                got, stats = self._heal_fn(
+                    self._pg,
+                    a.rank,
+                    list(a.senders),
+                    list(a.receivers),
+                    self.backend.state(),
+                    self._meta(committed) if role == "send" else None,
+                    self.config.heal_timeout_s,
+                    key=self.token.encode() or None,
+                )
+                if role == "recv":
+                    committed, received = self._load_meta(got), True
+            except (HealError, RuntimeError, ValueError) as e:
+                return m.HealFailed(str(e))
+            self.events.emit(
+                "heal_end",
+                gen=a.gen,
+                role=role,
+                bytes=stats.bytes,
+                seconds=stats.seconds,
+                rate_mb_s=stats.rate_mb_s,
+            )
+        assert self._ready is not None
+        self.ckpt.note_generation(self._ready.reason)
+        self._start_hash(a.gen, committed, list(a.members), a.rank)
+        return m.Healed(committed, received)
+
+    def _start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:
+        """Hash the state off the recovery's critical path: it overlaps the first
+        step's compute, which only reads the parameters; `_settle_hash` joins it
+        before anything writes them (apply, heal, shutdown)."""
+
+        def start_event() -> None:
+            digest = self.backend.state_hash() if self.config.hash_state else ""
+            self.events.emit(
+                "generation_start",
+                gen=gen,
+                step=step,
+                state_hash=digest,
+                members=members,
+                rank=rank,
+            )
+
+        self._hashing = self._hash_pool.submit(start_event)
+
+    def _settle_hash(self) -> None:
+        if self._hashing is not None:
+            self._hashing.result()
+            self._hashing = None
+
+    def _meta(self, committed: int) -> dict[str, Any]:
+        """What travels with the state in a heal or a checkpoint, besides the buffers."""
+        return {
+            "committed": committed,
+            "last_loss": self.last_loss,
+            "ckpt": self.ckpt.schedule.to_json(),
+            **self.backend.meta(),
+        }
+
+    def _load_meta(self, meta: dict[str, Any]) -> int:
+        """Install a sender's or a checkpoint's meta; returns its committed count."""
+        committed = int(meta["committed"])
+        self.session.note_committed(committed)
+        self.last_loss = meta.get("last_loss")
+        self.backend.load_meta(meta)
+        self.ckpt.schedule.load_json(meta.get("ckpt"))
+        return committed
+
+    # ---- one step --------------------------------------------------------------------
+
+    def _compute(self, a: m.Action) -> m.Observation:
+        cfg = self.config
+        s = a.step
+        inc = self.session.incarnation
+        st = _Step(
+            time.monotonic(),
+            inc,
+            self._quorum_pool.submit(self.client.quorum, self._quorum_request(s, inc)),
+            [],
+        )
+        self._step = st
+        self.backend.begin_step(EXTRA_SLOTS)
+        mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
+        mine = assign_microbatches(len(mbs), len(self.proto.members), self.proto.rank)
+        for k, i in enumerate(mine):
+            if self.session.gen_broken(self.proto.gen):
+                return m.Superseded()
+            ids = self.order.ids(mbs[i].start, mbs[i].stop)
+            t_data = time.monotonic()
+            batch = self.collate_fn([self.dataset[j] for j in ids])
+            st.data_s += time.monotonic() - t_data
+            st.loss_sum += self.backend.compute(s, i, batch, len(ids))
+            st.samples.extend(ids)
+            if k == 0:
+                self._hook(s, hooks.StepPoint.COMPUTE)
+        st.t_compute = time.monotonic()
+        return m.Computed()
+
+    def _verdict(self, a: m.Action) -> m.Observation:
+        st = self._step
+        assert st is not None
+        try:
+            v = st.verdict.result(timeout=self.config.coordinator_timeout_s)
+        except (CoordinatorUnavailable, concurrent.futures.TimeoutError) as e:
+            self.session.coordinator_unreachable("quorum", str(e))
+            return m.Unreachable("quorum", str(e))
+        except CoordinatorError as e:
+            return m.VerdictFailed(str(e))
+        return self._seen(v, st.incarnation)
+
+    def _ask_again(self, a: m.Action) -> m.Observation:
+        assert a.incarnation is not None
+        try:
+            v = self.client.quorum(self._quorum_request(a.step, a.incarnation))
+        except CoordinatorError as e:
+            return m.VerdictFailed(str(e))
+        return self._seen(v, a.incarnation)
+
+    def _seen(self, v: p.QuorumResponse, asked: int) -> m.Observation:
+        try:
+            verdict = p.Verdict(v.verdict)
+        except ValueError:
+            return m.VerdictFailed(f"unknown verdict {v.verdict!r}")
+        return m.VerdictSeen(verdict, asked, self.session.incarnation, v.preempt_s)
+
+    def _quorum_request(self, step: int, inc: int) -> p.QuorumRequest:
+        return p.QuorumRequest(
+            self.member,
+            inc,
+            self.proto.gen,
+            step,
+            self.session.leaving,
+            self.last_loss,
+            self.config.global_batch_size,
+        )
+
+    def _reduce(self, a: m.Action) -> m.Observation:
+        st = self._step
+        assert st is not None
+        s, gen = a.step, a.gen
+        extras = self.backend.extras()
+        extras.copy_(
+            torch.tensor(
+                [st.loss_sum, float(len(st.samples)), *self.ckpt.contribution()],
+                dtype=extras.dtype,
+            )
+        )
+        self.events.emit("step_contrib", step=s, gen=gen, samples=st.samples)
+        st.t_reduce = time.monotonic()
+        self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
+        self._hook(s, hooks.StepPoint.ALLREDUCE)
+        timeout = self.hang.timeout_s
+        try:
+            self.waiter.wait(self._inflight, timeout, lambda: self.session.gen_broken(gen))
+        except CollectiveAborted as e:
+            if e.reason == "watchdog":
+                self.events.emit("watchdog_fired", step=s, gen=gen, timeout_s=timeout)
+            return m.ReduceAborted(m.AbortPhase(e.reason), str(e))
+        except RuntimeError as e:
+            self._inflight = []
+            return m.ReduceAborted(m.AbortPhase.ALLREDUCE, str(e)[:300])
+        self._inflight = []
+        st.t_done = time.monotonic()
+        self.hang.observe(st.t_done - st.t_reduce)
+        st.extras = tuple(float(x) for x in self.backend.extras().tolist())
+        return m.Reduced(int(round(st.extras[1])))
+
+    def _apply(self, a: m.Action) -> m.Observation:
+        st = self._step
+        assert st is not None
+        s = a.step
+        self._settle_hash()
+        self.backend.apply()
+        n = s + 1
+        self.session.note_committed(n)
+        total_loss, count = st.extras[0], int(round(st.extras[1]))
+        loss_mean = total_loss / count
+        self.last_loss = loss_mean
+        t_end = time.monotonic()
+        self.events.emit(
+            "step_commit",
+            step=s,
+            gen=a.gen,
+            loss=loss_mean,
+            step_s=t_end - st.t0,
+            compute_s=st.t_compute - st.t0,
+            allreduce_s=st.t_done - st.t_reduce,
+            data_s=st.data_s,
+            samples=count,
+            samples_per_s=count / max(t_end - st.t0, 1e-9),
+        )
+        self.ckpt.absorb(list(st.extras[2:]))
+        self.ckpt.note_step_time(t_end - st.t0)
+        self._result = StepResult(
+            s, loss_mean, a.gen, len(self.proto.members), self.proto.rank, t_end - st.t0
+        )
+        self._step = None
+        if a.grace_s <= 0:
+            self.ckpt.after_commit(
+                n, a.gen, list(self.proto.members), self.proto.rank, self._checkpoint_state
+            )
+            self._hook(s, hooks.StepPoint.COMMIT)
+        return m.Applied(n, a.grace_s)
+
+    def _hook(self, step: int, point: hooks.StepPoint) -> None:
+        for h in self.hooks:
+            h.at(step, point)
+
+    def _abandon(self, a: m.Action) -> m.Observation:
+        """Drop the current group (parking it if work is in flight) and forget the generation."""
+        assert a.phase is not None
+        self.events.emit("step_abort", step=a.step, gen=a.gen, error=a.error[:300], phase=a.phase)
+        self._settle_hash()
+        if self._pg is not None:
+            self.graveyard.bury(self._pg, self._inflight)
+        self._pg = None
+        self._inflight = []
+        self._step = None
+        # An abandoned all-reduce may still complete later and write into its
+        # buffer: never reuse it.
+        self.backend.discard()
+        self.session.set_gen(0)
+        log.warning("%s: generation %d abandoned in %s: %s", self.member, a.gen, a.phase, a.error)
+        return m.Abandoned()
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The flattened state (aliases of the live tensors) and its JSON meta, for a snapshot."""
+        flat = self.backend.state().flatten()
+        meta = self._meta(self.proto.committed)
+        meta["extra"] = ordered_json(meta.get("extra"))
+        meta["optimizer"] = ordered_json(flat.section)
+        meta["framework"] = self.backend.framework
+        return dict(flat.tensors), meta
+
+    def _resume(self) -> None:
+        """Load the checkpoint to resume from, if any (before the first rendezvous).
+
+        Every initial member of a resumed job loads the same one (the launcher
+        chose it and passed its step in $ELASTRAIN_RESUME); a replacement loads
+        the newest verified one and is healed by its peers if they are further.
+        """
+        t0 = time.monotonic()
+        got = load_resume(self.ckpt.directory, self._resume_mode)
+        if got is None:
+            return
+        ckpt, tensors, meta = got
+        saved = meta.get("framework", "torch")
+        if saved != self.backend.framework:
+            raise RuntimeError(
+                f"checkpoint {ckpt.path} was written by a {saved} job, this is {self.backend.framework}"
+            )
+        meta["extra"] = from_ordered_json(meta.get("extra"))
+        self.backend.state().load(tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+        committed = self._load_meta(meta)
+        if committed != ckpt.step:
+            raise RuntimeError(
+                f"checkpoint {ckpt.path} holds committed count {committed}, not {ckpt.step}"
+            )
+        self.proto.resumed(committed)
+        seconds = time.monotonic() - t0
+        log.info(
+            "%s resumed from %s (step %d) in %.2f s", self.member, ckpt.path, ckpt.step, seconds
+        )
+        print(f"[{self.member}] resumed from checkpoint step {ckpt.step} ({ckpt.path})", flush=True)
+        self.events.emit(
+            "checkpoint_loaded",
+            step=ckpt.step,
+            path=str(ckpt.path),
+            generation=ckpt.generation,
+            bytes=ckpt.total_bytes,
+            seconds=seconds,
+        )
+
+    def _emergency(self, a: m.Action) -> m.Observation:
+        """The job is being preempted: write an emergency checkpoint of the step just
+        committed (every member of the generation got the same notice with the same
+        step's verdict) and wait until it is durable within the grace period."""
+        deadline = time.monotonic() + a.grace_s
+        n = a.step
+        log.warning("%s: preemption notice; emergency checkpoint at step %d", self.member, n)
+        print(f"[{self.member}] preempted: emergency checkpoint at step {n}", flush=True)
+        members, rank = list(self.proto.members), self.proto.rank
+        ok = self.ckpt.emergency(n, a.gen, members, rank, self._checkpoint_state, deadline)
+        self.events.emit(
+            "checkpoint_emergency",
+            step=n,
+            ok=ok,
+            rank=rank,
+            seconds=a.grace_s - max(0.0, deadline - time.monotonic()),
+        )
+        return m.CheckpointWritten(ok)
+
+    # ---- leaving -------------------------------------------------------------------
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(_sig: int, _frame: object) -> None:
+            self.request_leave()
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def _finish(self) -> None:
+        try:
+            self.client.leave(
+                p.LeaveRequest(self.member, self.session.incarnation, "done", self.committed)
+            )
+        except CoordinatorError as e:
+            log.warning("could not tell the coordinator we are done: %s", e)
+        self.events.emit("worker_exit", reason=m.ExitReason.DONE, committed=self.committed)
+
+    def _exit(self, a: m.Action) -> None:
+        assert a.reason is not None
+        if a.reason == m.ExitReason.REFUSED:
+            print(f"[{self.member}] refused by the coordinator: {a.message}", flush=True)
+        if a.reason == m.ExitReason.PREEMPTED:
+            self.session.request_leave("left")
+        self.events.emit("worker_exit", reason=a.reason, committed=self.committed)
+        self._shutdown()
+        message = a.message if a.reason == m.ExitReason.NO_COORDINATOR else ""
+        raise WorkerExit(a.code, str(a.reason), message)
+
+    def _shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._settle_hash()
+        self.ckpt.close()
+        if self._pg is not None:
+            self.graveyard.bury(self._pg, self._inflight)
+            self._pg = None
+        self.session.close()
+        self._quorum_pool.shutdown(wait=False, cancel_futures=True)
+        self._hash_pool.shutdown(wait=False)
+        settle_before_exit(self.waiter, self.graveyard, self.member)
+        self.client.close()
+        if self._metering is not None:
+            self._metering.stop()
+        self.events.close()
+
+
+class EngineTrainer:
+    """What the public trainers (`ElasticTrainer`, `JaxElasticTrainer`) share: a
+    face over one `StepEngine`. Subclasses build the backend and the engine."""
+
+    engine: StepEngine
+
+    @property
+    def config(self) -> TrainerConfig:
+        """The config in force (the launcher's --steps, --ckpt-* applied)."""
+        return self.engine.config
+
+    @property
+    def member(self) -> str:
+        return self.engine.member
+
+    @property
+    def committed(self) -> int:
+        """Steps committed so far (this member's count)."""
+        return self.engine.committed
+
+    @property
+    def gen(self) -> int:
+        return self.engine.gen
+
+    @property
+    def members(self) -> list[str]:
+        return self.engine.members
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def is_leader(self) -> bool:
+        """True on rank 0 of the current generation (for logging, not for correctness)."""
+        return self.engine.rank == 0
+
+    @property
+    def holds_final_state(self) -> bool:
+        """True once this member holds the state after the last step (False on a
+        joiner that arrived after the job had finished: its model is untrained)."""
+        return self.engine.committed >= self.engine.config.total_steps
+
+    def request_leave(self) -> None:
+        """Leave the job at the next step boundary (what SIGTERM does)."""
+        self.engine.request_leave()
+
+    def steps(self) -> Iterator[StepResult]:
+        """Train until `total_steps` are committed, yielding after each commit.
+        Raises `elastrain.WorkerExit` when this worker must end (leave,
+        preemption, refusal, no coordinator)."""
+        return self.engine.steps()
+
+    def run(self) -> list[StepResult]:
+        """`steps()` to completion; returns every result."""
+        return list(self.steps())

@@ -1,0 +1,50 @@
+"""The step engine's hook seam: code outside the core reaches a worker's step here.
+
+A hook is told where the engine is (`StepPoint`) at every step; the chaos
+fault points (`elastrain.chaos.points`) are one, installed by the worker entry
+point (`elastrain.worker`) when the launcher asked for faults. The engine
+never imports who implements a hook: the core does not depend on the tools.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Protocol
+
+from elastrain.observe.events import EventLog
+
+
+class StepPoint(StrEnum):
+    """Where in a step a hook is called (the `phase` of a fault point)."""
+
+    COMPUTE = "compute"
+    """After this member's first micro-batch's backward."""
+    ALLREDUCE = "allreduce"
+    """Right after the step's all-reduce was posted."""
+    COMMIT = "commit"
+    """After the step was applied (and any due checkpoint snapshot taken)."""
+
+
+class StepHook(Protocol):
+    def attach(self, member: str, events: EventLog) -> None:
+        """Called once, when the engine starts, with the member id and its event log."""
+
+    def at(self, step: int, point: StepPoint) -> None:
+        """Called by the training thread at `point` of step `step` (0-based)."""
+
+
+_installed: list[StepHook] = []
+
+
+def install(hook: StepHook) -> None:
+    """Add a hook that every engine created afterwards in this process calls."""
+    _installed.append(hook)
+
+
+def installed() -> list[StepHook]:
+    return list(_installed)
+
+
+def clear() -> None:
+    """Remove every installed hook (tests)."""
+    _installed.clear()

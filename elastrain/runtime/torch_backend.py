@@ -1,0 +1,197 @@
+"""The PyTorch backend of the step engine: one model replica, its optimizer, flat gradients.
+
+Every parameter's `.grad` is a view into one flat buffer per dtype, so
+backward accumulates in place and the all-reduce sums a few large tensors.
+With reduce_dtype "float64" (the default) each micro-batch's gradient is
+added into one float64 buffer and cleared, so the sum over the global batch
+is exact and its rounding back to the parameters' dtype does not depend on
+which member computed which micro-batch (`TrainerConfig.reduce_dtype`).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastrain.transfer import model_signature
+from elastrain.transfer.state import TorchState
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class TorchBackend:
+    """`Backend` for a `torch.nn.Module` and a `torch.optim.Optimizer` on this process.
+
+    Who calls: the engine's training thread only; the state-hash thread reads
+    the parameters between `begin_step` and `apply` (the engine settles it
+    before `apply` writes them).
+    """
+
+    framework = "torch"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        *,
+        seed: int,
+        global_batch_size: int,
+        reduce_dtype: str,
+        extra_state: Callable[[], dict[str, Any]] | None = None,
+        load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.seed = seed
+        self.global_batch_size = global_batch_size
+        self.native = reduce_dtype == "native"
+        self.extra_state = extra_state
+        self.load_extra_state = load_extra_state
+        self._extra_slots = 0
+        self._flats: list[torch.Tensor] = []
+        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._reduce: list[torch.Tensor] = []
+
+    # ---- state -------------------------------------------------------------------
+
+    def signature(self) -> list[list[Any]]:
+        return model_signature(self.model)
+
+    def state(self) -> TorchState:
+        return TorchState(self.model, self.optimizer)
+
+    def state_hash(self) -> str:
+        return self.state().digest()
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "extra": self.extra_state() if self.extra_state else None,
+        }
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        if meta.get("rng"):
+            rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
+            torch.set_rng_state(rng)
+        if self.load_extra_state is not None and meta.get("extra") is not None:
+            self.load_extra_state(meta["extra"])
+
+    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any]:
+        from elastrain.observe.efficiency import device_info
+        from elastrain.observe.flops import measure_step_flops
+
+        fc = measure_step_flops(self.model, self.loss_fn, batch, micro_batch, global_batch)
+        return {
+            "flops_per_step": fc.flops_per_step,
+            "flops_per_microbatch": fc.flops_per_microbatch,
+            "flops_per_sample": fc.flops_per_sample,
+            "tokens_per_sample": fc.tokens_per_sample,
+            "seconds": fc.seconds,
+            "method": fc.method,
+            **device_info(self.model),
+        }
+
+    def warm_up(self, batch: Any) -> None:
+        """Nothing to compile in eager mode."""
+
+    # ---- one step ------------------------------------------------------------------
+
+    def begin_step(self, extra_slots: int) -> None:
+        grads, bufs = self._ensure_grad_views(extra_slots)
+        for f in grads if bufs is grads else (*grads, *bufs):
+            f.zero_()
+        self.model.train()
+
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
+        with torch.random.fork_rng(devices=[]):
+            # Membership-free randomness: (seed, step, micro-batch) only.
+            torch.manual_seed(
+                (self.seed * 0x9E3779B1 + step * 1_000_003 + microbatch) & 0x7FFF_FFFF_FFFF
+            )
+            loss = self.loss_fn(self.model, batch)
+            (loss * samples).backward()
+        if self._reduce is not self._flats:
+            self._widen(self._flats, self._reduce[0])
+        return float(loss.detach()) * samples
+
+    def reduce_buffers(self) -> list[torch.Tensor]:
+        return self._reduce
+
+    def extras(self) -> torch.Tensor:
+        return self._reduce[0][-self._extra_slots :]
+
+    def apply(self) -> None:
+        self._narrow(self._flats, self._reduce)
+        self.optimizer.step()
+
+    def discard(self) -> None:
+        self._flats, self._views, self._reduce = [], [], []
+
+    # ---- flat gradient buffers -------------------------------------------------------
+
+    def _ensure_grad_views(self, extra: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(grads, reduce): point every parameter's .grad at a slice of one flat
+        buffer per dtype (`grads`), so backward accumulates in place; `reduce` are
+        the buffers the all-reduce sums, the extras riding at the end of the
+        first. With reduce_dtype "native" they are the grad buffers themselves
+        (no copy); with "float64" one float64 buffer that every micro-batch's
+        gradient is added into."""
+        if (
+            self._flats
+            and extra == self._extra_slots
+            and all(
+                prm.grad is not None and prm.grad.data_ptr() == v.data_ptr()
+                for prm, v in self._views
+            )
+        ):
+            return self._flats, self._reduce
+        self._extra_slots = extra
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for q in params:
+            by_dtype.setdefault(q.dtype, []).append(q)
+        flats: list[torch.Tensor] = []
+        views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for i, (dtype, group) in enumerate(by_dtype.items()):
+            pad = extra if i == 0 and self.native else 0
+            flat = torch.zeros(sum(q.numel() for q in group) + pad, dtype=dtype)
+            off = 0
+            for q in group:
+                v = flat[off : off + q.numel()].view_as(q)
+                q.grad = v
+                views.append((q, v))
+                off += q.numel()
+            flats.append(flat)
+        self._flats, self._views = flats, views
+        if self.native:
+            self._reduce = flats
+        else:
+            n = sum(f.numel() for f in flats)
+            self._reduce = [torch.zeros(n + extra, dtype=torch.float64)]
+        return self._flats, self._reduce
+
+    def _widen(self, grads: list[torch.Tensor], wide: torch.Tensor) -> None:
+        """Add one micro-batch's gradient into the float64 sum and clear it."""
+        off = 0
+        for g in grads:
+            wide[off : off + g.numel()].add_(g)
+            g.zero_()
+            off += g.numel()
+
+    def _narrow(self, grads: list[torch.Tensor], reduce: list[torch.Tensor]) -> None:
+        """The summed gradient over the global batch, into the parameters' .grad."""
+        b = self.global_batch_size
+        if reduce is grads:
+            for i, f in enumerate(grads):
+                (f[: -self._extra_slots] if i == 0 else f).div_(b)
+            return
+        wide, off = reduce[0], 0
+        for g in grads:
+            # One rounding, from the exact float64 mean: same bits on every member.
+            g.copy_(wide[off : off + g.numel()].div_(b))
+            off += g.numel()

@@ -1,0 +1,53 @@
+"""The worker entry point: `python -m elastrain.worker SCRIPT [ARGS...]`.
+
+What `elastrain run` (and an agent) starts for each member. It runs the
+user's script as `__main__`, like `python SCRIPT ARGS` would (same argv,
+script directory first on sys.path), with two additions that keep the
+library free of process-level decisions:
+
+- the step hooks the launcher asked for are installed first (the chaos fault
+  points when $ELASTRAIN_FAULTS or a run directory is set), so the engine
+  never imports the tools;
+- a `WorkerExit` raised by the library (leave, preemption, refusal, no
+  coordinator) becomes the process exit status, here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from elastrain.exitcodes import WorkerExit
+
+
+def install_hooks() -> None:
+    """Install the hooks the environment asks for (the launcher's fault points)."""
+    from elastrain.chaos.points import FaultHook
+    from elastrain.runtime import hooks
+
+    hook = FaultHook.from_env()
+    if hook is not None:
+        hooks.install(hook)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m elastrain.worker SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script = args[0]
+    sys.argv = list(args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    install_hooks()
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except WorkerExit as e:
+        if e.message:
+            print(e.message, file=sys.stderr, flush=True)
+        return e.code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -157,3 +157,45 @@ def test_jax_worker_killed_replacement_heals_and_math_matches(run_job) -> None: 
     finals = [np.load(f) for f in sorted((job.run_dir / "final").glob("*.npy"))]
     assert len(finals) == 3 and all(np.array_equal(finals[0], f) for f in finals[1:])
     np.testing.assert_allclose(np.load(ref.run_dir / "final" / "w0.npy"), finals[0], rtol=1e-5)
+
+
+def test_jax_job_killed_entirely_resumes_from_its_checkpoint(run_job) -> None:  # type: ignore[no-untyped-def]
+    """The shared engine gives JAX durable checkpoints and whole-job resume: every
+    worker killed at step 13 (checkpoints every 5 steps), the job rerun on the same
+    run directory resumes at step 10 and follows the uninterrupted run's loss curve."""
+    every, kill_at = 5, 13
+    ref = run_job(steps=STEPS, workers=2, name="jax-ckpt-ref", script=JAX_MLP)
+    assert_invariants(ref, STEPS)
+    first = run_job(
+        steps=STEPS,
+        workers=2,
+        name="jax-ckpt",
+        script=JAX_MLP,
+        checkpoint_every=every,
+        replace=False,
+        points=[
+            {"member": m, "step": kill_at, "phase": "compute", "action": "kill"}
+            for m in ("w0", "w1")
+        ],
+    )
+    assert first.result.status == "failed"
+    saved = {e["step"] for e in first.of("checkpoint_committed")}
+    assert saved and max(saved) == 10, saved
+    second = run_job(
+        steps=STEPS, workers=2, name="jax-ckpt", script=JAX_MLP, checkpoint_every=every
+    )
+    assert second.result.status == "done", second.result.message
+    assert second.result.resumed_from == 10
+    t0 = max(e["t"] for e in second.events if e["kind"] == "job_start")
+    rerun = [e for e in second.events if e["t"] >= t0]
+    loaded = [e for e in rerun if e["kind"] == "checkpoint_loaded"]
+    assert len(loaded) == 2 and {e["step"] for e in loaded} == {10}
+    assert check_same_state(rerun) == []
+    a, b = loss_curve(ref.events), loss_curve(rerun)
+    assert sorted(b) == list(range(10, STEPS)), "the rerun did not continue where it stopped"
+    for s in range(10, STEPS):
+        assert math.isclose(a[s], b[s], rel_tol=1e-5), f"step {s}: {a[s]} vs {b[s]}"
+    finals = sorted((second.run_dir / "final").glob("*.npy"))
+    np.testing.assert_allclose(
+        np.load(ref.run_dir / "final" / "w0.npy"), np.load(finals[0]), rtol=1e-5
+    )

@@ -317,7 +317,7 @@ class JaxElasticTrainer:
             store = self.session.store(self.config.rendezvous_timeout_s)
             pg = build_group(
                 store,
-                f"{self.session.job_id}/gen{r.gen}",
+                self.session.group_prefix(r),
                 rank,
                 len(r.members),
                 host=self.host,

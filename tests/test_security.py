@@ -406,3 +406,62 @@ def test_second_launcher_on_a_locked_run_dir_fails_and_the_first_goes_on(
         first.communicate(timeout=60)
     finally:
         stop_processes(first, pids)
+
+
+# ---- Kubernetes ------------------------------------------------------------------
+
+
+def _pods(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every pod template in the rendered objects (Deployment, JobSet's Jobs)."""
+    out = []
+    for o in objs:
+        if o["kind"] == "Deployment":
+            out.append(o["spec"]["template"])
+        if o["kind"] == "JobSet":
+            out += [rj["template"]["spec"]["template"] for rj in o["spec"]["replicatedJobs"]]
+    return out
+
+
+@pytest.mark.parametrize("coordinator", ["deployment", "jobset"])
+def test_k8s_pods_are_hardened_and_only_the_job_reaches_its_ports(coordinator: str) -> None:
+    pytest.importorskip("kubernetes_validate")
+    from elastrain.k8s import validate
+    from elastrain.k8s.config import K8sConfig
+    from elastrain.k8s.render import find, render
+
+    cfg = K8sConfig(
+        image="r.example/t:1", token=TOKEN, workers=3, gpus_per_worker=1, coordinator=coordinator
+    )
+    objs = render(cfg)
+    crds = os.environ.get("ELASTRAIN_K8S_CRDS") or validate.default_crd_dir()
+    assert validate.Validator(Path(crds) if crds else None).errors(objs) == []
+    pods = _pods(objs)
+    assert len(pods) == 2
+    for pod in pods:
+        spec = pod["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (token,) = [v for v in spec["volumes"] if v["name"] == "token"]
+        assert token["secret"]["defaultMode"] == 0o400
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            mounted = {m["mountPath"] for m in c["volumeMounts"]}
+            assert {"/tmp", "/elastrain"} <= mounted  # writable where it must write
+            assert c["resources"]["requests"] and c["resources"]["limits"]
+    coord_np = find(objs, "NetworkPolicy", f"{cfg.name}-coordinator")["spec"]
+    assert coord_np["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "coordinator"
+    (rule,) = coord_np["ingress"]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": cfg.name}}}
+    ]
+    assert {p["port"] for p in rule["ports"]} == {cfg.http_port, cfg.store_port}
+    workers_np = find(objs, "NetworkPolicy", f"{cfg.name}-workers")["spec"]
+    assert workers_np["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    assert workers_np["ingress"][0]["from"] == rule["from"]
+    # Every pod of the job is selected by the policies' peer selector.
+    for pod in pods:
+        assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == cfg.name

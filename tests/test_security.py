@@ -372,10 +372,9 @@ def test_launcher_sigkill_leaves_nothing_behind(tmp_path: Path) -> None:
             time.sleep(0.05)  # waiting on processes we do not parent
         gone_s = time.monotonic() - t0
         print(f"every process gone {gone_s:.2f} s after the launcher's SIGKILL")
+        # No socket of the job's processes is left (a freed port may be reused by
+        # an unrelated process at once, so ports are not checked machine-wide).
         assert not _listening(pids)
-        out = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout
-        for port in ports:
-            assert f":{port} " not in out, f"port {port} still listens"
         assert _shm() <= shm_before
         assert not list(run_dir.glob(".*.tmp"))
     finally:

@@ -85,6 +85,12 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule's choices")
     ap.add_argument(
+        "--group-readable",
+        action="store_true",
+        help="run directory 0750 and its files 0640 (a shared filesystem where a group "
+        "must read checkpoints and logs); default 0700 and 0600",
+    )
+    ap.add_argument(
         "--plain", action="store_true", help="plain progress lines instead of a live panel"
     )
 
@@ -123,6 +129,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         checkpoint_mtbf_s=args.ckpt_mtbf,
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
+        group_readable=args.group_readable,
         **(
             {
                 "coordinator": args.coordinator,
@@ -187,7 +194,13 @@ def _launch(args: argparse.Namespace, cmd: str, ok: tuple[str, ...]) -> int:
     except (ValueError, OSError) as e:
         print(f"elastrain {cmd}: error: {e}", file=sys.stderr)
         return 2
-    result = _run_job(cfg, args.plain, args.steps)
+    from elastrain.launch.lock import RunDirLocked
+
+    try:
+        result = _run_job(cfg, args.plain, args.steps)
+    except RunDirLocked as e:
+        print(f"elastrain {cmd}: error: {e}", file=sys.stderr)
+        return 2
     _summary(result)
     return 0 if getattr(result, "status", "") in ok else 1
 

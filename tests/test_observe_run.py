@@ -33,9 +33,14 @@ from tests.conftest import MLP, ROOT, Job
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     cfg = LaunchConfig(
         script=MLP,
+        # Paced: the replacement (1 s after the kill) must be spawned before the
+        # job ends, and a finished job replaces nobody. Unpaced, the time left
+        # after the kill is (120 - kill step) x step time: ~3 s at 30 ms a step,
+        # but under 1 s on a machine where a step takes a few ms (the kill also
+        # lands later there: the launcher sees the step only every 0.25 s). At
+        # >= 30 ms a step at least ~3 s are left whatever the machine's speed.
+        script_args=["--min-step-s", "0.03"],
         workers=3,
-        # Long enough that the replacement (1 s after the kill) is spawned before
-        # the job ends even on a fast machine (steps take ~30 ms here).
         steps=120,
         run_dir=str(tmp_path_factory.mktemp("observed") / "run"),
         faults=[parse_fault("kill@12")],

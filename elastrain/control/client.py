@@ -36,6 +36,26 @@ class CoordinatorRefused(CoordinatorError):
         self.code = code
         self.message = message
 
+    @property
+    def transient(self) -> bool:
+        """Worth asking again: see `transient_status`."""
+        return transient_status(self.status)
+
+
+def transient_status(status: int) -> bool:
+    """An error answer that says "not now" rather than "no": 408 (the request
+    was too slow), 429 and 503 (busy, e.g. the connection limit) and every
+    other 5xx. A 4xx otherwise (400 malformed, 401 wrong token, 409 model
+    mismatch) will be the same next time: the caller must not retry it."""
+    return status in (408, 429) or 500 <= status <= 599
+
+
+def backoff_s(attempt: int, *, base_s: float, cap_s: float, jitter: float) -> float:
+    """Delay before retry `attempt` (0-based): exponential from `base_s`, at
+    most `cap_s`, scaled by `jitter` in [0.5, 1.5) so that members refused
+    together do not all come back at the same instant."""
+    return min(cap_s, base_s * (2.0 ** min(attempt, 30))) * jitter
+
 
 class CoordinatorClient:
     def __init__(self, address: str, token: str, *, timeout_s: float = 10.0) -> None:

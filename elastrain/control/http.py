@@ -14,9 +14,15 @@ most 64 KiB (414), at most 100 headers (431), GET or POST only (405), HTTP/1.x
 only, a body only with a decimal Content-Length of at most `max_body` (no
 chunked encoding), and every request must arrive within `read_timeout_s` of
 its first byte (headers) or of its headers (body), else 408: a slow or stalled
-client holds a buffer and a file descriptor, never a thread. Past
-`max_connections` new connections get 503 and are closed. Connections idle
-for `idle_timeout_s` are closed (clients reconnect).
+client holds a buffer and a file descriptor, never a thread.
+
+Connections are untrusted until a request on them passes `trusts` (the job
+token). Untrusted connections idle for `untrusted_idle_s` are closed (a
+socket that sends nothing costs a descriptor and nothing else, but holds a
+slot); trusted ones after `idle_timeout_s` (clients reconnect). Past
+`max_connections`, a new connection closes the oldest idle untrusted one to
+make room, so a flood of tokenless sockets never locks the members out; only
+when every connection is trusted or busy does the new one get 503.
 
 Who calls: `CoordinatorServer` (server.py); the handler runs on the loop
 thread and must not block.
@@ -174,6 +180,8 @@ class _Connection(asyncio.Protocol):
         with one write (one syscall, not one per answer); None: send at once."""
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Future[Response] | None = None
+        self.trusted = False
+        """A request on it passed the server's `trusts` (it carried the job token)."""
 
     # ---- asyncio callbacks -----------------------------------------------------
 
@@ -182,10 +190,11 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         self.last = self.now = self.loop.time()
         self.srv.connections.add(self)
+        self.srv.untrusted[self] = None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if len(self.srv.connections) > self.srv.max_connections:
+        if len(self.srv.connections) > self.srv.max_connections and not self.srv.make_room(self):
             self._send(
                 error_response(
                     503,
@@ -217,6 +226,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.srv.connections.discard(self)
+        self.srv.untrusted.pop(self, None)
         if self.timer is not None:
             self.timer.cancel()
         if self.task is not None and not self.task.done():
@@ -247,6 +257,9 @@ class _Connection(asyncio.Protocol):
                 self._incomplete()
                 return
             keep_alive = self.head_keep_alive
+            if not self.trusted and self.srv.trusts(req):
+                self.trusted = True
+                self.srv.untrusted.pop(self, None)
             try:
                 out = self.srv.handler(req)
             except Exception as e:  # a bug in the handler: say so rather than hang
@@ -473,16 +486,23 @@ class HttpServer:
         max_body: int,
         read_timeout_s: float,
         idle_timeout_s: float = 300.0,
+        untrusted_idle_s: float | None = None,
         max_connections: int = 4096,
         backlog: int = 4096,
+        trusts: Callable[[Request], bool] = lambda _req: True,
     ) -> None:
         self.handler = handler
+        self.trusts = trusts
+        """Does this request make its connection trusted (it carries the job token)?"""
         self.max_body = max_body
         self._heads: dict[bytes, tuple[str, str, dict[bytes, bytes], int, bool]] = {}
         self.read_timeout_s = read_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.untrusted_idle_s = read_timeout_s if untrusted_idle_s is None else untrusted_idle_s
         self.max_connections = max_connections
         self.connections: set[_Connection] = set()
+        self.untrusted: dict[_Connection, None] = {}
+        """Connections no request has made trusted yet, oldest first."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -551,9 +571,30 @@ class HttpServer:
         self.loop.call_later(interval_s, tick)
 
     def _close_idle(self) -> None:
-        cutoff = self.loop.time() - self.idle_timeout_s
-        for c in [c for c in self.connections if not c.busy and c.last < cutoff]:
+        now = self.loop.time()
+        cutoff, untrusted_cutoff = now - self.idle_timeout_s, now - self.untrusted_idle_s
+        idle = [
+            c
+            for c in self.connections
+            if not c.busy and c.last < (cutoff if c.trusted else untrusted_cutoff)
+        ]
+        for c in idle:
             c._close()
+
+    def make_room(self, newcomer: _Connection) -> bool:
+        """Over the connection limit: close the oldest idle untrusted connection
+        other than `newcomer`; False if there is none (every slot is in use by a
+        trusted or busy connection)."""
+        for c in self.untrusted:
+            if c is not newcomer and not c.busy and not c.closing:
+                self.untrusted.pop(c)
+                c._send(
+                    error_response(
+                        503, "busy", "closed to make room for another connection", close=True
+                    )
+                )
+                return True
+        return False
 
     def _shutdown(self) -> None:
         if self._server is not None:

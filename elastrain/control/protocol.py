@@ -112,7 +112,36 @@ def _short(value: Any) -> str:
     return _ShortRepr().repr(value)
 
 
+MAX_STRING = 256
+"""Longest string in a message (a member id, a host, a reason), in characters;
+`STRING_LIMITS` names the fields allowed more. A longer one is a 400 naming
+the field: names are echoed into answers and every event, so an unbounded one
+grows the event log by its length per event."""
+STRING_LIMITS: dict[str, int] = {
+    "RendezvousResponse.message": 4096,
+    "signature": 1024,
+    "signature.dtype": 64,
+}
+
+
+def _check_strings(value: Any, where: str, limit: int) -> None:
+    """Every string in `value` (and every key of an object) is at most `limit` long."""
+    if isinstance(value, str):
+        if len(value) > limit:
+            raise ProtocolError(
+                f"{where}: a string of {len(value)} characters is longer than {limit}"
+            )
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{where}[{i}]", limit)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, f"{where} key", limit)
+            _check_strings(v, f"{where}.{k}", limit)
+
+
 def _check_signature(value: Any, where: str) -> None:
+    name_limit, dtype_limit = STRING_LIMITS["signature"], STRING_LIMITS["signature.dtype"]
     for i, e in enumerate(value):
         if not (
             isinstance(e, list)
@@ -125,6 +154,8 @@ def _check_signature(value: Any, where: str) -> None:
             raise ProtocolError(
                 f"{where}[{i}]: expected [name, [dim, ...], dtype] with dims >= 0, got {_short(e)}"
             )
+        _check_strings(e[0], f"{where}[{i}] name", name_limit)
+        _check_strings(e[2], f"{where}[{i}] dtype", dtype_limit)
 
 
 def _check_leave_reason(value: Any, where: str) -> None:
@@ -152,7 +183,7 @@ def decode(cls: type[T], body: Any) -> T:
         unknown = sorted(str(k)[:40] for k in set(body) - set(names))
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown[:5]}")
     kwargs: dict[str, Any] = {}
-    for name, tp, required, where, fast, extra in plan:
+    for name, tp, required, where, fast, extra, limit in plan:
         if name not in body:
             if required:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
@@ -162,26 +193,28 @@ def decode(cls: type[T], body: Any) -> T:
         # rules as `_check`, which answers everything else and raises the errors.
         # NaN fails every comparison, so it falls through to `_check` too.
         if type(value) is tp and (
-            fast == _EXACT
+            (fast == _EXACT and (tp is not str or len(value) <= limit))
             or (fast == _INT and INT_MIN <= value <= INT_MAX)
             or (fast == _DURATION and 0.0 <= value < math.inf)
         ):
             kwargs[name] = value
         else:
             kwargs[name] = _check(value, tp, where)
+            if fast != _INT and fast != _DURATION and extra is None:
+                _check_strings(kwargs[name], where, limit)
         if extra is not None:
             extra(kwargs[name], where)
     return cls(**kwargs)
 
 
 _GENERIC, _EXACT, _INT, _DURATION = range(4)
-_FieldPlan = tuple[str, Any, bool, str, int, "Callable[[Any, str], None] | None"]
+_FieldPlan = tuple[str, Any, bool, str, int, "Callable[[Any, str], None] | None", int]
 _plans: dict[type, tuple[tuple[_FieldPlan, ...], Any]] = {}
 
 
 def _plan(cls: type) -> tuple[tuple[_FieldPlan, ...], Any]:
     """Per field of `cls`, resolved once: (name, type, required, where, fast
-    path, extra check); and the set of field names."""
+    path, extra check, longest string); and the set of field names."""
     out = _plans.get(cls)
     if out is None:
         hints, fields = _schema(cls)
@@ -197,7 +230,9 @@ def _plan(cls: type) -> tuple[tuple[_FieldPlan, ...], Any]:
                 fast = _DURATION
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             where = f"{cls.__name__}.{name}"
-            plan.append((name, tp, required, where, fast, FIELD_CHECKS.get((cls.__name__, name))))
+            extra = FIELD_CHECKS.get((cls.__name__, name))
+            limit = STRING_LIMITS.get(where, MAX_STRING)
+            plan.append((name, tp, required, where, fast, extra, limit))
         out = _plans[cls] = (tuple(plan), fields.keys())
     return out
 
@@ -373,12 +408,16 @@ class RendezvousResponse:
     start_step: int = 0
     message: str = ""
     reason: str = ""
+    """Why the generation was formed: "start", "failure", "join", "leave", "adopted"."""
     commit_gens: dict[str, int] = field(default_factory=dict)
     """member -> its `commit_gen`. Among the members at `start_step`, those with
     the highest one are the heal senders: a member that completed a step its
     peers abandoned (and re-ran without it) holds the same step count but not
     the job's state."""
-    """Why the generation was formed: "start", "failure", "join", "leave", "adopted"."""
+    group_key: str = ""
+    """With "ready": the generation's secret, part of its gloo group's store
+    prefix (`elastrain.control.store.group_prefix`), so that only the members
+    told it can name the group's keys. "" from a coordinator that predates it."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import hmac
 import json
 import os
 import resource
+import secrets
 import signal
 import sys
 import threading
@@ -43,6 +44,7 @@ from elastrain.control.http import (
 )
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
+from elastrain.control.store import generation_key, open_store
 from elastrain.observe.events import EventLog
 from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
 
@@ -100,6 +102,8 @@ class Coordinator:
         self._last_key: tuple[int, bool, bool, bool] = (0, False, False, False)
         self._last_wait: str | None = None
         self._ready_body: tuple[Generation, int, bytes] | None = None
+        self._gen_secret = secrets.token_bytes(32)
+        """Derives each generation's `group_key` (see control/store.py)."""
 
     # ---- helpers ------------------------------------------------------------
 
@@ -145,19 +149,32 @@ class Coordinator:
             self.changes.notify()
 
     def check_token(self, header: str | bytes | None) -> None:
+        """401 unless `header` is `Bearer <the job token>` (the scheme in any
+        case, as RFC 7235 says; the token exactly)."""
         if isinstance(header, str):
             header = header.encode()
-        if not header or not header.startswith(b"Bearer "):
+        if not header or header[:7].lower() != b"bearer ":
             raise HttpError(
                 401, "unauthorized", "missing job token (Authorization: Bearer <token>)"
             )
-        if not hmac.compare_digest(header[7:], self._token):
+        if not hmac.compare_digest(header[7:].strip(), self._token):
             raise HttpError(401, "unauthorized", "wrong job token")
+
+    def token_ok(self, header: bytes | None) -> bool:
+        try:
+            self.check_token(header)
+        except HttpError:
+            return False
+        return True
 
     # ---- ops ----------------------------------------------------------------
 
     def register(self, req: p.RegisterRequest) -> p.RegisterResponse:
         with self.lock:
+            if not self.state.members:
+                # The job's model is its current members' model: with none
+                # registered, the next one to register sets it.
+                self.state.signature = None
             if self.state.signature is None:
                 self.state.signature = req.signature
             elif req.signature != self.state.signature:
@@ -240,6 +257,7 @@ class Coordinator:
                         g.start_step,
                         reason=g.reason,
                         commit_gens=dict(g.commit_gens),
+                        group_key=generation_key(self._gen_secret, g.gen),
                     )
                     cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
                     self._ready_body = cached
@@ -480,9 +498,7 @@ class CoordinatorServer:
             raise ValueError(
                 "a job token is required (set ELASTRAIN_TOKEN or ELASTRAIN_TOKEN_FILE)"
             )
-        from torch.distributed import TCPStore
-
-        self.store = TCPStore(host, store_port, is_master=True, wait_for_workers=False)
+        self.store = open_store(host, store_port)
         self.events = EventLog(run_dir, "coordinator")
         self.coord = Coordinator(
             config,
@@ -499,6 +515,7 @@ class CoordinatorServer:
             max_body=MAX_BODY,
             read_timeout_s=BODY_TIMEOUT_S,
             max_connections=max_connections or default_max_connections(),
+            trusts=lambda req: self.coord.token_ok(req.headers.get(b"authorization")),
         )
         self.host = host
 

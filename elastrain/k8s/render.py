@@ -22,6 +22,7 @@ from typing import Any
 from elastrain import env
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.k8s.config import K8sConfig, format_quantity, parse_quantity
+from elastrain.k8s.hardening import TOKEN_MODE, harden, network_policies
 
 Obj = dict[str, Any]
 
@@ -109,7 +110,7 @@ def _volumes(cfg: K8sConfig, shm: bool) -> tuple[list[Obj], list[Obj]]:
             "secret": {
                 "secretName": token_secret_name(cfg),
                 "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
-                "defaultMode": 0o444,
+                "defaultMode": TOKEN_MODE,
             },
         },
         (
@@ -202,7 +203,7 @@ def coordinator_pod(cfg: K8sConfig, in_job: bool) -> Obj:
     }
     if in_job:
         spec["restartPolicy"] = "Never"
-    return {"metadata": {"labels": labels(cfg, COORDINATOR)}, "spec": spec}
+    return {"metadata": {"labels": labels(cfg, COORDINATOR)}, "spec": harden(spec)}
 
 
 def worker_env(cfg: K8sConfig) -> list[Obj]:
@@ -272,7 +273,7 @@ def worker_pod(cfg: K8sConfig) -> Obj:
     }
     if cfg.gpus_per_worker > 0:
         spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    return {"metadata": {"labels": labels(cfg, "worker")}, "spec": spec}
+    return {"metadata": {"labels": labels(cfg, "worker")}, "spec": harden(spec)}
 
 
 def worker_pod_failure_policy() -> Obj:
@@ -402,6 +403,17 @@ def coordinator_service(cfg: K8sConfig) -> Obj:
             ],
         },
     }
+
+
+def job_network_policies(cfg: K8sConfig) -> list[Obj]:
+    """Only the job's pods reach the coordinator's ports and the workers' (see hardening.py)."""
+    return network_policies(
+        lambda name, component: _meta(cfg, f"{cfg.name}-{name}", component),
+        {"app.kubernetes.io/instance": cfg.name},
+        selector(cfg, COORDINATOR),
+        selector(cfg, "worker"),
+        [("http", cfg.http_port), ("store", cfg.store_port)],
+    )
 
 
 def coordinator_deployment(cfg: K8sConfig) -> Obj:
@@ -538,7 +550,7 @@ def render(cfg: K8sConfig) -> list[Obj]:
     out: list[Obj] = []
     if cfg.kueue_setup:
         out += kueue_objects(cfg)
-    out += [token_secret(cfg), coordinator_service(cfg)]
+    out += [token_secret(cfg), *job_network_policies(cfg), coordinator_service(cfg)]
     if cfg.coordinator == "deployment":
         out.append(coordinator_deployment(cfg))
     out.append(jobset(cfg))

@@ -64,6 +64,9 @@ class LaunchConfig:
     unique per agent so members on different hosts never collide."""
     advertise_host: str | None = None
     """The address this host's workers give their peers (ELASTRAIN_HOST)."""
+    group_readable: bool = False
+    """Run directory 0750 and the job's files (checkpoints, logs) 0640, for shared
+    filesystems where a group must read them (--group-readable); default 0700/0600."""
     hosts: int = 0
     """Spread the workers over this many simulated hosts (--hosts): Linux network
     namespaces on one bridge, built for the run and deleted after it

@@ -46,8 +46,10 @@ from elastrain.chaos.schedule import FaultSchedule
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.launch.children import child_setup
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.faults import Injector
+from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
 from elastrain.observe.events import EventLog
 
@@ -55,14 +57,6 @@ __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
 
 CHECKPOINTS = "checkpoints"
 """The checkpoint directory inside the run directory."""
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the spawning thread dies (Linux)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class _Failed(Exception):
@@ -100,15 +94,17 @@ class Launcher:
         self.config = config
         self.job_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
         self.run_dir = Path(config.run_dir or Path("runs") / self.job_id).resolve()
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        make_run_dir(self.run_dir, config.group_readable)
         self.agent = config.coordinator is not None
+        # Local mode: one launcher per run directory (agents of a job may share one).
+        self._lock = None if self.agent else RunDirLock(self.run_dir)
+        self._child_setup = child_setup(child_umask(config.group_readable))
+        (self.run_dir / "logs").mkdir(exist_ok=True)
         if config.token:
             self.token = config.token
         else:
             self.token = secrets.token_hex(16)
-            tok = self.run_dir / "token"
-            tok.write_text(self.token)
-            tok.chmod(0o600)
+            write_private(self.run_dir / "token", self.token)
         self.events = EventLog(self.run_dir, f"agent-{config.name}" if self.agent else "launcher")
         self.on_status = on_status
         self.workers: dict[str, Worker] = {}
@@ -189,7 +185,12 @@ class Launcher:
         # Its stdout is a pipe read once (where it listens): keep events off it.
         e.pop(env.EVENTS_STDOUT, None)
         self.coordinator = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log, env=e, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=e,
+            start_new_session=True,
+            preexec_fn=self._child_setup,  # dies with the launcher
         )
         assert self.coordinator.stdout is not None
         line = self.coordinator.stdout.readline()
@@ -310,8 +311,8 @@ class Launcher:
             stderr=subprocess.STDOUT,
             env=e,
             start_new_session=True,
-            # An agent's workers die with it, as they would with their node.
-            preexec_fn=_die_with_parent if self.agent else None,
+            # Workers die with their launcher (or agent), as they would with their node.
+            preexec_fn=self._child_setup,
         )
         log.close()
         w = Worker(member, proc, time.monotonic(), replacement)
@@ -351,6 +352,8 @@ class Launcher:
             msg = f"cannot build {self.config.hosts} simulated hosts (--hosts): {e}"
             self.events.emit("job_end", status="failed", steps=0, message=msg)
             self.events.close()
+            if self._lock is not None:
+                self._lock.release()
             return RunResult("failed", self.run_dir, self.pids, 0, msg, None)
         with net, entered(net.coord):
             self.net = net
@@ -401,6 +404,8 @@ class Launcher:
                 "job_end", status=status, steps=self.status.get("step", 0), message=message
             )
             self.events.close()
+            if self._lock is not None:
+                self._lock.release()
         return RunResult(
             status,
             self.run_dir,

@@ -392,9 +392,10 @@ class StepEngine:
         return m.Waited()
 
     def _gloo_group(self, gen: int, rank: int, size: int) -> Any:
+        assert self._ready is not None and self._ready.gen == gen
         return build_group(
             self.session.store(self.config.rendezvous_timeout_s),
-            f"{self.session.job_id}/gen{gen}",
+            self.session.group_prefix(self._ready),
             rank,
             size,
             host=self.host,

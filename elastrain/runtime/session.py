@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -30,7 +31,9 @@ from elastrain.control.client import (
     CoordinatorClient,
     CoordinatorRefused,
     CoordinatorUnavailable,
+    backoff_s,
 )
+from elastrain.control.store import group_prefix
 from elastrain.observe.events import EventLog
 
 log = logging.getLogger("elastrain.session")
@@ -84,9 +87,10 @@ class MemberSession:
     # ---- registration ------------------------------------------------------
 
     def register(self) -> None:
-        """Register (again); blocks, retrying an unreachable coordinator for up to
-        `register_timeout_s`. Raises JoinRefused on a 4xx answer and
-        CoordinatorUnavailable once the time is up."""
+        """Register (again); blocks, retrying an unreachable or busy coordinator
+        (408, 429, 5xx: jittered backoff, one log line each) for up to
+        `register_timeout_s`. Raises JoinRefused on a refusal (409 model
+        mismatch, 400, 401) and CoordinatorUnavailable once the time is up."""
         with self._reg_lock:
             self._register()
         self._start_heartbeats()
@@ -100,6 +104,7 @@ class MemberSession:
 
     def _register(self) -> None:
         deadline = time.monotonic() + self.register_timeout_s
+        attempt = 0
         while True:
             with self._lock:
                 req = p.RegisterRequest(
@@ -116,7 +121,23 @@ class MemberSession:
                 r = self.client.register(req)
                 break
             except CoordinatorRefused as e:
-                raise JoinRefused(e.message) from e
+                if not e.transient:
+                    raise JoinRefused(e.message) from e
+                # Busy or slow, not a refusal (e.g. its connection limit): ask again.
+                if time.monotonic() >= deadline:
+                    raise CoordinatorUnavailable(
+                        f"registering: still {e} after {self.register_timeout_s:g} s"
+                    ) from e
+                delay = backoff_s(attempt, base_s=0.1, cap_s=2.0, jitter=random.uniform(0.5, 1.5))
+                log.warning(
+                    "register answered %d %s (%s); trying again in %.2f s",
+                    e.status,
+                    e.code,
+                    e.message,
+                    delay,
+                )
+                attempt += 1
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             except CoordinatorUnavailable as e:
                 self._note_unreachable("register", str(e))
                 if time.monotonic() >= deadline:
@@ -138,6 +159,11 @@ class MemberSession:
                 target=self._beat, name="elastrain-heartbeat", daemon=True
             )
             self._thread.start()
+
+    def group_prefix(self, r: p.RendezvousResponse) -> str:
+        """The store prefix of the gloo group of the generation `r` announces
+        ready (see `elastrain.control.store.group_prefix`)."""
+        return group_prefix(self.job_id, r.gen, r.group_key)
 
     def store(self, timeout_s: float) -> Any:
         """The TCPStore client (made on first use, and again after a coordinator move)."""

@@ -49,6 +49,7 @@ from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.faults import Injector
 from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
+from elastrain.launch.startup import StartupWatch
 from elastrain.observe.events import EventLog
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
@@ -119,6 +120,7 @@ class Launcher:
         self._seq = 0
         self._stop = threading.Event()
         self._fast_failures = 0
+        self.startup = StartupWatch(self.run_dir)
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
         self.injector = Injector(
             config.faults,
@@ -265,7 +267,9 @@ class Launcher:
             # Down (restarting): tell the next one, so it need not wait out a lease.
             self._unreported_exits.append(req)
 
-    def _spawn(self, replacement: bool, replaces: str | None = None) -> Worker:
+    def _spawn(
+        self, replacement: bool, replaces: str | None = None, replaces_pid: int | None = None
+    ) -> Worker:
         c = self.config
         member = f"{c.name}-w{self._next_id}" if c.name else f"w{self._next_id}"
         self._next_id += 1
@@ -322,6 +326,7 @@ class Launcher:
             pid=proc.pid,
             replacement=replacement,
             replaces=replaces,
+            replaces_pid=replaces_pid,
             **({} if self.net is None else {"host": self.net.hosts[self._slot[member]].name}),
         )
         threading.Thread(target=self._reap, args=(w,), daemon=True, name=f"reap-{member}").start()
@@ -521,6 +526,9 @@ class Launcher:
             return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
+        stop = self.startup.on_exit(member, pid, rc, injected=pid in self.injector.killed)
+        if stop is not None:
+            return "failed", stop
         if (
             w is not None
             and time.monotonic() - w.started < 10
@@ -536,13 +544,13 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
-            self._at(self.config.replace_delay_s, "spawn", member)
+            self._at(self.config.replace_delay_s, "spawn", (member, pid))
         return None
 
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
-                self._spawn(replacement=True, replaces=arg)
+                self._spawn(replacement=True, replaces=arg[0], replaces_pid=arg[1])
         elif what == "finish":
             self._stop_reason = ("done", "")
             self._stop.set()

@@ -123,3 +123,17 @@ def test_a_member_is_one_failure_until_it_rejoins() -> None:
     fs = recognise_failures(r.events)
     assert [(f.kind, f.member) for f in fs] == [(FailureKind.HANG, "w2"), (FailureKind.KILL, "w2")]
     assert not math.isnan(fs[1].t) and fs[1].exited and not fs[0].exited
+
+
+def test_a_kill_after_a_kill_all_is_labelled_by_the_kill() -> None:
+    r = Run()
+    g = ["w0", "w1"]
+    t = r.start(g)
+    r.ev(t + 1, "launcher", "fault_injected", fault="kill-all", member="job", pid=None, step=1)
+    for m in g:
+        r.ev(t + 1.1, "launcher", "worker_exited", member=m, pid=r.pids[m], returncode=-9)
+    r.spawn(t + 5, "w2", replacement=True)
+    r.ev(t + 9, "launcher", "fault_injected", fault="kill", member="w2", pid=r.pids["w2"], step=3)
+    r.ev(t + 9.1, "launcher", "worker_exited", member="w2", pid=r.pids["w2"], returncode=-9)
+    labels = [(f.member, f.injected) for f in recognise_failures(r.events)]
+    assert labels == [("w0", "kill-all"), ("w1", "kill-all"), ("w2", "kill")]

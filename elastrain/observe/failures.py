@@ -384,7 +384,7 @@ def _label(failures: list[Failure], evs: Sequence[Event]) -> list[Failure]:
     for f in failures:
         since = prev_detected.get(f.member, -math.inf)
         pick: Event | None = None
-        for i, e in enumerate(injected):
+        for i, e in reversed(list(enumerate(injected))):  # the latest one that fits
             kind = str(e.get("fault"))
             t = _t(e)
             if (i in used and kind not in _JOB_WIDE) or not (since < t <= f.detected_t):

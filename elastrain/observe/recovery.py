@@ -48,7 +48,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.observe.failures import COORDINATOR, Failure, recognise_failures
+from elastrain.observe.failures import (  # the one reading of events
+    COORDINATOR,
+    Failure,
+    _int,
+    _sorted,
+    _t,
+    recognise_failures,
+)
 
 Event = Mapping[str, Any]
 
@@ -133,24 +140,6 @@ class JoinTiming:
 
 
 # ---- helpers -------------------------------------------------------------------------
-
-
-def _sorted(events: Iterable[Event]) -> list[Event]:
-    """Events with a numeric `t`, stably sorted by it."""
-    out = [e for e in events if isinstance(e.get("t"), int | float)]
-    out.sort(key=lambda e: float(e["t"]))
-    return out
-
-
-def _t(e: Event) -> float:
-    return float(e["t"])
-
-
-def _int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
 
 
 def _members(e: Event) -> list[str]:

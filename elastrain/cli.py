@@ -93,6 +93,14 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--plain", action="store_true", help="plain progress lines instead of a live panel"
     )
+    ap.add_argument(
+        "--console",
+        choices=("leader", "all", "none"),
+        default="leader",
+        help="workers' output on the console: the leader's (rank 0 of the current "
+        "generation; default), every member's prefixed with [member] (like torchrun "
+        "--tee), or none; all of it is in <run-dir>/logs/<member>.log either way",
+    )
 
 
 def _agent_token(args: argparse.Namespace) -> str:
@@ -143,45 +151,65 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
     )
 
 
-def _run_job(cfg: object, plain: bool, total: int | None) -> object:
+def _run_job(cfg: object, plain: bool, total: int | None, console: str = "leader") -> object:
+    from elastrain.launch.console import ConsoleMode, LogFollower
     from elastrain.launch.launcher import LaunchConfig, Launcher
     from elastrain.launch.progress import Progress
 
     assert isinstance(cfg, LaunchConfig)
     with Progress(total, plain=plain or None) as prog:
-        launcher = Launcher(cfg, on_status=prog.update)
+        follower: LogFollower | None = None
+
+        def on_status(status: dict[str, object]) -> None:
+            prog.update(status)
+            if follower is not None:
+                follower.update(status)
+
+        launcher = Launcher(cfg, on_status=on_status)
         prog.note(f"run directory: {launcher.run_dir}")
         prog.attach(launcher.run_dir)
-        result = launcher.run()
+        follower = LogFollower(launcher.run_dir, ConsoleMode(console))
+        follower.start()
+        try:
+            result = launcher.run()
+        finally:
+            follower.close()
     return result
 
 
 def _summary(result: object) -> None:
+    """The end of `elastrain run`: status, step count, the message, and the same
+    worker, recovery and joiner tables `elastrain demo` prints."""
     from elastrain.launch.launcher import RunResult
     from elastrain.observe.events import read_events
+    from elastrain.observe.summary import committed_steps, format_run_tables
 
     assert isinstance(result, RunResult)
-    print(f"\njob {result.status}: {result.steps} steps; run directory {result.run_dir}")
+    ev = read_events(result.run_dir)
+    # The status poll may lag the last commit (an emergency checkpoint's step, say).
+    steps = max(result.steps, committed_steps(ev))
+    print(f"\njob {result.status}: {steps} steps committed; run directory {result.run_dir}")
     if result.resumed_from is not None:
-        print(f"resumed from the checkpoint at step {result.resumed_from}")
+        print(f"resumed from the checkpoint of {result.resumed_from} committed steps")
     if result.message:
         print(result.message)
-    print(f"report: elastrain report {result.run_dir}")
-    try:
-        from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
+    print()
+    print(format_run_tables(ev))
+    print(f"\nreport: elastrain report {result.run_dir}")
 
-        ev = read_events(result.run_dir)
-        origin = next((e["t"] for e in ev if e["kind"] == "job_start"), None)
-        recs = recoveries(ev)
-        if recs:
-            print("\nrecovery of the survivors, per fault (seconds):")
-            print(format_recoveries(recs, origin))
-        js = joins(ev)
-        if js:
-            print("\nreplacements (seconds from spawn):")
-            print(format_joins(js, origin))
-    except ImportError:
-        pass
+
+def exit_status(status: str, message: str, ok: tuple[str, ...]) -> int:
+    """`elastrain run`'s exit status for a job's outcome (elastrain.exitcodes, RUN_*)."""
+    from elastrain.exitcodes import RUN_DONE, RUN_FAILED, RUN_INTERRUPTED, RUN_PREEMPTED
+    from elastrain.launch.resume import NO_CHECKPOINT
+
+    if status in ok:
+        return RUN_DONE
+    if status == "preempted":
+        return RUN_FAILED if NO_CHECKPOINT in message else RUN_PREEMPTED
+    if status == "interrupted":
+        return RUN_INTERRUPTED
+    return RUN_FAILED
 
 
 def _launch(args: argparse.Namespace, cmd: str, ok: tuple[str, ...]) -> int:
@@ -189,20 +217,29 @@ def _launch(args: argparse.Namespace, cmd: str, ok: tuple[str, ...]) -> int:
     script_args = list(args.script_args)
     if script_args and script_args[0] == "--":
         script_args = script_args[1:]
+    from elastrain.exitcodes import RUN_USAGE
+    from elastrain.launch.preflight import check_script
+
     try:
         cfg = _launch_config(args, args.script, script_args)
     except (ValueError, OSError) as e:
         print(f"elastrain {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return RUN_USAGE
+    problems = check_script(args.script, args.workers)
+    if problems:
+        for p in problems:
+            print(f"elastrain {cmd}: error: {p}", file=sys.stderr)
+        print(f"elastrain {cmd}: nothing was started", file=sys.stderr)
+        return RUN_USAGE
     from elastrain.launch.lock import RunDirLocked
 
     try:
-        result = _run_job(cfg, args.plain, args.steps)
+        result = _run_job(cfg, args.plain, args.steps, getattr(args, "console", "leader"))
     except RunDirLocked as e:
         print(f"elastrain {cmd}: error: {e}", file=sys.stderr)
-        return 2
+        return RUN_USAGE
     _summary(result)
-    return 0 if getattr(result, "status", "") in ok else 1
+    return exit_status(getattr(result, "status", ""), getattr(result, "message", ""), ok)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

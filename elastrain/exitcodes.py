@@ -1,4 +1,5 @@
-"""Exit statuses of a worker process, shared by the trainer and the launcher.
+"""Exit statuses of a worker process (shared by the trainer and the launcher) and of
+`elastrain run` itself (RUN_*; docs/events.md, "Exit statuses").
 
 The launcher (or a Kubernetes pod policy) reads them to decide whether to
 replace the worker; this module imports nothing, so the launcher does not pay
@@ -16,6 +17,31 @@ EXIT_PREEMPTED = 76
 
 EXIT_NO_COORDINATOR = 1
 """Could not reach the coordinator within the register timeout: a crash."""
+
+
+EXIT_MISCONFIGURED = 78
+"""The script is set up in a way elastrain cannot run (it initialises its own process
+group, wraps the model in DistributedDataParallel, or its batch sizes do not fit):
+replacing the worker cannot help. The worker prints what to change on stderr and the
+launcher stops the job at once, showing it. (78 is sysexits' EX_CONFIG.)"""
+
+# ---- `elastrain run` (the launcher's own exit status) ----------------------------
+
+RUN_DONE = 0
+"""The job finished."""
+
+RUN_FAILED = 1
+"""The job failed (or was stopped) and did not leave a checkpoint of its end."""
+
+RUN_USAGE = 2
+"""Bad arguments, or a mistake in the script found before any process started."""
+
+RUN_PREEMPTED = 76
+"""The job was preempted (SIGTERM) and its emergency checkpoint is committed: run
+the same command again (same --run-dir) to resume. Same value as EXIT_PREEMPTED."""
+
+RUN_INTERRUPTED = 130
+"""Stopped by Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
 class WorkerExit(Exception):

@@ -267,7 +267,8 @@ def test_ready_generation_broken_before_its_first_step() -> None:
     r.ready(t0 + 0.3, 3, ["w0", "w2"])
     tb = r.build(t0 + 0.4, 3, ["w0", "w2"])
     r.steps(tb, 3, ["w0", "w2"], 2, 1)
-    [rec] = recoveries(r.events)
+    rec, crash = recoveries(r.events)  # w3's exit is a failure of its own
+    assert (crash.fault, crash.member, crash.how) == ("crash", "w3", "exited with code 1")
     assert rec.gen == 3
     assert phases(rec)["quorum"] == pytest.approx(0.19, abs=1e-6)
     assert rec.survivors == ["w0", "w2"]
@@ -348,14 +349,45 @@ def test_replacement_belongs_to_the_fault_whose_victim_exited() -> None:
     r = Run()
     t = r.start(["w0", "w1", "w2"])
     r.ev(t + 1, "launcher", "fault_injected", fault="hang", member="w2", pid=r.pids["w2"], step=1)
+    r.ev(t + 3, "coordinator", "member_removed", member="w2", reason="suspected")
     r.ev(t + 5, "launcher", "fault_injected", fault="kill", member="w0", pid=r.pids["w0"], step=3)
     r.ev(t + 5.1, "launcher", "worker_exited", member="w0", pid=r.pids["w0"], returncode=-9)
     r.spawn(t + 5.2, "w3", replacement=True)
     hang, kill = recoveries(r.events)
     assert (hang.replacement, kill.replacement) == (None, "w3")
-    r.events[-1]["replaces"] = "w2"
+    r.events[-1]["replaces"] = "w2"  # the launcher's record says otherwise: nobody's
     hang, kill = recoveries(r.events)
-    assert (hang.replacement, kill.replacement) == ("w3", None)
+    assert (hang.replacement, kill.replacement) == (None, None)
+    r.events[-1]["replaces"] = "w0"
+    hang, kill = recoveries(r.events)
+    assert (hang.replacement, kill.replacement) == (None, "w3")
+
+
+def test_replacement_follows_the_launchers_record_when_a_member_fails_twice() -> None:
+    """Issue 15: w1 hangs, is expelled and rejoins; later it is SIGTERMed and replaced by
+    w3. The hang row has no replacement (a hung process is never replaced); the term
+    row has w3, as the launcher's `replaces`/`replaces_pid` say."""
+    r = Run()
+    t = r.start(["w0", "w1", "w2"])
+    w1 = r.pids["w1"]
+    r.ev(t + 1, "launcher", "fault_injected", fault="hang", member="w1", pid=w1, step=1)
+    r.ev(t + 3, "coordinator", "member_removed", member="w1", reason="suspected")
+    r.register(t + 8, "w1", inc=2)
+    r.ev(t + 20, "launcher", "fault_injected", fault="term", member="w1", pid=w1, step=30)
+    r.ev(t + 20.2, "coordinator", "member_removed", member="w1", reason="left")
+    r.ev(t + 20.3, "launcher", "worker_exited", member="w1", pid=w1, returncode=75)
+    r.spawn(t + 22, "w3", replacement=True)
+    r.events[-1].update(replaces="w1", replaces_pid=w1)
+    hang, term = recoveries(r.events)
+    assert (hang.fault, term.fault) == ("hang", "term")
+    assert (hang.replacement, term.replacement) == (None, "w3")
+    [rejoin, spawn] = joins(r.events)
+    assert (rejoin.member, rejoin.rejoined, spawn.member, spawn.rejoined) == (
+        "w1",
+        True,
+        "w3",
+        False,
+    )
 
 
 def hang_run() -> Run:
@@ -494,6 +526,7 @@ def test_heal_phase_when_a_survivor_is_behind() -> None:
     r.step(t, 1, g1, 2, commit=False)
     r.ev(t + 0.45, "launcher", "fault_injected", fault="kill", member="w1", pid=r.pids["w1"],
          step=2)  # fmt: skip
+    r.ev(t + 0.46, "launcher", "worker_exited", member="w1", pid=r.pids["w1"], returncode=-9)
     r.ev(t + 0.5, "w0", "step_commit", step=2, gen=1, loss=1 / 3, step_s=0.5, compute_s=0.3,
          allreduce_s=0.2, samples_per_s=16.0)  # fmt: skip
     r.committed["w0"] = 3
@@ -531,7 +564,9 @@ def test_job_ends_before_recovery() -> None:
 def test_killing_a_waiting_joiner_needs_no_recovery() -> None:
     r = kill_run()
     t = r.events[-1]["t"] - T
+    r.ev(t - 1.5, "launcher", "worker_spawned", member="w9", pid=4242, replacement=True)
     r.ev(t - 1.0, "launcher", "fault_injected", fault="kill", member="w9", pid=4242, step=9)
+    r.ev(t - 0.9, "launcher", "worker_exited", member="w9", pid=4242, returncode=-9)
     recs = recoveries(r.events)
     [lone] = [x for x in recs if x.member == "w9"]
     assert lone.gen is None and lone.total_s is None
@@ -576,11 +611,15 @@ def test_garbage_events_are_tolerated() -> None:
         {"t": T + 2, "kind": "worker_spawned", "replacement": True},
         {"t": T + 3, "kind": "member_registered", "member": "w1", "incarnation": "two"},
     ]
-    recs = recoveries(evs)
-    assert len(recs) == 1 and recs[0].total_s is None
+    evs.append({"t": T + 4, "kind": "worker_exited", "member": "w1", "returncode": "x"})
+    evs.append({"t": T + 5, "kind": "watchdog_fired", "proc": "w1", "gen": None})
+    evs.append({"t": T + 6, "kind": "coordinator_exited", "returncode": -9})
+    recs = recoveries(evs)  # a watchdog (suspect unknown) and the coordinator's death
+    assert [(r.fault, r.member) for r in recs] == [("hang", "?"), ("coordinator", "coordinator")]
+    assert all(r.total_s is None for r in recs)
     assert joins(evs) == []
     assert recoveries([]) == [] and joins([]) == []
-    assert format_recoveries([]).startswith("fault")
+    assert format_recoveries([]).startswith("failure")
     assert format_joins([]).startswith("member")
 
 
@@ -589,12 +628,15 @@ def test_format_tables() -> None:
     recs = recoveries(r.events)
     text = format_recoveries(recs, origin=T)
     lines = text.splitlines()
-    assert lines[0].split()[:4] == ["fault", "member", "t0", "gen"]
+    assert lines[0].split()[:4] == ["failure", "member", "t0", "gen"]
+    assert lines[0].split()[-1] == "evidence"
+    assert "exited by SIGKILL [injected: kill]" in lines[1]
     assert all(n in lines[0] for n in PHASES)
     assert "kill" in lines[1] and "3.800" in lines[1] and "0.050" in lines[1]
     assert "w0,w2" in lines[1] and "w3" in lines[1]
     jt = format_joins(joins(r.events), origin=T).splitlines()
-    assert jt[1].split()[:3] == ["w3", "3.950", "1.050"]
+    assert jt[0].split()[:3] == ["member", "joined", "at"]
+    assert jt[1].split()[:4] == ["w3", "spawned", "3.950", "1.050"]
     assert "40.000" in jt[1] and "100.000" in jt[1]
 
 

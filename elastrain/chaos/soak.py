@@ -63,6 +63,8 @@ BOUND_S = 60.0
 faults that need new processes (every worker killed, the coordinator killed),
 `STARTUPS` times the p90 of the run's own measured process start-up (spawn to
 registered): on a loaded machine `import torch` alone can take tens of seconds."""
+FAILURE_KINDS = frozenset({"kill", "hang", "term", "cut", "kill-all", "kill-coordinator"})
+"""Injected kinds that make a process fail: each should be recognised as a failure."""
 STARTUPS = {"kill-all": 3.0, "corrupt-ckpt": 3.0, "truncate-ckpt": 3.0, "kill-coordinator": 2.0}
 FD_SLACK, THREAD_SLACK = 16, 8
 QUIET_TAIL = 0.25
@@ -180,25 +182,47 @@ def startup_p90(events: list[dict[str, Any]]) -> float:
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per injected fault: seconds until a step beyond the last one committed before it."""
+    """Seconds until a step beyond the last one committed before it: for every
+    recognised failure (`elastrain.observe.failures`; `fault` is the injected kind
+    that labels it, else the recognised kind), and for every injected fault that
+    is not a failure of a process (slow, checkpoint and disk faults; `recognised`
+    None) or that no failure was recognised for (`recognised` False)."""
+    from elastrain.observe.failures import recognise_failures
+
     startup = startup_p90(events)
     commits = sorted((float(e["t"]), int(e["step"])) for e in events if e["kind"] == "step_commit")
+    fails = recognise_failures(events)
+    labelled = {(f.injected, f.t) for f in fails if f.injected}
+    rows: list[tuple[float, str, Any, Any, bool | None]] = [
+        (f.t, f.injected or f.kind.value, f.member, None, True) for f in fails
+    ]
+    for e in events:
+        if e["kind"] != "fault_injected" or e.get("fault") not in KINDS:
+            continue
+        kind, t = str(e["fault"]), float(e["t"])
+        if (kind, t) in labelled:
+            continue
+        causes = kind in FAILURE_KINDS and not e.get("skipped")
+        rows.append((t, kind, e.get("member"), e.get("skipped"), False if causes else None))
     out = []
-    for f in sorted(
-        (e for e in events if e["kind"] == "fault_injected" and e.get("fault") in KINDS),
-        key=lambda e: float(e["t"]),
-    ):
-        t0 = float(f["t"])
+    seen_job_wide: set[float] = set()
+    for t0, kind, member, skipped, recognised in sorted(rows, key=lambda r: r[0]):
+        if kind == "kill-all" and recognised:
+            if t0 in seen_job_wide:
+                continue  # one row for the fault, not one per worker it killed
+            seen_job_wide.add(t0)
+            member = "job"
         before = max((s for t, s in commits if t <= t0), default=-1)
         after = next((t for t, s in commits if t > t0 and s > before), None)
         out.append(
             {
-                "fault": f["fault"],
-                "member": f.get("member"),
+                "fault": kind,
+                "member": member,
                 "t": t0,
-                "skipped": f.get("skipped"),
+                "skipped": skipped,
+                "recognised": recognised,
                 "recovery_s": None if after is None else after - t0,
-                "bound_s": round(BOUND_S + STARTUPS.get(str(f["fault"]), 0.0) * startup, 1),
+                "bound_s": round(BOUND_S + STARTUPS.get(kind, 0.0) * startup, 1),
             }
         )
     return out
@@ -328,6 +352,12 @@ def soak(
         if not r["skipped"] and (r["recovery_s"] is None or r["recovery_s"] > r["bound_s"])
     ]
     checks["recovery within bound"] = late
+    notes += [
+        f"{r['fault']} at {r['t'] - recs[0]['t']:.0f} s on {r['member']}: injected, but no "
+        "failure was recognised from what happened"
+        for r in recs
+        if r["recognised"] is False
+    ]
     summary = {
         "duration_s": duration_s,
         "workers": workers,

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.launch.progress import Progress
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
-from elastrain.observe.recovery import format_joins, format_recoveries, joins, recoveries
 from elastrain.observe.report import format_summary, write_report
+from elastrain.observe.summary import committed_steps, format_run_tables, last_pids
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -28,15 +27,6 @@ def sparkline(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
-
-
-def last_pids(events: list[dict[str, Any]]) -> dict[str, int]:
-    """PID each member wrote its last committed step from (measured, not assumed)."""
-    out: dict[str, int] = {}
-    for e in events:
-        if e["kind"] == "step_commit":
-            out[e["proc"]] = e["pid"]
-    return out
 
 
 def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = False) -> int:
@@ -67,37 +57,12 @@ def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = Fals
 
 def report(result: RunResult, launcher: Launcher) -> int:
     ev = read_events(result.run_dir)
-    spawned = {e["member"]: e["pid"] for e in ev if e["kind"] == "worker_spawned"}
-    originals = [e["member"] for e in ev if e["kind"] == "worker_spawned" and not e["replacement"]]
-    after = last_pids(ev)
-    final = max((e["step"] for e in ev if e["kind"] == "step_commit"), default=-1)
-    finishers = {e["proc"] for e in ev if e["kind"] == "step_commit" and e["step"] == final}
-    print(f"\njob {result.status} after {final + 1} steps; run directory {result.run_dir}")
+    final = committed_steps(ev)
+    print(f"\njob {result.status} after {final} steps; run directory {result.run_dir}")
     if result.message:
         print(result.message)
-    print(
-        "\nPIDs of the original workers (before = spawned, after = PID that committed its last step):"
-    )
-    print(f"  {'member':7} {'before':>8} {'after':>8}  fate")
-    for m in originals:
-        b, a = spawned.get(m), after.get(m)
-        faults = [f["fault"] for f in launcher.fault_log if f["member"] == m]
-        if m in finishers:
-            fate = "survivor, same process" if a == b else "DIFFERENT PROCESS"
-            if "hang" in faults:
-                fate += " (was hung, rejoined and healed)"
-        else:
-            fate = ", ".join(faults) or "gone"
-        print(f"  {m:7} {b!s:>8} {a if a is not None else '-':>8}  {fate}")
-    origin = next((e["t"] for e in ev if e["kind"] == "job_start"), None)
-    recs = recoveries(ev)
-    if recs:
-        print("\nrecovery of the survivors, per failure (seconds from the fault):")
-        print(format_recoveries(recs, origin))
-    js = [j for j in joins(ev) if j.heal_bytes > 0]
-    if js:
-        print("\njoiners healed from their peers (seconds from spawn or rejoin):")
-        print(format_joins(js, origin))
+    print()
+    print(format_run_tables(ev, healed_only=True))
     curve = loss_curve(ev)
     if curve:
         ks = sorted(curve)
@@ -119,4 +84,4 @@ def report(result: RunResult, launcher: Launcher) -> int:
     return 0 if result.status == "done" and not same else 1
 
 
-__all__ = ["run_demo", "check_exactly_once"]
+__all__ = ["run_demo", "check_exactly_once", "last_pids"]

@@ -51,6 +51,7 @@ from elastrain.launch.config import LaunchConfig
 from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
+from elastrain.launch.startup import StartupWatch
 from elastrain.observe.events import EventLog
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
@@ -115,6 +116,7 @@ class Launcher:
         self._seq = 0
         self._stop = threading.Event()
         self._fast_failures = 0
+        self.startup = StartupWatch(self.run_dir)
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
         self.injector = Injector(
             config.faults,
@@ -266,7 +268,9 @@ class Launcher:
             # Down (restarting): tell the next one, so it need not wait out a lease.
             self._unreported_exits.append(req)
 
-    def _spawn(self, replacement: bool, replaces: str | None = None) -> Worker:
+    def _spawn(
+        self, replacement: bool, replaces: str | None = None, replaces_pid: int | None = None
+    ) -> Worker:
         c = self.config
         member = f"{c.name}-w{self._next_id}" if c.name else f"w{self._next_id}"
         self._next_id += 1
@@ -324,6 +328,7 @@ class Launcher:
             pid=proc.pid,
             replacement=replacement,
             replaces=replaces,
+            replaces_pid=replaces_pid,
             **({} if self.net is None else {"host": self.net.hosts[self._slot[member]].name}),
         )
         threading.Thread(target=self._reap, args=(w,), daemon=True, name=f"reap-{member}").start()
@@ -527,6 +532,9 @@ class Launcher:
             return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
+        stop = self.startup.on_exit(member, pid, rc, injected=pid in self.injector.killed)
+        if stop is not None:
+            return "failed", stop
         if (
             w is not None
             and time.monotonic() - w.started < 10
@@ -542,13 +550,13 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
-            self._at(self.config.replace_delay_s, "spawn", member)
+            self._at(self.config.replace_delay_s, "spawn", (member, pid))
         return None
 
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
-                self._spawn(replacement=True, replaces=arg)
+                self._spawn(replacement=True, replaces=arg[0], replaces_pid=arg[1])
         elif what == "finish":
             self._stop_reason = ("done", "")
             self._stop.set()

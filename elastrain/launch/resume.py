@@ -62,11 +62,16 @@ def choose_checkpoint(checkpoint_dir: Path, events: EventLog) -> int | None:
     return step
 
 
+NO_CHECKPOINT = "no checkpoint was committed"
+
+
 def newest_checkpoint_note(checkpoint_dir: Path) -> str:
-    """One line for the user: the newest committed checkpoint, or that there is none."""
+    """One line for the user: the newest committed checkpoint, or that there is none.
+    A checkpoint's step is a committed step count, as in "N steps committed"."""
     from elastrain.checkpoint.files import MARKER, list_steps
 
     committed = [s for s, d in list_steps(checkpoint_dir) if (d / MARKER).exists()]
     if not committed:
-        return "no checkpoint was committed"
-    return f"newest committed checkpoint: step {committed[-1]} in {checkpoint_dir}"
+        return NO_CHECKPOINT
+    n = committed[-1]
+    return f"newest committed checkpoint: {n} steps committed, in {checkpoint_dir} (run again to resume)"

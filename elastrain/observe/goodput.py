@@ -18,9 +18,12 @@ Each worker process (one `worker_spawned` member/pid, alive until its
                     next `generation_start`, except the heal
   healing           `heal_begin` -> `heal_end`, every role
   productive        a step that was committed (previous mark -> `step_commit`)
-  wasted            a step that was aborted, up to the fault that broke it
-  detection         fault -> the abort that noticed it (survivors); fault ->
+  wasted            a step that was aborted, up to the failure that broke it
+  detection         failure -> the abort that noticed it (survivors); failure ->
                     expulsion (a hung or killed victim)
+
+Failures are the recognised ones (`elastrain.observe.failures`), whether or
+not anybody injected them; a failure's time is `Failure.t`.
   replacement_wait  capacity missing: empty slots (below target) between the
                     first generation_start and the last step_commit (before:
                     startup, after: other), and an expelled, still-hung victim
@@ -48,7 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastrain.observe.recovery import FAULT_KINDS
+from elastrain.observe.failures import Failure, FailureKind, recognise_failures
 
 Event = Mapping[str, Any]
 
@@ -184,9 +187,10 @@ def _processes(evs: Sequence[Event], t_start: float, t_end: float) -> list[_Proc
     return [p for p in procs if p.end > p.start]
 
 
-def goodput(events: Sequence[Event]) -> Goodput:
+def goodput(events: Sequence[Event], failures: Sequence[Failure] | None = None) -> Goodput:
     """Build the goodput ledger of a run from its events. Pure; never raises on
-    partial events (an empty list gives an all-zero ledger)."""
+    partial events (an empty list gives an all-zero ledger). `failures`: what
+    `recognise_failures(events)` returns (computed when not given)."""
     evs = _sorted(events)
     buckets = dict.fromkeys(BUCKETS, 0.0)
     if not evs:
@@ -205,15 +209,22 @@ def goodput(events: Sequence[Event]) -> Goodput:
     target = js.get("target") if js is not None else None
     capacity = int(target) if isinstance(target, int) and target > 0 else max(sizes, default=1)
 
-    faults = [e for e in evs if e.get("kind") == "fault_injected" and e.get("fault") in FAULT_KINDS]
-    fault_ts = sorted(float(f["t"]) for f in faults)
+    fails = list(recognise_failures(evs) if failures is None else failures)
+    fault_ts = sorted(f.t for f in fails)
     by_member: dict[str, list[Event]] = {}
     for e in evs:
         proc = e.get("proc")
         if isinstance(proc, str) and proc not in ("launcher", "coordinator"):
             by_member.setdefault(proc, []).append(e)
-        elif e.get("kind") in ("member_registered", "member_removed", "fault_injected"):
+        elif e.get("kind") in ("member_registered", "member_removed"):
             by_member.setdefault(str(e.get("member")), []).append(e)
+    for f in fails:
+        if f.kind in _VICTIM_KINDS:
+            # The victim's own mark: from here its time is the failure's, not its step's.
+            mark = {"t": f.t, "kind": "@victim", "pid": f.pid}
+            by_member.setdefault(f.member, []).append(mark)
+    for v in by_member.values():
+        v.sort(key=lambda e: float(e["t"]))
     procs = _processes(evs, t_start, t_end)
     blocking = _checkpoint_blocking(evs)
     for p in procs:
@@ -309,8 +320,8 @@ def _walk(
             continue
         k = str(e.get("kind"))
         same_pid = p.pid is None or e.get("pid") in (None, p.pid)
-        if k == "fault_injected":
-            if e.get("fault") in ("kill", "hang") and same_pid:
+        if k == "@victim":
+            if same_pid:
                 mine.append((t, "@victim", e))
         elif e.get("proc") == p.member and same_pid:
             mine.append((t, k, e))
@@ -323,9 +334,9 @@ def _walk(
         """The step running since the cursor was lost at t: wasted up to the last
         fault inside it, detection after."""
         checkpoint_first(t)
-        t0 = max((x for x in fault_ts if acc.cursor < x <= t), default=None)
+        t0 = max((x for x in fault_ts if acc.cursor - SIGN_OF_LIFE_SLACK_S < x <= t), default=None)
         if t0 is not None:
-            acc.to(t0, "wasted")
+            acc.to(max(t0, acc.cursor), "wasted")
             acc.to(t, "detection")
         else:
             acc.to(t, "wasted")
@@ -392,6 +403,14 @@ def _walk(
     acc.to(p.end, _STATE_BUCKET[state])
     return acc.segments
 
+
+_VICTIM_KINDS = frozenset({FailureKind.KILL, FailureKind.HANG, FailureKind.CRASH})
+"""Failures whose victim stops at the failure's time (a leave finishes its step first)."""
+
+SIGN_OF_LIFE_SLACK_S = 1.0
+"""A failure up to this long before an aborted step began still broke it: a hang
+nobody injected is dated by the victim's last event, its commit of the previous
+step, which can precede the survivors' own commit of it by a little."""
 
 _STATE_BUCKET = {
     "startup": "startup",

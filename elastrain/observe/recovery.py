@@ -5,9 +5,9 @@ order is accepted; they sort by wall time `t`). Nothing here does I/O, so the
 report, the soak test and the unit tests use the same code on recorded or
 hand-built events. Definitions follow docs/events.md, "Recovery phases":
 
-For a fault (`fault_injected` of kind kill/hang/term/cut at wall time t0, victim v;
-a cut host is silent, as a hung process is)
-the survivors' recovery is split at five marks, each phase being the time from
+For a failure (one `Failure` that `elastrain.observe.failures.recognise_failures`
+recognised from what happened, at wall time t0 = `Failure.t`, victim v; an
+injected fault only labels it) the survivors' recovery is split at five marks, each phase being the time from
 the previous mark:
 
   detect      first of: launcher `worker_exited` of v; a survivor's
@@ -30,8 +30,14 @@ together do not borrow each other's marks; aborts by members hit by another
 fault do not count as detection. A missing mark gives a NaN phase and the next
 phase is measured from the last mark that exists, so the phases that are known
 sum to `total_s`. A fault reported twice (launcher and victim) counts once; a
-fault on a process that was not in the running generation (a waiting joiner)
-gives a Recovery with gen None and NaN phases.
+failure of a process that was not in the running generation (a waiting joiner),
+or of the coordinator (the workers train on), gives a Recovery with gen None
+and NaN phases.
+
+The replacement of a failure is the one the launcher spawned for it: its
+`worker_spawned` names the victim (`replaces`, and `replaces_pid` since the
+launcher records it) and follows the victim's exit; a process that never
+exited (a hang) is never replaced, it rejoins (see `joins`).
 """
 
 from __future__ import annotations
@@ -42,17 +48,19 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastrain.observe.failures import (  # the one reading of events
+    COORDINATOR,
+    Failure,
+    _int,
+    _sorted,
+    _t,
+    recognise_failures,
+)
+
 Event = Mapping[str, Any]
 
 PHASES = ("detect", "quorum", "regroup", "heal", "first_step")
 """Recovery phase names, in order."""
-
-FAULT_KINDS = frozenset({"kill", "hang", "term", "cut"})
-"""`fault_injected.fault` values that start a recovery (`resume` does not)."""
-
-DUPLICATE_FAULT_WINDOW_S = 1.0
-"""Two `fault_injected` events of the same kind, member and pid this close are
-one fault reported twice (e.g. by the launcher and by the victim itself)."""
 
 COORDINATOR_ABORT_PHASES = frozenset({"quorum", "superseded"})
 """`step_abort.phase` values caused by a coordinator decision rather than a failure
@@ -71,9 +79,10 @@ class Phase:
 
 @dataclass(frozen=True)
 class Recovery:
-    """How the survivors recovered from one injected fault.
+    """How the survivors recovered from one recognised failure.
 
-    fault, member: the `fault_injected` kind and victim; t0: its wall time.
+    fault, member: the failure's kind (`FailureKind` value) and victim; t0: its
+    wall time (`Failure.t`).
     gen: the generation the survivors resumed in (None if none became ready).
     phases: detect, quorum, regroup, heal, first_step (exactly these, in order).
     total_s: first_step mark - t0; None if no step was committed after the
@@ -81,7 +90,9 @@ class Recovery:
     survivors: members of the generation running at t0 (other than the victim)
     that are in the resumed generation; joiners are not survivors.
     replacement: the member id of the replacement worker spawned for this
-    fault, if any (see `joins` for its timing).
+    failure, if any (see `joins` for its timing).
+    how: the evidence that identified it first; injected: the `fault_injected`
+    kind that labels it (None: nobody injected it).
     """
 
     fault: str
@@ -92,6 +103,8 @@ class Recovery:
     total_s: float | None
     survivors: list[str]
     replacement: str | None = None
+    how: str = ""
+    injected: str | None = None
 
     def phase(self, name: str) -> float:
         """Seconds of the named phase (NaN if unknown)."""
@@ -111,6 +124,8 @@ class JoinTiming:
     (`member_registered`), group_s (its first `group_built`), healed_s (its
     first `heal_end` as receiver, before its first commit), first_step_s (its
     first `step_commit`). heal_bytes and heal_rate_mb_s come from that heal_end.
+    rejoined: a member that came back after an expulsion (spawned_t is its
+    re-registration), not a newly spawned replacement.
     """
 
     member: str
@@ -121,27 +136,10 @@ class JoinTiming:
     first_step_s: float | None
     heal_bytes: int
     heal_rate_mb_s: float | None
+    rejoined: bool = False
 
 
 # ---- helpers -------------------------------------------------------------------------
-
-
-def _sorted(events: Iterable[Event]) -> list[Event]:
-    """Events with a numeric `t`, stably sorted by it."""
-    out = [e for e in events if isinstance(e.get("t"), int | float)]
-    out.sort(key=lambda e: float(e["t"]))
-    return out
-
-
-def _t(e: Event) -> float:
-    return float(e["t"])
-
-
-def _int(x: Any) -> int | None:
-    try:
-        return int(x)
-    except (TypeError, ValueError):
-        return None
 
 
 def _members(e: Event) -> list[str]:
@@ -151,33 +149,6 @@ def _members(e: Event) -> list[str]:
 
 def _is_worker(proc: Any) -> bool:
     return isinstance(proc, str) and proc not in _NON_WORKER_PROCS
-
-
-def _victim(e: Event) -> str:
-    """The fault's victim: `member`, else the writer when a worker wrote it."""
-    m = e.get("member")
-    if m:
-        return str(m)
-    p = e.get("proc")
-    return str(p) if _is_worker(p) else "?"
-
-
-def _faults(evs: list[Event]) -> list[Event]:
-    """`fault_injected` events that start a recovery, duplicates dropped."""
-    out: list[Event] = []
-    for e in evs:
-        if e.get("kind") != "fault_injected" or e.get("fault") not in FAULT_KINDS:
-            continue
-        dup = any(
-            f.get("fault") == e.get("fault")
-            and _victim(f) == _victim(e)
-            and (f.get("pid") is None or e.get("pid") is None or f.get("pid") == e.get("pid"))
-            and _t(e) - _t(f) <= DUPLICATE_FAULT_WINDOW_S
-            for f in out[-8:]
-        )
-        if not dup:
-            out.append(e)
-    return out
 
 
 @dataclass
@@ -250,28 +221,30 @@ def _phases(t0: float, marks: list[float | None], heal_zero: bool) -> list[Phase
 # ---- recoveries ----------------------------------------------------------------------
 
 
-def recoveries(events: Sequence[Event]) -> list[Recovery]:
-    """One `Recovery` per injected kill/hang/term/cut fault, in time order.
+def recoveries(
+    events: Sequence[Event], failures: Sequence[Failure] | None = None
+) -> list[Recovery]:
+    """One `Recovery` per recognised failure, in time order. `failures`: what
+    `recognise_failures(events)` returns (computed when not given).
 
     Pure; never raises on missing or partial events (unknown phases are NaN).
     """
     evs = _sorted(events)
     ts = [_t(e) for e in evs]
-    faults = _faults(evs)
-    claimed: set[int] = set()  # ids of worker_spawned events already matched to a fault
-    out: list[Recovery] = []
-    for f in faults:
-        rec = _recovery(evs, ts, faults, f, claimed)
-        out.append(rec)
-    return out
+    fails = list(recognise_failures(evs) if failures is None else failures)
+    claimed: set[int] = set()  # ids of worker_spawned events already matched to a failure
+    return [_recovery(evs, ts, fails, f, claimed) for f in fails]
 
 
 def _recovery(
-    evs: list[Event], ts: list[float], faults: list[Event], f: Event, claimed: set[int]
+    evs: list[Event], ts: list[float], faults: list[Failure], f: Failure, claimed: set[int]
 ) -> Recovery:
-    t0 = _t(f)
-    v = _victim(f)
-    kind = str(f.get("fault"))
+    t0 = f.t
+    v = f.member
+    kind = f.kind.value
+    nan = [Phase(n, math.nan) for n in PHASES]
+    if v == COORDINATOR:
+        return Recovery(kind, v, t0, None, nan, None, [], None, f.how, f.injected)
     lo = bisect.bisect_left(ts, t0)
     before = _Reversed(evs, lo)
 
@@ -290,16 +263,18 @@ def _recovery(
             )
             pre_formed_t = formed if formed is not None else _t(last)
             break
-    replacement = _replacement(evs, lo, v, f.get("pid"), claimed)
-    after = _window(evs, lo, f, v, pre_gen)
+    replacement = _replacement(evs, f, claimed)
+    # A stall nobody removed (only the watchdog saw it) resumes with the victim in.
+    stays = not f.exited and not any(ev.event == "member_removed" for ev in f.evidence)
+    after = _window(evs, lo, "" if stays else v, pre_gen)
     if pre_members is not None and v not in pre_members:
         # The victim was not a member (e.g. a joiner still waiting): nothing to recover.
-        return Recovery(kind, v, t0, None, [Phase(n, math.nan) for n in PHASES], None,
-                        list(pre_members), replacement)  # fmt: skip
+        return Recovery(kind, v, t0, None, nan, None, list(pre_members), replacement, f.how,
+                        f.injected)  # fmt: skip
 
     # Members hit by another fault since the running generation formed are casualties,
     # not survivors: their aborts do not detect this fault.
-    casualties = {v} | {_victim(g) for g in faults if pre_formed_t <= _t(g) <= t0 and g is not f}
+    casualties = {v} | {g.member for g in faults if pre_formed_t <= g.t <= t0 and g is not f}
 
     def survivor_abort(e: Event) -> bool:
         # Aborts ordered by the coordinator (a quorum verdict, a superseded generation)
@@ -315,7 +290,7 @@ def _recovery(
         g = _int(e.get("gen"))
         return not (pre_gen is not None and g is not None and g < pre_gen)
 
-    pid = f.get("pid")
+    pid = f.pid
     detect: float | None = None
     for e in after:
         k = e.get("kind")
@@ -331,7 +306,7 @@ def _recovery(
             detect = _t(e)
             break
 
-    cands = _candidate_gens(after, v, pre_gen)
+    cands = _candidate_gens(after, "" if stays else v, pre_gen)
     committed: dict[int, float] = {}
     built: dict[int, float] = {}
     for e in after:
@@ -363,7 +338,8 @@ def _recovery(
         g = chosen.gen
         start = chosen.formed_t if chosen.formed_t is not None else t0
         in_gen = [e for e in after if _int(e.get("gen")) == g and _t(e) >= start]
-        survivors = [m for m in chosen.members if pre_members is None or m in pre_members]
+        survivors = [m for m in chosen.members
+                     if (pre_members is None or m in pre_members) and m != v]  # fmt: skip
         who = set(survivors) or set(chosen.members)
         builds = [_t(e) for e in in_gen if e.get("kind") == "group_built" and e.get("proc") in who]
         regroup = max(builds) if builds else None
@@ -379,7 +355,7 @@ def _recovery(
     phases = _phases(t0, marks, heal_zero)
     total = first_step - t0 if first_step is not None else None
     gen = chosen.gen if chosen is not None else None
-    return Recovery(kind, v, t0, gen, phases, total, survivors, replacement)
+    return Recovery(kind, v, t0, gen, phases, total, survivors, replacement, f.how, f.injected)
 
 
 class _Reversed:
@@ -393,7 +369,7 @@ class _Reversed:
             yield self.evs[i]
 
 
-def _window(evs: list[Event], lo: int, f: Event, victim: str, pre_gen: int | None) -> list[Event]:
+def _window(evs: list[Event], lo: int, victim: str, pre_gen: int | None) -> list[Event]:
     """Events from t0 (index `lo`) up to the first commit in a generation formed after
     t0 without the victim: every recovery mark lies in it. Keeps the analysis linear
     in the recovery's length rather than the run's."""
@@ -410,31 +386,29 @@ def _window(evs: list[Event], lo: int, f: Event, victim: str, pre_gen: int | Non
         elif k == "step_commit" and without.get(g):
             end = i + 1
             break
-    return [e for e in evs[lo:end] if e is not f]
+    return evs[lo:end]
 
 
-def _replacement(evs: list[Event], lo: int, victim: str, pid: Any, claimed: set[int]) -> str | None:
-    """The replacement spawned for this fault (events from index `lo` = t0 on): a
-    `worker_spawned` naming the victim in `replaces`, else the first unclaimed one
-    with replacement=true and no `replaces` after the victim's `worker_exited` (a
-    hung victim that never exits gets none)."""
-    exited = False
-    pick: Event | None = None
-    for i in range(lo, len(evs)):
-        e = evs[i]
-        k = e.get("kind")
-        if k == "worker_exited" and e.get("member") == victim:
-            exited = exited or pid is None or e.get("pid") in (None, pid)
-        elif k == "worker_spawned" and e.get("replacement") and id(e) not in claimed:
-            named = e.get("replaces")
-            if named == victim or (exited and named is None):
-                pick = e
-                break
-    if pick is None:
+def _replacement(evs: list[Event], f: Failure, claimed: set[int]) -> str | None:
+    """The replacement the launcher spawned for this failure: the first unclaimed
+    `worker_spawned` (replacement=true) after the victim's exit that names the
+    victim in `replaces` (and its pid in `replaces_pid`, when recorded); for
+    events without `replaces`, the first unclaimed unnamed one after the exit.
+    A victim that never exited (a hang) gets none: the launcher replaces exits only."""
+    if f.exit_t is None:
         return None
-    claimed.add(id(pick))
-    m = pick.get("member")
-    return str(m) if m is not None else None
+    lo = bisect.bisect_left([_t(e) for e in evs], f.exit_t)
+    for e in evs[lo:]:
+        if e.get("kind") != "worker_spawned" or not e.get("replacement") or id(e) in claimed:
+            continue
+        named, rpid = e.get("replaces"), e.get("replaces_pid")
+        if (named is None and "replaces_pid" not in e) or (
+            named == f.member and (rpid is None or f.pid is None or rpid == f.pid)
+        ):
+            claimed.add(id(e))
+            m = e.get("member")
+            return str(m) if m is not None else None
+    return None
 
 
 # ---- joins ---------------------------------------------------------------------------
@@ -500,7 +474,8 @@ def joins(events: Sequence[Event]) -> list[JoinTiming]:
         def rel(x: float | None, t0: float = t0) -> float | None:
             return None if x is None else x - t0
 
-        out.append(JoinTiming(m, t0, rel(reg), rel(group), healed, rel(first), nbytes, rate))
+        out.append(JoinTiming(m, t0, rel(reg), rel(group), healed, rel(first), nbytes, rate,
+                              not from_spawn))  # fmt: skip
     return out
 
 
@@ -526,27 +501,35 @@ def format_recoveries(recs: Sequence[Recovery], origin: float | None = None) -> 
 
     `origin` (e.g. the job_start time) makes the t0 column relative to it.
     """
-    header = ["fault", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement"]
+    header = ["failure", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement",
+              "evidence"]  # fmt: skip
     rows = []
     for r in recs:
         t0 = r.t0 - origin if origin is not None else r.t0
         rows.append(
             [r.fault, r.member, f"{t0:.3f}", "" if r.gen is None else str(r.gen)]
             + [_s(p.seconds) for p in r.phases]
-            + [_s(r.total_s), ",".join(r.survivors), r.replacement or ""]
+            + [
+                _s(r.total_s),
+                ",".join(r.survivors),
+                r.replacement or "-",
+                r.how + (f" [injected: {r.injected}]" if r.injected else ""),
+            ]  # fmt: skip
         )
     return _table(header, rows)
 
 
 def format_joins(js: Sequence[JoinTiming], origin: float | None = None) -> str:
-    """Plain-text table, one row per join; seconds from spawn with 3 decimals."""
-    header = ["member", "spawned", "registered", "group", "healed", "first_step",
+    """Plain-text table, one row per join: `joined` says whether the member is a
+    spawned replacement or rejoined after an expulsion; `at` is when (the spawn,
+    or the re-registration); the milestones are seconds from then, 3 decimals."""
+    header = ["member", "joined", "at", "registered", "group", "healed", "first_step",
               "heal_MB", "heal_MB/s"]  # fmt: skip
     rows = []
     for j in js:
         t = j.spawned_t - origin if origin is not None else j.spawned_t
         rows.append(
-            [j.member, f"{t:.3f}", _s(j.registered_s), _s(j.group_s), _s(j.healed_s),
+            [j.member, "rejoined" if j.rejoined else "spawned", f"{t:.3f}", _s(j.registered_s), _s(j.group_s), _s(j.healed_s),
              _s(j.first_step_s), f"{j.heal_bytes / 1e6:.3f}", _s(j.heal_rate_mb_s)]
         )  # fmt: skip
     return _table(header, rows)

@@ -2,7 +2,7 @@
 
 From the run's events (docs/events.md) take: the full-size step time (median
 `step_s` of `step_commit` in generations with every member) and the median at
-each smaller size; each injected fault's recovery phases (detect, quorum, regroup,
+each smaller size; each recognised failure's recovery phases (detect, quorum, regroup,
 heal, first step: `elastrain.observe.recovery.recoveries`, the "Recovery phases"
 of docs/events.md) and its replacement's arrival (`recovery.joins`); the pause a
 replacement's join costs when it joins on its own; and the fault schedule.
@@ -198,8 +198,6 @@ def _faults(
     slot_of = {f"w{i}": i for i in range(members)}
     timings = joins(events)
     formed = [e for e in events if e["kind"] == "generation_formed"]
-    spawned = [e for e in events if e["kind"] == "worker_spawned" and e.get("replacement")]
-    claimed: set[str] = set()
     out: list[FaultRecovery] = []
     recs = sorted(recoveries(events), key=lambda r: r.t0)
     for i, r in enumerate(recs):
@@ -211,18 +209,14 @@ def _faults(
         overhead = max(0.0, r.phase("first_step") - step_after)
         recover = sum(x for x in marks if math.isfinite(x)) + overhead
         # Who fills the victim's place: the victim itself when it comes back (a hung
-        # member that was expelled and re-registers before it fails again), else the
-        # first replacement spawned for it (`replaces`), else the first unclaimed one.
+        # member that was expelled and re-registers before it fails again).
         again = next((x.t0 for x in recs[i + 1 :] if x.member == r.member), math.inf)
         join = _first_join(timings, r.member, r.t0)
         newcomer = r.member
         if join is None or join.spawned_t >= again:
-            cands = [e for e in spawned if e["t"] >= r.t0 and e["member"] not in claimed]
-            pick = next((e for e in cands if e.get("replaces") == r.member), None)
-            pick = pick or next((e for e in cands if e.get("replaces") in (None, "")), None)
-            newcomer = str(pick["member"]) if pick is not None else ""
-            join = _first_join(timings, newcomer, r.t0) if pick is not None else None
-        claimed.add(newcomer)
+            # Else the replacement the launcher spawned for it (the recogniser's match).
+            newcomer = r.replacement or ""
+            join = _first_join(timings, newcomer, r.t0) if r.replacement else None
         slot = slot_of.get(r.member, 0)
         replacement_s, pause = math.inf, None
         if join is not None:

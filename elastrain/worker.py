@@ -9,7 +9,9 @@ library free of process-level decisions:
   points when $ELASTRAIN_FAULTS or a run directory is set), so the engine
   never imports the tools;
 - a `WorkerExit` raised by the library (leave, preemption, refusal, no
-  coordinator) becomes the process exit status, here and nowhere else.
+  coordinator, a misconfigured script) becomes the process exit status, here
+  and nowhere else; an error torch raises for a well-known mistake (a script
+  using torch.distributed directly) exits EXIT_MISCONFIGURED with what to change.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 
-from elastrain.exitcodes import WorkerExit
+from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.runtime.preflight import explain
 
 
 def install_hooks() -> None:
@@ -46,6 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         if e.message:
             print(e.message, file=sys.stderr, flush=True)
         return e.code
+    except Exception as e:
+        # A well-known mistake that torch reports in words pointing the wrong way
+        # ("Default process group has not been initialized"): say what to change.
+        why = explain(e)
+        if why is None:
+            raise
+        traceback.print_exc()
+        print(f"elastrain: misconfigured: {why}", file=sys.stderr, flush=True)
+        return EXIT_MISCONFIGURED
     return 0
 
 

@@ -266,6 +266,9 @@ class FakeBackend:
     def warm_up(self, batch: Any) -> None:
         pass
 
+    def problems(self) -> list[str]:
+        return []
+
     def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
         return None
 

@@ -100,6 +100,9 @@ class JaxBackend:
         )
         return jax.random.fold_in(jax.random.fold_in(base, step), microbatch)
 
+    def problems(self) -> list[str]:
+        return []
+
     def warm_up(self, batch: Any) -> None:
         """Compile the gradient and update functions before registering, so that a
         replacement's compile time does not stall its peers' first step with it."""

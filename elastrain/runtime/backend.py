@@ -47,6 +47,9 @@ class Backend(Protocol):
     def load_meta(self, meta: dict[str, Any]) -> None:
         """Install what `meta` returned on the member that sent or saved it."""
 
+    def problems(self) -> list[str]:
+        """Well-known mistakes in how the script set this backend up (empty: none)."""
+
     def warm_up(self, batch: Any) -> None:
         """Compile or warm up once before registering (a joiner must not stall its peers)."""
 

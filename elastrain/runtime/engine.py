@@ -44,6 +44,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,6 +73,7 @@ from elastrain.runtime.group import (
     settle_before_exit,
     tensor_allreduce,
 )
+from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.resume import (
     from_ordered_json,
     load_resume,
@@ -274,6 +276,7 @@ class StepEngine:
             h.attach(self.member, self.events)
         self.events.emit("worker_start", member=self.member)
         try:
+            self._check_setup()
             self._resume()
             self._warm_up()
             self._metering = WorkerMetering.start(self.events, self._count_flops)
@@ -294,6 +297,20 @@ class StepEngine:
 
     def _flags(self) -> m.Flags:
         return m.Flags(leaving=self.session.leaving, expelled=self.session.expelled)
+
+    def _check_setup(self) -> None:
+        """Well-known mistakes only this process can see (a DDP-wrapped model, a process
+        group the script made itself) end it at once with what to change."""
+        cfg = self.config
+        problems = self.backend.problems() + batch_problems(
+            cfg.global_batch_size, cfg.micro_batch_size
+        )
+        if problems:
+            self.events.emit(
+                "worker_exit", reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+            )
+            self._shutdown()
+            exit_misconfigured("; ".join(problems))
 
     def _first_batch(self) -> Any:
         ids = self.order.ids(0, self.config.micro_batch_size)
@@ -426,6 +443,13 @@ class StepEngine:
         )
         self._pg = pg
         self.session.set_gen(a.gen, a.members)
+        if a.rank == 0:
+            cfg = self.config
+            for problem in batch_problems(
+                cfg.global_batch_size, cfg.micro_batch_size, len(a.members)
+            ):
+                log.warning("generation %d: %s", a.gen, problem)
+                print(f"elastrain: warning: {problem}", file=sys.stderr, flush=True)
         return m.Connected()
 
     # ---- heal -----------------------------------------------------------------------

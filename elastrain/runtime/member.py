@@ -103,6 +103,7 @@ class ExitReason(StrEnum):
     PREEMPTED = "preempted"
     REFUSED = "refused"
     NO_COORDINATOR = "no_coordinator"
+    MISCONFIGURED = "misconfigured"
 
 
 EXIT_CODES = {

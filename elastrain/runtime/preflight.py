@@ -3,8 +3,8 @@
 Torch-free (torch is imported only to look at a model), so the launcher uses the
 same messages for what it can check before starting anything
 (`elastrain.launch.preflight`), and a worker uses `preflight` before its first
-rendezvous for what only it can see. A worker that finds one exits with
-`EXIT_MISCONFIGURED` after printing the message; the launcher recognises the
+rendezvous for what only it can see. A worker that finds one raises
+`WorkerExit(EXIT_MISCONFIGURED)`; the worker entry point prints the message; the launcher recognises the
 status, stops the job at once and shows the message.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NoReturn
 
-from elastrain.exitcodes import EXIT_MISCONFIGURED
+from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 
 OWN_PROCESS_GROUP = (
     "the script initialises its own process group (torch.distributed.init_process_group): "
@@ -86,6 +86,6 @@ def preflight(model: Any, global_batch: int, micro_batch: int, members: int | No
 
 
 def exit_misconfigured(message: str) -> NoReturn:
-    """Print the message for the launcher to show and exit with EXIT_MISCONFIGURED."""
-    print(f"elastrain: misconfigured: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_MISCONFIGURED)
+    """End the worker with EXIT_MISCONFIGURED; the worker entry point prints the
+    message on stderr, where the launcher finds it and shows it."""
+    raise WorkerExit(EXIT_MISCONFIGURED, "misconfigured", f"elastrain: misconfigured: {message}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from elastrain.runtime.preflight import model_problems
 from elastrain.transfer import model_signature
 from elastrain.transfer.state import TorchState
 
@@ -95,6 +96,9 @@ class TorchBackend:
             "method": fc.method,
             **device_info(self.model),
         }
+
+    def problems(self) -> list[str]:
+        return model_problems(self.model)
 
     def warm_up(self, batch: Any) -> None:
         """Nothing to compile in eager mode."""

@@ -12,10 +12,22 @@ elastrain k8s render --workers 4 --image IMG -o job.yaml   # also: k8s status, k
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def _default(name: str) -> Any:
+    """`LaunchConfig`'s default for field `name`: the flags' defaults come from the
+    config dataclass, never retyped here."""
+    from elastrain.launch.config import LaunchConfig
+
+    f = next(f for f in dataclasses.fields(LaunchConfig) if f.name == name)
+    assert f.default is not dataclasses.MISSING, name
+    return f.default
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
@@ -24,20 +36,21 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "--workers",
         "--nproc",
         type=int,
-        default=4,
-        help="workers to keep running (default 4)",
+        default=_default("workers"),
+        help=f"workers to keep running (default {_default('workers')})",
     )
     ap.add_argument(
         "--min",
         type=int,
-        default=None,
+        default=_default("min_workers"),
         dest="min_workers",
-        help="fewest members that may train; fewer pauses the job (default 1)",
+        help="fewest members that may train; fewer pauses the job "
+        f"(default {_default('min_workers')})",
     )
     ap.add_argument(
         "--replace-delay",
         type=float,
-        default=0.0,
+        default=_default("replace_delay_s"),
         metavar="S",
         help="seconds before a dead worker is replaced (stands in for pod scheduling)",
     )
@@ -79,11 +92,14 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--grace",
         type=float,
-        default=30.0,
+        default=_default("grace_s"),
         metavar="S",
-        help="on SIGTERM: seconds for the emergency checkpoint and a clean exit (default 30)",
+        help="on SIGTERM: seconds for the emergency checkpoint and a clean exit "
+        f"(default {_default('grace_s'):g})",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of the fault schedule's choices")
+    ap.add_argument(
+        "--seed", type=int, default=_default("seed"), help="seed of the fault schedule's choices"
+    )
     ap.add_argument(
         "--group-readable",
         action="store_true",
@@ -126,7 +142,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         script=script,
         script_args=script_args,
         workers=args.workers,
-        min_workers=args.min_workers or 1,
+        min_workers=args.min_workers,
         replace_delay_s=args.replace_delay,
         replace=not args.no_replace,
         run_dir=args.run_dir,

@@ -6,8 +6,8 @@
 
 See docs/jax.md. The coordinator, launcher, process groups, data order and
 observability are the PyTorch path's; this package adds the trainer
-(`trainer.py`), the pytree state helpers (`state.py`) and the state heal
-(`heal.py`).
+(`trainer.py`) and the pytree state helpers (`state.py`, including the
+`JaxState` that the shared heal in `elastrain.transfer` moves).
 """
 
 from __future__ import annotations

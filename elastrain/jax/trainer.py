@@ -17,9 +17,10 @@ session, gloo groups, waiter, graveyard and watchdog:
 
 1. Rendezvous: the coordinator answers with a generation once all its
    members are ready. Build its gloo group; heal the members that are behind
-   from the up-to-date ones (`elastrain.jax.heal`: JSON manifest + raw bytes +
-   CRC-32, no pickle): params, optimizer state, PRNG key, step count (the data
-   position is `step x global batch`); hash the state (`generation_start`).
+   from the up-to-date ones (`elastrain.transfer.heal` over a `JaxState`: JSON
+   manifest + raw bytes, sealed with the job token, no pickle): params,
+   optimizer state, PRNG key, step count (the data position is `step x global
+   batch`); hash the state (`generation_start`).
 2. Step `s`: ask the coordinator's verdict in the background while computing
    this rank's micro-batches of the fixed global batch (`assign_microbatches`).
    Micro-batch `i` gets the key `fold_in(fold_in(key, s), i)`, so neither the
@@ -58,9 +59,9 @@ from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
-from elastrain.jax.heal import heal_state
 from elastrain.jax.state import (
     GradLayout,
+    JaxState,
     LossFn,
     Tree,
     is_typed_key,
@@ -68,7 +69,6 @@ from elastrain.jax.state import (
     make_apply_fn,
     make_grad_fn,
     named_leaves,
-    rebuild,
     signature,
     stack_collate,
     state_hash,
@@ -85,7 +85,7 @@ from elastrain.runtime.group import (
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.trainer import MapDataset, StepResult, heal_senders
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealError
+from elastrain.transfer import HealError, heal
 
 log = logging.getLogger("elastrain.jax")
 
@@ -374,18 +374,18 @@ class JaxElasticTrainer:
         role = "send" if self.rank in senders else "recv" if self.rank in receivers else "idle"
         self.events.emit("heal_begin", gen=r.gen, role=role, bytes=0)
         meta = {"committed": self.committed, "last_loss": self._last_loss}
-        tree = self.state_tree()
-        arrays, got, stats = heal_state(
+        state = JaxState(self.state_tree())
+        got, stats = heal(
             self._pg,
             self.rank,
             senders,
             receivers,
-            named_leaves(tree),
+            state,
             meta if role == "send" else None,
             self.config.heal_timeout_s,
+            key=self.client.token.encode(),
         )
-        if arrays is not None and got is not None:
-            new = rebuild(tree, arrays)
+        if role == "recv" and (new := state.healed) is not None:
             self.params, self.opt_state, self.key = new["params"], new["opt_state"], new["key"]
             self.committed = int(got["committed"])
             self._last_loss = got.get("last_loss")

@@ -83,7 +83,7 @@ from elastrain.runtime.resume import (
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealError, heal, model_signature, state_hash
+from elastrain.transfer import HealError, TorchState, heal, model_signature, state_hash
 from elastrain.transfer.flatten import flatten_state
 
 log = logging.getLogger("elastrain.trainer")
@@ -398,10 +398,10 @@ class ElasticTrainer:
             self.rank,
             senders,
             receivers,
-            self.model,
-            self.optimizer,
+            TorchState(self.model, self.optimizer),
             meta,
             self.config.heal_timeout_s,
+            key=self.client.token.encode(),
         )
         if role == "recv":
             self._load_meta(got)

@@ -293,16 +293,17 @@ def _local_problem(
         return Verdict.REJECTED, HealError(
             f"cannot heal: the senders' state is of kind {m.kind!r}, this rank's {state.kind!r}"
         )
-    try:
-        why = state.bound(m)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        why = f"{type(e).__name__}: {e}"
-    if why is not None:
-        return Verdict.MALFORMED, HealError(f"manifest refused before allocation: {why}")
+    if role == Role.RECV:  # only receivers allocate for the payload
+        try:
+            why = state.bound(m)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            return Verdict.MALFORMED, HealError(f"manifest refused before allocation: {why}")
     try:
         if role == Role.RECV:
             why = state.check(m)
-        elif role == Role.SEND:
+        else:
             assert flat is not None
             why = _sender_difference(m, flat, state.kind, trusted)
     except (TypeError, ValueError, KeyError, AttributeError) as e:

@@ -91,12 +91,6 @@ class TorchState:
         return model_bytes + OPTIM_STATE_FACTOR * param_bytes + 16 * self._max_optim_entries()
 
     def bound(self, m: Manifest) -> str | None:
-        limit = self.payload_limit()
-        if m.total_bytes > limit:
-            return (
-                f"manifest claims {m.total_bytes} payload bytes; this model and optimizer "
-                f"accept at most {limit}"
-            )
         in_optim = False
         for e in m.entries:
             if e.name.startswith(OPTIM_PREFIX):
@@ -105,9 +99,16 @@ class TorchState:
                 return f"entry {e.name!r} is neither model/ nor optim/"
             elif in_optim:
                 return f"model entry {e.name!r} comes after optim/ entries"
-        return self._bound_section(m) or self._bound_optim_entries(
+        why = self._bound_section(m) or self._bound_optim_entries(
             [e for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
         )
+        limit = self.payload_limit()
+        if why is None and m.total_bytes > limit:
+            why = (
+                f"manifest claims {m.total_bytes} payload bytes; this model and optimizer "
+                f"accept at most {limit}"
+            )
+        return why
 
     def _bound_section(self, m: Manifest) -> str | None:
         section = m.section

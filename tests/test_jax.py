@@ -30,6 +30,7 @@ from elastrain.jax.state import (  # noqa: E402
 )
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
 from elastrain.transfer import HealError, TorchState, heal  # noqa: E402
+from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest  # noqa: E402
 from elastrain.transfer.tamper import Tamper  # noqa: E402
 
 from .conftest import ROOT, Job  # noqa: E402
@@ -125,6 +126,24 @@ def test_heal_jax_forged_stripe_is_fetched_from_the_other_sender() -> None:
     healed = states[2].healed
     assert healed is not None
     assert state_hash(named_leaves(healed), 3) == state_hash(named_leaves(good), 3)
+
+
+def test_jax_state_flatten_and_bound() -> None:
+    tree = {
+        "a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),
+        "n": np.arange(4, dtype=np.uint32),
+    }
+    state = JaxState(tree)
+    flat = state.flatten()
+    assert [n for n, _ in flat.tensors] == ["['a']", "['n']"] and flat.section == {}
+    a, n = flat.tensors[0][1], flat.tensors[1][1]
+    assert a.dtype == torch.bfloat16 and a.float().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert n.dtype == torch.uint32 and n.shape == (4,)
+    assert n.data_ptr() != tree["n"].ctypes.data  # a host array is copied, never aliased
+    m = build_manifest("jax", flat.tensors, {}, [0], {}, 1)
+    assert state.bound(m) is None and state.check(m) is None
+    huge = decode_manifest(Tamper(manifest="huge_entry").manifest_bytes(encode_manifest(m)))
+    assert "this state has 2 leaves of 28 bytes" in str(state.bound(huge))
 
 
 def test_heal_refuses_a_different_layout_and_another_kind() -> None:

@@ -100,12 +100,21 @@ def rebuild(tree: Tree, arrays: Sequence[np.ndarray]) -> Tree:
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
-def _as_tensor(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor with ``a``'s bytes, dtype and shape (bfloat16 included: it goes
-    through a byte view, since torch cannot read ml_dtypes arrays). JAX's host
-    views are read-only, so those are copied; torch must never alias them."""
-    own = np.ascontiguousarray(a) if a.flags.writeable else np.array(a, order="C")
-    raw = torch.from_numpy(own.reshape(-1).view(np.uint8))
+def _as_tensor(leaf: Any) -> torch.Tensor:
+    """A CPU tensor with ``leaf``'s bytes, dtype and shape, for sending.
+
+    A JAX array on the host is shared through DLPack, without a copy (JAX
+    arrays are immutable and the capsule keeps the buffer alive; bfloat16 and
+    uint32 keys included). Anything else is copied through numpy: its host
+    views are read-only, and torch must not alias a buffer it may not write.
+    """
+    if isinstance(leaf, jax.Array):
+        try:
+            return torch.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            pass  # e.g. not on the host: fall back to a copy
+    a = np.array(leaf, order="C")
+    raw = torch.from_numpy(a.reshape(-1).view(np.uint8))
     return raw.view(dtype_from_name(f"torch.{a.dtype}")).reshape(a.shape)
 
 
@@ -129,7 +138,8 @@ class JaxState:
         self._leaves = named_leaves(tree)
 
     def flatten(self) -> FlatState:
-        return FlatState([(n, _as_tensor(a)) for n, a in self._leaves], {})
+        flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
+        return FlatState([(jax.tree_util.keystr(p), _as_tensor(x)) for p, x in flat], {})
 
     def manifest_limit(self) -> int:
         return manifest_limit(len(self._leaves))

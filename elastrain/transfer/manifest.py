@@ -40,7 +40,7 @@ from elastrain.transfer.errors import HealError, ManifestUnavailable
 
 VERSION = 2
 TENSOR_REF = "$tensor"
-"""Key of the placeholder ``{"$tensor": entry_name}`` in the optimizer JSON."""
+"""Key of the placeholder ``{"$tensor": entry_name}`` in a state's JSON section."""
 
 
 @dataclass(frozen=True)

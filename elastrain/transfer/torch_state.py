@@ -11,6 +11,7 @@ stated multiple of its own model. Local; no communication.
 from __future__ import annotations
 
 from collections import Counter
+from enum import Enum
 from typing import Any
 
 import torch
@@ -44,14 +45,22 @@ OPTIM_STATE_FACTOR = 8
 bfloat16 params with float32 master weights needs 6."""
 
 
-def _optim_slot(name: str) -> tuple[str, int] | None:
-    """``("param", i)`` for ``optim/<i>/...``, ``("group", g)`` for
+class Owner(Enum):
+    """What an optimizer tensor belongs to: a param's state or a param group's
+    hyperparameters (each has its own bound)."""
+
+    PARAM = "param"
+    GROUP = "group"
+
+
+def _owner(name: str) -> tuple[Owner, int] | None:
+    """``(PARAM, i)`` for ``optim/<i>/...``, ``(GROUP, g)`` for
     ``optim/groups/<g>/...``; None for a name of neither form."""
     group = name.startswith(GROUPS_PREFIX)
     head = name[len(GROUPS_PREFIX if group else OPTIM_PREFIX) :].split("/", 1)[0]
     if not head.isdigit():
         return None
-    return ("group" if group else "param", int(head))
+    return (Owner.GROUP if group else Owner.PARAM, int(head))
 
 
 class TorchState:
@@ -140,14 +149,14 @@ class TorchState:
     def _bound_optim_entries(self, entries: list[Entry]) -> str | None:
         params = self._params()
         n_groups = len(self.optimizer.param_groups)
-        count: Counter[tuple[str, int]] = Counter()
+        count: Counter[tuple[Owner, int]] = Counter()
         for e in entries:
-            slot = _optim_slot(e.name)
-            if slot is None:
+            owner = _owner(e.name)
+            if owner is None:
                 return f"optimizer entry {e.name!r} names no param or param group"
-            kind, i = slot
-            count[slot] += 1
-            if kind == "param":
+            kind, i = owner
+            count[owner] += 1
+            if kind == Owner.PARAM:
                 if i >= len(params):
                     return f"optimizer entry {e.name!r}: this optimizer has {len(params)} params"
                 most, per = max(params[i].numel(), 1), MAX_TENSORS_PER_PARAM
@@ -159,8 +168,8 @@ class TorchState:
                 what = f"a hyperparameter may have {most}"
             if e.numel > most:
                 return f"optimizer entry {e.name!r} claims {e.numel} elements; {what}"
-            if count[slot] > per:
-                return f"more than {per} optimizer tensors for {kind} {i}"
+            if count[owner] > per:
+                return f"more than {per} optimizer tensors for {kind.value} {i}"
         return None
 
     def check(self, m: Manifest) -> str | None:

@@ -1,7 +1,8 @@
 """Seals: HMAC-SHA256 over a heal's manifest and over each stripe, keyed by the job token.
 
-Who holds the key: every member of the job (the coordinator hands workers the
-job token; `CoordinatorClient.token`). A process that does not hold it cannot
+Who holds the key: every member of the job (the launcher hands each worker
+the job token, which also authenticates it to the coordinator;
+`CoordinatorClient.token`). A process that does not hold it cannot
 produce a manifest or a stripe that a receiver accepts, so it cannot feed
 state to a joiner; damage in transit fails the same check. ``key=None`` seals
 with an empty HMAC key: still an integrity check against damage, no

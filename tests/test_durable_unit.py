@@ -32,7 +32,7 @@ from elastrain.runtime.resume import (
     parse_resume,
     resolve_directory,
 )
-from elastrain.transfer import state_hash
+from elastrain.transfer import TorchState, state_hash
 from elastrain.transfer.flatten import flatten_state
 
 
@@ -270,7 +270,7 @@ def test_resume_installs_bit_identical_state(tmp_path: Path) -> None:
     fresh, fresh_opt = trained(seed=1, steps=1)
     assert state_hash(fresh, fresh_opt) != state_hash(model, opt)
     section = from_ordered_json(meta["optimizer"])
-    install_checkpoint(tensors, section, fresh, fresh_opt, str(ckpt.path))
+    install_checkpoint(TorchState(fresh, fresh_opt), tensors, section, str(ckpt.path))
     # Bit for bit, and in the same order (the next checkpoint's layout depends on it).
     assert state_hash(fresh, fresh_opt) == state_hash(model, opt)
     assert [n for n, _ in flatten_state(fresh, fresh_opt).tensors] == [
@@ -297,7 +297,7 @@ def test_resume_into_a_different_model_is_refused_clearly(tmp_path: Path) -> Non
     before = [t.clone() for t in other.state_dict().values()]
     with pytest.raises(ResumeError, match="does not fit this model") as e:
         section = from_ordered_json(meta["optimizer"])
-        install_checkpoint(tensors, section, other, other_opt, str(ckpt.path))
+        install_checkpoint(TorchState(other, other_opt), tensors, section, str(ckpt.path))
     assert str(ckpt.path) in str(e.value)
     assert all(torch.equal(a, b) for a, b in zip(before, other.state_dict().values(), strict=True))
 

@@ -1,5 +1,5 @@
-"""The JAX path (issue 9): pytree state helpers, the JAX state heal over a real
-gloo group, and a real elastic JAX job with a SIGKILL, compared with the
+"""The JAX path (issue 9): pytree state helpers, a `JaxState` healed through the
+shared striped protocol over a real gloo group, and a real elastic JAX job with a SIGKILL, compared with the
 failure-free JAX run. Skipped where JAX or optax is not installed."""
 
 from __future__ import annotations
@@ -15,25 +15,29 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed import ProcessGroupGloo  # noqa: E402
 
 from elastrain.data import GlobalOrder  # noqa: E402
-from elastrain.jax.heal import heal_state  # noqa: E402
 from elastrain.jax.state import (  # noqa: E402
     GradLayout,
+    JaxState,
     named_leaves,
     rebuild,
     signature,
     state_hash,
 )
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
-from elastrain.transfer import HealError  # noqa: E402
+from elastrain.transfer import HealError, TorchState, heal  # noqa: E402
+from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest  # noqa: E402
+from elastrain.transfer.tamper import Tamper  # noqa: E402
 
 from .conftest import ROOT, Job  # noqa: E402
 
 JAX_MLP = str(ROOT / "tests" / "scripts" / "train_jax_mlp.py")
 B, SEED, DATASET, STEPS = 24, 7, 4096, 24
+KEY = b"job-token"
 
 
 def _state(seed: int, hidden: int = 8) -> dict[str, Any]:
@@ -85,31 +89,90 @@ def _run_ranks(n: int, fn: Any) -> list[Any]:
     return out
 
 
-def test_heal_moves_the_state_and_refuses_a_different_layout() -> None:
+def test_heal_stripes_a_jax_state_from_two_senders() -> None:
     good, behind = _state(0), _state(5)
+    states = {0: JaxState(good), 1: JaxState(behind), 2: JaxState(good)}
 
-    def heal(pg: Any, rank: int) -> Any:
-        tree = good if rank in (0, 2) else behind
+    def fn(pg: Any, rank: int) -> Any:
         meta = {"committed": 7, "last_loss": 0.5} if rank in (0, 2) else None
-        return heal_state(pg, rank, [0, 2], [1], named_leaves(tree), meta, 30.0)
+        return heal(pg, rank, [0, 2], [1], states[rank], meta, 30.0, key=KEY)
 
-    res = _run_ranks(3, heal)
-    arrays, meta, stats = res[1]
+    res = _run_ranks(3, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    meta, stats = res[1]
     assert meta == {"committed": 7, "last_loss": 0.5} and stats.role == "recv"
-    healed = rebuild(behind, arrays)
+    healed = states[1].healed
+    assert healed is not None
     assert state_hash(named_leaves(healed), 7) == state_hash(named_leaves(good), 7)
-    assert res[0][2].role == "send" and res[0][2].bytes == stats.bytes > 0
-    assert res[2][0] is None  # the other sender only checked the layout
+    assert state_hash(named_leaves(behind), 7) != state_hash(named_leaves(good), 7)
+    assert healed["params"]["b"].dtype == jnp.bfloat16
+    # Striped: each sender sent about half of the payload, the receiver got it all.
+    s0, s2 = res[0][1].bytes, res[2][1].bytes
+    assert s0 > 0 and s2 > 0 and abs(s0 - s2) <= 1 and s0 + s2 == stats.bytes
+    assert states[0].healed is None and states[2].healed is None
 
-    other = _state(0, hidden=9)
+
+def test_heal_jax_forged_stripe_is_fetched_from_the_other_sender() -> None:
+    good, behind = _state(0), _state(5)
+    states = {0: JaxState(good), 1: JaxState(good), 2: JaxState(behind)}
+
+    def fn(pg: Any, rank: int) -> Any:
+        tamper = Tamper(forge=True) if rank == 0 else None
+        meta = {"committed": 3} if rank < 2 else None
+        return heal(pg, rank, [1, 0], [2], states[rank], meta, 30.0, key=KEY, tamper=tamper)
+
+    res = _run_ranks(3, fn)
+    assert all(isinstance(r, tuple) and r[1].refused == (0,) for r in res), res
+    healed = states[2].healed
+    assert healed is not None
+    assert state_hash(named_leaves(healed), 3) == state_hash(named_leaves(good), 3)
+
+
+def test_jax_state_flatten_and_bound() -> None:
+    tree = {
+        "a": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3),
+        "n": np.arange(4, dtype=np.uint32),
+    }
+    state = JaxState(tree)
+    flat = state.flatten()
+    assert [n for n, _ in flat.tensors] == ["['a']", "['n']"] and flat.section == {}
+    a, n = flat.tensors[0][1], flat.tensors[1][1]
+    assert a.dtype == torch.bfloat16 and a.float().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert n.dtype == torch.uint32 and n.shape == (4,)
+    assert n.data_ptr() != tree["n"].ctypes.data  # a host array is copied, never aliased
+    m = build_manifest("jax", flat.tensors, {}, [0], {}, 1)
+    assert state.bound(m) is None and state.check(m) is None
+    huge = decode_manifest(Tamper(manifest="huge_entry").manifest_bytes(encode_manifest(m)))
+    assert "this state has 2 leaves of 28 bytes" in str(state.bound(huge))
+
+
+def test_heal_refuses_a_different_layout_and_another_kind() -> None:
+    good, other = _state(0), _state(0, hidden=9)
 
     def mismatch(pg: Any, rank: int) -> Any:
-        tree = good if rank == 0 else other
+        state = JaxState(good if rank == 0 else other)
         meta = {"committed": 1, "last_loss": None} if rank == 0 else None
-        return heal_state(pg, rank, [0], [1], named_leaves(tree), meta, 30.0)
+        return heal(pg, rank, [0], [1], state, meta, 30.0, key=KEY)
 
     res = _run_ranks(2, mismatch)
     assert all(isinstance(r, HealError) for r in res), res
+    assert "cannot heal into this state" in str(res[1])
+
+    # A JAX manifest sent to a torch receiver: refused by kind, before any payload.
+    model = torch.nn.Linear(4, 8)
+    opt = torch.optim.Adam(model.parameters())
+    before = [t.clone() for t in model.state_dict().values()]
+
+    def kinds(pg: Any, rank: int) -> Any:
+        state = JaxState(good) if rank == 0 else TorchState(model, opt)
+        return heal(pg, rank, [0], [1], state, {}, 30.0, key=KEY)
+
+    res = _run_ranks(2, kinds)
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "the senders' state is of kind 'jax', this rank's 'torch'" in str(res[1])
+    assert "rank(s) [1] rejected" in str(res[0])
+    after = list(model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def expected_ids(step: int) -> list[int]:

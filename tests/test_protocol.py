@@ -254,6 +254,9 @@ class FakeBackend:
     def state(self) -> FakeState:
         return FakeState(self)
 
+    def adopt(self, state: Any) -> None:
+        pass
+
     def state_hash(self) -> str:
         return repr(float(self.w[0]))
 

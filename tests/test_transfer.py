@@ -1,4 +1,4 @@
-"""Tests for elastrain.transfer: signatures, manifests, checksums, striped heal.
+"""Tests for elastrain.transfer: signatures, manifests, seals, bounds, the striped heal.
 
 Unit tests run in this process. Heal tests run every rank either as a thread of
 this process (fast; for edge cases) or as its own process (the real thing: one
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -33,28 +34,34 @@ import elastrain.transfer.striped as striped
 from elastrain.transfer import (
     HealError,
     HealStats,
+    TorchState,
     heal,
     model_signature,
     signature_mismatch,
     state_hash,
 )
-from elastrain.transfer.checksum import check_crc, stripe_crc
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
     build_manifest,
-    check_model,
-    check_optimizer,
     decode_manifest,
     encode_manifest,
     validate_manifest,
 )
-from elastrain.transfer.tamper import LIES, Tamper
+from elastrain.transfer.seal import (
+    SEAL_BYTES,
+    check_seal,
+    open_manifest,
+    seal_manifest,
+    seal_stripe,
+)
+from elastrain.transfer.tamper import HUGE_OPTIM_BYTES, LIES, TIB, Tamper
 
 REPO = Path(__file__).resolve().parent.parent
 GROUP_TIMEOUT = datetime.timedelta(seconds=20)
+KEY = b"job-token"
 
 # ---------------------------------------------------------------- models used everywhere
 
@@ -177,16 +184,16 @@ def test_state_hash_speed_120mb() -> None:
 def _manifest(senders: list[int] = [0, 1]) -> Manifest:  # noqa: B006 - read-only default
     model, opt = trained()
     flat = flatten_state(model, opt)
-    m = build_manifest(flat.tensors, flat.optimizer, senders, {"step": 3}, heal_id=7)
+    m = build_manifest("torch", flat.tensors, flat.section, senders, {"step": 3}, heal_id=7)
     return decode_manifest(encode_manifest(m))
 
 
 def test_manifest_round_trip_validates() -> None:
     m = _manifest()
     validate_manifest(m, [0, 1])
-    model, opt = fresh()
-    check_model(m, model_signature(model))
-    check_optimizer(m, opt)
+    joiner = TorchState(*fresh())
+    assert joiner.bound(m) is None and joiner.check(m) is None
+    assert m.kind == "torch"
     assert m.meta == {"step": 3}
     assert m.entries[0].name == "model/scale"
     assert any(e.name.startswith("optim/0/") for e in m.entries)
@@ -240,17 +247,17 @@ def test_stripe_gap_and_overlap_are_rejected() -> None:
 
 def test_manifest_checks_against_local_model_and_optimizer() -> None:
     m = _manifest()
-    with pytest.raises(HealError, match="'fc1.weight' has shape"):
-        check_model(m, model_signature(Net(width=17)))
-    sgd = torch.optim.SGD(Net().parameters(), lr=0.1)
-    with pytest.raises(HealError, match="senders use torch.optim.adam.Adam"):
-        check_optimizer(m, sgd)
+    wide = Net(width=17)
+    assert "'fc1.weight' has shape" in str(
+        TorchState(wide, torch.optim.Adam(wide.parameters())).check(m)
+    )
     net = Net()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert "senders use torch.optim.adam.Adam" in str(TorchState(net, sgd).check(m))
     two_groups = torch.optim.Adam(
         [{"params": list(net.fc1.parameters())}, {"params": list(net.fc2.parameters())}]
     )
-    with pytest.raises(HealError, match="param groups"):
-        check_optimizer(m, two_groups)
+    assert "param groups" in str(TorchState(net, two_groups).check(m))
 
 
 def test_plan_chunks_direct_split_and_packed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -259,7 +266,7 @@ def test_plan_chunks_direct_split_and_packed(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(chunks, "PACK_MAX", 24)
     sizes = {"a": 4, "b": 8, "c": 100, "d": 4, "e": 30}
     tensors = [(f"model/{k}", torch.zeros(n, dtype=torch.int8)) for k, n in sizes.items()]
-    m = build_manifest(tensors, {}, [0, 1], {}, 1)
+    m = build_manifest("torch", tensors, {}, [0, 1], {}, 1)
 
     def layout(stripe: Stripe) -> list[tuple[bool, list[tuple[int, int, int]]]]:
         plan = chunks.plan_chunks(m.entries, stripe)
@@ -280,18 +287,45 @@ def test_plan_chunks_direct_split_and_packed(monkeypatch: pytest.MonkeyPatch) ->
     ]
     assert (
         chunks.data_tag(chunks.MAX_HEAL_ID, chunks.MAX_CHUNKS - 1)
-        < chunks.crc_tag(chunks.MAX_HEAL_ID)
+        < chunks.seal_tag(chunks.MAX_HEAL_ID)
         < 2**31
     )
 
 
-def test_crc_mismatch_raises_naming_the_sender() -> None:
+def test_stripe_seal_is_keyed_and_bound_to_heal_sender_and_range() -> None:
     data = torch.arange(100, dtype=torch.uint8)
-    crc = stripe_crc([data])
-    assert stripe_crc([data[:30], data[30:]]) == crc  # chained over messages
-    check_crc(crc, crc, sender_rank=4, nbytes=100)
-    with pytest.raises(HealError, match="checksum mismatch on the stripe from sender rank 4"):
-        check_crc(crc ^ 1, crc, sender_rank=4, nbytes=100)
+    heal_seal = bytes(range(SEAL_BYTES))
+    st = Stripe(4, 1000, 100)
+    seal = seal_stripe(KEY, heal_seal, st, [data])
+    assert len(seal) == SEAL_BYTES
+    assert seal_stripe(KEY, heal_seal, st, [data[:30], data[30:]]) == seal  # chained
+    check_seal(seal, seal, st)
+    others = [
+        seal_stripe(b"not-the-token", heal_seal, st, [data]),  # another key
+        seal_stripe(None, heal_seal, st, [data]),  # no key
+        seal_stripe(KEY, bytes(SEAL_BYTES), st, [data]),  # another heal
+        seal_stripe(KEY, heal_seal, Stripe(5, 1000, 100), [data]),  # another sender
+        seal_stripe(KEY, heal_seal, Stripe(4, 1100, 100), [data]),  # another offset
+        seal_stripe(KEY, heal_seal, st, [data.flip(0)]),  # other bytes
+    ]
+    assert len({seal, *others}) == 1 + len(others)
+    with pytest.raises(HealError, match=r"seal mismatch on the stripe from sender rank 4 .*1000"):
+        check_seal(others[0], seal, st)
+
+
+def test_manifest_seal_is_keyed_and_bound_to_the_round() -> None:
+    data = encode_manifest(_manifest())
+    sealed = data + seal_manifest(KEY, (7, 8, 9), 0, data)
+    assert open_manifest(KEY, (7, 8, 9), 0, sealed) == data
+    for key, nonces, root, blob in (
+        (b"other", (7, 8, 9), 0, sealed),
+        (KEY, (7, 8, 10), 0, sealed),  # an earlier round's manifest, replayed
+        (KEY, (7, 8, 9), 1, sealed),  # from another root
+        (KEY, (7, 8, 9), 0, sealed[:10] + b"X" + sealed[11:]),
+        (KEY, (7, 8, 9), 0, sealed[:5]),
+    ):
+        with pytest.raises(HealError, match="seal of the manifest from rank"):
+            open_manifest(key, nonces, root, blob)
 
 
 def test_heal_stats_rate() -> None:
@@ -310,9 +344,9 @@ def test_bad_arguments_raise_before_communicating() -> None:
     model, opt = fresh()
     for senders, receivers in (([], [1]), ([0, 0], [1]), ([0], [0]), ([0], [3])):
         with pytest.raises(ValueError):
-            heal(FakeGroup(), 0, senders, receivers, model, opt, None, 5.0)
+            heal(FakeGroup(), 0, senders, receivers, TorchState(model, opt), None, 5.0)
     with pytest.raises(ValueError, match="process group says"):
-        heal(FakeGroup(), 1, [0], [1], model, opt, None, 5.0)
+        heal(FakeGroup(), 1, [0], [1], TorchState(model, opt), None, 5.0)
 
 
 # ---------------------------------------------------------------- heal, ranks as threads
@@ -323,6 +357,25 @@ def master_store() -> Iterator[TCPStore]:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     yield store
     del store
+
+
+def watch_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes of every ``torch.empty`` call from now on; a request over 1 GiB fails
+    as an allocator out of memory would. The heal allocates through ``torch.empty``
+    only (the manifest buffer, one landing tensor per entry), so this shows what a
+    lying sender made a receiver allocate. Build models before using it."""
+    real, sizes = torch.empty, []  # type: ignore[var-annotated]
+
+    def empty(*size: Any, dtype: torch.dtype | None = None, **kw: Any) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        n = math.prod(shape) * (dtype or torch.get_default_dtype()).itemsize
+        sizes.append(n)
+        if n > 1 << 30:
+            raise RuntimeError(f"test allocator: refusing {n} bytes")
+        return real(*size, dtype=dtype, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return sizes
 
 
 def run_threads(store: TCPStore, world: int, fn: Callable[[int, Any], Any]) -> list[Any]:
@@ -360,7 +413,7 @@ def test_heal_threads_idle_rank_tensor_lr_and_sgd_state(master_store: TCPStore) 
     def fn(rank: int, pg: Any) -> tuple[dict[str, Any], HealStats]:
         model, opt = states[rank]
         meta = {"step": 2, "pair": (1, 2)} if rank == 0 else None
-        return heal(pg, rank, [0], [2], model, opt, meta, 10.0)
+        return heal(pg, rank, [0], [2], TorchState(model, opt), meta, 10.0)
 
     res = run_threads(master_store, 3, fn)
     assert [type(r) for r in res] == [tuple] * 3, res
@@ -392,7 +445,7 @@ def test_heal_threads_fresh_senders_clear_receiver_state_and_empty_stripe(
     want = state_hash(*states[0])
 
     def fn(rank: int, pg: Any) -> HealStats:
-        return heal(pg, rank, [0, 1], [2], *states[rank], {}, 10.0)[1]
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {}, 10.0)[1]
 
     res = run_threads(master_store, 3, fn)
     assert [r.bytes for r in res] == [1, 0, 1], res  # 1 byte total: sender 1's stripe is empty
@@ -412,32 +465,32 @@ def test_heal_threads_direct_and_packed_messages(
     want = state_hash(*states[0])
 
     def fn(rank: int, pg: Any) -> HealStats:
-        return heal(pg, rank, [0, 1], [2], *states[rank], {"step": 3}, 10.0)[1]
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0)[1]
 
     res = run_threads(master_store, 3, fn)
     assert all(isinstance(r, HealStats) for r in res), res
     assert state_hash(*states[2]) == want
 
 
-def test_heal_threads_crc_mismatch_raises_and_leaves_receiver_intact(
+def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(
     master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Senders compute their CRC through striped.stripe_crc; receivers through
-    # crc_update, so corrupting the former fakes damage in flight.
-    monkeypatch.setattr(striped, "stripe_crc", lambda bufs: stripe_crc(bufs) ^ 0x5A)
+    # Senders seal through striped.seal_stripe, receivers through StripeSeal, so
+    # corrupting the former fakes damage in flight.
+    monkeypatch.setattr(striped, "seal_stripe", lambda *args: bytes(SEAL_BYTES))
     states = [trained(), trained(), fresh()]
     before = state_hash(*states[2])
     weight_before = states[2][0].fc1.weight.clone()
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(pg, rank, [0, 1], [2], *states[rank], {"step": 3}, 10.0)
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0)
 
     res = run_threads(master_store, 3, fn)
     # Both senders' stripes were refused: nobody is left to send them again, and
     # every rank says so (the receiver names the first bad sender).
     assert all(isinstance(r, HealError) for r in res), res
     assert all("no sender is left to retry from (refused senders: [0, 1])" in str(r) for r in res)
-    assert "checksum mismatch on the stripe from sender rank 0" in str(res[2])
+    assert "seal mismatch on the stripe from sender rank 0" in str(res[2])
     assert state_hash(*states[2]) == before
     assert torch.equal(states[2][0].fc1.weight, weight_before)
 
@@ -446,7 +499,7 @@ def test_heal_threads_diverged_sender_aborts_everyone(master_store: TCPStore) ->
     states = [trained(), trained(width=12), fresh()]
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(pg, rank, [0, 1], [2], *states[rank], {}, 10.0)
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {}, 10.0)
 
     t0 = time.perf_counter()
     res = run_threads(master_store, 3, fn)
@@ -465,14 +518,14 @@ def test_heal_threads_absent_sender_times_out(master_store: TCPStore) -> None:
             return None
         t0 = time.perf_counter()
         try:
-            heal(pg, rank, [0], [1], *states[rank], None, 0.5)
+            heal(pg, rank, [0], [1], TorchState(*states[rank]), None, 0.5)
         except HealError as e:
             return e, time.perf_counter() - t0
         return None
 
     res = run_threads(master_store, 2, fn)
     err, elapsed = res[1]
-    assert isinstance(err, HealError) and "manifest length broadcast" in str(err), res
+    assert isinstance(err, HealError) and "manifest announcement all-reduce" in str(err), res
     assert "timeout_s=0.5" in str(err) and elapsed < 1.4
 
 
@@ -480,7 +533,7 @@ def test_heal_threads_unjsonable_meta_fails_everyone_fast(master_store: TCPStore
     states = [trained(), fresh()]
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(pg, rank, [0], [1], *states[rank], {"bad": object()}, 10.0)
+        return heal(pg, rank, [0], [1], TorchState(*states[rank]), {"bad": object()}, 10.0)
 
     res = run_threads(master_store, 2, fn)
     assert isinstance(res[0], HealError) and "cannot build the manifest" in str(res[0])
@@ -535,7 +588,9 @@ def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
 
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(flip=40, seed=rank) if rank == 0 else None
-        return heal(pg, rank, [0, 1], [2, 3], *states[rank], {"step": 3}, 10.0, tamper=tamper)
+        return heal(
+            pg, rank, [0, 1], [2, 3], TorchState(*states[rank]), {"step": 3}, 10.0, tamper=tamper
+        )
 
     res = run_threads(master_store, 4, fn)
     assert all(isinstance(r, tuple) for r in res), res
@@ -555,7 +610,7 @@ def test_heal_threads_two_bad_senders_of_three(master_store: TCPStore) -> None:
 
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(flip=1, seed=rank) if rank in (0, 1) else None
-        return heal(pg, rank, [0, 1, 2], [3], *states[rank], {}, 10.0, tamper=tamper)
+        return heal(pg, rank, [0, 1, 2], [3], TorchState(*states[rank]), {}, 10.0, tamper=tamper)
 
     res = run_threads(master_store, 4, fn)
     assert all(isinstance(r, tuple) for r in res), res
@@ -568,15 +623,16 @@ def test_heal_threads_two_bad_senders_of_three(master_store: TCPStore) -> None:
 
 @pytest.mark.parametrize("lie", LIES)
 def test_heal_threads_lying_manifest_root_is_replaced_by_the_next_sender(
-    master_store: TCPStore, lie: str
+    master_store: TCPStore, lie: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     states = [trained(), trained(), fresh()]
     want = state_hash(*states[1])
+    sizes = watch_allocations(monkeypatch)
 
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(manifest=lie, seed=2) if rank == 0 else None
         meta = {"root": rank} if rank < 2 else None
-        return heal(pg, rank, [0, 1], [2], *states[rank], meta, 10.0, tamper=tamper)
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), meta, 10.0, tamper=tamper)
 
     res = run_threads(master_store, 3, fn)
     assert all(isinstance(r, tuple) for r in res), res
@@ -584,21 +640,31 @@ def test_heal_threads_lying_manifest_root_is_replaced_by_the_next_sender(
     assert res[2][0] == {"root": 1}  # the meta of the sender that became root
     assert res[0][1].bytes == 0 and res[1][1].bytes == res[2][1].bytes > 0
     assert state_hash(*states[2]) == want
+    # A claim of 1 TiB or 256 GiB was refused before anything was allocated for it.
+    assert sizes and max(sizes) < 1 << 20
 
 
 @pytest.mark.parametrize(
-    "tamper", [Tamper(manifest="shape"), Tamper(manifest="truncated"), Tamper(flip=1)]
+    "tamper",
+    [
+        Tamper(manifest="shape"),
+        Tamper(manifest="truncated"),
+        Tamper(manifest="huge_length"),
+        Tamper(manifest="huge_optim"),
+        Tamper(flip=1),
+        Tamper(forge=True),
+    ],
 )
 def test_heal_threads_no_honest_sender_left_fails_loudly(
-    master_store: TCPStore, tamper: Tamper
+    master_store: TCPStore, tamper: Tamper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     states = [trained(), fresh()]
     before = state_hash(*states[1])
+    sizes = watch_allocations(monkeypatch)
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(
-            pg, rank, [0], [1], *states[rank], {}, 20.0, tamper=tamper if rank == 0 else None
-        )
+        mine = tamper if rank == 0 else None
+        return heal(pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY, tamper=mine)
 
     t0 = time.perf_counter()
     res = run_threads(master_store, 2, fn)
@@ -606,9 +672,85 @@ def test_heal_threads_no_honest_sender_left_fails_loudly(
     # was not JSON left the root waiting in the verdict until it).
     assert time.perf_counter() - t0 < 8
     assert all(isinstance(r, HealError) and "no sender is left" in str(r) for r in res), res
-    why = {"shape": "claims", "truncated": "not JSON", None: "checksum mismatch on the stripe"}
+    why = {
+        "shape": "claims",
+        "truncated": "not JSON",
+        "huge_length": f"rank 0 announced {TIB} manifest bytes",
+        "huge_optim": f"claims {HUGE_OPTIM_BYTES // 4} elements; param",
+        None: "seal mismatch on the stripe" if tamper.flip else "seal of the manifest from rank 0",
+    }
     assert why[tamper.manifest] in str(res[1])
     assert state_hash(*states[1]) == before
+    assert max(sizes, default=0) < 1 << 20
+
+
+@pytest.mark.parametrize("senders", [[1, 0], [0, 1]], ids=["stripe", "manifest"])
+def test_heal_threads_forged_seal_is_refused_and_fetched_from_a_token_holder(
+    master_store: TCPStore, senders: list[int]
+) -> None:
+    """Rank 0 seals what it sends with a key it made up: as a sender its stripe is
+    refused and sent again by rank 1; as the first root its manifest is refused and
+    rank 1 becomes root. Either way the joiner ends bit-identical to the senders."""
+    states = [trained(), trained(), fresh()]
+    want = state_hash(*states[1])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(forge=True) if rank == 0 else None
+        state = TorchState(*states[rank])
+        return heal(pg, rank, senders, [2], state, {"step": 3}, 10.0, key=KEY, tamper=tamper)
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert all(r[1].refused == (0,) for r in res)
+    assert state_hash(*states[2]) == want == state_hash(*states[0])
+    total = sum(t.nbytes for _, t in flatten_state(*states[2]).tensors)
+    if senders[0] == 1:  # rank 0's forged half came, was refused, came again from rank 1
+        assert res[2][1].bytes == total + res[0][1].bytes and res[0][1].bytes > 0
+    else:  # rank 0 never got to send a byte
+        assert res[0][1].bytes == 0 and res[2][1].bytes == total
+
+
+def test_heal_threads_receiver_without_the_token_is_not_healed(master_store: TCPStore) -> None:
+    """A rank holding another key verifies no manifest: every root is refused and the
+    heal fails everywhere, its state untouched."""
+    states = [trained(), trained(), fresh()]
+    before = state_hash(*states[2])
+
+    def fn(rank: int, pg: Any) -> Any:
+        key = b"a guess" if rank == 2 else KEY
+        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {}, 10.0, key=key)
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, HealError) and "no sender is left" in str(r) for r in res), res
+    assert "seal of the manifest from rank 1 does not verify" in str(res[2])
+    assert state_hash(*states[2]) == before
+
+
+def test_bound_refuses_claims_beyond_the_receivers_layout() -> None:
+    data = encode_manifest(_manifest())
+    joiner = TorchState(*fresh())
+    huge_optim = decode_manifest(Tamper(manifest="huge_optim", seed=1).manifest_bytes(data))
+    validate_manifest(huge_optim, [0, 1])  # self-consistent: only the bound catches it
+    assert f"claims {HUGE_OPTIM_BYTES // 4} elements; param" in str(joiner.bound(huge_optim))
+    huge = decode_manifest(Tamper(manifest="huge_entry", seed=0).manifest_bytes(data))
+    validate_manifest(huge, [0, 1])
+    assert huge.total_bytes > TIB and joiner.bound(huge) is not None
+    assert joiner.manifest_limit() < 1 << 30 and joiner.payload_limit() < 1 << 20
+    assert joiner.bound(_manifest()) is None
+    # Too many optimizer tensors for one param, and a tensor for a param that is not there.
+    m = _manifest()
+    e = next(x for x in m.entries if x.name == "optim/0/exp_avg")
+    extra = tuple(dataclasses.replace(e, name=f"optim/0/x{i}") for i in range(8))
+    section = json.loads(json.dumps(m.section))
+    section["state"]["0"].update({f"x{i}": {"$tensor": f"optim/0/x{i}"} for i in range(8)})
+    many = dataclasses.replace(m, entries=m.entries + extra, section=section)
+    assert "more than 8 optimizer tensors for param 0" in str(joiner.bound(many))
+    section = json.loads(json.dumps(m.section))
+    section["state"]["99"] = {"a": {"$tensor": "optim/99/a"}}
+    stray = dataclasses.replace(
+        m, entries=m.entries + (dataclasses.replace(e, name="optim/99/a"),), section=section
+    )
+    assert "this optimizer has" in str(joiner.bound(stray))
 
 
 # ---------------------------------------------------------------- heal across processes
@@ -732,7 +874,8 @@ def _run_scenario(name: str, gen: int, rank: int, client: TCPStore, out_dir: Pat
     try:
         meta = SENT_META if rank in senders else None
         tamper = Tamper(flip=7, seed=5) if name == "corrupt_stripe" and rank == 0 else None
-        got, stats = heal(pg, rank, senders, receivers, model, opt, meta, 10.0, tamper=tamper)
+        state = TorchState(model, opt)
+        got, stats = heal(pg, rank, senders, receivers, state, meta, 10.0, key=KEY, tamper=tamper)
     except Exception as e:  # noqa: BLE001 - reported to the test
         report.update(ok=False, error_type=type(e).__name__, error=str(e))
     else:

@@ -7,7 +7,8 @@
 See docs/jax.md. The coordinator, launcher, process groups, data order and
 observability are the PyTorch path's; this package adds the backend of
 the shared step engine (`backend.py`), the trainer's face (`trainer.py`) and
-the pytree state helpers (`state.py`).
+the pytree state helpers (`state.py`, including the `JaxState`
+that the shared heal in `elastrain.transfer` moves).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from elastrain.jax.state import (
     make_grad_fn,
     signature,
 )
+from elastrain.transfer import NamedState, state_digest
 
 
 class JaxBackend:
@@ -72,17 +73,21 @@ class JaxBackend:
         """Everything a member holds that must be identical across members."""
         return {"params": self.params, "opt_state": self.opt_state, "key": self.key}
 
-    def _install_tree(self, tree: Tree) -> None:
-        self.params, self.opt_state, self.key = tree["params"], tree["opt_state"], tree["key"]
-
     def signature(self) -> list[list[Any]]:
         return signature(self.params)
 
     def state(self) -> JaxState:
-        return JaxState(self.state_tree(), self._install_tree)
+        return JaxState(self.state_tree())
+
+    def adopt(self, state: NamedState) -> None:
+        """Take params, opt_state and key from the tree a heal or resume rebuilt."""
+        assert isinstance(state, JaxState)
+        tree = state.healed
+        if tree is not None:
+            self.params, self.opt_state, self.key = tree["params"], tree["opt_state"], tree["key"]
 
     def state_hash(self) -> str:
-        return self.state().digest()
+        return state_digest(self.state())
 
     def meta(self) -> dict[str, Any]:
         return {}  # the PRNG key is part of the state tree

@@ -11,6 +11,8 @@ heal manifest and the state hash rely on.
 Everything here is local (no communication) and never pickles: leaves are
 read as raw bytes (``np.asarray`` of a CPU array is a zero-copy, read-only
 view) and rebuilt from raw bytes plus the local leaf's dtype and shape.
+`JaxState` is the tree as a `NamedState`, which the one heal protocol
+(`elastrain.transfer.heal`) moves.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
+
+from elastrain.transfer.dtypes import byte_view, dtype_from_name
+from elastrain.transfer.errors import HealError
+from elastrain.transfer.manifest import Manifest
+from elastrain.transfer.state import FlatState, manifest_limit
 
 Tree = Any
 """A JAX pytree (dicts, lists, tuples, NamedTuples of arrays)."""
@@ -90,6 +98,80 @@ def rebuild(tree: Tree, arrays: Sequence[np.ndarray]) -> Tree:
             )
         new.append(jnp.array(a, copy=True))
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _as_tensor(leaf: Any) -> torch.Tensor:
+    """A CPU tensor with ``leaf``'s bytes, dtype and shape, for sending.
+
+    A JAX array on the host is shared through DLPack, without a copy (JAX
+    arrays are immutable and the capsule keeps the buffer alive; bfloat16 and
+    uint32 keys included). Anything else is copied through numpy: its host
+    views are read-only, and torch must not alias a buffer it may not write.
+    """
+    if isinstance(leaf, jax.Array):
+        try:
+            return torch.from_dlpack(leaf)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            pass  # e.g. not on the host: fall back to a copy
+    a = np.array(leaf, order="C")
+    raw = torch.from_numpy(a.reshape(-1).view(np.uint8))
+    return raw.view(dtype_from_name(f"torch.{a.dtype}")).reshape(a.shape)
+
+
+class JaxState:
+    """A JAX state tree as a `NamedState`: one entry per leaf, named by key path.
+
+    A receiver knows every leaf exactly (its own tree was built from the same
+    params and optimizer), so it accepts exactly its own layout: `bound`
+    refuses a payload or entry count larger than its own, `check` anything
+    else that differs. `install` rebuilds the tree from the received bytes as
+    fresh device arrays and stores it in `healed`, where the trainer takes
+    params, opt_state and key from; the tree it was built on stays untouched.
+    The section is ``{}``.
+    """
+
+    kind = "jax"
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+        self.healed: Tree | None = None
+        self._leaves = named_leaves(tree)
+
+    def flatten(self) -> FlatState:
+        flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
+        return FlatState([(jax.tree_util.keystr(p), _as_tensor(x)) for p, x in flat], {})
+
+    def manifest_limit(self) -> int:
+        return manifest_limit(len(self._leaves))
+
+    def bound(self, m: Manifest) -> str | None:
+        total = sum(int(a.nbytes) for _, a in self._leaves)
+        if m.total_bytes > total or len(m.entries) > len(self._leaves):
+            return (
+                f"manifest claims {len(m.entries)} leaves of {m.total_bytes} bytes; this state "
+                f"has {len(self._leaves)} leaves of {total} bytes"
+            )
+        return None if m.section == {} else "a JAX state manifest carries an empty section"
+
+    def check(self, m: Manifest) -> str | None:
+        if len(m.entries) != len(self._leaves):
+            return f"manifest has {len(m.entries)} leaves, the local state {len(self._leaves)}"
+        for e, (name, a) in zip(m.entries, self._leaves, strict=True):
+            want = [name, [int(d) for d in a.shape], f"torch.{a.dtype}"]
+            got = [e.name, list(e.shape), e.dtype]
+            if got != want:
+                return f"cannot heal into this state: leaf {got} where the local state has {want}"
+        return None
+
+    def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
+        arrays = [
+            byte_view(tensors[name]).numpy().view(a.dtype).reshape(a.shape)
+            for name, a in self._leaves
+        ]
+        try:
+            self.healed = rebuild(self.tree, arrays)
+        except ValueError as e:
+            raise HealError(f"cannot rebuild the JAX state from the healed leaves: {e}") from e
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class Backend(Protocol):
     def state(self) -> NamedState:
         """This member's whole training state as named buffers (model, optimizer, PRNG)."""
 
+    def adopt(self, state: NamedState) -> None:
+        """Make live what a heal or a resume installed into `state` (one `state()` gave)."""
+
     def state_hash(self) -> str:
         """A digest equal on two members iff their states are bit-identical."""
 

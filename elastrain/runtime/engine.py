@@ -76,6 +76,7 @@ from elastrain.runtime.group import (
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.resume import (
     from_ordered_json,
+    install_checkpoint,
     load_resume,
     ordered_json,
     parse_resume,
@@ -459,18 +460,20 @@ class StepEngine:
         if a.receivers:
             role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
             self.events.emit("heal_begin", gen=a.gen, role=role, bytes=0)
+            state = self.backend.state()
             try:
                 got, stats = self._heal_fn(
                     self._pg,
                     a.rank,
                     list(a.senders),
                     list(a.receivers),
-                    self.backend.state(),
+                    state,
                     self._meta(committed) if role == "send" else None,
                     self.config.heal_timeout_s,
                     key=self.token.encode() or None,
                 )
                 if role == "recv":
+                    self.backend.adopt(state)
                     committed, received = self._load_meta(got), True
             except (HealError, RuntimeError, ValueError) as e:
                 return m.HealFailed(str(e))
@@ -714,7 +717,9 @@ class StepEngine:
                 f"checkpoint {ckpt.path} was written by a {saved} job, this is {self.backend.framework}"
             )
         meta["extra"] = from_ordered_json(meta.get("extra"))
-        self.backend.state().load(tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+        state = self.backend.state()
+        install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+        self.backend.adopt(state)
         committed = self._load_meta(meta)
         if committed != ckpt.step:
             raise RuntimeError(

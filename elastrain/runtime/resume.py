@@ -20,16 +20,8 @@ from elastrain.checkpoint import (
     latest_verified,
     load,
 )
-from elastrain.transfer import HealError, model_signature
-from elastrain.transfer.dtypes import byte_view
-from elastrain.transfer.flatten import Landing, install
-from elastrain.transfer.manifest import (
-    MODEL_PREFIX,
-    build_manifest,
-    check_model,
-    check_optimizer,
-    validate_manifest,
-)
+from elastrain.transfer import HealError, NamedState
+from elastrain.transfer.manifest import build_manifest, validate_manifest
 
 log = logging.getLogger("elastrain.checkpoint")
 
@@ -39,37 +31,28 @@ class ResumeError(RuntimeError):
 
 
 def install_checkpoint(
-    tensors: dict[str, torch.Tensor],
-    optimizer_section: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    where: str,
+    state: NamedState, tensors: dict[str, torch.Tensor], section: dict[str, Any], where: str
 ) -> None:
-    """Make loaded checkpoint tensors the live model and optimizer state (local).
+    """Make loaded checkpoint tensors and section the live `state` (local).
 
-    Checks the checkpoint against this model and optimizer first (names,
-    shapes, dtypes, optimizer class and groups), like a heal does; raises
-    ResumeError naming ``where`` without touching the state if it does not fit.
+    Checks the checkpoint against the state first, with the heal's own checks
+    and install (`NamedState.bound`, `check`, `install`: names, shapes, dtypes,
+    torch's optimizer class, groups and plausible sizes); raises ResumeError
+    naming ``where`` without touching the state if it does not fit.
     """
-    m = build_manifest(list(tensors.items()), optimizer_section, [0], {}, 0)
+    m = build_manifest(state.kind, list(tensors.items()), section, [0], {}, 0)
     try:
         validate_manifest(m, [0])
-        check_model(m, model_signature(model))
-        check_optimizer(m, optimizer)
+        problem = state.bound(m) or state.check(m)
     except HealError as e:
+        problem = str(e)
+    if problem is not None:
         raise ResumeError(
-            f"checkpoint {where} does not fit this model/optimizer: {e}. "
+            f"checkpoint {where} does not fit this job's state: {problem}. "
             "Resume with the same script, or start in a fresh --run-dir."
-        ) from e
-    landing = Landing.allocate(m.entries)
-    for ent in m.entries:
-        if ent.nbytes:
-            if ent.name.startswith(MODEL_PREFIX):
-                landing.target(ent, ent.offset, ent.nbytes).copy_(byte_view(tensors[ent.name]))
-            else:
-                landing.optim[ent.name] = tensors[ent.name]
+        )
     try:
-        install(m.entries, landing, m.optimizer, model, optimizer)
+        state.install(dict(tensors), section)
     except HealError as e:
         raise ResumeError(f"checkpoint {where}: {e}") from e
 

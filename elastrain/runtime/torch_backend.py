@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from elastrain.runtime.preflight import model_problems
-from elastrain.transfer import model_signature
-from elastrain.transfer.state import TorchState
+from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -66,8 +65,11 @@ class TorchBackend:
     def state(self) -> TorchState:
         return TorchState(self.model, self.optimizer)
 
+    def adopt(self, state: NamedState) -> None:
+        """Nothing to do: `TorchState.install` writes the live model and optimizer."""
+
     def state_hash(self) -> str:
-        return self.state().digest()
+        return state_digest(self.state())
 
     def meta(self) -> dict[str, Any]:
         return {

@@ -1,22 +1,30 @@
-"""State transfer: flatten model + optimizer state, JSON manifests, striped heal, checksums.
+"""State transfer: named state buffers, JSON manifests, the sealed striped heal.
 
 No pickle anywhere: tensors travel as raw bytes described by a JSON manifest,
-each stripe guarded by a CRC-32. `heal` is the one collective; everything else
-is local.
+the manifest and every stripe sealed with HMAC-SHA256 under the job token.
+`heal` is the one collective, generic over a `NamedState` (`TorchState` here,
+`elastrain.jax.state.JaxState` for JAX); everything else is local.
 """
 
 from __future__ import annotations
 
 from elastrain.transfer.errors import HealError
-from elastrain.transfer.flatten import state_hash
+from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.signature import model_signature, signature_mismatch
-from elastrain.transfer.striped import HealStats, heal
+from elastrain.transfer.state import FlatState, NamedState
+from elastrain.transfer.striped import HealStats, Role, heal
+from elastrain.transfer.torch_state import TorchState
 
 __all__ = [
+    "FlatState",
     "HealError",
     "HealStats",
+    "NamedState",
+    "Role",
+    "TorchState",
     "heal",
     "model_signature",
     "signature_mismatch",
+    "state_digest",
     "state_hash",
 ]

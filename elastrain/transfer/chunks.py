@@ -26,7 +26,7 @@ PACK_MAX = 4 * 1024 * 1024
 """A packed message is closed once it holds this many bytes."""
 _CHUNK_BITS = 20
 MAX_CHUNKS = (1 << _CHUNK_BITS) - 1
-"""Most messages one stripe may need (the last tag of a stripe carries its CRC)."""
+"""Most messages one stripe may need (the last tag of a stripe carries its seal)."""
 MAX_HEAL_ID = (1 << (31 - _CHUNK_BITS)) - 1
 """heal_id is at most this, so that every tag fits in a signed 32-bit int."""
 
@@ -99,6 +99,6 @@ def data_tag(heal_id: int, chunk: int) -> int:
     return (heal_id << _CHUNK_BITS) | chunk
 
 
-def crc_tag(heal_id: int) -> int:
-    """Tag of the message that carries a stripe's CRC-32."""
+def seal_tag(heal_id: int) -> int:
+    """Tag of the message that carries a stripe's seal (`elastrain.transfer.seal`)."""
     return (heal_id << _CHUNK_BITS) | MAX_CHUNKS

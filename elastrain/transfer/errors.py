@@ -6,12 +6,14 @@ from __future__ import annotations
 class HealError(RuntimeError):
     """A heal could not complete; the receiver's state was not (fully) replaced.
 
-    Raised for: a manifest that lies (sizes, offsets or stripes inconsistent)
-    when no other sender is left to ask, a model signature or optimizer
-    structure that does not match, a checksum mismatch that no other sender
-    could repair, a transport failure (peer closed the connection) or a timeout.
-    Transport errors are chained as ``__cause__``. After a HealError the process
-    group may hold pending operations; the caller should drop it and regroup.
+    Raised for: a manifest that lies (sizes, offsets or stripes inconsistent,
+    claims beyond the receiver's bounds, a seal that does not verify) when no
+    other sender is left to ask, a state of another kind or layout (model
+    signature, optimizer structure, JAX leaves), a stripe seal mismatch that
+    no other sender could repair, a transport failure (peer closed the
+    connection) or a timeout. Transport errors are chained as ``__cause__``.
+    After a HealError the process group may hold pending operations; the
+    caller should drop it and regroup.
     """
 
 

@@ -1,26 +1,28 @@
-"""The heal manifest: a JSON description of the flattened state and its stripes.
+"""The heal manifest: a JSON description of a flattened `NamedState` and its stripes.
 
 The root sender (senders[0], or the next one after a refusal) builds it
-(`build_manifest`), broadcasts `encode_manifest` bytes to the whole group, and
-every other rank parses them with `decode_manifest` and checks
-them with `validate_manifest` (layout) plus `check_model` / `check_optimizer`
-(against its own model and optimizer). All functions here are local and raise
-`HealError` with a message that names the offending entry or stripe.
+(`build_manifest`), broadcasts `encode_manifest` bytes (sealed, see
+`elastrain.transfer.seal`) to the whole group, and every other rank parses
+them with `decode_manifest`, checks the layout with `validate_manifest` and
+then judges it against its own state (`NamedState.bound` / `check`). All
+functions here are local and raise `HealError` with a message that names the
+offending entry or stripe.
 
-Wire format (version 1)::
+Wire format (version 2)::
 
-    {"version": 1, "heal_id": int,
+    {"version": 2, "kind": str, "heal_id": int,
      "entries": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
      "total_bytes": int,
      "stripes": [{"sender_rank", "offset", "nbytes"}, ...],
-     "optimizer": {"class", "param_groups", "state"},
+     "section": {...},
      "meta": {...}}
 
-Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``
-tensors (see `elastrain.transfer.flatten`); they tile ``[0, total_bytes)`` in
-order. Stripes split the same byte range evenly over the senders, in the order
-of the ``senders`` list. A manifest ``{"version": 1, "error": str}`` tells every
-rank that the root could not build one (`ManifestUnavailable`).
+``kind`` names the state's kind ("torch", "jax"); entries are the state's
+named tensors in `NamedState.flatten` order and tile ``[0, total_bytes)``;
+``section`` is the state's JSON section. Stripes split the same byte range
+evenly over the senders, in the order of the ``senders`` list. A manifest
+``{"version": 2, "error": str}`` tells every rank that the root could not
+build one (`ManifestUnavailable`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,10 @@ import torch
 
 from elastrain.transfer.dtypes import dtype_from_name, dtype_name
 from elastrain.transfer.errors import HealError, ManifestUnavailable
-from elastrain.transfer.signature import signature_mismatch
 
-VERSION = 1
-MODEL_PREFIX = "model/"
-OPTIM_PREFIX = "optim/"
+VERSION = 2
 TENSOR_REF = "$tensor"
-"""Key of the placeholder ``{"$tensor": entry_name}`` in the optimizer JSON."""
+"""Key of the placeholder ``{"$tensor": entry_name}`` in a state's JSON section."""
 
 
 @dataclass(frozen=True)
@@ -73,11 +72,12 @@ class Manifest:
     """A parsed manifest; `validate_manifest` checks that it is self-consistent."""
 
     version: int
+    kind: str
     heal_id: int
     entries: tuple[Entry, ...]
     total_bytes: int
     stripes: tuple[Stripe, ...]
-    optimizer: dict[str, Any]
+    section: dict[str, Any]
     meta: dict[str, Any]
 
     def stripe_of(self, rank: int) -> Stripe:
@@ -86,14 +86,6 @@ class Manifest:
             if s.sender_rank == rank:
                 return s
         raise HealError(f"manifest has no stripe for sender rank {rank}")
-
-    def model_signature(self) -> list[list[Any]]:
-        """The senders' model signature, as `model_signature` would return it."""
-        return [
-            [e.name[len(MODEL_PREFIX) :], list(e.shape), e.dtype]
-            for e in self.entries
-            if e.name.startswith(MODEL_PREFIX)
-        ]
 
 
 def plan_stripes(total_bytes: int, senders: Sequence[int]) -> tuple[Stripe, ...]:
@@ -110,8 +102,9 @@ def plan_stripes(total_bytes: int, senders: Sequence[int]) -> tuple[Stripe, ...]
 
 
 def build_manifest(
+    kind: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
-    optimizer: dict[str, Any],
+    section: dict[str, Any],
     senders: Sequence[int],
     meta: dict[str, Any],
     heal_id: int,
@@ -127,11 +120,12 @@ def build_manifest(
         offset += nbytes
     return Manifest(
         version=VERSION,
+        kind=kind,
         heal_id=heal_id,
         entries=tuple(entries),
         total_bytes=offset,
         stripes=plan_stripes(offset, senders),
-        optimizer=optimizer,
+        section=section,
         meta=meta,
     )
 
@@ -140,6 +134,7 @@ def encode_manifest(m: Manifest) -> bytes:
     """UTF-8 JSON bytes of ``m``. Raises TypeError/ValueError if meta is not JSON-able."""
     doc = {
         "version": m.version,
+        "kind": m.kind,
         "heal_id": m.heal_id,
         "entries": [
             {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
@@ -151,7 +146,7 @@ def encode_manifest(m: Manifest) -> bytes:
             {"sender_rank": s.sender_rank, "offset": s.offset, "nbytes": s.nbytes}
             for s in m.stripes
         ],
-        "optimizer": m.optimizer,
+        "section": m.section,
         "meta": m.meta,
     }  # fmt: skip
     return json.dumps(doc, separators=(",", ":")).encode()
@@ -237,25 +232,32 @@ def decode_manifest(data: bytes) -> Manifest:
                     _nonneg(s["nbytes"], f"stripes[{i}].nbytes"),
                 )
             )
-        optimizer = _dict(doc["optimizer"], "optimizer")
-        _list(optimizer["param_groups"], "optimizer.param_groups")
-        _dict(optimizer["state"], "optimizer.state")
-        if not isinstance(optimizer["class"], str):
-            raise HealError("malformed manifest: optimizer.class is not a string")
+        kind = doc["kind"]
+        if not isinstance(kind, str):
+            raise HealError("malformed manifest: kind is not a string")
         return Manifest(
             version=version,
+            kind=kind,
             heal_id=_nonneg(doc["heal_id"], "heal_id"),
             entries=tuple(entries),
             total_bytes=_nonneg(doc["total_bytes"], "total_bytes"),
             stripes=tuple(stripes),
-            optimizer=optimizer,
+            section=_dict(doc["section"], "section"),
             meta=_dict(doc["meta"], "meta"),
         )
     except KeyError as e:
         raise HealError(f"malformed manifest: missing field {e}") from e
 
 
-def _tensor_refs(value: Any, out: list[str]) -> None:
+def tensor_refs(value: Any) -> list[str]:
+    """Every entry name a JSON section refers to with ``{"$tensor": name}``, in order
+    (HealError for a malformed reference)."""
+    out: list[str] = []
+    _collect_refs(value, out)
+    return out
+
+
+def _collect_refs(value: Any, out: list[str]) -> None:
     if isinstance(value, dict):
         if TENSOR_REF in value:
             ref = value[TENSOR_REF]
@@ -264,34 +266,27 @@ def _tensor_refs(value: Any, out: list[str]) -> None:
             out.append(ref)
             return
         for v in value.values():
-            _tensor_refs(v, out)
+            _collect_refs(v, out)
     elif isinstance(value, list):
         for v in value:
-            _tensor_refs(v, out)
+            _collect_refs(v, out)
 
 
 def validate_manifest(m: Manifest, senders: Sequence[int]) -> None:
     """Check that the manifest is self-consistent and matches ``senders``.
 
-    Entries: unique names, all ``model/`` before all ``optim/``, known dtypes, ``nbytes ==
-    numel * itemsize``, contiguous offsets from 0, ending at ``total_bytes``.
-    Stripes: one per sender in ``senders`` order, tiling ``[0, total_bytes)``
-    with no gap and no overlap. Optimizer: every tensor placeholder names an
-    ``optim/`` entry and every ``optim/`` entry is referenced exactly once.
+    Entries: unique names, known dtypes, ``nbytes == numel * itemsize``,
+    contiguous offsets from 0, ending at ``total_bytes``. Stripes: one per
+    sender in ``senders`` order, tiling ``[0, total_bytes)`` with no gap and no
+    overlap. What the names and the section mean is the state's to judge
+    (`NamedState.bound`).
     """
     seen: set[str] = set()
     offset = 0
-    in_optim = False
     for e in m.entries:
-        if e.name.startswith(OPTIM_PREFIX):
-            in_optim = True
-        elif in_optim:
-            raise HealError(f"manifest lies: model entry {e.name!r} comes after optim/ entries")
         if e.name in seen:
             raise HealError(f"manifest lies: entry {e.name!r} appears twice")
         seen.add(e.name)
-        if not e.name.startswith((MODEL_PREFIX, OPTIM_PREFIX)):
-            raise HealError(f"manifest lies: entry {e.name!r} is neither model/ nor optim/")
         try:
             itemsize = dtype_from_name(e.dtype).itemsize
         except KeyError:
@@ -335,67 +330,3 @@ def validate_manifest(m: Manifest, senders: Sequence[int]) -> None:
         raise HealError(
             f"manifest lies: stripes cover [0, {offset}) but total_bytes is {m.total_bytes}"
         )
-    refs: list[str] = []
-    _tensor_refs(m.optimizer, refs)
-    optim_names = [e.name for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
-    if sorted(refs) != sorted(optim_names):
-        missing = sorted(set(refs) - set(optim_names))
-        unused = sorted(set(optim_names) - set(refs))
-        raise HealError(
-            f"manifest lies: optimizer tensor references do not match the optim/ entries "
-            f"(referenced but absent: {missing[:3]}, present but unreferenced: {unused[:3]}, "
-            f"or referenced twice)"
-        )
-
-
-def check_model(m: Manifest, local_signature: list[list[Any]]) -> None:
-    """HealError unless the manifest's model entries match ``local_signature`` exactly."""
-    problem = signature_mismatch(local_signature, m.model_signature())
-    if problem is not None:
-        raise HealError(f"cannot heal into this model: {problem}")
-
-
-def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's fully qualified class name, as written in the manifest."""
-    cls = type(optimizer)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def check_optimizer(m: Manifest, optimizer: torch.optim.Optimizer) -> None:
-    """HealError unless the manifest's optimizer fits ``optimizer``.
-
-    Same class, same number of param groups, same number of params per group,
-    and state keyed by valid param indices.
-    """
-    section = m.optimizer
-    mine = optimizer_class(optimizer)
-    if section["class"] != mine:
-        raise HealError(
-            f"cannot heal into this optimizer: senders use {section['class']}, this rank {mine}"
-        )
-    groups = section["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise HealError(
-            f"cannot heal into this optimizer: senders have {len(groups)} param groups, "
-            f"this rank {len(optimizer.param_groups)}"
-        )
-    n_params = 0
-    for i, (theirs, local) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
-        params = theirs.get("params") if isinstance(theirs, dict) else None
-        if not isinstance(params, list):
-            raise HealError(f"malformed manifest: optimizer param group {i} has no params list")
-        if len(params) != len(local["params"]):
-            raise HealError(
-                f"cannot heal into this optimizer: param group {i} has {len(params)} params "
-                f"on the senders but {len(local['params'])} here"
-            )
-        n_params += len(params)
-    for key in section["state"]:
-        try:
-            idx = int(key)
-        except ValueError:
-            raise HealError(f"malformed manifest: optimizer state key {key!r}") from None
-        if not 0 <= idx < n_params:
-            raise HealError(
-                f"manifest lies: optimizer state for param {idx}, but there are {n_params} params"
-            )

@@ -1,41 +1,56 @@
-"""Striped heal: bring receivers' model + optimizer state up to date from senders.
+"""Striped heal: bring receivers' state up to date from senders, for any `NamedState`.
 
-Protocol (every rank of the process group calls `heal` with the same
-``senders`` and ``receivers``; *trusted* starts as ``senders``):
+One protocol for every kind of state: the torch trainer heals a `TorchState`
+(model + optimizer), the JAX trainer a `JaxState` (a pytree of leaves).
+Every rank of the process group calls `heal` with the same ``senders`` and
+``receivers``; *trusted* starts as ``senders``:
 
-1. **manifest** -- the first trusted sender (the *root*) flattens its state,
-   builds the JSON manifest (stripes over the trusted senders) and broadcasts
-   it (int64 length, then uint8 bytes) to the whole group. If it cannot (state
-   not JSON-able), it broadcasts an error manifest instead and every rank
-   raises HealError.
-2. **verdict** -- every other rank parses and validates the manifest; receivers
-   check it against their own model and optimizer; other senders check that
-   their state has the same layout. One all-reduce of per-rank codes follows:
-   - a manifest that is not JSON or lies about sizes (entry bytes vs shape and
-     dtype, offsets, total, stripes) is *malformed*: the root is refused, and
-     the next trusted sender repeats steps 1-2 as root; none left: every rank
-     raises HealError;
-   - any other rejection (the receiver's model or optimizer does not fit, the
-     senders' states differ) makes every rank raise HealError at once, before
-     any payload moves, leaving the group usable. A well-formed manifest that
-     does not fit is a divergence, not damage in transit, so it is not retried.
-3. **payload** -- each trusted sender sends its stripe of the concatenated
+1. **announce** -- one all-reduce (max) in which the first trusted sender (the
+   *root*) announces its manifest's length, every rank states the most
+   manifest bytes its state accepts (`NamedState.manifest_limit`) and adds a
+   fresh random nonce. A length over the smallest limit is refused by every
+   rank alike, before anything is allocated: the root counts as *malformed*.
+2. **manifest** -- the root flattens its state, builds the JSON manifest
+   (stripes over the trusted senders), seals it with HMAC-SHA256 under the job
+   token, bound to this round's nonces (`elastrain.transfer.seal`), and
+   broadcasts it. If it cannot build one (state not JSON-able), it broadcasts
+   a sealed error manifest instead and every rank raises HealError.
+3. **verdict** -- every other rank checks the seal, parses and validates the
+   manifest; receivers judge it against their own state (`bound` before any
+   allocation, then `check`); other senders check that their state has the
+   same layout. One all-reduce of per-rank verdicts follows:
+   - a manifest whose seal does not verify, that is not JSON, lies about sizes
+     (entry bytes vs shape and dtype, offsets, total, stripes) or claims more
+     than a receiver's state could hold is *malformed*: the root is refused,
+     and the next trusted sender repeats steps 1-3 as root; none left: every
+     rank raises HealError;
+   - any other rejection (another kind of state, the receiver's state does
+     not fit, the senders' states differ) makes every rank raise HealError at
+     once, before any payload moves, leaving the group usable. A well-formed
+     manifest that does not fit is a divergence, not damage, so it is not retried.
+4. **payload** -- each trusted sender sends its stripe of the concatenated
    payload to every receiver, split into messages by `plan_chunks` (large
    tensor pieces straight from the live tensors, small ones packed), then the
-   stripe's CRC-32. Receivers post every receive at once (model bytes into one
-   staging buffer, optimizer bytes into new state tensors) and check each
-   stripe's CRC once all of it landed.
-4. **outcome** -- one all-reduce of (receiver, stripe) checksum failures. A
-   sender whose stripe failed anywhere is refused for the rest of the heal; each
+   stripe's seal (HMAC-SHA256 bound to the manifest seal, the sender's rank and
+   the stripe's range). Receivers post every receive at once (each entry into
+   its own fresh tensor, `Landing`) and check each stripe's seal once all of
+   it landed.
+5. **outcome** -- one all-reduce of (receiver, stripe) seal failures. A sender
+   whose stripe failed anywhere is refused for the rest of the heal; each
    failed stripe is sent again by a trusted sender (round-robin), to the
-   receivers that need it, and steps 3-4 repeat. No trusted sender left for a
+   receivers that need it, and steps 4-5 repeat. No trusted sender left for a
    failed stripe: every rank raises HealError. Only when every stripe matched
-   do receivers install the state (optimizer via ``load_state_dict``, model
-   tensors overwritten in place): a failed heal leaves them untouched.
+   do receivers install the state (`NamedState.install`): a failed heal leaves
+   them untouched.
 
 Everything is bounded by one deadline, ``timeout_s`` from the call. A transport
 error or timeout raises HealError on the rank that saw it at once; its peers
 then fail at their next collective (at the latest at the deadline).
+
+Trust: every rank that holds the job token is trusted to be honest about its
+own verdicts (any rank can make a heal fail); the seals keep out everything
+else. A whole earlier heal replayed on the wire fails the manifest seal
+(fresh nonces), so a joiner cannot be fed stale state.
 """
 
 from __future__ import annotations
@@ -46,28 +61,34 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum, StrEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elastrain.transfer.checksum import check_crc, crc_update, stripe_crc
-from elastrain.transfer.chunks import MAX_HEAL_ID, crc_tag, data_tag, plan_chunks
+from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag
 from elastrain.transfer.dtypes import cpu_bytes
 from elastrain.transfer.errors import HealError, ManifestUnavailable
-from elastrain.transfer.flatten import FlatState, Landing, flatten_state, install
+from elastrain.transfer.landing import Landing
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
     build_manifest,
-    check_model,
-    check_optimizer,
     decode_manifest,
     encode_error,
     encode_manifest,
     validate_manifest,
 )
-from elastrain.transfer.signature import model_signature
+from elastrain.transfer.seal import (
+    SEAL_BYTES,
+    StripeSeal,
+    check_seal,
+    open_manifest,
+    seal_manifest,
+    seal_stripe,
+)
+from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.tamper import Tamper
 
 Group = Any
@@ -78,16 +99,24 @@ classes; `heal` uses ``size()``, ``rank()``, ``broadcast``, ``allreduce``, ``sen
 and ``recv`` with their option-object signatures."""
 
 
+class Role(StrEnum):
+    """What a rank does in a heal (a str, so that events and JSON carry the value)."""
+
+    SEND = "send"
+    RECV = "recv"
+    IDLE = "idle"
+
+
 @dataclass(frozen=True)
 class HealStats:
     """What one rank did in a heal.
 
-    role: "send", "recv" or "idle". bytes: payload bytes this rank sent (its
+    role: a `Role` ("send", "recv" or "idle"). bytes: payload bytes this rank sent (its
     stripe times the number of receivers, plus stripes it sent again for a
     refused sender) or received (the whole payload, plus what was fetched
     again); the manifest is not counted. seconds: wall time of the whole `heal`
     call here. refused: sender ranks whose manifest or stripe was refused
-    (malformed, or a checksum mismatch) and replaced by another sender's; the
+    (malformed, or a seal mismatch) and replaced by another sender's; the
     same on every rank.
     """
 
@@ -135,29 +164,60 @@ class _Deadline:
             raise HealError(f"heal on rank {self.rank}: {what} failed: {_first_line(e)}") from e
 
 
-def _broadcast_bytes(pg: Group, root: int, data: bytes | None, dl: _Deadline) -> bytes:
-    """Broadcast ``data`` from ``root`` (other ranks pass None); collective over pg."""
-    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
+@dataclass(frozen=True)
+class _Announcement:
+    """Step 1 of the module docstring, as every rank sees it."""
+
+    length: int
+    limit: int
+    nonces: tuple[int, ...]
+
+
+def _announce(
+    pg: Group, rank: int, root: int, length: int, limit: int, dl: _Deadline
+) -> _Announcement:
+    """All-reduce (max) of the root's manifest ``length`` (ignored elsewhere), minus
+    every rank's limit (so the max is the smallest limit) and every rank's nonce in
+    its own slot (collective)."""
+    size = pg.size()
+    v = torch.zeros(2 + size, dtype=torch.int64)
+    v[0] = length if rank == root else 0
+    v[1] = -limit
+    v[2 + rank] = secrets.randbits(62)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
     opts.timeout = dl.remaining()
-    work = dl.call(lambda: pg.broadcast([length], opts), "manifest length broadcast")
-    dl.wait(work, "manifest length broadcast")
-    n = int(length.item())
+    work = dl.call(lambda: pg.allreduce([v], opts), "manifest announcement all-reduce")
+    dl.wait(work, "manifest announcement all-reduce")
+    got = [int(x) for x in v.tolist()]
+    return _Announcement(got[0], -got[1], tuple(got[2:]))
+
+
+def _broadcast_bytes(pg: Group, root: int, data: bytes | None, n: int, dl: _Deadline) -> bytes:
+    """Broadcast ``n`` bytes from ``root`` (other ranks pass None and allocate ``n``,
+    which the announcement bounded); collective over pg."""
     if data is not None:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
         buf = torch.empty(n, dtype=torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
     opts.timeout = dl.remaining()
     work = dl.call(lambda: pg.broadcast([buf], opts), "manifest broadcast")
     dl.wait(work, "manifest broadcast")
     return data if data is not None else buf.numpy().tobytes()
 
 
-OK, MALFORMED, REJECTED = 0, 1, 2
-"""A rank's verdict on a manifest: fine; malformed (not JSON, or it lies about
-sizes: the root is to blame); rejected (it does not fit this rank's state)."""
+class Verdict(IntEnum):
+    """A rank's verdict on a manifest (summed over ranks in one all-reduce)."""
+
+    OK = 0
+    MALFORMED = 1
+    """Its seal does not verify, it is not JSON, it lies about sizes or claims more
+    than this rank's state could hold: the root is to blame, the next one is asked."""
+    REJECTED = 2
+    """It is well-formed but does not fit this rank's state: a divergence."""
 
 
 def _sum_flags(pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> list[int]:
@@ -170,7 +230,7 @@ def _sum_flags(pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> list
     return [int(f) for f in flags.tolist()]
 
 
-def _verdict(pg: Group, rank: int, code: int, dl: _Deadline) -> list[int]:
+def _verdict(pg: Group, rank: int, code: Verdict, dl: _Deadline) -> list[int]:
     """All-reduce of verdict codes; returns every rank's code (collective)."""
     flags = torch.zeros(pg.size(), dtype=torch.int64)
     flags[rank] = code
@@ -180,14 +240,14 @@ def _verdict(pg: Group, rank: int, code: int, dl: _Deadline) -> list[int]:
 def _outcome(
     pg: Group, rank: int, n: int, failed: list[int], dl: _Deadline
 ) -> dict[int, list[int]]:
-    """All-reduce of checksum failures over ``n`` stripes (collective).
+    """All-reduce of seal failures over ``n`` stripes (collective).
 
     Returns {stripe index: receiver ranks that failed it}, only for failed stripes.
     """
     flags = torch.zeros(pg.size() * n, dtype=torch.int64)
     for j in failed:
         flags[rank * n + j] = 1
-    got = _sum_flags(pg, flags, "checksum outcome all-reduce", dl)
+    got = _sum_flags(pg, flags, "seal outcome all-reduce", dl)
     out: dict[int, list[int]] = {}
     for r in range(pg.size()):
         for j in range(n):
@@ -220,44 +280,52 @@ def _check_args(
 
 
 def _local_problem(
-    m: Manifest,
-    role: str,
-    trusted: Sequence[int],
-    flat: FlatState | None,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-) -> tuple[int, HealError | None]:
-    """This rank's verdict on the manifest: (code, why) with code OK, MALFORMED or REJECTED."""
+    m: Manifest, role: Role, trusted: Sequence[int], flat: FlatState | None, state: NamedState
+) -> tuple[Verdict, HealError | None]:
+    """This rank's verdict on the manifest (not called on the root or idle ranks)."""
     try:
         validate_manifest(m, trusted)
         if not 1 <= m.heal_id <= MAX_HEAL_ID:
             raise HealError(f"manifest heal_id {m.heal_id} is outside [1, {MAX_HEAL_ID}]")
     except (HealError, TypeError, ValueError) as e:
-        return MALFORMED, e if isinstance(e, HealError) else HealError(str(e))
+        return Verdict.MALFORMED, e if isinstance(e, HealError) else HealError(str(e))
+    if m.kind != state.kind:
+        return Verdict.REJECTED, HealError(
+            f"cannot heal: the senders' state is of kind {m.kind!r}, this rank's {state.kind!r}"
+        )
+    if role == Role.RECV:  # only receivers allocate for the payload
+        try:
+            why = state.bound(m)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            return Verdict.MALFORMED, HealError(f"manifest refused before allocation: {why}")
     try:
-        if role == "recv":
-            check_model(m, model_signature(model))
-            check_optimizer(m, optimizer)
-        elif role == "send":
+        if role == Role.RECV:
+            why = state.check(m)
+        else:
             assert flat is not None
-            mine = build_manifest(flat.tensors, flat.optimizer, trusted, {}, 0)
-            for a, b in zip(mine.entries, m.entries, strict=False):
-                if a != b:
-                    return REJECTED, HealError(
-                        f"sender states differ: this sender has {a}, the root has {b}"
-                    )
-            if len(mine.entries) != len(m.entries):
-                return REJECTED, HealError(
-                    f"sender states differ: {len(mine.entries)} tensors here, "
-                    f"{len(m.entries)} on the root"
-                )
-            if json.loads(json.dumps(flat.optimizer)) != m.optimizer:
-                return REJECTED, HealError(
-                    "sender states differ: optimizer hyperparameters or state differ"
-                )
-    except (HealError, TypeError, ValueError) as e:
-        return REJECTED, e if isinstance(e, HealError) else HealError(str(e))
-    return OK, None
+            why = _sender_difference(m, flat, state.kind, trusted)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        why = f"{type(e).__name__}: {e}"
+    return (Verdict.OK, None) if why is None else (Verdict.REJECTED, HealError(why))
+
+
+def _sender_difference(
+    m: Manifest, flat: FlatState, kind: str, trusted: Sequence[int]
+) -> str | None:
+    """None if this sender's own state has the root's layout and section, else how it differs."""
+    mine = build_manifest(kind, flat.tensors, flat.section, trusted, {}, 0)
+    for a, b in zip(mine.entries, m.entries, strict=False):
+        if a != b:
+            return f"sender states differ: this sender has {a}, the root has {b}"
+    if len(mine.entries) != len(m.entries):
+        return (
+            f"sender states differ: {len(mine.entries)} tensors here, {len(m.entries)} on the root"
+        )
+    if json.loads(json.dumps(flat.section)) != m.section:
+        return "sender states differ: optimizer hyperparameters or state differ"
+    return None
 
 
 @dataclass(frozen=True)
@@ -275,16 +343,27 @@ def _tag_id(heal_id: int, j: int) -> int:
     return 1 + (heal_id - 1 + j) % MAX_HEAL_ID
 
 
+@dataclass(frozen=True)
+class _Round:
+    """What every message of this heal is checked against: the manifest, its seal
+    (which every stripe seal is bound to) and the key."""
+
+    m: Manifest
+    seal: bytes
+    key: bytes | None
+
+
 def _send_range(
     pg: Group,
     dl: _Deadline,
-    m: Manifest,
+    rd: _Round,
     flat: FlatState,
     a: _Assignment,
     tag_id: int,
     tamper: Tamper | None,
 ) -> list[tuple[int, Any]]:
-    """Post the messages of one assignment and its CRC; returns (receiver, work) pairs."""
+    """Post the messages of one assignment and its seal; returns (receiver, work) pairs."""
+    m = rd.m
     sources: dict[int, torch.Tensor] = {}
     bufs: list[torch.Tensor] = []
     for chunk in plan_chunks(m.entries, a.stripe):
@@ -301,10 +380,12 @@ def _send_range(
         for i, buf in enumerate(wire):
             tag = data_tag(tag_id, i)
             works.append((r, dl.call(lambda b=buf, r=r, t=tag: pg.send([b], r, t), f"send to {r}")))
-    crc = torch.tensor([stripe_crc(bufs)], dtype=torch.int64)  # overlaps the transfer
+    key = tamper.sealing_key(rd.key) if tamper is not None else rd.key
+    digest = seal_stripe(key, rd.seal, a.stripe, bufs)  # overlaps the transfer
+    seal = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
     for r in a.receivers:
-        tag = crc_tag(tag_id)
-        works.append((r, dl.call(lambda r=r, t=tag: pg.send([crc], r, t), f"send to {r}")))
+        tag = seal_tag(tag_id)
+        works.append((r, dl.call(lambda r=r, t=tag: pg.send([seal], r, t), f"send to {r}")))
     return works
 
 
@@ -315,8 +396,8 @@ class _Posted:
     j: int
     stripe: Stripe
     items: list[tuple[Any, torch.Tensor, Any]]
-    crc: torch.Tensor
-    crc_work: Any
+    seal: torch.Tensor
+    seal_work: Any
 
 
 def _post_range(
@@ -333,25 +414,25 @@ def _post_range(
         tag = data_tag(tag_id, i)
         work = dl.call(lambda b=buf, s=s, t=tag: pg.recv([b], s.sender_rank, t), what)
         items.append((chunk, buf, work))
-    crc = torch.zeros(1, dtype=torch.int64)
-    tag = crc_tag(tag_id)
-    crc_work = dl.call(lambda c=crc, s=s, t=tag: pg.recv([c], s.sender_rank, t), what)
-    return _Posted(j, s, items, crc, crc_work)
+    seal = torch.zeros(SEAL_BYTES, dtype=torch.uint8)
+    tag = seal_tag(tag_id)
+    seal_work = dl.call(lambda c=seal, s=s, t=tag: pg.recv([c], s.sender_rank, t), what)
+    return _Posted(j, s, items, seal, seal_work)
 
 
-def _land(dl: _Deadline, m: Manifest, landing: Landing, posted: _Posted) -> HealError | None:
-    """Wait for every message of one assignment and check its CRC; on a match, copy
+def _land(dl: _Deadline, rd: _Round, landing: Landing, posted: _Posted) -> HealError | None:
+    """Wait for every message of one assignment and check its seal; on a match, copy
     its packed messages into the landing. Returns the mismatch, or None."""
-    s = posted.stripe
-    got = 0
+    s, m = posted.stripe, rd.m
+    got = StripeSeal(rd.key, rd.seal, s)
     for _, buf, work in posted.items:
         dl.wait(work, f"receiving stripe from rank {s.sender_rank}")
-        got = crc_update(got, buf)
-    dl.wait(posted.crc_work, f"receiving checksum from rank {s.sender_rank}")
+        got.update(buf)
+    dl.wait(posted.seal_work, f"receiving the seal from rank {s.sender_rank}")
     try:
-        check_crc(got, int(posted.crc.item()), s.sender_rank, s.nbytes)
+        check_seal(got.digest(), posted.seal.numpy().tobytes(), s)
     except HealError as e:
-        return HealError(f"{e} (payload bytes [{s.offset}, {s.offset + s.nbytes}))")
+        return e
     for chunk, buf, _ in posted.items:
         if chunk.packed:
             at = 0
@@ -367,7 +448,7 @@ def _payload(
     pg: Group,
     dl: _Deadline,
     rank: int,
-    m: Manifest,
+    rd: _Round,
     flat: FlatState | None,
     landing: Landing | None,
     receivers: Sequence[int],
@@ -378,6 +459,7 @@ def _payload(
     """Steps 3-4 of the module docstring: send/receive stripes, retry the refused ones
     from other trusted senders. Collective over pg; returns this rank's payload bytes.
     Mutates ``trusted`` and ``refused``; HealError when no trusted sender is left."""
+    m = rd.m
     work = [_Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes and receivers]
     nbytes = 0
     while work:
@@ -387,7 +469,7 @@ def _payload(
             tag_id = _tag_id(m.heal_id, j)
             if a.stripe.sender_rank == rank:
                 assert flat is not None
-                sends += _send_range(pg, dl, m, flat, a, tag_id, tamper)
+                sends += _send_range(pg, dl, rd, flat, a, tag_id, tamper)
                 nbytes += a.stripe.nbytes * len(a.receivers)
             elif rank in a.receivers:
                 assert landing is not None
@@ -398,7 +480,7 @@ def _payload(
         mismatches: dict[int, HealError] = {}
         for p in posted:
             assert landing is not None
-            if (e := _land(dl, m, landing, p)) is not None:
+            if (e := _land(dl, rd, landing, p)) is not None:
                 mismatches[p.j] = e
         failed = _outcome(pg, rank, len(work), sorted(mismatches), dl)
         if not failed:
@@ -414,7 +496,7 @@ def _payload(
             )
             mine = next(iter(mismatches.values()), None)
             raise HealError(
-                f"heal on rank {rank}: payload bytes {ranges} failed their checksum and no "
+                f"heal on rank {rank}: payload bytes {ranges} failed their seal and no "
                 f"sender is left to retry from (refused senders: {refused})"
                 + (f"; here: {mine}" if mine is not None else "")
             ) from mine
@@ -433,27 +515,31 @@ def heal(
     rank: int,
     senders: list[int],
     receivers: list[int],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: NamedState,
     meta: dict[str, Any] | None,
     timeout_s: float,
     *,
+    key: bytes | None = None,
     tamper: Tamper | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
-    """Copy senders' model + optimizer state onto receivers, striped over all senders.
+    """Copy senders' ``state`` onto receivers, striped over all senders, sealed by ``key``.
 
     Collective over ALL ranks of ``pg``: every rank calls it with the same
     ``senders`` (ranks with identical, up-to-date state; senders[0] is the
-    first manifest root) and ``receivers`` (ranks to overwrite). A rank in
-    neither is idle: it only takes part in the manifest broadcast and the
+    first manifest root), ``receivers`` (ranks to overwrite) and ``key`` (the
+    job token's bytes; the trainers always pass it). Every rank passes its own
+    ``state`` (idle ranks too: it bounds the manifest they receive). A rank in
+    neither list is idle: it only takes part in the manifest round and the
     all-reduces. Blocks until the heal is done on every rank or ``timeout_s``
     (one deadline for the whole call) has passed.
 
     Hostile or damaged input is refused and fetched again from another sender
-    (see the module docstring): a manifest that is not JSON or lies about sizes
-    makes the next sender the root; a stripe whose CRC-32 does not match is sent
-    again by another sender, to the receivers that refused it. The refused
-    senders are listed in ``HealStats.refused`` on every rank.
+    (see the module docstring): a manifest whose seal does not verify, that is
+    not JSON, lies about sizes or claims more than a receiver's state could
+    hold makes the next sender the root, before anything is allocated for it;
+    a stripe whose seal does not match is sent again by another sender, to the
+    receivers that refused it. The refused senders are listed in
+    ``HealStats.refused`` on every rank.
 
     Returns ``(meta, stats)``: senders return the ``meta`` they passed (``{}``
     for None); receivers and idle ranks return the root's ``meta`` after a JSON
@@ -462,70 +548,93 @@ def heal(
 
     Raises ValueError for inconsistent arguments (on every rank, before any
     communication). Raises HealError on every rank when the manifest is rejected
-    (it does not fit a receiver, the senders' states differ, or every sender's
-    manifest was malformed), or when a stripe failed its checksum and no
-    unrefused sender is left to send it again; on the rank that sees it, for a
-    transport error or timeout. A receiver's state is replaced only after every
-    stripe arrived and matched its checksum. After a HealError from a transport
-    failure or timeout, drop the process group.
+    (another kind of state, it does not fit a receiver, the senders' states
+    differ, or every sender's manifest was malformed), or when a stripe failed
+    its seal and no unrefused sender is left to send it again; on the rank that
+    sees it, for a transport error or timeout. A receiver's state is replaced
+    (`NamedState.install`) only after every stripe arrived and matched its
+    seal. After a HealError from a transport failure or timeout, drop the
+    process group.
 
-    ``tamper`` is the test seam: this rank damages what it sends (see `Tamper`).
+    ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
     t0 = time.perf_counter()
     _check_args(pg, rank, senders, receivers, timeout_s)
     dl = _Deadline(rank, timeout_s)
-    role = "send" if rank in senders else "recv" if rank in receivers else "idle"
+    role = Role.SEND if rank in senders else Role.RECV if rank in receivers else Role.IDLE
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
-    if role == "send":
+    if role == Role.SEND:
         try:
-            flat = flatten_state(model, optimizer)
+            flat = state.flatten()
         except TypeError as e:
             flat_error = e
+    sealing_key = tamper.sealing_key(key) if tamper is not None else key
 
     trusted = list(senders)
     refused: list[int] = []
     while True:
-        # 1. manifest, from the first trusted sender
         root = trusted[0]
-        code, problem = OK, None
+        code, problem = Verdict.OK, None
+        built: Exception | None = None
+        data, length = b"", 0
         if rank == root:
             try:
                 if flat is None:
                     raise flat_error or HealError("no state")
                 manifest = build_manifest(
+                    state.kind,
                     flat.tensors,
-                    flat.optimizer,
+                    flat.section,
                     trusted,
                     dict(meta or {}),
                     secrets.randbelow(MAX_HEAL_ID) + 1,
                 )
                 data = encode_manifest(manifest)
+                if tamper is not None:
+                    data = tamper.manifest_bytes(data)
             except (TypeError, ValueError) as e:
-                _broadcast_bytes(pg, root, encode_error(f"{type(e).__name__}: {e}"), dl)
+                built, data = e, encode_error(f"{type(e).__name__}: {e}")
+            length = len(data) + SEAL_BYTES
+            if tamper is not None:
+                length = tamper.announced_length(length)
+
+        # 1. announce: the length is judged by every rank alike, before allocating
+        ann = _announce(pg, rank, root, length, state.manifest_limit(), dl)
+        if ann.length > ann.limit:
+            code = Verdict.MALFORMED
+            problem = HealError(
+                f"malformed manifest: rank {root} announced {ann.length} manifest bytes; "
+                f"the smallest limit in the group is {ann.limit}"
+            )
+        # 2. manifest, sealed by the root
+        elif rank == root:
+            seal = seal_manifest(sealing_key, ann.nonces, root, data)
+            _broadcast_bytes(pg, root, data + seal, ann.length, dl)
+            if built is not None:
                 raise HealError(
-                    f"heal on rank {rank} (manifest root): cannot build the manifest: {e}"
-                ) from e
-            _broadcast_bytes(pg, root, tamper.manifest_bytes(data) if tamper else data, dl)
+                    f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"
+                ) from built
         else:
-            data = _broadcast_bytes(pg, root, None, dl)
+            sealed = _broadcast_bytes(pg, root, None, ann.length, dl)
+            seal = sealed[-SEAL_BYTES:]
             try:
-                manifest = decode_manifest(data)
+                manifest = decode_manifest(open_manifest(key, ann.nonces, root, sealed))
             except ManifestUnavailable:
                 raise
             except HealError as e:
-                code, problem = MALFORMED, e
+                code, problem = Verdict.MALFORMED, e
             else:
                 if flat_error is not None:
-                    code = REJECTED
+                    code = Verdict.REJECTED
                     problem = HealError(f"cannot flatten this sender's state: {flat_error}")
-                elif role != "idle":
-                    code, problem = _local_problem(manifest, role, trusted, flat, model, optimizer)
+                elif role != Role.IDLE:
+                    code, problem = _local_problem(manifest, role, trusted, flat, state)
 
-        # 2. verdict
+        # 3. verdict
         codes = _verdict(pg, rank, code, dl)
-        malformed = [r for r, c in enumerate(codes) if c == MALFORMED]
+        malformed = [r for r, c in enumerate(codes) if c == Verdict.MALFORMED]
         if malformed:
             refused.append(root)
             trusted.remove(root)
@@ -546,12 +655,13 @@ def heal(
             )
         break
 
-    # 3-4. payload, checked, with refused stripes sent again by trusted senders
-    landing = Landing.allocate(manifest.entries) if role == "recv" else None
-    nbytes = _payload(pg, dl, rank, manifest, flat, landing, receivers, trusted, refused, tamper)
+    # 4-5. payload, sealed, with refused stripes sent again by trusted senders
+    rd = _Round(manifest, seal, key)
+    landing = Landing.allocate(manifest.entries) if role == Role.RECV else None
+    nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper)
     if landing is not None:
-        install(manifest.entries, landing, manifest.optimizer, model, optimizer)
+        state.install(landing.tensors, manifest.section)
 
     stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused))
-    out_meta = dict(meta or {}) if role == "send" else manifest.meta
+    out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
     return out_meta, stats

@@ -1,0 +1,96 @@
+"""The named state buffers of a member: what a heal (and, later, a checkpoint) moves.
+
+A `NamedState` is a member's training state seen as an ordered list of named
+CPU tensors plus one JSON section. The heal protocol (`elastrain.transfer.heal`)
+is generic over it: the torch trainer passes a `TorchState` (model +
+optimizer), the JAX trainer a `JaxState` (a pytree of leaves). All methods
+are local (no communication); the distributed contract is:
+
+- every member of one job builds states whose `flatten` gives the same names,
+  dtypes and shapes in the same order once their state is up to date (the
+  coordinator's model signature checks the model part before a member joins);
+- a receiver judges a manifest with `bound` *before* it allocates anything for
+  it (a claim larger than its own layout allows is blamed on the sender: the
+  next sender is asked), then with `check` (a manifest that is plausible but
+  does not fit is a divergence: the heal fails everywhere);
+- `install` runs only after every byte verified, and either makes all of them
+  live or raises HealError leaving the state untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from elastrain.transfer.manifest import Manifest
+
+MANIFEST_BASE_BYTES = 16 * 1024 * 1024
+"""Every state accepts a manifest of this many bytes plus `MANIFEST_ENTRY_BYTES`
+per entry it could hold: room for a large JSON meta (the trainer's extra
+state) while a claim of a terabyte is refused before anything is allocated."""
+MANIFEST_ENTRY_BYTES = 1024
+"""Manifest bytes allowed per entry (its JSON line, and its share of the section)."""
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A state as named tensors (aliases of the live buffers, not copies) plus JSON.
+
+    ``section`` is whatever the kind needs besides tensors (torch: the
+    optimizer's class, param_groups and non-tensor state; JAX: ``{}``), with
+    each tensor it refers to replaced by ``{"$tensor": name}``.
+    """
+
+    tensors: list[tuple[str, torch.Tensor]]
+    section: dict[str, Any]
+
+    @property
+    def optimizer(self) -> dict[str, Any]:
+        """`section` under its torch name (the checkpoint writer reads it so)."""
+        return self.section
+
+
+def manifest_limit(max_entries: int) -> int:
+    """The most manifest bytes a state that can hold ``max_entries`` entries accepts."""
+    return MANIFEST_BASE_BYTES + MANIFEST_ENTRY_BYTES * max_entries
+
+
+class NamedState(Protocol):
+    """A member's state buffers, as the heal moves them. See the module docstring."""
+
+    kind: str
+    """Which trainer the state belongs to ("torch", "jax"); it travels in the
+    manifest and a receiver refuses a manifest of another kind."""
+
+    def flatten(self) -> FlatState:
+        """The state's named CPU tensors, in a fixed order, and its JSON section.
+
+        Raises TypeError for state that cannot travel as tensors + JSON.
+        """
+        ...
+
+    def manifest_limit(self) -> int:
+        """The most manifest bytes this state accepts (checked on the announced
+        length, before the manifest buffer is allocated)."""
+        ...
+
+    def bound(self, m: Manifest) -> str | None:
+        """None if a correct peer of this state could have sent ``m``, else why not.
+
+        Judged before any payload is allocated: the total and every entry must be
+        no larger than this state's own layout allows, and the section must be
+        consistent with the entries. A refusal blames the manifest's root.
+        """
+        ...
+
+    def check(self, m: Manifest) -> str | None:
+        """None if ``m`` (already within `bound`) fits this state exactly, else why not."""
+        ...
+
+    def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
+        """Make verified tensors (fresh, one per entry, owned by the callee from now
+        on) and the section the live state; HealError, state untouched, if refused."""
+        ...

@@ -1,0 +1,221 @@
+"""`TorchState`: a PyTorch model + optimizer as a `NamedState`.
+
+Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``
+(see `elastrain.transfer.flatten`); the section is the optimizer's class,
+param_groups and non-tensor state. A receiver accepts exactly its own model
+signature and, for the optimizer, what is plausible for its own params (the
+bounds below), so that a sender cannot make it allocate more than a small,
+stated multiple of its own model. Local; no communication.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import Enum
+from typing import Any
+
+import torch
+
+from elastrain.transfer.dtypes import byte_view
+from elastrain.transfer.errors import HealError
+from elastrain.transfer.flatten import (
+    GROUPS_PREFIX,
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    copy_bytes_into,
+    decode_refs,
+    flatten_state,
+    optimizer_class,
+)
+from elastrain.transfer.manifest import Entry, Manifest, tensor_refs
+from elastrain.transfer.signature import model_signature, signature_mismatch
+from elastrain.transfer.state import FlatState, manifest_limit
+
+KIND = "torch"
+MAX_TENSORS_PER_PARAM = 8
+"""Most optimizer state tensors one param may have (Adam: step, exp_avg,
+exp_avg_sq, max_exp_avg_sq)."""
+MAX_GROUP_TENSORS = 16
+"""Most tensor-valued hyperparameters (e.g. a tensor ``lr``) one param group may have."""
+MAX_GROUP_TENSOR_NUMEL = 1024
+"""Most elements of one tensor-valued hyperparameter."""
+OPTIM_STATE_FACTOR = 8
+"""The optimizer state may hold at most this many times the params' bytes (plus
+16 bytes per permitted tensor, for 0-dim ``step`` counters): Adam in float32 over
+bfloat16 params with float32 master weights needs 6."""
+
+
+class Owner(Enum):
+    """What an optimizer tensor belongs to: a param's state or a param group's
+    hyperparameters (each has its own bound)."""
+
+    PARAM = "param"
+    GROUP = "group"
+
+
+def _owner(name: str) -> tuple[Owner, int] | None:
+    """``(PARAM, i)`` for ``optim/<i>/...``, ``(GROUP, g)`` for
+    ``optim/groups/<g>/...``; None for a name of neither form."""
+    group = name.startswith(GROUPS_PREFIX)
+    head = name[len(GROUPS_PREFIX if group else OPTIM_PREFIX) :].split("/", 1)[0]
+    if not head.isdigit():
+        return None
+    return (Owner.GROUP if group else Owner.PARAM, int(head))
+
+
+class TorchState:
+    """A model and its optimizer, healed together (see the module docstring).
+
+    ``install`` loads the optimizer first (``load_state_dict`` may still refuse,
+    leaving the model untouched), then overwrites the model's tensors in place,
+    so params and buffers keep their identity (the optimizer and any hooks keep
+    pointing at them).
+    """
+
+    kind = KIND
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def flatten(self) -> FlatState:
+        return flatten_state(self.model, self.optimizer)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _max_optim_entries(self) -> int:
+        return MAX_TENSORS_PER_PARAM * len(self._params()) + MAX_GROUP_TENSORS * len(
+            self.optimizer.param_groups
+        )
+
+    def manifest_limit(self) -> int:
+        return manifest_limit(len(self.model.state_dict()) + self._max_optim_entries())
+
+    def payload_limit(self) -> int:
+        """The most payload bytes this state accepts: its model's bytes plus
+        `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack)."""
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        param_bytes = sum(p.numel() * p.element_size() for p in self._params())
+        return model_bytes + OPTIM_STATE_FACTOR * param_bytes + 16 * self._max_optim_entries()
+
+    def bound(self, m: Manifest) -> str | None:
+        in_optim = False
+        for e in m.entries:
+            if e.name.startswith(OPTIM_PREFIX):
+                in_optim = True
+            elif not e.name.startswith(MODEL_PREFIX):
+                return f"entry {e.name!r} is neither model/ nor optim/"
+            elif in_optim:
+                return f"model entry {e.name!r} comes after optim/ entries"
+        why = self._bound_section(m) or self._bound_optim_entries(
+            [e for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
+        )
+        limit = self.payload_limit()
+        if why is None and m.total_bytes > limit:
+            why = (
+                f"manifest claims {m.total_bytes} payload bytes; this model and optimizer "
+                f"accept at most {limit}"
+            )
+        return why
+
+    def _bound_section(self, m: Manifest) -> str | None:
+        section = m.section
+        if not isinstance(section.get("class"), str):
+            return "optimizer class is not a string"
+        if not isinstance(section.get("param_groups"), list):
+            return "optimizer param_groups is not a list"
+        if not isinstance(section.get("state"), dict):
+            return "optimizer state is not an object"
+        n_params = len(self._params())
+        for key in section["state"]:
+            if not key.isdigit() or int(key) >= n_params:
+                return f"optimizer state for param {key!r}, but this optimizer has {n_params}"
+        try:
+            refs = tensor_refs(section)
+        except HealError as e:
+            return str(e)
+        names = [e.name for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
+        if sorted(refs) != sorted(names):
+            missing = sorted(set(refs) - set(names))
+            unused = sorted(set(names) - set(refs))
+            return (
+                f"optimizer tensor references do not match the optim/ entries (referenced but "
+                f"absent: {missing[:3]}, present but unreferenced: {unused[:3]}, or referenced "
+                "twice)"
+            )
+        return None
+
+    def _bound_optim_entries(self, entries: list[Entry]) -> str | None:
+        params = self._params()
+        n_groups = len(self.optimizer.param_groups)
+        count: Counter[tuple[Owner, int]] = Counter()
+        for e in entries:
+            owner = _owner(e.name)
+            if owner is None:
+                return f"optimizer entry {e.name!r} names no param or param group"
+            kind, i = owner
+            count[owner] += 1
+            if kind == Owner.PARAM:
+                if i >= len(params):
+                    return f"optimizer entry {e.name!r}: this optimizer has {len(params)} params"
+                most, per = max(params[i].numel(), 1), MAX_TENSORS_PER_PARAM
+                what = f"param {i} has {params[i].numel()}"
+            else:
+                if i >= n_groups:
+                    return f"optimizer entry {e.name!r}: this optimizer has {n_groups} groups"
+                most, per = MAX_GROUP_TENSOR_NUMEL, MAX_GROUP_TENSORS
+                what = f"a hyperparameter may have {most}"
+            if e.numel > most:
+                return f"optimizer entry {e.name!r} claims {e.numel} elements; {what}"
+            if count[owner] > per:
+                return f"more than {per} optimizer tensors for {kind.value} {i}"
+        return None
+
+    def check(self, m: Manifest) -> str | None:
+        theirs = [
+            [e.name[len(MODEL_PREFIX) :], list(e.shape), e.dtype]
+            for e in m.entries
+            if e.name.startswith(MODEL_PREFIX)
+        ]
+        problem = signature_mismatch(model_signature(self.model), theirs)
+        if problem is not None:
+            return f"cannot heal into this model: {problem}"
+        return self._check_optimizer(m.section)
+
+    def _check_optimizer(self, section: dict[str, Any]) -> str | None:
+        """Same class, same number of param groups and params per group."""
+        mine = optimizer_class(self.optimizer)
+        if section["class"] != mine:
+            return (
+                f"cannot heal into this optimizer: senders use {section['class']}, this rank {mine}"
+            )
+        groups = section["param_groups"]
+        local = self.optimizer.param_groups
+        if len(groups) != len(local):
+            return (
+                f"cannot heal into this optimizer: senders have {len(groups)} param groups, "
+                f"this rank {len(local)}"
+            )
+        for i, (theirs, g) in enumerate(zip(groups, local, strict=True)):
+            params = theirs.get("params") if isinstance(theirs, dict) else None
+            if not isinstance(params, list):
+                return f"malformed manifest: optimizer param group {i} has no params list"
+            if len(params) != len(g["params"]):
+                return (
+                    f"cannot heal into this optimizer: param group {i} has {len(params)} params "
+                    f"on the senders but {len(g['params'])} here"
+                )
+        return None
+
+    def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
+        model_sd = self.model.state_dict()
+        state = {int(k): decode_refs(v, tensors) for k, v in section["state"].items()}
+        groups = decode_refs(section["param_groups"], tensors)
+        try:
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise HealError(f"optimizer.load_state_dict refused the healed state: {e}") from e
+        for key, dst in model_sd.items():
+            if dst.numel():
+                copy_bytes_into(dst, byte_view(tensors[MODEL_PREFIX + key]))

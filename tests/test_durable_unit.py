@@ -54,7 +54,7 @@ def trained(seed: int = 0, steps: int = 2) -> tuple[nn.Module, torch.optim.Optim
 def state_fn(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> Any:
     def fn() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         flat = flatten_state(model, opt)
-        return dict(flat.tensors), {"committed": n, "optimizer": ordered_json(flat.optimizer)}
+        return dict(flat.tensors), {"committed": n, "optimizer": ordered_json(flat.section)}
 
     return fn
 

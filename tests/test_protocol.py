@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastrain.checkpoint import latest_verified, load
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorRefused, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, step_microbatches
@@ -608,7 +609,10 @@ def test_preemption_takes_an_emergency_checkpoint_and_exits(tmp_path: Path) -> N
     assert e.value.code == EXIT_PREEMPTED
     (cp,) = h.events("checkpoint_emergency")
     assert cp["step"] == 3 and cp["ok"]  # the state after the step the notice came with
-    assert (tmp_path / "checkpoints").is_dir()
+    ckpt = latest_verified(tmp_path / "checkpoints")
+    assert ckpt is not None and ckpt.step == 3
+    tensors, meta = load(ckpt)
+    assert meta["committed"] == 3 and float(tensors["w"][0]) == truth(3)
     assert h.engine.committed == 3
 
 

@@ -662,7 +662,7 @@ class StepEngine:
         self._step = None
         if a.grace_s <= 0:
             self.ckpt.after_commit(
-                n, a.gen, list(self.proto.members), self.proto.rank, self._checkpoint_state
+                n, a.gen, list(self.proto.members), self.proto.rank, self._state_at(n)
             )
             self._hook(s, hooks.StepPoint.COMMIT)
         return m.Applied(n, a.grace_s)
@@ -690,10 +690,16 @@ class StepEngine:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The flattened state (aliases of the live tensors) and its JSON meta, for a snapshot."""
+    def _state_at(
+        self, committed: int
+    ) -> Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """What a checkpoint snapshot of the state after `committed` steps reads: the
+        flattened state (aliases of the live tensors) and its JSON meta."""
+        return lambda: self._checkpoint_state(committed)
+
+    def _checkpoint_state(self, committed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         flat = self.backend.state().flatten()
-        meta = self._meta(self.proto.committed)
+        meta = self._meta(committed)
         meta["extra"] = ordered_json(meta.get("extra"))
         meta["optimizer"] = ordered_json(flat.section)
         meta["framework"] = self.backend.framework
@@ -749,7 +755,7 @@ class StepEngine:
         log.warning("%s: preemption notice; emergency checkpoint at step %d", self.member, n)
         print(f"[{self.member}] preempted: emergency checkpoint at step {n}", flush=True)
         members, rank = list(self.proto.members), self.proto.rank
-        ok = self.ckpt.emergency(n, a.gen, members, rank, self._checkpoint_state, deadline)
+        ok = self.ckpt.emergency(n, a.gen, members, rank, self._state_at(n), deadline)
         self.events.emit(
             "checkpoint_emergency",
             step=n,

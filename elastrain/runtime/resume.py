@@ -48,7 +48,7 @@ def install_checkpoint(
         problem = str(e)
     if problem is not None:
         raise ResumeError(
-            f"checkpoint {where} does not fit this job's state: {problem}. "
+            f"checkpoint {where} does not fit this model and optimizer: {problem}. "
             "Resume with the same script, or start in a fresh --run-dir."
         )
     try:

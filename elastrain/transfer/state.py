@@ -47,11 +47,6 @@ class FlatState:
     tensors: list[tuple[str, torch.Tensor]]
     section: dict[str, Any]
 
-    @property
-    def optimizer(self) -> dict[str, Any]:
-        """`section` under its torch name (the checkpoint writer reads it so)."""
-        return self.section
-
 
 def manifest_limit(max_entries: int) -> int:
     """The most manifest bytes a state that can hold ``max_entries`` entries accepts."""

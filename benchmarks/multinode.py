@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from elastrain.observe.events import EventLog, EventTail  # noqa: E402
+from elastrain.observe.events import EventKind, EventLog, EventTail  # noqa: E402
 from elastrain.observe.recovery import PHASES, format_recoveries, joins, recoveries  # noqa: E402
 from tests import netns  # noqa: E402
 from tests.test_multinode import Cluster, set_pace  # noqa: E402
@@ -176,7 +176,7 @@ def one_turn(side: Side, k: int, settle: int) -> None:
     pid = [e for e in of(evs, "worker_spawned") if e["member"] == victim][-1]["pid"]
     step = max(e["step"] for e in of(evs, "step_commit"))
     t0 = time.time()
-    side.faults.emit("fault_injected", fault="kill", member=victim, pid=pid, step=step)
+    side.faults.emit(EventKind.FAULT_INJECTED, fault="kill", member=victim, pid=pid, step=step)
     os.kill(pid, signal.SIGKILL)
     side.kill_times.append(t0)
     survivors = set(g["members"]) - {victim}

@@ -54,7 +54,7 @@ from elastrain import ElasticTrainer, TrainerConfig, env  # noqa: E402
 from elastrain.control.config import CoordinatorConfig  # noqa: E402
 from elastrain.control.server import CoordinatorServer  # noqa: E402
 from elastrain.demo.gpt import GPT, ByteBlocks, loss_fn, stdlib_corpus  # noqa: E402
-from elastrain.observe.events import EventLog  # noqa: E402
+from elastrain.observe.events import EventKind, EventLog  # noqa: E402
 from elastrain.observe.power import Sampler, choose_meters  # noqa: E402
 
 WARMUP = 5
@@ -106,7 +106,7 @@ def micro_costs(n: int = 2000) -> tuple[float, float]:
         log = EventLog(d, "bench")
         t = time.perf_counter()
         for i in range(n):
-            log.emit("step_commit", step=i, gen=1, loss=1.2345678, step_s=0.1, compute_s=0.08,
+            log.emit(EventKind.STEP_COMMIT, step=i, gen=1, loss=1.2345678, step_s=0.1, compute_s=0.08,
                      allreduce_s=0.01, data_s=0.001, samples=32, samples_per_s=320.0)  # fmt: skip
         emit = (time.perf_counter() - t) / n
         s = Sampler(log, choose_meters(), 3600.0)

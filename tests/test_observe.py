@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from elastrain.observe.events import EventKind
 from elastrain.observe.goodput import BUCKETS, format_goodput, goodput
 from elastrain.observe.ledger import (
     check_exactly_once,
@@ -942,11 +943,11 @@ def test_events_echo_to_stdout_in_cluster_mode(
 
     monkeypatch.setenv("ELASTRAIN_EVENTS_STDOUT", "1")
     log = Log(tmp_path, "w0")
-    log.emit("worker_start", member="w0")
+    log.emit(EventKind.WORKER_START, member="w0")
     log.close()
     (line,) = capsys.readouterr().out.splitlines()
     assert json.loads(line)["kind"] == "worker_start"
     assert (tmp_path / "events").is_dir() and list((tmp_path / "events").iterdir())
     monkeypatch.delenv("ELASTRAIN_EVENTS_STDOUT")
-    Log(None, "w1").emit("worker_start", member="w1")
+    Log(None, "w1").emit(EventKind.WORKER_START, member="w1")
     assert capsys.readouterr().out == ""

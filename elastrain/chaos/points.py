@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastrain.observe.events import EventKind
+
 log = logging.getLogger("elastrain.chaos")
 
 PHASES = ("compute", "allreduce", "commit")
@@ -147,7 +149,7 @@ class FaultHook:
 
         def fired(f: FaultPoint) -> None:
             events.emit(
-                "fault_injected",
+                EventKind.FAULT_INJECTED,
                 fault=f.action,
                 member=member,
                 pid=os.getpid(),

@@ -45,7 +45,7 @@ from elastrain.control.http import (
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
 
 MAX_BODY = 1 << 20
@@ -121,23 +121,23 @@ class Coordinator:
         adopted = self.state.drain_adopted()
         for g in adopted:
             self.events.emit(
-                "generation_adopted",
+                EventKind.GENERATION_ADOPTED,
                 gen=g.gen,
                 members=list(g.members),
                 awaiting=sorted(g.awaiting),
                 step=g.start_step,
             )
         for r in removed:
-            self.events.emit("member_removed", member=r.member, reason=r.reason)
+            self.events.emit(EventKind.MEMBER_REMOVED, member=r.member, reason=r.reason)
         if removed:
             self.members_left.set()
         for g in formed:
             self.events.emit(
-                "generation_formed", gen=g.gen, members=list(g.members), reason=g.reason
+                EventKind.GENERATION_FORMED, gen=g.gen, members=list(g.members), reason=g.reason
             )
         if self.state.waiting and self.state.waiting != self._last_wait:
             self.events.emit(
-                "waiting_for_members",
+                EventKind.WAITING_FOR_MEMBERS,
                 message=self.state.waiting,
                 have=len(self.state.members),
                 min=self.config.min_members,
@@ -181,7 +181,7 @@ class Coordinator:
                 from elastrain.transfer import signature_mismatch
 
                 why = signature_mismatch(req.signature, self.state.signature) or "differs"
-                self.events.emit("member_refused", member=req.member, reason=why)
+                self.events.emit(EventKind.MEMBER_REFUSED, member=req.member, reason=why)
                 raise HttpError(
                     409,
                     "model_mismatch",
@@ -199,7 +199,7 @@ class Coordinator:
                 prev_incarnation=req.prev_incarnation,
             )
             self.events.emit(
-                "member_registered",
+                EventKind.MEMBER_REGISTERED,
                 member=req.member,
                 incarnation=inc,
                 pid=req.pid,
@@ -241,7 +241,7 @@ class Coordinator:
                 if not getattr(g, "_announced", False):
                     g._announced = True  # type: ignore[attr-defined]
                     self.events.emit(
-                        "generation_ready",
+                        EventKind.GENERATION_READY,
                         gen=g.gen,
                         members=list(g.members),
                         steps=dict(g.ready),
@@ -303,7 +303,7 @@ class Coordinator:
         with self.lock:
             if self._preempt_deadline is None:
                 self._preempt_deadline = time.monotonic() + max(0.0, req.grace_s)
-                self.events.emit("preempt_notice", grace_s=req.grace_s)
+                self.events.emit(EventKind.PREEMPT_NOTICE, grace_s=req.grace_s)
             self._flush(wake=True)
             return p.OkResponse(True)
 
@@ -529,7 +529,7 @@ class CoordinatorServer:
 
     def start(self) -> CoordinatorServer:
         self.coord.events.emit(
-            "coordinator_start", host=self.host, port=self.port, store_port=self.store.port
+            EventKind.COORDINATOR_START, host=self.host, port=self.port, store_port=self.store.port
         )
         self.coord.changes.attach(self.http.loop, self.http.in_loop_thread)
         self.http.start()

@@ -29,6 +29,7 @@ from elastrain.jax.state import (
     make_grad_fn,
     signature,
 )
+from elastrain.runtime.config import TrainerConfig
 from elastrain.transfer import NamedState, state_digest
 
 
@@ -46,23 +47,20 @@ class JaxBackend:
         params: Tree,
         optimizer: Any,
         loss_fn: LossFn,
+        config: TrainerConfig,
         *,
         key: Any,
-        seed: int,
-        micro_batch_size: int,
-        global_batch_size: int,
-        reduce_dtype: str,
     ) -> None:
         self.params: Tree = jax.tree_util.tree_map(jax.numpy.asarray, params)
         self.optimizer = optimizer
         self.opt_state: Tree = optimizer.init(self.params)
         self._typed_key = key is not None and is_typed_key(key)
         self._key_impl = jax.random.key_impl(key) if self._typed_key else None
-        self.key: jax.Array = key_data(jax.random.PRNGKey(seed) if key is None else key)
+        self.key: jax.Array = key_data(jax.random.PRNGKey(config.seed) if key is None else key)
         self._layout = GradLayout.of(self.params)
-        self._grad = make_grad_fn(loss_fn, self._layout, micro_batch_size)
-        self._apply = make_apply_fn(optimizer, self._layout, global_batch_size)
-        self._wide = reduce_dtype == "float64"
+        self._grad = make_grad_fn(loss_fn, self._layout, config.micro_batch_size)
+        self._apply = make_apply_fn(optimizer, self._layout, config.global_batch_size)
+        self._wide = config.reduce_dtype == "float64"
         self._extra_slots = 0
         self._buf: np.ndarray[Any, Any] | None = None
         self._wire: torch.Tensor | None = None

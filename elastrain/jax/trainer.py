@@ -26,8 +26,8 @@ import jax
 
 from elastrain.jax.backend import JaxBackend
 from elastrain.jax.state import LossFn, Tree, stack_collate
-from elastrain.runtime.config import TrainerConfig, read_worker_env
-from elastrain.runtime.engine import EngineTrainer, MapDataset, StepEngine
+from elastrain.runtime.config import TrainerConfig, worker_setup
+from elastrain.runtime.engine import EngineTrainer, MapDataset
 
 
 class JaxElasticTrainer(EngineTrainer):
@@ -56,23 +56,10 @@ class JaxElasticTrainer(EngineTrainer):
         member_id: str | None = None,
         run_dir: str | None = None,
     ) -> None:
-        where = read_worker_env().overridden(coordinator, token, member_id, run_dir)
-        config = where.apply(config)
-        self.optimizer = optimizer
-        self.dataset = dataset
-        self.loss_fn = loss_fn
-        self.collate_fn = collate_fn
-        self.backend = JaxBackend(
-            params,
-            optimizer,
-            loss_fn,
-            key=key,
-            seed=config.seed,
-            micro_batch_size=config.micro_batch_size,
-            global_batch_size=config.global_batch_size,
-            reduce_dtype=config.reduce_dtype,
-        )
-        self.engine = StepEngine(self.backend, dataset, collate_fn, config, where)
+        where, config = worker_setup(config, coordinator, token, member_id, run_dir)
+        backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
+        self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
+        self.backend: JaxBackend = backend
 
     # ---- JAX state -------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
 from elastrain.chaos.netns import Host, Network
 from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -163,7 +163,12 @@ class Injector:
             return
         net.heal(host)
         self.events.emit(
-            "fault_injected", fault="reconnect", member=JOB, pid=None, step=step, host=host.name
+            EventKind.FAULT_INJECTED,
+            fault="reconnect",
+            member=JOB,
+            pid=None,
+            step=step,
+            host=host.name,
         )
 
     def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:
@@ -171,11 +176,15 @@ class Injector:
         w = workers.get(member)
         if w is not None and w.proc.pid == pid:
             os.kill(pid, signal.SIGCONT)
-            self.events.emit("fault_injected", fault="resume", member=member, pid=pid, step=step)
+            self.events.emit(
+                EventKind.FAULT_INJECTED, fault="resume", member=member, pid=pid, step=step
+            )
 
     def release_disk(self, step: int) -> None:
         self.filler.release()
-        self.events.emit("fault_injected", fault="release-disk", member=JOB, pid=None, step=step)
+        self.events.emit(
+            EventKind.FAULT_INJECTED, fault="release-disk", member=JOB, pid=None, step=step
+        )
 
     def close(self) -> None:
         self.filler.release()
@@ -184,7 +193,7 @@ class Injector:
         self, fault: Fault, victim: str | None, pid: int | None, step: int, **details: Any
     ) -> None:
         self.events.emit(
-            "fault_injected", fault=fault.kind, member=victim, pid=pid, step=step, **details
+            EventKind.FAULT_INJECTED, fault=fault.kind, member=victim, pid=pid, step=step, **details
         )
         self.log.append(
             {"fault": fault.kind, "member": victim, "pid": pid, "step": step, **details}

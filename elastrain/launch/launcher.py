@@ -52,7 +52,7 @@ from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
 from elastrain.launch.startup import StartupWatch
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
 
@@ -215,7 +215,7 @@ class Launcher:
             self._restart_coordinator()
             return
         if not self._preempt_asked.is_set():
-            self.events.emit("coordinator_exited", pid=self.coordinator.pid, returncode=0)
+            self.events.emit(EventKind.COORDINATOR_EXITED, pid=self.coordinator.pid, returncode=0)
             print(
                 "elastrain: the coordinator was terminated: the job is being preempted",
                 file=sys.stderr,
@@ -233,7 +233,7 @@ class Launcher:
         # Kills the fault schedule injected are not a crash loop.
         recent = [t for t in self._coordinator_deaths if now - t < 600]
         self._coordinator_deaths = recent if injected else [*recent, now]
-        self.events.emit("coordinator_exited", pid=self.coordinator.pid, returncode=rc)
+        self.events.emit(EventKind.COORDINATOR_EXITED, pid=self.coordinator.pid, returncode=rc)
         if len(self._coordinator_deaths) > self.config.max_coordinator_restarts:
             raise _Failed(
                 f"the coordinator died {len(self._coordinator_deaths)} times in 10 minutes "
@@ -250,7 +250,7 @@ class Launcher:
             raise _Failed(f"could not restart the coordinator: {e}") from e
         assert self.coordinator is not None
         self.events.emit(
-            "coordinator_restarted",
+            EventKind.COORDINATOR_RESTARTED,
             pid=self.coordinator.pid,
             down_s=time.monotonic() - now,
             restarts=len(self._coordinator_deaths),
@@ -323,7 +323,7 @@ class Launcher:
         self.workers[member] = w
         self.pids.setdefault(member, []).append(proc.pid)
         self.events.emit(
-            "worker_spawned",
+            EventKind.WORKER_SPAWNED,
             member=member,
             pid=proc.pid,
             replacement=replacement,
@@ -355,7 +355,7 @@ class Launcher:
             net = Network(self.config.hosts)
         except (RuntimeError, OSError) as e:
             msg = f"cannot build {self.config.hosts} simulated hosts (--hosts): {e}"
-            self.events.emit("job_end", status="failed", steps=0, message=msg)
+            self.events.emit(EventKind.JOB_END, status="failed", steps=0, message=msg)
             self.events.close()
             if self._lock is not None:
                 self._lock.release()
@@ -370,7 +370,11 @@ class Launcher:
     def _run(self) -> RunResult:
         c = self.config
         self.events.emit(
-            "job_start", job_id=self.job_id, target=c.workers, min=c.min_workers, script=c.script
+            EventKind.JOB_START,
+            job_id=self.job_id,
+            target=c.workers,
+            min=c.min_workers,
+            script=c.script,
         )
         status, message = "failed", ""
         previous = None
@@ -406,7 +410,7 @@ class Launcher:
                 signal.signal(signal.SIGTERM, previous)
             self._shutdown()
             self.events.emit(
-                "job_end", status=status, steps=self.status.get("step", 0), message=message
+                EventKind.JOB_END, status=status, steps=self.status.get("step", 0), message=message
             )
             self.events.close()
             if self._lock is not None:
@@ -453,7 +457,7 @@ class Launcher:
         c = self.config
         margin = min(5.0, 0.2 * c.grace_s)
         self._preempt_deadline = time.monotonic() + c.grace_s - margin
-        self.events.emit("preempt_notice", grace_s=c.grace_s)
+        self.events.emit(EventKind.PREEMPT_NOTICE, grace_s=c.grace_s)
         print(
             f"elastrain: SIGTERM: emergency checkpoint, then exit (grace {c.grace_s:g} s)",
             file=sys.stderr,
@@ -470,7 +474,7 @@ class Launcher:
         while not self._stop.is_set():
             if self._drain_asked.is_set() and not self._draining:
                 self._draining = True
-                self.events.emit("drain", members=sorted(self.workers))
+                self.events.emit(EventKind.DRAIN, members=sorted(self.workers))
                 for w in self.workers.values():
                     if w.proc.poll() is None:
                         w.proc.send_signal(signal.SIGTERM)
@@ -512,7 +516,7 @@ class Launcher:
 
     def _on_exit(self, member: str, pid: int, rc: int) -> tuple[str, str] | None:
         w = self.workers.pop(member, None)
-        self.events.emit("worker_exited", member=member, pid=pid, returncode=rc)
+        self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc)
         self._report_exit(p.ExitRequest(member, pid, rc))
         if rc == 0:
             if not self.done_members:

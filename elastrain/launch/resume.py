@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 
 
 def choose_checkpoint(checkpoint_dir: Path, events: EventLog) -> int | None:
@@ -53,7 +53,7 @@ def choose_checkpoint(checkpoint_dir: Path, events: EventLog) -> int | None:
         )
     if ckpt is not None or skipped or discarded:
         events.emit(
-            "checkpoint_resume",
+            EventKind.CHECKPOINT_RESUME,
             step=step,
             path=str(ckpt.path) if ckpt is not None else None,
             skipped=skipped,

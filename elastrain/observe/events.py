@@ -19,34 +19,146 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from elastrain import env
 
-KINDS = frozenset(
-    {
-        # launcher
-        "job_start", "worker_spawned", "worker_exited", "fault_injected", "job_end", "drain",
-        "checkpoint_resume",
-        # coordinator (preempt_notice: also the launcher)
-        "coordinator_start", "member_registered", "member_refused", "member_removed",
-        "generation_formed", "generation_ready", "waiting_for_members", "preempt_notice",
-        "generation_adopted",
-        # launcher: coordinator restarts; worker: losing and finding it again
-        "coordinator_exited", "coordinator_restarted",
-        "coordinator_unreachable", "coordinator_reachable",
-        # worker
-        "worker_start", "rendezvous_begin", "group_built", "heal_begin", "heal_end",
-        "generation_start", "step_contrib", "step_commit", "step_abort",
-        "watchdog_fired", "worker_exit",
-        # worker: durable checkpoints
-        "checkpoint_saved", "checkpoint_failed", "checkpoint_skipped", "checkpoint_committed",
-        "checkpoint_interval", "checkpoint_loaded", "checkpoint_emergency",
-        # worker: metering (elastrain.observe.worker)
-        "flops_measured", "power_sample",
-    }
-)  # fmt: skip
+
+class EventKind(StrEnum):
+    """Every event kind; the event files carry its string value."""
+
+    # launcher
+    JOB_START = "job_start"
+    WORKER_SPAWNED = "worker_spawned"
+    WORKER_EXITED = "worker_exited"
+    FAULT_INJECTED = "fault_injected"
+    JOB_END = "job_end"
+    DRAIN = "drain"
+    CHECKPOINT_RESUME = "checkpoint_resume"
+    # coordinator (preempt_notice: also the launcher)
+    COORDINATOR_START = "coordinator_start"
+    MEMBER_REGISTERED = "member_registered"
+    MEMBER_REFUSED = "member_refused"
+    MEMBER_REMOVED = "member_removed"
+    GENERATION_FORMED = "generation_formed"
+    GENERATION_READY = "generation_ready"
+    WAITING_FOR_MEMBERS = "waiting_for_members"
+    PREEMPT_NOTICE = "preempt_notice"
+    GENERATION_ADOPTED = "generation_adopted"
+    # launcher: coordinator restarts; worker: losing and finding it again
+    COORDINATOR_EXITED = "coordinator_exited"
+    COORDINATOR_RESTARTED = "coordinator_restarted"
+    COORDINATOR_UNREACHABLE = "coordinator_unreachable"
+    COORDINATOR_REACHABLE = "coordinator_reachable"
+    # worker
+    WORKER_START = "worker_start"
+    RENDEZVOUS_BEGIN = "rendezvous_begin"
+    GROUP_BUILT = "group_built"
+    HEAL_BEGIN = "heal_begin"
+    HEAL_END = "heal_end"
+    GENERATION_START = "generation_start"
+    STEP_CONTRIB = "step_contrib"
+    STEP_COMMIT = "step_commit"
+    STEP_ABORT = "step_abort"
+    WATCHDOG_FIRED = "watchdog_fired"
+    WORKER_EXIT = "worker_exit"
+    # worker: durable checkpoints
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_INTERVAL = "checkpoint_interval"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    CHECKPOINT_EMERGENCY = "checkpoint_emergency"
+    # worker: metering (elastrain.observe.worker)
+    FLOPS_MEASURED = "flops_measured"
+    POWER_SAMPLE = "power_sample"
+
+
+KINDS = frozenset(EventKind)
+
+FIELDS: dict[EventKind, frozenset[str]] = {
+    EventKind.JOB_START: frozenset(["job_id", "min", "script", "target"]),
+    EventKind.WORKER_SPAWNED: frozenset(["member", "pid", "replacement", "replaces"]),
+    EventKind.WORKER_EXITED: frozenset(["member", "pid", "returncode"]),
+    EventKind.FAULT_INJECTED: frozenset(["fault", "member", "pid", "step"]),
+    EventKind.JOB_END: frozenset(["message", "status", "steps"]),
+    EventKind.DRAIN: frozenset(["members"]),
+    EventKind.CHECKPOINT_RESUME: frozenset(["discarded", "path", "skipped", "step"]),
+    EventKind.COORDINATOR_START: frozenset(["host", "port", "store_port"]),
+    EventKind.MEMBER_REGISTERED: frozenset(["gen", "incarnation", "member", "pid", "running"]),
+    EventKind.MEMBER_REFUSED: frozenset(["member", "reason"]),
+    EventKind.MEMBER_REMOVED: frozenset(["member", "reason"]),
+    EventKind.GENERATION_FORMED: frozenset(["gen", "members", "reason"]),
+    EventKind.GENERATION_READY: frozenset(["gen", "members", "start_step", "steps"]),
+    EventKind.WAITING_FOR_MEMBERS: frozenset(["have", "message", "min"]),
+    EventKind.PREEMPT_NOTICE: frozenset(["grace_s"]),
+    EventKind.GENERATION_ADOPTED: frozenset(["awaiting", "gen", "members", "step"]),
+    EventKind.COORDINATOR_EXITED: frozenset(["pid", "returncode"]),
+    EventKind.COORDINATOR_RESTARTED: frozenset(["down_s", "pid", "restarts"]),
+    EventKind.COORDINATOR_UNREACHABLE: frozenset(["error", "gen", "op"]),
+    EventKind.COORDINATOR_REACHABLE: frozenset(["down_s", "gen"]),
+    EventKind.WORKER_START: frozenset(["member"]),
+    EventKind.RENDEZVOUS_BEGIN: frozenset(["committed", "known_gen"]),
+    EventKind.GROUP_BUILT: frozenset(["build_s", "gen", "rank", "size"]),
+    EventKind.HEAL_BEGIN: frozenset(["bytes", "gen", "role"]),
+    EventKind.HEAL_END: frozenset(["bytes", "gen", "rate_mb_s", "role", "seconds"]),
+    EventKind.GENERATION_START: frozenset(["gen", "members", "rank", "state_hash", "step"]),
+    EventKind.STEP_CONTRIB: frozenset(["gen", "samples", "step"]),
+    EventKind.STEP_COMMIT: frozenset(
+        [
+            "allreduce_s",
+            "compute_s",
+            "data_s",
+            "gen",
+            "loss",
+            "samples",
+            "samples_per_s",
+            "step",
+            "step_s",
+        ]
+    ),
+    EventKind.STEP_ABORT: frozenset(["error", "gen", "phase", "step"]),
+    EventKind.WATCHDOG_FIRED: frozenset(["gen", "step", "timeout_s"]),
+    EventKind.WORKER_EXIT: frozenset(["committed", "reason"]),
+    EventKind.CHECKPOINT_SAVED: frozenset(["step"]),
+    EventKind.CHECKPOINT_FAILED: frozenset(["step"]),
+    EventKind.CHECKPOINT_SKIPPED: frozenset(["step"]),
+    EventKind.CHECKPOINT_COMMITTED: frozenset(
+        [
+            "blocking_s",
+            "bytes",
+            "commit_s",
+            "generation",
+            "members",
+            "num_shards",
+            "path",
+            "step",
+            "wait_s",
+        ]
+    ),
+    EventKind.CHECKPOINT_INTERVAL: frozenset(
+        [
+            "elapsed_s",
+            "failures",
+            "interval_s",
+            "interval_steps",
+            "mtbf_s",
+            "next_step",
+            "reason",
+            "save_cost_s",
+            "step_s",
+        ]
+    ),
+    EventKind.CHECKPOINT_LOADED: frozenset(["bytes", "generation", "path", "seconds", "step"]),
+    EventKind.CHECKPOINT_EMERGENCY: frozenset(["ok", "rank", "seconds", "step"]),
+    EventKind.POWER_SAMPLE: frozenset(["joules", "source", "watts"]),
+}
+"""The fields every event of a kind carries (more may follow): `emit` refuses an
+event without them, so a missing field fails the first test that emits it, not a
+report that reads it later."""
 
 
 class EventLog:
@@ -73,17 +185,20 @@ class EventLog:
             d.mkdir(parents=True, exist_ok=True)
             self._file = open(d / f"{proc}-{self.pid}.jsonl", "a", buffering=1)  # noqa: SIM115
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, kind: EventKind, **fields: Any) -> dict[str, Any]:
+        """Write one event. `kind` is an `EventKind` (mypy refuses a string) and the
+        event must carry the kind's `FIELDS`; ValueError otherwise."""
         if kind not in KINDS:
-            raise ValueError(
-                f"unknown event kind {kind!r}; add it to elastrain.observe.events.KINDS"
-            )
+            raise ValueError(f"unknown event kind {kind!r}; add it to EventKind")
+        missing = FIELDS.get(EventKind(kind), frozenset()) - fields.keys()
+        if missing:
+            raise ValueError(f"event {kind} lacks {sorted(missing)}")
         rec: dict[str, Any] = {
             "t": time.time(),
             "mono": time.monotonic(),
             "proc": self.proc,
             "pid": self.pid,
-            "kind": kind,
+            "kind": str(kind),
         }
         rec.update(fields)
         if self._file is not None or self.echo:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elastrain import env
+from elastrain.observe.events import EventKind
 
 ESTIMATE_PREFIX = "ESTIMATE"
 """Every label of an estimated (not measured) power figure starts with this."""
@@ -331,7 +332,7 @@ class CpuUtil:
 
 
 class _Emitter(Protocol):
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]: ...
+    def emit(self, kind: EventKind, **fields: Any) -> dict[str, Any]: ...
 
 
 class Sampler:
@@ -372,7 +373,7 @@ class Sampler:
                     continue
                 for r in readings:
                     self.events.emit(
-                        "power_sample",
+                        EventKind.POWER_SAMPLE,
                         domain=r.domain,
                         source=r.source,
                         label=r.label,

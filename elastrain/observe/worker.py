@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastrain import env
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.power import Sampler, choose_meters
 
 log = logging.getLogger("elastrain.observe")
@@ -77,4 +77,4 @@ def _count_flops(events: EventLog, measure_flops: Callable[[], dict[str, Any] | 
         log.warning("could not count FLOPs per step: %s", e)
         return
     if fields is not None:
-        events.emit("flops_measured", **fields)
+        events.emit(EventKind.FLOPS_MEASURED, **fields)

@@ -238,3 +238,17 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
     )
+
+
+def worker_setup(
+    config: TrainerConfig,
+    coordinator: str | None,
+    token: str | None,
+    member: str | None,
+    run_dir: str | None,
+) -> tuple[WorkerEnv, TrainerConfig]:
+    """A trainer's view of where it runs and the config in force: the environment,
+    read once, with the constructor's explicit arguments winning, and the
+    launcher's overrides applied to the script's config."""
+    where = read_worker_env().overridden(coordinator, token, member, run_dir)
+    return where, where.apply(config)

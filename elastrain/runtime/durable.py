@@ -64,7 +64,7 @@ from elastrain.checkpoint import (
     commit,
 )
 from elastrain.checkpoint.files import MARKER, shard_manifest_name, step_dir
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime.ckpt_schedule import IntervalChoice, Schedule
 from elastrain.runtime.config import TrainerConfig
 
@@ -180,7 +180,7 @@ class _Committer:
         every later save from fitting. A committed step is never touched."""
         log.warning("checkpoint step %d not committed: %s", job.step, why)
         self.events.emit(
-            "checkpoint_failed",
+            EventKind.CHECKPOINT_FAILED,
             step=job.step,
             phase="commit",
             generation=job.generation,
@@ -248,7 +248,7 @@ class _Committer:
             marker,
         )
         self.events.emit(
-            "checkpoint_committed",
+            EventKind.CHECKPOINT_COMMITTED,
             step=job.step,
             generation=job.generation,
             members=job.members,
@@ -263,7 +263,7 @@ class _Committer:
             older = [j for j in self._pending if j.step < job.step]
         for j in older:
             self.events.emit(
-                "checkpoint_skipped",
+                EventKind.CHECKPOINT_SKIPPED,
                 step=j.step,
                 phase="commit",
                 reason=f"superseded by the newer checkpoint at step {job.step}",
@@ -385,7 +385,7 @@ class Checkpointing:
                 self.member,
             )
             self.events.emit(
-                "checkpoint_skipped",
+                EventKind.CHECKPOINT_SKIPPED,
                 step=n,
                 shard=rank,
                 phase="snapshot",
@@ -411,7 +411,7 @@ class Checkpointing:
                 self._handle.wait(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 self.events.emit(
-                    "checkpoint_failed",
+                    EventKind.CHECKPOINT_FAILED,
                     step=n,
                     shard=rank,
                     phase="snapshot",
@@ -458,7 +458,7 @@ class Checkpointing:
             log.error("checkpoint step %d: snapshot failed: %s", n, e)
             mark_failed(self.store.directory, n, rank, len(members), gen)
             self.events.emit(
-                "checkpoint_failed",
+                EventKind.CHECKPOINT_FAILED,
                 step=n,
                 shard=rank,
                 phase="snapshot",
@@ -497,7 +497,7 @@ class Checkpointing:
             extra["blocking_s"] = blocking
         if kind in ("checkpoint_failed", "checkpoint_skipped"):
             extra["phase"] = "write"
-        self.events.emit(kind, **fields, **extra)
+        self.events.emit(EventKind(kind), **fields, **extra)
         if kind == "checkpoint_failed" and self.store is not None:
             try:
                 step, shard = int(fields["step"]), int(fields["shard"])
@@ -512,7 +512,7 @@ class Checkpointing:
         else:
             log.warning("checkpoint interval: %s", c.reason)
         self.events.emit(
-            "checkpoint_interval",
+            EventKind.CHECKPOINT_INTERVAL,
             interval_steps=c.interval_steps,
             interval_s=c.interval_s,
             save_cost_s=c.save_cost_s,

@@ -57,7 +57,7 @@ from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import WorkerExit
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
@@ -275,7 +275,7 @@ class StepEngine:
         self._install_sigterm()
         for h in self.hooks:
             h.attach(self.member, self.events)
-        self.events.emit("worker_start", member=self.member)
+        self.events.emit(EventKind.WORKER_START, member=self.member)
         try:
             self._check_setup()
             self._resume()
@@ -308,7 +308,7 @@ class StepEngine:
         )
         if problems:
             self.events.emit(
-                "worker_exit", reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
             self._shutdown()
             exit_misconfigured("; ".join(problems))
@@ -364,7 +364,7 @@ class StepEngine:
         return m.Registered(self.session.incarnation)
 
     def _rendezvous(self, a: m.Action) -> m.Observation:
-        self.events.emit("rendezvous_begin", known_gen=a.gen, committed=a.step)
+        self.events.emit(EventKind.RENDEZVOUS_BEGIN, known_gen=a.gen, committed=a.step)
         try:
             r = self.client.rendezvous(
                 p.RendezvousRequest(
@@ -428,7 +428,7 @@ class StepEngine:
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
             log.warning("building group for generation %d failed: %s", a.gen, e)
             self.events.emit(
-                "step_abort",
+                EventKind.STEP_ABORT,
                 step=a.step,
                 gen=a.gen,
                 error=str(e)[:300],
@@ -436,7 +436,7 @@ class StepEngine:
             )
             return m.ConnectFailed(str(e))
         self.events.emit(
-            "group_built",
+            EventKind.GROUP_BUILT,
             gen=a.gen,
             rank=a.rank,
             size=len(a.members),
@@ -459,7 +459,7 @@ class StepEngine:
         committed, received = a.step, False
         if a.receivers:
             role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
-            self.events.emit("heal_begin", gen=a.gen, role=role, bytes=0)
+            self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
             state = self.backend.state()
             try:
                 got, stats = self._heal_fn(
@@ -478,7 +478,7 @@ class StepEngine:
             except (HealError, RuntimeError, ValueError) as e:
                 return m.HealFailed(str(e))
             self.events.emit(
-                "heal_end",
+                EventKind.HEAL_END,
                 gen=a.gen,
                 role=role,
                 bytes=stats.bytes,
@@ -498,7 +498,7 @@ class StepEngine:
         def start_event() -> None:
             digest = self.backend.state_hash() if self.config.hash_state else ""
             self.events.emit(
-                "generation_start",
+                EventKind.GENERATION_START,
                 gen=gen,
                 step=step,
                 state_hash=digest,
@@ -610,7 +610,7 @@ class StepEngine:
                 dtype=extras.dtype,
             )
         )
-        self.events.emit("step_contrib", step=s, gen=gen, samples=st.samples)
+        self.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
         self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
         self._hook(s, hooks.StepPoint.ALLREDUCE)
@@ -619,7 +619,7 @@ class StepEngine:
             self.waiter.wait(self._inflight, timeout, lambda: self.session.gen_broken(gen))
         except CollectiveAborted as e:
             if e.reason == "watchdog":
-                self.events.emit("watchdog_fired", step=s, gen=gen, timeout_s=timeout)
+                self.events.emit(EventKind.WATCHDOG_FIRED, step=s, gen=gen, timeout_s=timeout)
             return m.ReduceAborted(m.AbortPhase(e.reason), str(e))
         except RuntimeError as e:
             self._inflight = []
@@ -643,7 +643,7 @@ class StepEngine:
         self.last_loss = loss_mean
         t_end = time.monotonic()
         self.events.emit(
-            "step_commit",
+            EventKind.STEP_COMMIT,
             step=s,
             gen=a.gen,
             loss=loss_mean,
@@ -674,7 +674,9 @@ class StepEngine:
     def _abandon(self, a: m.Action) -> m.Observation:
         """Drop the current group (parking it if work is in flight) and forget the generation."""
         assert a.phase is not None
-        self.events.emit("step_abort", step=a.step, gen=a.gen, error=a.error[:300], phase=a.phase)
+        self.events.emit(
+            EventKind.STEP_ABORT, step=a.step, gen=a.gen, error=a.error[:300], phase=a.phase
+        )
         self._settle_hash()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
@@ -738,7 +740,7 @@ class StepEngine:
         )
         print(f"[{self.member}] resumed from checkpoint step {ckpt.step} ({ckpt.path})", flush=True)
         self.events.emit(
-            "checkpoint_loaded",
+            EventKind.CHECKPOINT_LOADED,
             step=ckpt.step,
             path=str(ckpt.path),
             generation=ckpt.generation,
@@ -757,7 +759,7 @@ class StepEngine:
         members, rank = list(self.proto.members), self.proto.rank
         ok = self.ckpt.emergency(n, a.gen, members, rank, self._state_at(n), deadline)
         self.events.emit(
-            "checkpoint_emergency",
+            EventKind.CHECKPOINT_EMERGENCY,
             step=n,
             ok=ok,
             rank=rank,
@@ -783,7 +785,7 @@ class StepEngine:
             )
         except CoordinatorError as e:
             log.warning("could not tell the coordinator we are done: %s", e)
-        self.events.emit("worker_exit", reason=m.ExitReason.DONE, committed=self.committed)
+        self.events.emit(EventKind.WORKER_EXIT, reason=m.ExitReason.DONE, committed=self.committed)
 
     def _exit(self, a: m.Action) -> None:
         assert a.reason is not None
@@ -791,7 +793,7 @@ class StepEngine:
             print(f"[{self.member}] refused by the coordinator: {a.message}", flush=True)
         if a.reason == m.ExitReason.PREEMPTED:
             self.session.request_leave("left")
-        self.events.emit("worker_exit", reason=a.reason, committed=self.committed)
+        self.events.emit(EventKind.WORKER_EXIT, reason=a.reason, committed=self.committed)
         self._shutdown()
         message = a.message if a.reason == m.ExitReason.NO_COORDINATOR else ""
         raise WorkerExit(a.code, str(a.reason), message)
@@ -820,6 +822,25 @@ class EngineTrainer:
     face over one `StepEngine`. Subclasses build the backend and the engine."""
 
     engine: StepEngine
+    backend: Backend
+
+    def attach(
+        self,
+        backend: Backend,
+        optimizer: Any,
+        dataset: MapDataset,
+        loss_fn: Any,
+        collate_fn: Callable[[list[Any]], Any],
+        config: TrainerConfig,
+        where: WorkerEnv,
+    ) -> None:
+        """Keep the user's objects and build the engine over `backend`."""
+        self.backend = backend
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.loss_fn = loss_fn
+        self.collate_fn = collate_fn
+        self.engine = StepEngine(backend, dataset, collate_fn, config, where)
 
     @property
     def config(self) -> TrainerConfig:

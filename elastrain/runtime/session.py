@@ -34,7 +34,7 @@ from elastrain.control.client import (
     backoff_s,
 )
 from elastrain.control.store import group_prefix
-from elastrain.observe.events import EventLog
+from elastrain.observe.events import EventKind, EventLog
 
 log = logging.getLogger("elastrain.session")
 
@@ -209,7 +209,9 @@ class MemberSession:
                 error or "no answer",
                 self._gen,
             )
-            self.events.emit("coordinator_unreachable", gen=self._gen, op=what, error=error[:300])
+            self.events.emit(
+                EventKind.COORDINATOR_UNREACHABLE, gen=self._gen, op=what, error=error[:300]
+            )
 
     def _note_reachable(self) -> None:
         since = self._unreachable_since
@@ -217,7 +219,7 @@ class MemberSession:
             self._unreachable_since = None
             down = time.monotonic() - since
             log.warning("coordinator reachable again after %.2f s", down)
-            self.events.emit("coordinator_reachable", gen=self._gen, down_s=down)
+            self.events.emit(EventKind.COORDINATOR_REACHABLE, gen=self._gen, down_s=down)
 
     def gen_broken(self, gen: int) -> bool:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 
@@ -37,19 +38,17 @@ class TorchBackend:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
+        config: TrainerConfig,
         *,
-        seed: int,
-        global_batch_size: int,
-        reduce_dtype: str,
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.seed = seed
-        self.global_batch_size = global_batch_size
-        self.native = reduce_dtype == "native"
+        self.seed = config.seed
+        self.global_batch_size = config.global_batch_size
+        self.native = config.reduce_dtype == "native"
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
         self._extra_slots = 0

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from elastrain.runtime.config import TrainerConfig, read_worker_env
-from elastrain.runtime.engine import EngineTrainer, MapDataset, StepEngine, StepResult
+from elastrain.runtime.config import TrainerConfig, worker_setup
+from elastrain.runtime.engine import EngineTrainer, MapDataset, StepResult
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
 
 __all__ = ["ElasticTrainer", "LossFn", "MapDataset", "StepResult", "TrainerConfig"]
@@ -60,21 +60,14 @@ class ElasticTrainer(EngineTrainer):
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        where = read_worker_env().overridden(coordinator, token, member_id, run_dir)
-        config = where.apply(config)
+        where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         self.model = model
-        self.optimizer = optimizer
-        self.dataset = dataset
-        self.loss_fn = loss_fn
-        self.collate_fn = collate_fn
-        self.backend = TorchBackend(
+        backend = TorchBackend(
             model,
             optimizer,
             loss_fn,
-            seed=config.seed,
-            global_batch_size=config.global_batch_size,
-            reduce_dtype=config.reduce_dtype,
+            config,
             extra_state=extra_state,
             load_extra_state=load_extra_state,
         )
-        self.engine = StepEngine(self.backend, dataset, collate_fn, config, where)
+        self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)

@@ -104,7 +104,7 @@ def test_schedule_is_agreed_state_that_travels_in_meta() -> None:
 
 
 def test_contribution_counts_only_real_measurements(tmp_path: Path) -> None:
-    ck = Checkpointing(cfg(), str(tmp_path), EventLog(None, "w0"), "w0")
+    ck = Checkpointing(cfg().checkpoint, str(tmp_path), EventLog(None, "w0"), "w0")
     assert ck.contribution() == [0.0] * 7
     ck.note_step_time(0.25)
     assert ck.contribution() == [0.0, 0.0, 0.25, 1.0, 0.0, 0.0, 0.0]
@@ -177,7 +177,8 @@ def members_save(
     model, opt = trained()
     c = cfg(checkpoint_every=5, checkpoint_commit_timeout_s=timeout_s, checkpoint_fsync=False)
     cks = [
-        Checkpointing(c, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}") for r in (0, 1)
+        Checkpointing(c.checkpoint, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}")
+        for r in (0, 1)
     ]
     for r in ranks:
         assert cks[r].after_commit(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
@@ -233,7 +234,8 @@ def test_emergency_checkpoint_waits_until_committed(tmp_path: Path) -> None:
     model, opt = trained()
     c = cfg(checkpoint_fsync=False)  # no periodic checkpoints: emergency only
     cks = [
-        Checkpointing(c, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}") for r in (0, 1)
+        Checkpointing(c.checkpoint, str(tmp_path / "ck"), EventLog(tmp_path, f"w{r}"), f"w{r}")
+        for r in (0, 1)
     ]
     deadline = time.monotonic() + 30
     results: dict[int, bool] = {}

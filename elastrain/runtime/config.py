@@ -11,9 +11,59 @@ from typing import Any
 from elastrain import env
 
 
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """The step watchdog's section of `TrainerConfig` (what `HangTimeout` reads)."""
+
+    floor_s: float
+    """The watchdog never fires sooner than this."""
+    ceiling_s: float
+    """...nor later than this; also the process group's own operation timeout."""
+    multiplier: float
+    """Timeout = multiplier x the slowest recent all-reduce wait, clamped."""
+    initial_s: float
+    """Timeout before any wait was measured."""
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    """The bounds on the engine's waits for others (what `StepEngine` reads)."""
+
+    rendezvous_s: float
+    """Building a generation's process group."""
+    heal_s: float
+    """One heal, all of it."""
+    coordinator_s: float
+    """One coordinator call (long polls add their wait)."""
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """The durable checkpoints' section of `TrainerConfig` (what `Checkpointing` reads)."""
+
+    directory: str | None
+    """Configured directory (the launcher's wins; see `TrainerConfig.checkpoint_dir`)."""
+    every: int
+    """Steps between checkpoints (0: none; with `mtbf_s`, only the first one)."""
+    mtbf_s: float | None
+    """Job MTBF prior for the Young/Daly interval (None: fixed interval)."""
+    keep_last: int
+    """Committed checkpoints kept."""
+    keep_every: int
+    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    commit_timeout_s: float
+    """How long rank 0 waits for every shard of one checkpoint."""
+    fsync: bool
+    """fsync files and directories."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    """What the user decides about an elastic training job. Times are seconds."""
+    """What the user decides about an elastic training job. Times are seconds.
+
+    Flat, as a training script writes it; each component reads only its own
+    section (`watchdog`, `timeouts`, `checkpoint`), built from these fields, so
+    no component sees, or depends on, another's settings."""
 
     global_batch_size: int
     """Samples per step, fixed whatever the membership (the math does not change)."""
@@ -151,6 +201,38 @@ class TrainerConfig:
     def _suggest(self) -> int:
         return max(
             d for d in range(1, self.micro_batch_size + 1) if self.global_batch_size % d == 0
+        )
+
+    @property
+    def watchdog(self) -> WatchdogConfig:
+        """The watchdog's section (its fields are the hang_timeout_* ones)."""
+        return WatchdogConfig(
+            floor_s=self.hang_timeout_floor_s,
+            ceiling_s=self.hang_timeout_ceiling_s,
+            multiplier=self.hang_timeout_multiplier,
+            initial_s=self.initial_hang_timeout_s,
+        )
+
+    @property
+    def timeouts(self) -> TimeoutsConfig:
+        """The engine's waits for others (the *_timeout_s fields)."""
+        return TimeoutsConfig(
+            rendezvous_s=self.rendezvous_timeout_s,
+            heal_s=self.heal_timeout_s,
+            coordinator_s=self.coordinator_timeout_s,
+        )
+
+    @property
+    def checkpoint(self) -> CheckpointPolicy:
+        """The durable checkpoints' section (the checkpoint_* fields)."""
+        return CheckpointPolicy(
+            directory=self.checkpoint_dir,
+            every=self.checkpoint_every,
+            mtbf_s=self.checkpoint_mtbf_s,
+            keep_last=self.checkpoint_keep_last,
+            keep_every=self.checkpoint_keep_every,
+            commit_timeout_s=self.checkpoint_commit_timeout_s,
+            fsync=self.checkpoint_fsync,
         )
 
     @property

@@ -66,7 +66,7 @@ from elastrain.checkpoint import (
 from elastrain.checkpoint.files import MARKER, shard_manifest_name, step_dir
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime.ckpt_schedule import IntervalChoice, Schedule
-from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.config import CheckpointPolicy
 
 log = logging.getLogger("elastrain.checkpoint")
 
@@ -290,7 +290,7 @@ class Checkpointing:
 
     def __init__(
         self,
-        config: TrainerConfig,
+        config: CheckpointPolicy,
         directory: str | None,
         events: EventLog,
         member: str,
@@ -299,16 +299,16 @@ class Checkpointing:
         self.directory = directory
         self.events = events
         self.member = member
-        self.schedule = Schedule(config.checkpoint_every, config.checkpoint_mtbf_s)
+        self.schedule = Schedule(config.every, config.mtbf_s)
         self.store: CheckpointConfig | None = None
         self.writer: CheckpointWriter | None = None
         self._committer: _Committer | None = None
         if directory is not None:
             self.store = CheckpointConfig(
                 directory=directory,
-                keep_last=config.checkpoint_keep_last,
-                keep_every=config.checkpoint_keep_every,
-                fsync=config.checkpoint_fsync,
+                keep_last=config.keep_last,
+                keep_every=config.keep_every,
+                fsync=config.fsync,
             )
             self.writer = CheckpointWriter(self.store, events=self._writer_event)
         self._snap: Snapshot | None = None
@@ -477,7 +477,7 @@ class Checkpointing:
             return None
         if self._committer is None:
             self._committer = _Committer(self.store, self.events, self.member)
-        limit = time.monotonic() + self.config.checkpoint_commit_timeout_s
+        limit = time.monotonic() + self.config.commit_timeout_s
         job = _CommitJob(
             step=n,
             generation=gen,
@@ -526,10 +526,10 @@ class Checkpointing:
 
     def close(self) -> None:
         """Let the last save and commit finish (bounded by the commit timeout), then stop."""
-        deadline = time.monotonic() + self.config.checkpoint_commit_timeout_s
+        deadline = time.monotonic() + self.config.commit_timeout_s
         if self._handle is not None:
             try:
-                self._handle.wait(timeout=self.config.checkpoint_commit_timeout_s)
+                self._handle.wait(timeout=self.config.commit_timeout_s)
             except TimeoutError:
                 log.warning("the last checkpoint save is still writing; cancelling it")
         if self.writer is not None:

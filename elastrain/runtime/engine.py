@@ -186,7 +186,7 @@ class StepEngine:
         self.token = where.token or ""
         self.events = EventLog(where.run_dir, self.member)
         self.ckpt = Checkpointing(
-            config,
+            config.checkpoint,
             resolve_directory(config.checkpoint_dir, where.checkpoint_dir, where.run_dir),
             self.events,
             self.member,
@@ -195,7 +195,7 @@ class StepEngine:
             where.resume, "latest" if config.checkpoints_periodic else "none"
         )
         self.client = client or CoordinatorClient(
-            where.coordinator or "", self.token, timeout_s=config.coordinator_timeout_s
+            where.coordinator or "", self.token, timeout_s=config.timeouts.coordinator_s
         )
         self.waiter = Waiter()
         self.session = MemberSession(
@@ -210,7 +210,7 @@ class StepEngine:
         self._heal_fn: HealFn = heal_fn or heal
         self.hooks = hooks.installed()
         self.order = GlobalOrder(len(dataset), config.seed, shuffle=config.shuffle)
-        self.hang = HangTimeout(config)
+        self.hang = HangTimeout(config.watchdog)
         self.graveyard = Graveyard()
         self.proto = m.MemberProtocol(self.member, config.total_steps, config.global_batch_size)
         self._quorum_pool = concurrent.futures.ThreadPoolExecutor(
@@ -412,13 +412,13 @@ class StepEngine:
     def _gloo_group(self, gen: int, rank: int, size: int) -> Any:
         assert self._ready is not None and self._ready.gen == gen
         return build_group(
-            self.session.store(self.config.rendezvous_timeout_s),
+            self.session.store(self.config.timeouts.rendezvous_s),
             self.session.group_prefix(self._ready),
             rank,
             size,
             host=self.host,
-            connect_timeout_s=self.config.rendezvous_timeout_s,
-            op_timeout_s=self.config.hang_timeout_ceiling_s,
+            connect_timeout_s=self.config.timeouts.rendezvous_s,
+            op_timeout_s=self.config.watchdog.ceiling_s,
         )
 
     def _connect(self, a: m.Action) -> m.Observation:
@@ -469,7 +469,7 @@ class StepEngine:
                     list(a.receivers),
                     state,
                     self._meta(committed) if role == "send" else None,
-                    self.config.heal_timeout_s,
+                    self.config.timeouts.heal_s,
                     key=self.token.encode() or None,
                 )
                 if role == "recv":
@@ -565,7 +565,7 @@ class StepEngine:
         st = self._step
         assert st is not None
         try:
-            v = st.verdict.result(timeout=self.config.coordinator_timeout_s)
+            v = st.verdict.result(timeout=self.config.timeouts.coordinator_s)
         except (CoordinatorUnavailable, concurrent.futures.TimeoutError) as e:
             self.session.coordinator_unreachable("quorum", str(e))
             return m.Unreachable("quorum", str(e))

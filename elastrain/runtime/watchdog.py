@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.config import WatchdogConfig
 
 
 class HangTimeout:
@@ -13,7 +13,7 @@ class HangTimeout:
     includes the skew between members (the slowest member's compute), which is
     what a healthy step can legitimately take beyond the transfer itself."""
 
-    def __init__(self, config: TrainerConfig, window: int = 20) -> None:
+    def __init__(self, config: WatchdogConfig, window: int = 20) -> None:
         self.config = config
         self._waits: deque[float] = deque(maxlen=window)
 
@@ -24,8 +24,6 @@ class HangTimeout:
     def timeout_s(self) -> float:
         c = self.config
         if not self._waits:
-            return max(
-                c.hang_timeout_floor_s, min(c.initial_hang_timeout_s, c.hang_timeout_ceiling_s)
-            )
-        t = c.hang_timeout_multiplier * max(self._waits)
-        return max(c.hang_timeout_floor_s, min(t, c.hang_timeout_ceiling_s))
+            return max(c.floor_s, min(c.initial_s, c.ceiling_s))
+        t = c.multiplier * max(self._waits)
+        return max(c.floor_s, min(t, c.ceiling_s))

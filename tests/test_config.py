@@ -1,0 +1,108 @@
+"""Configuration in one place: the worker's environment read once, the launcher's
+overrides applied by one function, each component's section of TrainerConfig,
+and `elastrain run`'s defaults taken from LaunchConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from elastrain import env
+from elastrain.cli import _add_run_args
+from elastrain.launch.config import LaunchConfig
+from elastrain.runtime.config import TrainerConfig, WorkerEnv, read_worker_env, worker_setup
+
+
+def base(**kw: object) -> TrainerConfig:
+    return TrainerConfig(global_batch_size=8, micro_batch_size=2, total_steps=10, **kw)  # type: ignore[arg-type]
+
+
+def test_the_worker_environment_is_read_in_one_place(tmp_path: Path) -> None:
+    tok = tmp_path / "token"
+    tok.write_text("s3cret\n")
+    w = read_worker_env(
+        {
+            env.COORDINATOR: "127.0.0.1:5",
+            env.TOKEN_FILE: str(tok),
+            env.MEMBER_ID: "w3",
+            env.RUN_DIR: "/r",
+            env.ADVERTISE_HOST: "10.0.0.2",
+            env.CKPT_DIR: "/r/ck",
+            env.RESUME: "latest",
+            env.STEPS: "40",
+            env.CKPT_EVERY: "5",
+            env.CKPT_MTBF: "3600",
+        }
+    )
+    assert w == WorkerEnv(
+        coordinator="127.0.0.1:5",
+        token="s3cret",
+        member="w3",
+        run_dir="/r",
+        host="10.0.0.2",
+        checkpoint_dir="/r/ck",
+        resume="latest",
+        steps=40,
+        checkpoint_every=5,
+        checkpoint_mtbf_s=3600.0,
+    )
+    # The token itself wins over the file; an empty environment is all defaults.
+    assert read_worker_env({env.TOKEN: "t", env.TOKEN_FILE: str(tok)}).token == "t"
+    assert read_worker_env({}) == WorkerEnv()
+
+
+def test_a_bad_number_names_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"\$ELASTRAIN_STEPS='forty'"):
+        read_worker_env({env.STEPS: "forty"})
+
+
+def test_the_launchers_overrides_win_over_the_script_and_arguments_over_both() -> None:
+    w = WorkerEnv(coordinator="a:1", token="t", steps=40, checkpoint_every=5)
+    cfg = w.apply(base(checkpoint_every=50))
+    assert (cfg.total_steps, cfg.checkpoint_every, cfg.checkpoint_mtbf_s) == (40, 5, None)
+    assert WorkerEnv().apply(base()) == base()
+    assert w.overridden(coordinator="b:2", member="w9") == dataclasses.replace(
+        w, coordinator="b:2", member="w9"
+    )
+    assert w.overridden() is w
+
+
+def test_worker_setup_reads_the_process_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.STEPS, "7")
+    monkeypatch.setenv(env.COORDINATOR, "127.0.0.1:9")
+    where, cfg = worker_setup(base(), None, "tok", None, None)
+    assert (where.coordinator, where.token, cfg.total_steps) == ("127.0.0.1:9", "tok", 7)
+
+
+def test_each_component_reads_its_own_section() -> None:
+    c = base(
+        hang_timeout_floor_s=2.0,
+        hang_timeout_ceiling_s=9.0,
+        hang_timeout_multiplier=4.0,
+        initial_hang_timeout_s=5.0,
+        rendezvous_timeout_s=3.0,
+        heal_timeout_s=60.0,
+        coordinator_timeout_s=4.0,
+        checkpoint_every=5,
+        checkpoint_keep_last=2,
+        checkpoint_fsync=False,
+    )
+    assert (c.watchdog.floor_s, c.watchdog.ceiling_s, c.watchdog.multiplier) == (2.0, 9.0, 4.0)
+    assert c.watchdog.initial_s == 5.0
+    assert (c.timeouts.rendezvous_s, c.timeouts.heal_s, c.timeouts.coordinator_s) == (3, 60, 4)
+    assert (c.checkpoint.every, c.checkpoint.keep_last, c.checkpoint.fsync) == (5, 2, False)
+
+
+def test_run_flags_default_to_the_launch_config() -> None:
+    ap = argparse.ArgumentParser()
+    _add_run_args(ap)
+    args = ap.parse_args([])
+    defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+    assert args.workers == defaults["workers"]
+    assert args.min_workers == defaults["min_workers"]
+    assert args.replace_delay == defaults["replace_delay_s"]
+    assert args.grace == defaults["grace_s"]
+    assert args.seed == defaults["seed"]

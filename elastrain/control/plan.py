@@ -19,6 +19,7 @@ from itertools import islice
 from typing import overload
 
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.protocol import GenerationReason
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class Generation:
     gen: int
     members: tuple[str, ...]
     formed_at: float
-    reason: str
+    reason: GenerationReason
     ready: dict[str, int] = field(default_factory=dict)
     """member -> committed step count reported at rendezvous."""
     commit_gens: dict[str, int] = field(default_factory=dict)
@@ -49,6 +50,8 @@ class Generation:
     """Adopted generations only: members that have not registered again yet."""
     ready_version: int = field(default=0, init=False, repr=False, compare=False)
     """Bumped whenever `ready` changes (the server caches the ready answer)."""
+    announced: bool = field(default=False, init=False, repr=False, compare=False)
+    """The server emitted its `generation_ready` event (once per generation)."""
     _first_missing: int = field(default=0, init=False, repr=False, compare=False)
 
     def set_ready(self, member: str, committed: int, commit_gen: int = 0) -> None:
@@ -117,7 +120,7 @@ class MembershipView:
 @dataclass(frozen=True)
 class Form:
     members: tuple[str, ...]
-    reason: str
+    reason: GenerationReason
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig)
             and started is not None
             and now - started >= config.start_grace_s
         ):
-            return Form(tuple(view.alive[:cap]), "start")
+            return Form(tuple(view.alive[:cap]), GenerationReason.START)
         return Wait(
             f"waiting for workers to register: {n}/{config.target} "
             f"(will start with >= {config.min_members} after {config.start_grace_s:g}s)"
@@ -220,7 +223,7 @@ def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig)
         candidates = (fresh + joiners)[:cap]
         if len(candidates) < config.min_members:
             return Wait(below_min_message(len(candidates), "alive", config))
-        return Form(tuple(candidates), "failure")
+        return Form(tuple(candidates), GenerationReason.FAILURE)
     leaving = len(survivors) < len(view.current)
     room = max(0, cap - len(survivors))
     admitted = joiners[:room]
@@ -229,7 +232,7 @@ def plan_generation(view: MembershipView, now: float, config: CoordinatorConfig)
     candidates = survivors + admitted
     if len(candidates) < config.min_members:
         return Wait(below_min_message(len(candidates), "after leave", config))
-    return Form(tuple(candidates), "leave" if leaving else "join")
+    return Form(tuple(candidates), GenerationReason.LEAVE if leaving else GenerationReason.JOIN)
 
 
 def below_min_message(n: int, what: str, config: CoordinatorConfig) -> str:
@@ -308,7 +311,7 @@ def plan_incremental(
             del cand[cap:]
         admitted = cap - len(cand)
         cand.extend(islice(outside, admitted))
-        return Form(tuple(cand), "failure"), out, min(admitted, len(outside))
+        return Form(tuple(cand), GenerationReason.FAILURE), out, min(admitted, len(outside))
     room = max(0, cap - n_surv)
     n_admitted = min(room, len(outside))
     if not lost and not n_admitted:
@@ -317,4 +320,8 @@ def plan_incremental(
         return Wait(below_min_message(n_surv + n_admitted, "after leave", config)), [], 0
     cand = _without(g.members, lost)
     cand.extend(islice(outside, n_admitted))
-    return Form(tuple(cand), "leave" if lost else "join"), [], n_admitted
+    return (
+        Form(tuple(cand), GenerationReason.LEAVE if lost else GenerationReason.JOIN),
+        [],
+        n_admitted,
+    )

@@ -49,6 +49,7 @@ from elastrain.control.plan import (
     plan_generation,
     plan_incremental,
 )
+from elastrain.control.protocol import GenerationReason, RendezvousStatus, Verdict
 
 __all__ = [
     "Form",
@@ -84,7 +85,7 @@ class Membership:
         self.signature: list[object] | None = None
         self.first_registration: float | None = None
         self.failure_reported = False
-        self.decision: tuple[int, int, str, int] | None = None
+        self.decision: tuple[int, int, Verdict, int] | None = None
         """Latest per-step verdict: (gen, step, verdict, verdict_gen)."""
         self.finished = False
         self.clean_handoffs: set[int] = set()
@@ -165,7 +166,7 @@ class Membership:
         self.gen_floor = max(self.gen_floor, gen)
         g = self.gen
         if gen and member in gen_members:
-            if g is None or (g.reason == "adopted" and g.gen < gen):
+            if g is None or (g.reason == GenerationReason.ADOPTED and g.gen < gen):
                 self._adopt(gen, tuple(gen_members), committed, now)
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)
@@ -174,7 +175,9 @@ class Membership:
         return inc
 
     def _adopt(self, gen: int, members: tuple[str, ...], committed: int, now: float) -> None:
-        g = Generation(gen, members, now, "adopted", ready=dict.fromkeys(members, committed))
+        g = Generation(
+            gen, members, now, GenerationReason.ADOPTED, ready=dict.fromkeys(members, committed)
+        )
         g.awaiting = {m for m in members if m not in self.members}
         self.gen = g
         self.adopted.append(g)
@@ -455,7 +458,7 @@ class Membership:
         committed: int,
         now: float,
         commit_gen: int = 0,
-    ) -> str:
+    ) -> RendezvousStatus:
         """A member asks for a generation newer than `known_gen`.
 
         Returns "ready" (self.gen is ready and contains it), "pending",
@@ -463,11 +466,11 @@ class Membership:
         that generation failed for the caller: it is re-formed.
         """
         if self.finished:
-            return "finished"
+            return RendezvousStatus.FINISHED
         if not self.knows(member):
-            return "unknown"
+            return RendezvousStatus.UNKNOWN
         if not self.touch(member, incarnation, now):
-            return "expelled"
+            return RendezvousStatus.EXPELLED
         g = self.gen
         if g is not None and g.gen <= known_gen and member in g.member_set:
             # The caller's generation failed under it.
@@ -477,35 +480,39 @@ class Membership:
             self.evaluate(now)
             g = self.gen
         if g is None or member not in g.member_set or g.gen <= known_gen or g.broken:
-            return "expelled" if member not in self.members else "pending"
+            return (
+                RendezvousStatus.EXPELLED
+                if member not in self.members
+                else RendezvousStatus.PENDING
+            )
         g.set_ready(member, committed, commit_gen)
-        return "ready" if g.is_ready else "pending"
+        return RendezvousStatus.READY if g.is_ready else RendezvousStatus.PENDING
 
     def quorum(
         self, member: str, incarnation: int, gen: int, step: int, leaving: bool, now: float
-    ) -> tuple[str, int]:
+    ) -> tuple[Verdict, int]:
         """Per-step verdict for (gen, step): the first request for a step
         decides for everyone asking about that step in that generation."""
         if not self.touch(member, incarnation, now):
-            verdict = "expelled" if self.knows(member) else "unknown"
+            verdict = Verdict.EXPELLED if self.knows(member) else Verdict.UNKNOWN
             return verdict, self.gen.gen if self.gen else 0
         m = self.members[member]
         if leaving and not m.leaving:
             self._set_leaving(m)
         g = self.gen
         if g is None or g.gen != gen or g.broken or not g.is_ready:
-            return "regroup", g.gen if g else 0
+            return Verdict.REGROUP, g.gen if g else 0
         if self.decision is not None and self.decision[:2] == (gen, step):
             return self.decision[2], self.decision[3]
         formed = self.evaluate(now, step_boundary=True)
         if formed is not None:
-            self.decision = (gen, step, "regroup", formed.gen)
-            return "regroup", formed.gen
+            self.decision = (gen, step, Verdict.REGROUP, formed.gen)
+            return Verdict.REGROUP, formed.gen
         if self.gen is not None and self.gen.broken:
-            return "regroup", self.gen.gen
-        self.decision = (gen, step, "proceed", gen)
+            return Verdict.REGROUP, self.gen.gen
+        self.decision = (gen, step, Verdict.PROCEED, gen)
         self.progress_step = max(self.progress_step, step)
-        return "proceed", gen
+        return Verdict.PROCEED, gen
 
     def expire(self, now: float) -> None:
         """Periodic check: leases and generations whose members never came.

@@ -217,11 +217,14 @@ class Coordinator:
             now = time.monotonic()
             if not self.state.touch(req.member, req.incarnation, now):
                 known = self.state.knows(req.member)
-                return p.HeartbeatResponse("expelled" if known else "unknown", self._gen_id())
+                return p.HeartbeatResponse(
+                    p.HeartbeatStatus.EXPELLED if known else p.HeartbeatStatus.UNKNOWN,
+                    self._gen_id(),
+                )
             if req.gen and self.state.gen_interrupted(req.gen):
-                return p.HeartbeatResponse("changed", self._gen_id())
+                return p.HeartbeatResponse(p.HeartbeatStatus.CHANGED, self._gen_id())
             if now >= deadline:
-                return p.HeartbeatResponse("ok", self._gen_id())
+                return p.HeartbeatResponse(p.HeartbeatStatus.OK, self._gen_id())
             return None
 
     def rendezvous(
@@ -237,9 +240,9 @@ class Coordinator:
             )
             self._flush()
             g = self.state.gen
-            if status == "ready" and g is not None:
-                if not getattr(g, "_announced", False):
-                    g._announced = True  # type: ignore[attr-defined]
+            if status == p.RendezvousStatus.READY and g is not None:
+                if not g.announced:
+                    g.announced = True
                     self.events.emit(
                         EventKind.GENERATION_READY,
                         gen=g.gen,
@@ -250,7 +253,7 @@ class Coordinator:
                 cached = self._ready_body
                 if cached is None or cached[0] is not g or cached[1] != g.ready_version:
                     r = p.RendezvousResponse(
-                        "ready",
+                        p.RendezvousStatus.READY,
                         g.gen,
                         list(g.members),
                         dict(g.ready),
@@ -262,9 +265,9 @@ class Coordinator:
                     cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
                     self._ready_body = cached
                 return cached[2]
-            if status in ("expelled", "unknown", "finished") or now >= deadline:
+            if status in _FINAL or now >= deadline:
                 msg = self.state.waiting or ""
-                if status == "pending" and g is not None and not msg:
+                if status == p.RendezvousStatus.PENDING and g is not None and not msg:
                     names, count = g.missing(5)
                     who = ", ".join(names) or "members"
                     if names and count > len(names):
@@ -279,7 +282,7 @@ class Coordinator:
                 req.member, req.incarnation, req.gen, req.step, req.leaving, time.monotonic()
             )
             preempt_s = 0.0
-            if verdict == "proceed":
+            if verdict == p.Verdict.PROCEED:
                 d = self._preempt_decision
                 if d is None or d[:2] != (req.gen, req.step):
                     # The first request for (gen, step) decides for every member.
@@ -287,11 +290,13 @@ class Coordinator:
                     self._preempt_decision = d
                 if d[2] is not None:
                     preempt_s = max(0.001, d[2] - time.monotonic())
-            if verdict == "proceed" and req.last_loss is not None:
+            if verdict == p.Verdict.PROCEED and req.last_loss is not None:
                 self.state.last_loss = req.last_loss
             if req.global_batch:
                 self._global_batch = req.global_batch
-            if verdict == "proceed" and (not self._commits or self._commits[-1][1] < req.step):
+            if verdict == p.Verdict.PROCEED and (
+                not self._commits or self._commits[-1][1] < req.step
+            ):
                 self._commits.append((time.monotonic(), req.step))
                 del self._commits[:-50]
             self._flush()
@@ -383,6 +388,9 @@ def _wait_s(wait_s: float) -> float:
         return wait_s
     return MAX_WAIT_S if wait_s > MAX_WAIT_S else 0.0
 
+
+_FINAL = (p.RendezvousStatus.EXPELLED, p.RendezvousStatus.UNKNOWN, p.RendezvousStatus.FINISHED)
+"""Rendezvous answers that end a long poll at once."""
 
 _SMALL = (p.HeartbeatResponse, p.QuorumResponse, p.OkResponse)
 _encoded: dict[Any, bytes] = {}

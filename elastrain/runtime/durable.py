@@ -64,6 +64,7 @@ from elastrain.checkpoint import (
     commit,
 )
 from elastrain.checkpoint.files import MARKER, shard_manifest_name, step_dir
+from elastrain.control.protocol import GenerationReason
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime.ckpt_schedule import IntervalChoice, Schedule
 from elastrain.runtime.config import CheckpointPolicy
@@ -351,7 +352,7 @@ class Checkpointing:
         counted once by the next committed step however many re-forms it took."""
         if self._last_commit is None:
             self._last_commit = time.monotonic()
-        if reason == "failure":
+        if reason == GenerationReason.FAILURE:
             self._saw_failure = True
 
     def absorb(self, values: list[float]) -> None:

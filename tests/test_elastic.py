@@ -265,7 +265,12 @@ def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> Non
             ELASTRAIN_MEMBER_ID="rogue",
         )
         rogue = subprocess.run(
-            [sys.executable, MLP, "--mismatch"], env=env, capture_output=True, text=True, timeout=60
+            # How a worker is started by hand: the entry point maps WorkerExit to the status.
+            [sys.executable, "-m", "elastrain.worker", MLP, "--mismatch"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert rogue.returncode == 3, rogue.stdout + rogue.stderr
         assert "does not match" in rogue.stdout and "shape" in rogue.stdout

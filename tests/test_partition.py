@@ -116,7 +116,7 @@ class Run:
         with open(self.run_dir / f"{member}.log", "wb") as log:
             p = self.net.run_in(
                 host,
-                [sys.executable, MLP, "--min-step-s", str(MIN_STEP_S)],
+                [sys.executable, "-m", "elastrain.worker", MLP, "--min-step-s", str(MIN_STEP_S)],
                 env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

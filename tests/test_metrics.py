@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,9 +22,9 @@ from elastrain.observe.metrics import (
     FAILURES,
     failure_counts,
     parse_prometheus,
-    parse_samples,
     prometheus_text,
 )
+from tests.conftest import failures_metric, scrape
 
 
 def test_prometheus_text_format() -> None:
@@ -44,11 +43,6 @@ def test_prometheus_text_format() -> None:
     assert "# TYPE elastrain_step gauge" in text
     assert "elastrain_loss" in prometheus_text({**st, "loss": 0.5})
     assert FAILURES not in text  # a status without failure counts: no counter
-
-
-def failures_metric(text: str) -> dict[str, float]:
-    """kind -> value of every `elastrain_failures_total` sample."""
-    return {lab["kind"]: v for name, lab, v in parse_samples(text) if name == FAILURES}
 
 
 def ev(t: float, kind: str, proc: str = "coordinator", **f: Any) -> dict[str, Any]:
@@ -144,17 +138,6 @@ def test_coordinator_metrics_count_the_exits_it_was_told_and_the_lease_it_saw_ru
     own = [e for e in read_events(tmp_path / "coord") if e["proc"] == "coordinator"]
     assert [e["member"] for e in own if e["kind"] == "exit_reported"] == ["w1", "w3", "w4", "w0"]
     assert failure_counts(own) == {"kill": 1, "term": 1, "crash": 1, "hang": 1}
-
-
-def scrape(host: str, port: int, token: str | None) -> tuple[int, str]:
-    c = http.client.HTTPConnection(host, port, timeout=5)
-    try:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        c.request("GET", "/metrics", headers=headers)
-        r = c.getresponse()
-        return r.status, r.read().decode()
-    finally:
-        c.close()
 
 
 def test_metrics_scraped_over_http_show_the_step_moving(run_job: Callable[..., Any]) -> None:

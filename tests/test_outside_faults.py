@@ -14,7 +14,6 @@ run B would show none and every comparison below would fail.
 
 from __future__ import annotations
 
-import http.client
 import math
 import os
 import signal
@@ -28,9 +27,9 @@ from typing import Any
 from elastrain.launch.launcher import Launcher
 from elastrain.observe.failures import Failure, FailureKind, recognise_failures
 from elastrain.observe.goodput import Goodput, goodput
-from elastrain.observe.metrics import FAILURE_KINDS, FAILURES, parse_samples
+from elastrain.observe.metrics import FAILURE_KINDS
 from elastrain.observe.recovery import recoveries
-from tests.conftest import Job
+from tests.conftest import Job, failures_metric, scrape
 
 STEPS = 120
 PACE_S = 0.1
@@ -122,15 +121,9 @@ class Outside:
 def scrape_failures(launcher: Launcher) -> dict[str, float]:
     """kind -> `elastrain_failures_total` on the job's coordinator's /metrics."""
     host, _, port = launcher.address.rpartition(":")
-    c = http.client.HTTPConnection(host, int(port), timeout=5)
-    try:
-        c.request("GET", "/metrics", headers={"Authorization": f"Bearer {launcher.token}"})
-        r = c.getresponse()
-        text = r.read().decode()
-        assert r.status == 200, text
-    finally:
-        c.close()
-    return {lab["kind"]: v for name, lab, v in parse_samples(text) if name == FAILURES}
+    status, text = scrape(host, int(port), launcher.token)
+    assert status == 200, text
+    return failures_metric(text)
 
 
 @dataclass
@@ -175,14 +168,15 @@ TOLERANCE: dict[str, tuple[float, float]] = {
     # fires (3 s floor, or 8x the slowest recent all-reduce wait) and it holds up
     # three processes (two survivors and the victim). One load spike that slows
     # an all-reduce wait to 0.5 s makes that 4 s in one run only: +3 member-s.
-    # Measured (three pairs of runs, load average up to 8): detection 9.9/9.4,
-    # 9.5/9.0; all failure buckets 15.0/14.6, 14.9/15.0 member-s.
+    # Measured (A/B, load average 5 to 8): detection 6.2/6.2 member-s, all
+    # failure buckets 11.9/12.9; with the hang planned second, 9.9/9.4 and
+    # 15.0/14.6, 9.5/9.0 and 14.9/15.0.
     "detection": (0.3, 3.5),
     "failure": (0.3, 4.0),
 }
 """(relative, absolute member-seconds) allowed between the two runs:
 `math.isclose(a, b, rel_tol, abs_tol)`. A failure that B did not recognise moves
-B's detection by that failure's whole detection time (the hang's is ~9 member-s)."""
+B's detection by that failure's whole detection time (the hang's: 6 to 9 member-s)."""
 
 
 def compared(gp: Goodput) -> dict[str, float]:

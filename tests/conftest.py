@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.observe.events import read_events
+from elastrain.observe.metrics import FAILURES, parse_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "tests" / "scripts" / "train_mlp.py")
@@ -120,6 +122,23 @@ def stop_processes(proc: subprocess.Popen[str], pids: set[int] | list[int]) -> N
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def scrape(host: str, port: int, token: str | None) -> tuple[int, str]:
+    """GET /metrics from a coordinator (with the job token, if given): (status, text)."""
+    c = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        c.request("GET", "/metrics", headers=headers)
+        r = c.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        c.close()
+
+
+def failures_metric(text: str) -> dict[str, float]:
+    """kind -> value of every `elastrain_failures_total` sample."""
+    return {lab["kind"]: v for name, lab, v in parse_samples(text) if name == FAILURES}
 
 
 def pytest_configure(config: pytest.Config) -> None:

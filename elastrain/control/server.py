@@ -46,7 +46,8 @@ from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
 from elastrain.observe.events import EventKind, EventLog
-from elastrain.observe.metrics import CONTENT_TYPE, prometheus_text
+from elastrain.observe.failures import EVIDENCE_KINDS
+from elastrain.observe.metrics import CONTENT_TYPE, failure_counts, prometheus_text
 
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
@@ -68,6 +69,12 @@ class Coordinator:
     adopted, broken or ready, the job finished), or at the deadline. Waking
     only on such changes keeps an idle coordinator idle and makes waking cost
     O(waiters) per change, never per heartbeat or registration.
+
+    It keeps the events it emitted that are evidence of failures
+    (`EVIDENCE_KINDS`: removals, generations, re-registrations, and
+    `exit_reported` for each exit the launcher reports) and counts the failures
+    `recognise_failures` finds in them (`failures()`, `status()["failures"]`,
+    `elastrain_failures_total` on /metrics).
     """
 
     def __init__(
@@ -104,6 +111,26 @@ class Coordinator:
         self._ready_body: tuple[Generation, int, bytes] | None = None
         self._gen_secret = secrets.token_bytes(32)
         """Derives each generation's `group_key` (see control/store.py)."""
+        self._evidence: list[dict[str, Any]] = []
+        """The events this coordinator emitted whose kind is in EVIDENCE_KINDS."""
+        self._counted: tuple[int, dict[str, int]] = (-1, {})
+        """(len(_evidence) when counted, failure_counts of them): counted again
+        only when new evidence came."""
+
+    def _emit(self, kind: EventKind, **fields: Any) -> None:
+        """Write an event; keep it when it is evidence of failures. Holds the lock."""
+        rec = self.events.emit(kind, **fields)
+        if kind in EVIDENCE_KINDS:
+            self._evidence.append(rec)
+
+    def failures(self) -> dict[str, int]:
+        """Failures recognised in what this coordinator saw, per kind
+        (`elastrain.observe.metrics.failure_counts`). Holds the lock."""
+        n, counts = self._counted
+        if n != len(self._evidence):
+            counts = failure_counts(self._evidence)
+            self._counted = (len(self._evidence), counts)
+        return dict(counts)
 
     # ---- helpers ------------------------------------------------------------
 
@@ -120,7 +147,7 @@ class Coordinator:
         formed = self.state.drain_formed()
         adopted = self.state.drain_adopted()
         for g in adopted:
-            self.events.emit(
+            self._emit(
                 EventKind.GENERATION_ADOPTED,
                 gen=g.gen,
                 members=list(g.members),
@@ -128,15 +155,15 @@ class Coordinator:
                 step=g.start_step,
             )
         for r in removed:
-            self.events.emit(EventKind.MEMBER_REMOVED, member=r.member, reason=r.reason)
+            self._emit(EventKind.MEMBER_REMOVED, member=r.member, reason=r.reason)
         if removed:
             self.members_left.set()
         for g in formed:
-            self.events.emit(
+            self._emit(
                 EventKind.GENERATION_FORMED, gen=g.gen, members=list(g.members), reason=g.reason
             )
         if self.state.waiting and self.state.waiting != self._last_wait:
-            self.events.emit(
+            self._emit(
                 EventKind.WAITING_FOR_MEMBERS,
                 message=self.state.waiting,
                 have=len(self.state.members),
@@ -181,7 +208,7 @@ class Coordinator:
                 from elastrain.transfer import signature_mismatch
 
                 why = signature_mismatch(req.signature, self.state.signature) or "differs"
-                self.events.emit(EventKind.MEMBER_REFUSED, member=req.member, reason=why)
+                self._emit(EventKind.MEMBER_REFUSED, member=req.member, reason=why)
                 raise HttpError(
                     409,
                     "model_mismatch",
@@ -198,7 +225,7 @@ class Coordinator:
                 committed=req.committed,
                 prev_incarnation=req.prev_incarnation,
             )
-            self.events.emit(
+            self._emit(
                 EventKind.MEMBER_REGISTERED,
                 member=req.member,
                 incarnation=inc,
@@ -243,7 +270,7 @@ class Coordinator:
             if status == p.RendezvousStatus.READY and g is not None:
                 if not g.announced:
                     g.announced = True
-                    self.events.emit(
+                    self._emit(
                         EventKind.GENERATION_READY,
                         gen=g.gen,
                         members=list(g.members),
@@ -308,7 +335,7 @@ class Coordinator:
         with self.lock:
             if self._preempt_deadline is None:
                 self._preempt_deadline = time.monotonic() + max(0.0, req.grace_s)
-                self.events.emit(EventKind.PREEMPT_NOTICE, grace_s=req.grace_s)
+                self._emit(EventKind.PREEMPT_NOTICE, grace_s=req.grace_s)
             self._flush(wake=True)
             return p.OkResponse(True)
 
@@ -321,8 +348,16 @@ class Coordinator:
             return p.OkResponse(ok)
 
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
+        """The launcher saw a worker process exit: drop it, and record the exit
+        status (`exit_reported`: evidence of what the failure was)."""
         with self.lock:
             ok = self.state.exited(req.member, req.pid, time.monotonic())
+            self._emit(
+                EventKind.EXIT_REPORTED,
+                member=req.member,
+                pid=req.pid,
+                returncode=req.returncode,
+            )
             self._flush(wake=True)
             return p.OkResponse(ok)
 
@@ -355,6 +390,7 @@ class Coordinator:
                 "target": self.config.target,
                 "min": self.config.min_members,
                 "uptime_s": time.time() - self.started,
+                "failures": self.failures(),
             }
 
     def tick(self) -> None:

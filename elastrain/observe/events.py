@@ -47,6 +47,7 @@ class EventKind(StrEnum):
     WAITING_FOR_MEMBERS = "waiting_for_members"
     PREEMPT_NOTICE = "preempt_notice"
     GENERATION_ADOPTED = "generation_adopted"
+    EXIT_REPORTED = "exit_reported"
     # launcher: coordinator restarts; worker: losing and finding it again
     COORDINATOR_EXITED = "coordinator_exited"
     COORDINATOR_RESTARTED = "coordinator_restarted"
@@ -96,6 +97,7 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.WAITING_FOR_MEMBERS: frozenset(["have", "message", "min"]),
     EventKind.PREEMPT_NOTICE: frozenset(["grace_s"]),
     EventKind.GENERATION_ADOPTED: frozenset(["awaiting", "gen", "members", "step"]),
+    EventKind.EXIT_REPORTED: frozenset(["member", "pid", "returncode"]),
     EventKind.COORDINATOR_EXITED: frozenset(["pid", "returncode"]),
     EventKind.COORDINATOR_RESTARTED: frozenset(["down_s", "pid", "restarts"]),
     EventKind.COORDINATOR_UNREACHABLE: frozenset(["error", "gen", "op"]),

@@ -8,7 +8,8 @@ a `kill -9` sent from outside counts exactly as a `--fault kill` does.
 A failure is recognised from evidence (docs/events.md, "Failures"):
 
   kill         the launcher saw the worker exit by a signal other than SIGTERM
-               or SIGINT (`worker_exited.returncode` < 0)
+               or SIGINT (`worker_exited.returncode` < 0; the coordinator's
+               `exit_reported`, what the launcher told it, says the same)
   term         the worker left: it exited by SIGTERM/SIGINT or with EXIT_LEFT,
                announced `worker_exit` reason `left`, or the coordinator
                removed it as `left`
@@ -33,6 +34,11 @@ victim's last sign of life (its last event) for a hang, the moment the
 others started waiting (first watchdog minus its timeout) for a stall seen
 only by the watchdog. Pure: no I/O, any event order, never raises on partial
 events.
+
+`EVIDENCE_KINDS` are the event kinds it reads; besides them only a worker's own
+events count (the time of its last sign of life). A process that recognises
+failures live (the coordinator, for `/metrics`) keeps those kinds of what it
+emits and passes them here: the same recogniser over what it saw.
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ from enum import StrEnum
 from typing import Any
 
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED
+from elastrain.observe.events import EventKind
 
 Event = Mapping[str, Any]
 
 __all__ = [
     "COORDINATOR",
+    "EVIDENCE_KINDS",
     "Evidence",
     "Failure",
     "FailureKind",
@@ -87,6 +95,31 @@ _LABELS: dict[str, frozenset[FailureKind]] = {
 
 _JOB_WIDE = frozenset({"kill-all"})
 """Injected kinds aimed at the whole job: they label every matching failure."""
+
+_EXITS = frozenset({EventKind.WORKER_EXITED, EventKind.EXIT_REPORTED})
+"""A worker process's exit status: as the launcher saw it, or as the coordinator
+was told it (the same exit: both join one failure)."""
+_GENERATIONS = frozenset(
+    {EventKind.GENERATION_FORMED, EventKind.GENERATION_READY, EventKind.GENERATION_START}
+)
+
+EVIDENCE_KINDS: frozenset[EventKind] = frozenset(
+    {
+        EventKind.JOB_START,
+        EventKind.PREEMPT_NOTICE,
+        EventKind.DRAIN,
+        EventKind.WORKER_SPAWNED,
+        EventKind.MEMBER_REGISTERED,
+        EventKind.COORDINATOR_EXITED,
+        EventKind.MEMBER_REMOVED,
+        EventKind.WORKER_EXIT,
+        EventKind.WATCHDOG_FIRED,
+        EventKind.FAULT_INJECTED,
+        *_EXITS,
+        *_GENERATIONS,
+    }
+)
+"""Every event kind `recognise_failures` reads (see the module docstring)."""
 
 _HANG_REMOVALS = {
     "lease_expired": "its lease expired",
@@ -173,6 +206,11 @@ def _sorted(events: Iterable[Event]) -> list[Event]:
     return out
 
 
+def _first(t0: float | None, t: float) -> float:
+    """The earlier of an exit time seen before (if any) and `t`."""
+    return t if t0 is None else min(t0, t)
+
+
 def _signame(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -217,23 +255,23 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
     for e in evs:
         k = e.get("kind")
         t = _t(e)
-        if k == "job_start":
+        if k == EventKind.JOB_START:
             ending = False
             continue
-        if k in ("preempt_notice", "drain"):
+        if k in (EventKind.PREEMPT_NOTICE, EventKind.DRAIN):
             ending = True
             continue
-        if k == "worker_spawned" and e.get("member") is not None:
+        if k == EventKind.WORKER_SPAWNED and e.get("member") is not None:
             pid = _int(e.get("pid"))
             if pid is not None:
                 pid_of[str(e["member"])] = pid
             continue
-        if k == "member_registered" and (_int(e.get("incarnation")) or 1) > 1:
+        if k == EventKind.MEMBER_REGISTERED and (_int(e.get("incarnation")) or 1) > 1:
             o = current.get(str(e.get("member")))
             if o is not None:
                 o.closed = True  # healthy again: what comes next is a new failure
             continue
-        if k == "coordinator_exited":
+        if k == EventKind.COORDINATOR_EXITED:
             rc = _int(e.get("returncode"))
             if rc not in (None, 0) and not ending:
                 why = f"exited by {_signame(-rc)}" if rc < 0 else f"exited with code {rc}"
@@ -242,19 +280,19 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
             continue
         if ending:
             continue
-        if k == "worker_exited":
+        if k in _EXITS:
             rc = _int(e.get("returncode"))
             verdict = classify_exit(rc) if rc is not None else None
             member, pid = str(e.get("member")), _int(e.get("pid"))
             if verdict is None:
                 o = current.get(member)
                 if o is not None and not o.closed and o.kind is FailureKind.TERM:
-                    o.exit_t = t  # a leave that ended with status 0
+                    o.exit_t = _first(o.exit_t, t)  # a leave that ended with status 0
                 continue
             o = note(member, pid, verdict[0], Evidence(t, k, verdict[1]))
             if o is not None:
-                o.exit_t = t
-        elif k == "member_removed":
+                o.exit_t = _first(o.exit_t, t)
+        elif k == EventKind.MEMBER_REMOVED:
             member, reason = str(e.get("member")), str(e.get("reason"))
             if reason == "left":
                 note(
@@ -267,7 +305,7 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
                 note(member, None, FailureKind.HANG, Evidence(t, k, _HANG_REMOVALS[reason]))
             elif reason == "exited":
                 note(member, None, None, Evidence(t, k, "the coordinator dropped it: it exited"))
-        elif k == "worker_exit" and e.get("reason") == "left":
+        elif k == EventKind.WORKER_EXIT and e.get("reason") == "left":
             proc = e.get("proc")
             if isinstance(proc, str) and proc not in _NON_WORKER:
                 note(
@@ -288,7 +326,7 @@ def _generations(evs: Sequence[Event]) -> tuple[dict[int, list[str]], list[tuple
     members: dict[int, list[str]] = {}
     formed: list[tuple[float, int]] = []
     for e in evs:
-        if e.get("kind") not in ("generation_formed", "generation_ready", "generation_start"):
+        if e.get("kind") not in _GENERATIONS:
             continue
         g = _int(e.get("gen"))
         m = e.get("members")
@@ -296,7 +334,7 @@ def _generations(evs: Sequence[Event]) -> tuple[dict[int, list[str]], list[tuple
             continue
         if isinstance(m, list | tuple) and g not in members:
             members[g] = [str(x) for x in m]
-        if e.get("kind") == "generation_formed":
+        if e.get("kind") == EventKind.GENERATION_FORMED:
             formed.append((_t(e), g))
     return members, formed
 
@@ -308,7 +346,7 @@ def _watchdog_failures(
     are failures of their own: the member that never reached the collective stalled."""
     groups: dict[tuple[int | None, int | None], list[Event]] = {}
     for e in evs:
-        if e.get("kind") == "watchdog_fired" and isinstance(e.get("proc"), str):
+        if e.get("kind") == EventKind.WATCHDOG_FIRED and isinstance(e.get("proc"), str):
             groups.setdefault((_int(e.get("gen")), _int(e.get("step"))), []).append(e)
     if not groups:
         return []
@@ -377,7 +415,9 @@ def _last_sign_of_life(
 
 def _label(failures: list[Failure], evs: Sequence[Event]) -> list[Failure]:
     """Attach each `fault_injected` to the failure it caused (see the module docstring)."""
-    injected = [e for e in evs if e.get("kind") == "fault_injected" and e.get("fault") in _LABELS]
+    injected = [
+        e for e in evs if e.get("kind") == EventKind.FAULT_INJECTED and e.get("fault") in _LABELS
+    ]
     used: set[int] = set()
     out: list[Failure] = []
     prev_detected: dict[str, float] = {}

@@ -5,13 +5,21 @@ path it requires the job token (`Authorization: Bearer <token>`; in Prometheus:
 `authorization: {credentials_file: <run_dir>/token}`), so nothing about the job
 leaks to whoever can reach the port. Pure: `prometheus_text(status)` formats
 the dict that `Coordinator.status()` returns.
+
+`elastrain_failures_total{kind}` counts the failures that
+`elastrain.observe.failures.recognise_failures` recognises in what the
+coordinator itself saw (`failure_counts` over its own events: removals,
+generations, re-registrations, and the exits the launcher reported to it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from elastrain.observe.failures import FailureKind, recognise_failures
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,6 +44,22 @@ _GAUGES: tuple[tuple[str, str, Any], ...] = (
 )  # fmt: skip
 
 
+FAILURES = "elastrain_failures_total"
+FAILURE_KINDS = tuple(k for k in FailureKind if k is not FailureKind.COORDINATOR)
+"""The kinds `elastrain_failures_total` reports. A coordinator cannot see its own
+death: a restarted one starts counting from zero (a counter reset), and the
+run's events (`elastrain report`) count coordinator failures."""
+
+
+def failure_counts(events: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """Recognised failures per kind (every kind of FAILURE_KINDS, zeros included)."""
+    out = dict.fromkeys(map(str, FAILURE_KINDS), 0)
+    for f in recognise_failures(events):
+        if f.kind in FAILURE_KINDS:
+            out[str(f.kind)] += 1
+    return out
+
+
 def _label(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
@@ -50,7 +74,8 @@ def _num(v: Any) -> float | None:
 
 def prometheus_text(status: Mapping[str, Any]) -> str:
     """Every gauge with a numeric value, labelled with the job id; a gauge whose
-    value is unknown (e.g. the loss before the first step) is left out."""
+    value is unknown (e.g. the loss before the first step) is left out. Then
+    `elastrain_failures_total`, one sample per kind of `status["failures"]`."""
     job = _label(str(status.get("job_id", "")))
     out: list[str] = []
     for name, help_, key in _GAUGES:
@@ -58,15 +83,41 @@ def prometheus_text(status: Mapping[str, Any]) -> str:
         if v is None:
             continue
         out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f'{name}{{job="{job}"}} {v!r}']
+    failures = status.get("failures")
+    if isinstance(failures, Mapping) and failures:
+        out += [
+            f"# HELP {FAILURES} Failures recognised from what the coordinator saw, by kind.",
+            f"# TYPE {FAILURES} counter",
+        ]
+        for kind, n in failures.items():
+            v = _num(n)
+            if v is not None:
+                out.append(f'{FAILURES}{{job="{job}",kind="{_label(str(kind))}"}} {v!r}')
     return "\n".join(out) + "\n"
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """name -> value of each sample line (labels dropped); for tests and `top`."""
-    out: dict[str, float] = {}
+    """name -> value of each sample line (labels dropped: the last sample of a
+    name wins; `parse_samples` keeps them); for tests and `top`."""
+    return {name: v for name, _labels, v in parse_samples(text)}
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def _unescape(m: re.Match[str]) -> str:
+    return "\n" if m[1] == "n" else m[1]
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each sample line, in order (label values unescaped)."""
+    out: list[tuple[str, dict[str, str], float]] = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
-        name, _, value = line.rpartition(" ")
-        out[name.split("{", 1)[0]] = float(value)
+        sample, _, value = line.rpartition(" ")
+        name, _, labels = sample.partition("{")
+        unescaped = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels)}
+        out.append((name, unescaped, float(value)))
     return out

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from elastrain.data import GlobalOrder
-from elastrain.exitcodes import EXIT_LEFT
+from elastrain.exitcodes import EXIT_LEFT, RUN_INTERRUPTED
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
@@ -240,8 +240,14 @@ def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job, refere
 
 def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> None:
     run_dir = tmp_path / "mm"
+    # The job runs slowly until the rogue has been refused (it must not finish before
+    # the rogue, slow to start on a loaded machine, reaches the coordinator), then
+    # to its end at full speed.
+    pace = tmp_path / "pace"
+    pace.write_text("0.5")
     cfg = LaunchConfig(
         script=MLP,
+        script_args=["--pace-file", str(pace)],
         workers=2,
         steps=300,
         run_dir=str(run_dir),
@@ -275,6 +281,7 @@ def test_mismatched_joiner_is_refused_and_the_job_goes_on(tmp_path: Path) -> Non
         assert rogue.returncode == 3, rogue.stdout + rogue.stderr
         assert "does not match" in rogue.stdout and "shape" in rogue.stdout
     finally:
+        pace.unlink(missing_ok=True)
         t.join(timeout=120)
         if t.is_alive():
             launcher.stop()
@@ -345,7 +352,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         assert len(pids) == 3
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 1
+        assert proc.returncode == RUN_INTERRUPTED  # 128 + SIGINT, the shell convention
         assert "job interrupted" in out
         for pid in pids:
             with pytest.raises(ProcessLookupError):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from elastrain.chaos.schedule import KINDS
-from elastrain.chaos.soak_jobs import SoakJob
 from elastrain.chaos.soak import format_table, main, plan_faults, soak
+from elastrain.chaos.soak_jobs import SoakJob
 
 
 def test_plan_deals_every_kind_and_keeps_a_quiet_tail() -> None:

@@ -2,19 +2,19 @@
 
 `elastrain chaos soak --job torch|jax` picks one `SoakJob`; the soak itself is
 the same for both. The two scripts (`soak_job.py`, PyTorch; `soak_job_jax.py`,
-JAX) train the same small MLP regression with the same contract, all of it
-defined here once:
+JAX) train the same small MLP regression under the same contract, defined here
+once:
 
 - data: `Regression`, a fixed set (numpy, so both frameworks read it);
 - data order: `expected_ids(step)`, the sample ids every committed step must
   consume exactly once (the soak's exactly-once check);
-- shape of the run: batch, micro-batch, seed, a checkpoint every
-  `CHECKPOINT_EVERY` steps, an open-ended step count (the soak ends the job
-  with a preemption notice);
+- shape of the run: `trainer_config()` (batch, micro-batch, seed, a checkpoint
+  every `CHECKPOINT_EVERY` steps, an open-ended step count: the soak ends the
+  job with a preemption notice) and the model's `DIM`, `HIDDEN`, `DROPOUT`, `LR`;
 - output: `save_final` writes a member's final parameters, flat, to
   <run_dir>/final/<member>.npy (numpy, no pickle).
 
-This module imports neither torch nor JAX: the soak's own process reads it.
+This module imports no framework itself: the soak's own process reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from elastrain.data import GlobalOrder
+from elastrain.runtime.config import TrainerConfig
 
 BATCH, MICRO, SEED, DATASET, DIM, HIDDEN = 24, 4, 11, 6000, 16, 128
 CHECKPOINT_EVERY = 20
@@ -50,23 +51,36 @@ class SoakJob(StrEnum):
         return str(_HERE / ("soak_job.py" if self is SoakJob.TORCH else "soak_job_jax.py"))
 
 
+def trainer_config() -> TrainerConfig:
+    """The configuration both jobs train with."""
+    return TrainerConfig(
+        global_batch_size=BATCH,
+        micro_batch_size=MICRO,
+        total_steps=TOTAL_STEPS,
+        seed=SEED,
+        checkpoint_every=CHECKPOINT_EVERY,
+    )
+
+
 def expected_ids(step: int) -> list[int]:
     """The sample ids of `step` in the jobs' global order."""
     return GlobalOrder(DATASET, SEED).ids(step * BATCH, (step + 1) * BATCH)
 
 
 class Regression:
-    """`y = tanh(x @ w) + noise`: DATASET samples of DIM features, float32 numpy pairs."""
+    """`y = tanh(x @ w) + noise`: `n` samples of `d` features, float32 numpy pairs
+    drawn from `seed` (the soak's set by default; tests/scripts/train_jax_mlp.py
+    draws a smaller one)."""
 
-    def __init__(self) -> None:
-        g = np.random.default_rng(99)
-        self.x = g.standard_normal((DATASET, DIM), dtype=np.float32)
-        w = g.standard_normal((DIM, 1), dtype=np.float32)
-        noise = 0.05 * g.standard_normal((DATASET, 1), dtype=np.float32)
+    def __init__(self, n: int = DATASET, d: int = DIM, seed: int = 99) -> None:
+        g = np.random.default_rng(seed)
+        self.x = g.standard_normal((n, d), dtype=np.float32)
+        w = g.standard_normal((d, 1), dtype=np.float32)
+        noise = 0.05 * g.standard_normal((n, 1), dtype=np.float32)
         self.y = (np.tanh(self.x @ w) + noise).astype(np.float32)
 
     def __len__(self) -> int:
-        return DATASET
+        return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         return self.x[i], self.y[i]

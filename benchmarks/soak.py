@@ -2,7 +2,8 @@
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/soak.py [--duration 30m] [--every 8s] [--seed 1] [--no-record]
+    .venv/bin/python benchmarks/soak.py [--duration 30m] [--job torch|jax] [--every 8s] [--seed 1]
+        [--no-record]
 
 It is `elastrain chaos soak` (see elastrain/chaos/soak.py for what it injects
 and checks) with a longer duration and a denser schedule, run as root so that
@@ -28,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from elastrain.chaos.schedule import KINDS, parse_duration  # noqa: E402
 from elastrain.chaos.soak import format_table, soak  # noqa: E402
+from elastrain.chaos.soak_jobs import SoakJob  # noqa: E402
 
 
 def main() -> int:
@@ -35,6 +37,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--duration", default="30m")
+    ap.add_argument("--job", type=SoakJob, choices=list(SoakJob), default=SoakJob.TORCH)
     ap.add_argument("--every", default="8s")
     ap.add_argument("-n", "--workers", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
@@ -45,7 +48,7 @@ def main() -> int:
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
     summary = soak(
-        duration, workers=args.workers, every_s=every, kinds=list(KINDS), seed=args.seed,
+        duration, job=args.job, workers=args.workers, every_s=every, kinds=list(KINDS), seed=args.seed,
         run_dir=run_dir,
     )  # fmt: skip
     wall = time.monotonic() - t0

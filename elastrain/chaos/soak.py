@@ -1,18 +1,19 @@
 """`elastrain chaos soak`: train under a random mix of faults and check every invariant.
 
-    elastrain chaos soak --duration 3m [-n 3] [--every 9s] [--kinds kill,hang,...]
-        [--seed 0] [--run-dir DIR]
+    elastrain chaos soak --duration 3m [--job torch|jax] [-n 3] [--every 9s]
+        [--kinds kill,hang,...] [--seed 0] [--run-dir DIR]
 
-It runs `elastrain/chaos/soak_job.py` (a small MLP, checkpointed every 20
-steps), each worker on a simulated host of its own (a network namespace, see
+It runs the `--job`'s script (`elastrain.chaos.soak_jobs`: a small MLP,
+checkpointed every 20 steps, in PyTorch, `soak_job.py`, the default, or in
+JAX, `soak_job_jax.py`; the same data, data order and checks for both), each
+worker on a simulated host of its own (a network namespace, see
 `elastrain.chaos.netns`, so that a `cut` can take one off the network), with a
-seeded schedule of faults, one every `--every` seconds (with
-jitter), drawn so that each kind in `--kinds` comes up (each damaged
-checkpoint comes right after a kill of every worker and before their
-replacements start, so the resume path must notice the damage). The last
-quarter of the duration is quiet so every fault has time to recover; the
-clock starts at the job's first committed step. Then the job is ended with a preemption
-notice, and the same job runs failure-free, as one member, for as many steps:
+seeded schedule of faults, one every `--every` seconds (with jitter), drawn
+so that each kind in `--kinds` comes up (each damaged checkpoint comes right
+after a kill of every worker and before their replacements start, so the
+resume path must notice the damage). The last quarter of the duration is
+quiet so every fault has time to recover; the clock starts at the job's first
+committed step. Then the job is ended with a preemption notice, and the same job runs failure-free, as one member, for as many steps:
 the reference. Checks, each a count of violations:
 
 - same state: all members hash-identical at every generation start;
@@ -51,9 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastrain.chaos import soak_job
 from elastrain.chaos.netns import missing_requirement
 from elastrain.chaos.schedule import KINDS, Fault, parse_duration
+from elastrain.chaos.soak_jobs import SoakJob, expected_ids
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
@@ -241,13 +242,13 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
 
 
 def _run_job(
-    run_dir: Path, workers: int, steps: int | None, faults: list[Fault], seed: int,
-    on_launcher: Any = None, hosts: int = 0,
+    job: SoakJob, run_dir: Path, workers: int, steps: int | None, faults: list[Fault],
+    seed: int, on_launcher: Any = None, hosts: int = 0,
 ) -> Any:  # fmt: skip
     from elastrain.launch.launcher import LaunchConfig, Launcher
 
     cfg = LaunchConfig(
-        script=soak_job.__file__,
+        script=job.script,
         workers=workers,
         min_workers=1,
         replace_delay_s=1.0,
@@ -269,6 +270,7 @@ def _run_job(
 def soak(
     duration_s: float,
     *,
+    job: SoakJob = SoakJob.TORCH,
     workers: int = 3,
     every_s: float = 9.0,
     kinds: list[str] | None = None,
@@ -296,7 +298,7 @@ def soak(
         else:
             hosts = workers  # one worker per simulated host
     faults = plan_faults(kinds, duration_s, every_s, seed)
-    log(f"soak: {duration_s:g} s, {workers} workers, {len(faults)} faults: "
+    log(f"soak: {job} job, {duration_s:g} s, {workers} workers, {len(faults)} faults: "
         + ", ".join(str(f) for f in faults))  # fmt: skip
     launchers: list[Any] = []
     sampler = Sampler(lambda: _live_pids(launchers))
@@ -320,7 +322,7 @@ def soak(
         timer.start()
 
     try:
-        la, result = _run_job(run_dir / "faulty", workers, None, faults, seed, started, hosts)
+        la, result = _run_job(job, run_dir / "faulty", workers, None, faults, seed, started, hosts)
     finally:
         stop_clock.set()
         if timer is not None:
@@ -329,11 +331,11 @@ def soak(
         if mounted:
             subprocess.run(["umount", "-l", str(ckpt)], check=False)
     events = read_events(run_dir / "faulty")
-    led = check_exactly_once(events, soak_job.expected_ids)
+    led = check_exactly_once(events, expected_ids)
     steps = led.committed_steps
     log(f"soak: the faulty job ended ({result.status}) after {steps} steps; "
         "running the failure-free reference")  # fmt: skip
-    _, ref = _run_job(run_dir / "reference", 1, steps, [], seed)
+    _, ref = _run_job(job, run_dir / "reference", 1, steps, [], seed)
     ref_events = read_events(run_dir / "reference")
     curve, ref_curve = loss_curve(events), loss_curve(ref_events)
     checks: dict[str, list[str]] = {
@@ -359,6 +361,7 @@ def soak(
         if r["recognised"] is False
     ]
     summary = {
+        "job": str(job),
         "duration_s": duration_s,
         "workers": workers,
         "seed": seed,
@@ -421,7 +424,8 @@ def _max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
 def format_table(summary: dict[str, Any]) -> str:
     recs = summary["faults"]
     lines = [
-        f"soak: {summary['duration_s']:g} s, {summary['workers']} workers, seed "
+        f"soak: {summary['job']} job, {summary['duration_s']:g} s, {summary['workers']} "
+        f"workers, seed "
         f"{summary['seed']}: {summary['steps']} steps committed "
         f"({summary['rolled_back_steps']} rolled back and recomputed), job {summary['status']}",
         "",
@@ -458,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--duration", required=True, help="e.g. 180, 3m, 30m, 1h")
+    ap.add_argument(
+        "--job",
+        type=SoakJob,
+        choices=list(SoakJob),
+        default=SoakJob.TORCH,
+        help="the framework of the job to soak (default torch)",
+    )
     ap.add_argument("-n", "--workers", type=int, default=3)
     ap.add_argument("--every", default="9s", help="mean time between faults (default 9s)")
     ap.add_argument(
@@ -483,7 +494,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("-n must be >= 2 (survivors are the point)")
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")).resolve()
     summary = soak(
-        duration, workers=args.workers, every_s=every, kinds=kinds, seed=args.seed, run_dir=run_dir
+        duration,
+        job=args.job,
+        workers=args.workers,
+        every_s=every,
+        kinds=kinds,
+        seed=args.seed,
+        run_dir=run_dir,
     )
     print(format_table(summary), flush=True)
     print(f"details: {run_dir / 'soak.json'}", file=sys.stderr)

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import time
 
-from elastrain.observe.events import EventKind
-
 T_START = time.time()
 
 import argparse  # noqa: E402
@@ -71,7 +69,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     log = StepLog(out / f"g{a.group}.{os.getpid()}.jsonl", f"g{a.group}", group=a.group)
-    log.emit(EventKind.START, T_START, join=a.join)
+    log.emit("start", T_START, join=a.join)
 
     import torch
     import torch.distributed as dist
@@ -113,7 +111,7 @@ def main() -> None:
         gate.add("ready", 1)
         while int(gate.add("ready", 0)) < G:
             time.sleep(0.01)
-    log.emit(EventKind.READY, time.time())
+    log.emit("ready", time.time())
     while True:
         t0 = time.monotonic()
         s = manager.current_step()
@@ -156,10 +154,10 @@ def main() -> None:
             participants=participants, step_s=time.monotonic() - t0,
         )  # fmt: skip
         if after > before:
-            log.emit(EventKind.COMMIT, time.time(), step=after - 1, **fields)
+            log.emit("commit", time.time(), step=after - 1, **fields)
         else:
             err = manager.errored()
-            log.emit(EventKind.ABORT, time.time(), step=before, error=str(err)[:200] if err else None,
+            log.emit("abort", time.time(), step=before, error=str(err)[:200] if err else None,
                      **fields)  # fmt: skip
 
 

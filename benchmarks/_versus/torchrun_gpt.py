@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import time
 
-from elastrain.observe.events import EventKind
-
 T_START = time.time()
 
 import argparse  # noqa: E402
@@ -68,13 +66,13 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = StepLog(out / f"r{rank}.jsonl", f"r{rank}", attempt=attempt)
-    log.emit(EventKind.START, T_START)
+    log.emit("start", T_START)
     rep = out / "replace.json"
     if attempt > 0 and rep.exists():
         r = json.loads(rep.read_text())
         if int(r["attempt"]) == attempt and int(r["rank"]) == rank:
             time.sleep(float(r["delay_s"]))
-            log.emit(EventKind.REPLACED, time.time(), delay_s=float(r["delay_s"]))
+            log.emit("replaced", time.time(), delay_s=float(r["delay_s"]))
 
     import torch
     import torch.distributed as dist
@@ -105,7 +103,7 @@ def main() -> None:
     ddp = DDP(model)
     order = GlobalOrder(len(data), shape.seed, shuffle=True)
     B, W = shape.global_batch, world
-    log.emit(EventKind.READY, time.time(), resumed=start)
+    log.emit("ready", time.time(), resumed=start)
     for s in range(start, a.steps):
         t0 = time.monotonic()
         mbs = step_microbatches(s, B, shape.micro_batch)
@@ -125,7 +123,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         log.emit(
-            EventKind.COMMIT, time.time(), step=s, loss=loss_sum / max(1, n), n=n,
+            "commit", time.time(), step=s, loss=loss_sum / max(1, n), n=n,
             step_s=time.monotonic() - t0,
         )  # fmt: skip
         if rank == 0 and (s + 1) % a.ckpt_every == 0 and s + 1 < a.steps:
@@ -133,7 +131,7 @@ def main() -> None:
             tmp = out / "ckpt.pt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": s + 1}, tmp)
             os.replace(tmp, ckpt)
-            log.emit(EventKind.CHECKPOINT, time.time(), step=s + 1, seconds=time.monotonic() - tc)
+            log.emit("checkpoint", time.time(), step=s + 1, seconds=time.monotonic() - tc)
     dist.destroy_process_group()
 
 

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +143,13 @@ def failures_metric(text: str) -> dict[str, float]:
 
 def pytest_configure(config: pytest.Config) -> None:
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture()
+def master_store() -> Iterator[Any]:
+    """A TCPStore server on a free loopback port, for process groups of threads."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+    del store

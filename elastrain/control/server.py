@@ -604,14 +604,15 @@ class CoordinatorServer:
         self.events.close()
 
 
-def read_token() -> str:
+def read_token() -> str | None:
+    """The job token from the environment (or the file it names); None if neither is set."""
     tok = os.environ.get(env.TOKEN)
     if tok:
         return tok.strip()
     path = os.environ.get(env.TOKEN_FILE)
     if path:
         return Path(path).read_text().strip()
-    raise SystemExit(f"no job token: set {env.TOKEN} or {env.TOKEN_FILE}")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -667,9 +668,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         ap.error(str(e))
+    token = read_token()
+    if token is None:
+        ap.error(f"no job token: set {env.TOKEN} or {env.TOKEN_FILE}")
     srv = CoordinatorServer(
         cfg,
-        read_token(),
+        token,
         host=host or "127.0.0.1",
         port=int(port or 0),
         store_port=args.store_port,

@@ -166,7 +166,7 @@ class StepEngine:
         groups: GroupFactory | None = None,
         heal_fn: HealFn | None = None,
     ) -> None:
-        config = where.apply(config)
+        # `config` already carries the launcher's overrides (`worker_setup`).
         if not where.coordinator and client is None:
             raise ValueError(
                 "no coordinator: start workers with `elastrain run`, or set "

@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -102,6 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="pace: at least this long per step, so that a fast machine still shows the "
+        "hung member rejoin before the job ends",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)  # identical initial weights on every member
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     for r in trainer.steps():
+        if r.step_s < args.min_step_s:
+            time.sleep(args.min_step_s - r.step_s)  # the pace, not a synchronisation
         if r.rank == 0 and (r.step % 10 == 0 or r.step == trainer.config.total_steps - 1):
             print(
                 f"step {r.step} loss {r.loss:.4f} ppl {math.exp(r.loss):.1f} "

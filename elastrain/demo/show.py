@@ -31,9 +31,12 @@ def sparkline(values: list[float]) -> str:
 
 def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = False) -> int:
     script = str(Path(__file__).with_name("gpt.py"))
-    kill_at, hang_at = max(1, steps // 4), max(2, steps * 3 // 5)
+    kill_at, hang_at = max(1, steps // 4), max(2, steps // 2)
     cfg = LaunchConfig(
         script=script,
+        # At least 0.2 s a step: the hung member (6 s) must have time to rejoin and
+        # heal before the job ends, however fast the machine.
+        script_args=["--min-step-s", "0.2"],
         workers=4,
         min_workers=2,
         replace_delay_s=2.0,

@@ -84,6 +84,10 @@ def _launch(run_dir: Path, *extra: str, prefix: list[str] | None = None) -> subp
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A test runner started in the background (`cmd &` in a script) runs with
+        # SIGINT ignored and a child inherits that: the launcher would never see
+        # the Ctrl-C a test sends it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

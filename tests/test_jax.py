@@ -231,11 +231,15 @@ def test_jax_job_killed_entirely_resumes_from_its_checkpoint(run_job) -> None:  
     every, kill_at = 5, 13
     ref = run_job(steps=STEPS, workers=2, name="jax-ckpt-ref", script=JAX_MLP)
     assert_invariants(ref, STEPS)
+    # Paced (>= 0.3 s a step): a checkpoint commits in the background, and on a loaded
+    # machine unpaced steps of this tiny model outran both commits before the kill.
+    paced = ["--min-step-s", "0.3"]
     first = run_job(
         steps=STEPS,
         workers=2,
         name="jax-ckpt",
         script=JAX_MLP,
+        script_args=paced,
         checkpoint_every=every,
         replace=False,
         points=[
@@ -250,7 +254,12 @@ def test_jax_job_killed_entirely_resumes_from_its_checkpoint(run_job) -> None:  
     assert newest is not None and every <= newest.step < kill_at and newest.step % every == 0
     start = newest.step
     second = run_job(
-        steps=STEPS, workers=2, name="jax-ckpt", script=JAX_MLP, checkpoint_every=every
+        steps=STEPS,
+        workers=2,
+        name="jax-ckpt",
+        script=JAX_MLP,
+        script_args=paced,
+        checkpoint_every=every,
     )
     assert second.result.status == "done", second.result.message
     assert second.result.resumed_from == start

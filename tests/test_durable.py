@@ -83,7 +83,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
             errors.append(e)
 
     try:
-        with mock.patch.dict(os.environ, worker_env), mock.patch.object(sys, "argv", [MLP]):
+        # Paced (>= 0.1 s a step): a checkpoint whose predecessor is still writing is
+        # skipped by design, and the tests below need every one of the reference's
+        # (on a loaded machine unpaced steps outran the writer and step 40 was skipped).
+        argv = [MLP, "--min-step-s", "0.1"]
+        with mock.patch.dict(os.environ, worker_env), mock.patch.object(sys, "argv", argv):
             # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone.
             t = threading.Thread(target=train, name="reference-worker")
             t.start()

@@ -2,6 +2,7 @@
 
 elastrain demo                                # the elastic demo (about 2 minutes)
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
+elastrain run -n 4 --shard-size 2 train.py       # 2 replica groups x 2 shards
 elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: resumes
 elastrain coordinator --bind 127.0.0.1:0 --target 4
 elastrain report runs/my-job [-o report.html]    # self-contained HTML + terminal summary
@@ -45,7 +46,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         default=_default("min_workers"),
         dest="min_workers",
         help="fewest members that may train; fewer pauses the job "
-        f"(default {_default('min_workers')})",
+        "(default: one replica group, --shard-size members; 1 unsharded)",
     )
     ap.add_argument(
         "--replace-delay",
@@ -57,6 +58,15 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-replace", action="store_true", help="do not replace dead workers")
     ap.add_argument("--run-dir", default=None, help="run directory (default runs/<job-id>)")
     ap.add_argument("--steps", type=int, default=None, help="override the script's total steps")
+    ap.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="S",
+        help="members per replica group, each holding one shard of the model: -n 4 "
+        "--shard-size 2 is 2 replicas x 2 shards (overrides the script's "
+        "TrainerConfig.shard_size; -n and --min must be multiples of S)",
+    )
     ap.add_argument(
         "--fault",
         action="append",
@@ -147,6 +157,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         replace=not args.no_replace,
         run_dir=args.run_dir,
         steps=args.steps,
+        shard_size=args.shard_size,
         faults=faults,
         seed=args.seed,
         checkpoint_every=args.ckpt_every,

@@ -31,6 +31,10 @@ FAULTS = "ELASTRAIN_FAULTS"
 STEPS = "ELASTRAIN_STEPS"
 """Optional override of the trainer's total step count (the launcher's --steps)."""
 
+SHARD_SIZE = "ELASTRAIN_SHARD_SIZE"
+"""Optional override of TrainerConfig.shard_size (the launcher's --shard-size): the
+workers must agree with the coordinator's."""
+
 CKPT_DIR = "ELASTRAIN_CKPT_DIR"
 """Checkpoint directory chosen by the launcher (overrides TrainerConfig.checkpoint_dir)."""
 

@@ -19,6 +19,7 @@ from itertools import islice
 from typing import overload
 
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.layout import Slot
 from elastrain.control.protocol import GenerationReason
 
 
@@ -48,6 +49,10 @@ class Generation:
     broken: bool = False
     awaiting: set[str] = field(default_factory=set)
     """Adopted generations only: members that have not registered again yet."""
+    slots: dict[str, Slot] = field(default_factory=dict)
+    """member -> its (replica group, shard) slot when the job is sharded (see
+    `elastrain.control.layout`; {} when unsharded). Decided when the generation
+    is formed, from the previous generation's: survivors keep theirs."""
     ready_version: int = field(default=0, init=False, repr=False, compare=False)
     """Bumped whenever `ready` changes (the server caches the ready answer)."""
     announced: bool = field(default=False, init=False, repr=False, compare=False)

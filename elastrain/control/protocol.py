@@ -163,9 +163,18 @@ def _check_leave_reason(value: Any, where: str) -> None:
         raise ProtocolError(f'{where}: expected "left" or "done", got {_short(value)}')
 
 
+def _check_slots(value: Any, where: str) -> None:
+    """member -> [replica, shard], both >= 0 (a sharded layout's slots)."""
+    for m, v in value.items():
+        if len(v) != 2 or v[0] < 0 or v[1] < 0:
+            raise ProtocolError(f"{where}.{m}: expected [replica, shard] >= 0, got {_short(v)}")
+
+
 FIELD_CHECKS: dict[tuple[str, str], Callable[[Any, str], None]] = {
     ("RegisterRequest", "signature"): _check_signature,
+    ("RegisterRequest", "gen_slots"): _check_slots,
     ("LeaveRequest", "reason"): _check_leave_reason,
+    ("RendezvousResponse", "slots"): _check_slots,
 }
 """Checks beyond the field's type, run by `decode` after the type check. Every
 field also gets the generic rules of `_check`: integers fit in int64, and a
@@ -276,6 +285,10 @@ class RegisterRequest:
     """The worker's committed step count."""
     prev_incarnation: int = 0
     """The incarnation it had (0: none); the new one is higher."""
+    gen_slots: dict[str, list[int]] = field(default_factory=dict)
+    """With `gen_members`, in a sharded job: the slots of `gen` (member ->
+    [replica, shard]) as its ready answer gave them. A restarted coordinator
+    adopts them with the generation; without them it assumes rank order."""
 
 
 @dataclass(frozen=True)
@@ -418,6 +431,13 @@ class RendezvousResponse:
     """With "ready": the generation's secret, part of its gloo group's store
     prefix (`elastrain.control.store.group_prefix`), so that only the members
     told it can name the group's keys. "" from a coordinator that predates it."""
+    slots: dict[str, list[int]] = field(default_factory=dict)
+    """With "ready", in a sharded job: member -> [replica, shard], its slot
+    (`elastrain.control.layout.Layout.from_wire`). Empty when unsharded, and
+    from a coordinator that predates sharding."""
+    shard_size: int = 1
+    """The coordinator's shard size (members per replica group; 1: unsharded).
+    A worker configured otherwise must not train with this job."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,17 @@ on without a regroup. Members of the adopted generation that do not register
 again within `lease_s` break it, as if their lease had expired. Generation
 numbers continue after the highest one any worker reports.
 
+Sharded jobs (`config.shard_size` > 1): every generation carries its members'
+slots (`Generation.slots`, decided by `elastrain.control.layout.assign_slots`
+from the previous generation's, so survivors keep theirs). An adopted
+generation takes the slots the reporting worker sent (`gen_slots`); members it
+names no valid slot for are placed as joiners, which for a report with no
+slots at all is rank order (r0 = the first `shard_size` ranks, ...). Known
+limitation: a worker that reports no slots (one that predates them) gets a
+rank-order layout, which is the layout it ran only if no member of it was
+replaced since the job started (a replacement takes the dead member's slot,
+not the last rank's).
+
 Scale: every per-request transition (`touch`, `register`, `quorum`,
 `rendezvous`, `expire` with nothing due) is O(1) in the number of members, so
 one coordinator serves 100k members: members are kept in registration order
@@ -37,6 +48,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from elastrain.control.config import CoordinatorConfig
+from elastrain.control.layout import Slot, assign_slots
 from elastrain.control.plan import (
     Form,
     Generation,
@@ -145,10 +157,11 @@ class Membership:
         gen_members: tuple[str, ...] = (),
         committed: int = 0,
         prev_incarnation: int = 0,
+        gen_slots: Mapping[str, Slot] | None = None,
     ) -> int:
         """Add (or re-add, after expulsion or a coordinator restart) a member;
-        returns its incarnation. `gen`/`gen_members`/`committed` are what the
-        worker runs (see the module docstring on restarts)."""
+        returns its incarnation. `gen`/`gen_members`/`committed`/`gen_slots`
+        are what the worker runs (see the module docstring on restarts)."""
         inc = max(self.incarnations.get(member, 0), prev_incarnation) + 1
         self.incarnations[member] = inc
         if member in self.members:
@@ -167,16 +180,29 @@ class Membership:
         g = self.gen
         if gen and member in gen_members:
             if g is None or (g.reason == GenerationReason.ADOPTED and g.gen < gen):
-                self._adopt(gen, tuple(gen_members), committed, now)
+                self._adopt(gen, tuple(gen_members), committed, now, gen_slots or {})
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)
                 g.set_ready(member, committed)
         self.evaluate(now)
         return inc
 
-    def _adopt(self, gen: int, members: tuple[str, ...], committed: int, now: float) -> None:
+    def _adopt(
+        self,
+        gen: int,
+        members: tuple[str, ...],
+        committed: int,
+        now: float,
+        slots: Mapping[str, Slot],
+    ) -> None:
         g = Generation(
-            gen, members, now, GenerationReason.ADOPTED, ready=dict.fromkeys(members, committed)
+            gen,
+            members,
+            now,
+            GenerationReason.ADOPTED,
+            ready=dict.fromkeys(members, committed),
+            # The reported slots where valid, the rest in rank order (module docstring).
+            slots=assign_slots(slots, members, self.config.shard_size),
         )
         g.awaiting = {m for m in members if m not in self.members}
         self.gen = g
@@ -426,7 +452,12 @@ class Membership:
             # from their next quorum call; nobody's collective is aborted.
             self.clean_handoffs.add(old.gen)
         nxt = max(old.gen if old is not None else 0, self.gen_floor) + 1
-        self.gen = Generation(nxt, plan.members, now, plan.reason)
+        # Survivors keep their slots (their shards live there); joiners fill
+        # the vacancies. Unsharded: {} at once, nothing to decide.
+        slots = assign_slots(
+            old.slots if old is not None else {}, plan.members, self.config.shard_size
+        )
+        self.gen = Generation(nxt, plan.members, now, plan.reason, slots=slots)
         if fast:
             self._outside = dict.fromkeys(islice(self._outside, admitted, None))
         elif old is None and self._registration_sorted:

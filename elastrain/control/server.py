@@ -42,6 +42,7 @@ from elastrain.control.http import (
     Response,
     error_response,
 )
+from elastrain.control.layout import Layout, slots_from_wire
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
@@ -153,6 +154,7 @@ class Coordinator:
                 members=list(g.members),
                 awaiting=sorted(g.awaiting),
                 step=g.start_step,
+                **self._layout_field(g),
             )
         for r in removed:
             self._emit(EventKind.MEMBER_REMOVED, member=r.member, reason=r.reason)
@@ -160,7 +162,11 @@ class Coordinator:
             self.members_left.set()
         for g in formed:
             self._emit(
-                EventKind.GENERATION_FORMED, gen=g.gen, members=list(g.members), reason=g.reason
+                EventKind.GENERATION_FORMED,
+                gen=g.gen,
+                members=list(g.members),
+                reason=g.reason,
+                **self._layout_field(g),
             )
         if self.state.waiting and self.state.waiting != self._last_wait:
             self._emit(
@@ -174,6 +180,12 @@ class Coordinator:
         if wake or removed or formed or adopted or key != self._last_key:
             self._last_key = key
             self.changes.notify()
+
+    def _layout_field(self, g: Generation) -> dict[str, str]:
+        """A generation event's `layout` (`Layout.describe()`), only when sharded."""
+        if self.config.shard_size == 1:
+            return {}
+        return {"layout": Layout(self.config.shard_size, g.slots).describe()}
 
     def check_token(self, header: str | bytes | None) -> None:
         """401 unless `header` is `Bearer <the job token>` (the scheme in any
@@ -224,6 +236,7 @@ class Coordinator:
                 gen_members=tuple(req.gen_members),
                 committed=req.committed,
                 prev_incarnation=req.prev_incarnation,
+                gen_slots=slots_from_wire(req.gen_slots),  # the wire checked their shape
             )
             self._emit(
                 EventKind.MEMBER_REGISTERED,
@@ -276,6 +289,7 @@ class Coordinator:
                         members=list(g.members),
                         steps=dict(g.ready),
                         start_step=g.start_step,
+                        **self._layout_field(g),
                     )
                 cached = self._ready_body
                 if cached is None or cached[0] is not g or cached[1] != g.ready_version:
@@ -288,6 +302,8 @@ class Coordinator:
                         reason=g.reason,
                         commit_gens=dict(g.commit_gens),
                         group_key=generation_key(self._gen_secret, g.gen),
+                        slots={m: [s.replica, s.shard] for m, s in g.slots.items()},
+                        shard_size=self.config.shard_size,
                     )
                     cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
                     self._ready_body = cached
@@ -300,7 +316,7 @@ class Coordinator:
                     if names and count > len(names):
                         who += f" and {count - len(names)} more"
                     msg = f"generation {g.gen}: waiting for {who}"
-                return p.RendezvousResponse(status, message=msg)
+                return p.RendezvousResponse(status, message=msg, shard_size=self.config.shard_size)
             return None
 
     def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
@@ -630,8 +646,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--job-id", default=None)
     ap.add_argument("--target", type=int, required=True)
-    ap.add_argument("--min", type=int, default=1, dest="min_members")
+    ap.add_argument(
+        "--min",
+        type=int,
+        default=0,
+        dest="min_members",
+        help="fewest members that may train (default: one replica group, --shard-size)",
+    )
     ap.add_argument("--max", type=int, default=0, dest="max_members")
+    ap.add_argument(
+        "--shard-size",
+        type=int,
+        default=1,
+        help="members per replica group, each holding one shard of the model "
+        "(default 1: unsharded); --target, --min and --max must be multiples of it",
+    )
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
@@ -665,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             suspect_s=args.suspect,
             start_grace_s=args.start_grace,
             ready_timeout_s=args.ready_timeout,
+            shard_size=args.shard_size,
         )
     except ValueError as e:
         ap.error(str(e))

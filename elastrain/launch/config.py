@@ -18,8 +18,9 @@ class LaunchConfig:
     """Arguments passed through to the script."""
     workers: int = 4
     """Workers to keep running (-n)."""
-    min_workers: int = 1
-    """Fewer members than this: training pauses until replacements arrive (--min)."""
+    min_workers: int = 0
+    """Fewer members than this: training pauses until replacements arrive (--min).
+    0 means one replica group: `shard_size` members (1 when unsharded)."""
     replace_delay_s: float = 0.0
     """Seconds between a worker's death and its replacement's start (stands in for pod scheduling)."""
     replace: bool = True
@@ -28,6 +29,15 @@ class LaunchConfig:
     """Where everything about the run goes (default runs/<job-id>)."""
     steps: int | None = None
     """Override the script's total steps."""
+    shard_size: int | None = None
+    """Members per replica group, each holding one shard of the model
+    (--shard-size; `elastrain.control.layout`). Sets the coordinator's and
+    overrides the script's `TrainerConfig.shard_size`, like --steps. None: the
+    coordinator is unsharded and the workers keep the script's value (a worker
+    configured with another one refuses to train with this coordinator).
+    Run mode: -n and --min must be multiples of it. An agent runs only its
+    node's workers; the job's shape is its coordinator's (`elastrain
+    coordinator --shard-size`), so an agent's -n need not be one."""
     faults: list[Fault] = field(default_factory=list)
     """Faults to inject (see elastrain.chaos.schedule)."""
     fault_points: str | None = None
@@ -89,6 +99,17 @@ class LaunchConfig:
             raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
         if self.workers < 1:
             raise ValueError(f"-n must be >= 1 (got {self.workers})")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be >= 1 (got {self.shard_size}; 1: unsharded)")
+        shards = self.shard_size or 1
+        if self.coordinator is None and self.workers % shards:
+            raise ValueError(
+                f"-n {self.workers} is not a multiple of --shard-size {shards}: the members "
+                f"form replica groups of {shards} (try -n {self._multiples(self.workers)})"
+            )
+        if self.min_workers == 0:
+            # (An agent's -n may be smaller than a group; its --min is unused.)
+            object.__setattr__(self, "min_workers", min(shards, self.workers))
         if self.hosts < 0:
             raise ValueError(f"--hosts must be >= 0 (got {self.hosts})")
         if self.hosts and (self.coordinator is not None or self.advertise_host):
@@ -105,6 +126,12 @@ class LaunchConfig:
             raise ValueError(
                 f"--min must be between 1 and -n={self.workers} (got {self.min_workers})"
             )
+        if self.coordinator is None and self.min_workers % shards:
+            raise ValueError(
+                f"--min {self.min_workers} is not a multiple of --shard-size {shards}: "
+                f"training needs whole replica groups of {shards} "
+                f"(try --min {self._multiples(self.min_workers)})"
+            )
         if self.replace_delay_s < 0:
             raise ValueError("--replace-delay must be >= 0")
         if not Path(self.script).is_file():
@@ -117,3 +144,9 @@ class LaunchConfig:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
+
+    def _multiples(self, n: int) -> str:
+        """The multiples of the shard size around `n`, for an error message."""
+        k = self.shard_size or 1
+        below, above = n // k * k, (n // k + 1) * k
+        return f"{below} or {above}" if below else str(above)

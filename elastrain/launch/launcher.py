@@ -179,6 +179,8 @@ class Launcher:
             str(c.lease_s),
             "--suspect",
             str(c.suspect_s),
+            "--shard-size",
+            str(c.shard_size or 1),
             *bind,
         ]
         log = open(self.run_dir / "logs" / "coordinator.log", "ab")  # noqa: SIM115
@@ -296,6 +298,8 @@ class Launcher:
             argv = [*self.net.exec_prefix(host), *argv]  # execs: the PID stays the worker's
         if c.steps is not None:
             e[env.STEPS] = str(c.steps)
+        if c.shard_size is not None:
+            e[env.SHARD_SIZE] = str(c.shard_size)
         e[env.CKPT_DIR] = str(self.checkpoint_dir)
         if c.checkpoint_every is not None:
             e[env.CKPT_EVERY] = str(c.checkpoint_every)

@@ -92,6 +92,8 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.MEMBER_REGISTERED: frozenset(["gen", "incarnation", "member", "pid", "running"]),
     EventKind.MEMBER_REFUSED: frozenset(["member", "reason"]),
     EventKind.MEMBER_REMOVED: frozenset(["member", "reason"]),
+    # generation_formed, _ready and _adopted also carry `layout` (`Layout.describe()`,
+    # e.g. "2x2: r0=[w0,w1] r1=[w2,-]") when the job is sharded, and only then.
     EventKind.GENERATION_FORMED: frozenset(["gen", "members", "reason"]),
     EventKind.GENERATION_READY: frozenset(["gen", "members", "start_step", "steps"]),
     EventKind.WAITING_FOR_MEMBERS: frozenset(["have", "message", "min"]),

@@ -156,6 +156,13 @@ class TrainerConfig:
     checkpoint_fsync: bool = True
     """fsync checkpoint files and directories (turn off only on throw-away storage)."""
 
+    shard_size: int = 1
+    """Members per replica group (issue 16). Inside a replica group the model is
+    sharded, one shard per member; across groups the members holding the same
+    shard reduce its gradients. 1: unsharded (every member a whole replica).
+    Must equal the coordinator's (its ready answer says it); the launcher's
+    --shard-size overrides it and sets the coordinator's."""
+
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise ValueError("global_batch_size and micro_batch_size must be positive")
@@ -197,6 +204,8 @@ class TrainerConfig:
             )
         if self.checkpoint_commit_timeout_s <= 0:
             raise ValueError("checkpoint_commit_timeout_s must be > 0")
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
 
     def _suggest(self) -> int:
         return max(
@@ -252,8 +261,8 @@ class WorkerEnv:
     Read once, by `read_worker_env`, when a trainer is built: nothing else in
     the worker runtime reads `os.environ`. Explicit constructor arguments win
     over these; these win over the script's `TrainerConfig` where they overlap
-    (--steps, --ckpt-every, --ckpt-mtbf: the launcher's flags are the user's
-    last word)."""
+    (--steps, --ckpt-every, --ckpt-mtbf, --shard-size: the launcher's flags are
+    the user's last word)."""
 
     coordinator: str | None = None
     token: str | None = None
@@ -265,6 +274,7 @@ class WorkerEnv:
     steps: int | None = None
     checkpoint_every: int | None = None
     checkpoint_mtbf_s: float | None = None
+    shard_size: int | None = None
 
     def overridden(
         self,
@@ -287,6 +297,8 @@ class WorkerEnv:
             changes["checkpoint_every"] = self.checkpoint_every
         if self.checkpoint_mtbf_s is not None:
             changes["checkpoint_mtbf_s"] = self.checkpoint_mtbf_s
+        if self.shard_size is not None:
+            changes["shard_size"] = self.shard_size
         return replace(config, **changes) if changes else config  # type: ignore[arg-type]
 
 
@@ -319,6 +331,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         steps=num(env.STEPS, int),
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
+        shard_size=num(env.SHARD_SIZE, int),
     )
 
 

@@ -106,3 +106,45 @@ def test_run_flags_default_to_the_launch_config() -> None:
     assert args.replace_delay == defaults["replace_delay_s"]
     assert args.grace == defaults["grace_s"]
     assert args.seed == defaults["seed"]
+
+
+def test_the_launchers_shard_size_reaches_the_trainer_config() -> None:
+    w = read_worker_env({env.SHARD_SIZE: "2"})
+    assert w.shard_size == 2 and w.apply(base()).shard_size == 2
+    # Not given: the script's own value stands.
+    assert WorkerEnv().apply(base(shard_size=4)).shard_size == 4
+    with pytest.raises(ValueError, match="shard_size must be >= 1"):
+        base(shard_size=0)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-n", "3", "--shard-size", "2"], "-n 3 is not a multiple of --shard-size 2"),
+        (["-n", "4", "--min", "3", "--shard-size", "2"], "--min 3 is not a multiple"),
+        (["-n", "2", "--shard-size", "0"], "--shard-size must be >= 1"),
+    ],
+)
+def test_run_wants_whole_replica_groups_before_starting_anything(
+    tmp_path: Path, args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.cli import main
+    from elastrain.exitcodes import RUN_USAGE
+
+    from .conftest import MLP
+
+    run_dir = tmp_path / "run"
+    assert main(["run", "--run-dir", str(run_dir), *args, MLP]) == RUN_USAGE
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not run_dir.exists()  # nothing was started
+
+
+def test_the_fewest_members_default_to_one_replica_group() -> None:
+    from .conftest import MLP
+
+    assert LaunchConfig(script=MLP, workers=4, shard_size=2).min_workers == 2
+    assert LaunchConfig(script=MLP, workers=4).min_workers == 1
+    # An agent runs its node's share of the job: its -n need not be whole groups.
+    agent = LaunchConfig(script=MLP, workers=1, shard_size=2, coordinator="h:1", token="t")
+    assert agent.min_workers == 1

@@ -33,8 +33,9 @@ class LaunchConfig:
     """Members per replica group, each holding one shard of the model
     (--shard-size; `elastrain.control.layout`). Sets the coordinator's and
     overrides the script's `TrainerConfig.shard_size`, like --steps. None: the
-    coordinator is unsharded and the workers keep the script's value (a worker
-    configured with another one refuses to train with this coordinator).
+    coordinator is unsharded and the workers keep the script's value (the ready
+    answer carries the coordinator's `shard_size`, for a worker configured
+    otherwise to refuse).
     Run mode: -n and --min must be multiples of it. An agent runs only its
     node's workers; the job's shape is its coordinator's (`elastrain
     coordinator --shard-size`), so an agent's -n need not be one."""

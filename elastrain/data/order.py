@@ -70,3 +70,20 @@ def assign_microbatches(num_microbatches: int, members: int, rank: int) -> list[
     lo = rank * num_microbatches // members
     hi = (rank + 1) * num_microbatches // members
     return list(range(lo, hi))
+
+
+def assign_rounds(
+    num_microbatches: int, groups: int, group: int, shard_size: int, shard: int
+) -> list[int | None]:
+    """Micro-batch indices that shard `shard` of replica group `group` (of `groups`
+    complete ones) computes, one per round: the group takes a balanced
+    contiguous block (`assign_microbatches`) and its members take turns, round k
+    giving micro-batch `block[k * shard_size + shard]`. A member whose turn falls
+    past the block's end gets None: it still runs the round (its group's
+    collectives need every member) with a zero-weight batch."""
+    block = assign_microbatches(num_microbatches, groups, group)
+    rounds = -(-len(block) // shard_size)
+    return [
+        block[k * shard_size + shard] if k * shard_size + shard < len(block) else None
+        for k in range(rounds)
+    ]

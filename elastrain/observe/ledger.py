@@ -276,7 +276,9 @@ def check_same_state(events: Sequence[Event]) -> list[str]:
 
     For each gen, all `generation_start` events must carry the same
     `state_hash` and the same committed step count. Empty or absent hashes
-    (hashing turned off) are not compared.
+    (hashing turned off) are not compared. A sharded job's members hash their
+    own shard (the event's `shard`): there, members with the same shard index
+    (twins) must carry the same hash.
     """
     out: list[str] = []
     by_gen: dict[int, list[Event]] = defaultdict(list)
@@ -285,17 +287,19 @@ def check_same_state(events: Sequence[Event]) -> list[str]:
         if e.get("kind") == "generation_start" and g is not None:
             by_gen[g].append(e)
     for g in sorted(by_gen):
-        hashes: dict[str, list[str]] = defaultdict(list)
+        hashes: dict[int | None, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
         steps: dict[int | None, list[str]] = defaultdict(list)
         for e in by_gen[g]:
             who = str(e.get("proc"))
             steps[_int(e.get("step"))].append(who)
             h = e.get("state_hash")
             if h:
-                hashes[str(h)].append(who)
-        if len(hashes) > 1:
-            detail = "; ".join(f"{h[:16]} at {', '.join(ms)}" for h, ms in hashes.items())
-            out.append(f"gen {g}: members started with different state: {detail}")
+                hashes[_int(e.get("shard"))][str(h)].append(who)
+        for shard, seen in sorted(hashes.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            if len(seen) > 1:
+                which = "members" if shard is None else f"holders of shard {shard}"
+                detail = "; ".join(f"{h[:16]} at {', '.join(ms)}" for h, ms in seen.items())
+                out.append(f"gen {g}: {which} started with different state: {detail}")
         if len(steps) > 1:
             detail = "; ".join(f"step {s} at {', '.join(ms)}" for s, ms in steps.items())
             out.append(f"gen {g}: members started at different steps: {detail}")

@@ -161,7 +161,9 @@ class TrainerConfig:
     sharded, one shard per member; across groups the members holding the same
     shard reduce its gradients. 1: unsharded (every member a whole replica).
     Must equal the coordinator's (its ready answer says it); the launcher's
-    --shard-size overrides it and sets the coordinator's."""
+    --shard-size overrides it and sets the coordinator's. Sharded, the gradient
+    is always summed in float64 (`reduce_dtype` does not apply), so the loss
+    curve equals the replicated job's bit for bit (docs/design.md)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:

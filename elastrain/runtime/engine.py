@@ -55,8 +55,9 @@ import torch
 
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
-from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
-from elastrain.exitcodes import WorkerExit
+from elastrain.control.layout import Layout
+from elastrain.data import GlobalOrder, assign_microbatches, assign_rounds, step_microbatches
+from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
@@ -83,6 +84,7 @@ from elastrain.runtime.resume import (
     resolve_directory,
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
+from elastrain.runtime.sharded import ShardedBackend, open_replica_group
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, heal
 
@@ -114,6 +116,25 @@ class StepResult:
     members: int
     rank: int
     step_s: float
+
+
+class ShardLost(RuntimeError):
+    """A shard index whose every holder died: nothing in memory can restore it."""
+
+
+def dist_errors() -> type[BaseException]:
+    """torch.distributed's error base (a backend's failed collective)."""
+    import torch.distributed as dist
+
+    return dist.DistError
+
+
+def _collective_error(e: BaseException) -> bool:
+    """A failed collective, not the user's loss function: gloo and c10d say who they are."""
+    if isinstance(e, dist_errors()):
+        return True
+    text = str(e)
+    return "gloo" in text or "Connection closed by peer" in text or "c10d" in text
 
 
 class GroupFactory(Protocol):
@@ -222,6 +243,13 @@ class StepEngine:
         self._hashing: concurrent.futures.Future[None] | None = None
         self._pg: Any = None
         self._inflight: list[Any] = []
+        self.sharded = backend if isinstance(backend, ShardedBackend) else None
+        """The backend, when the model is sharded (`TrainerConfig.shard_size` > 1)."""
+        self.layout: Layout | None = None
+        """The current generation's slots (sharded only)."""
+        self._twins_pg: Any = None
+        """The group of this member's shard index (sharded only): its gradient's all-reduce
+        and its heal."""
         self._ready: p.RendezvousResponse | None = None
         self._step: _Step | None = None
         self._result: StepResult | None = None
@@ -425,8 +453,17 @@ class StepEngine:
         t0 = time.monotonic()
         try:
             pg = self._groups(a.gen, a.rank, len(a.members))
+            if self.sharded is not None:
+                self._pg = pg
+                self._connect_shards(a.gen)
+        except WorkerExit:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
             log.warning("building group for generation %d failed: %s", a.gen, e)
+            if self._pg is not None:
+                self.graveyard.bury(self._pg, [])
+                self._pg = None
+            self._drop_shard_groups()
             self.events.emit(
                 EventKind.STEP_ABORT,
                 step=a.step,
@@ -443,7 +480,7 @@ class StepEngine:
             build_s=time.monotonic() - t0,
         )
         self._pg = pg
-        self.session.set_gen(a.gen, a.members)
+        self.session.set_gen(a.gen, a.members, self._ready.slots if self._ready else None)
         if a.rank == 0:
             cfg = self.config
             for problem in batch_problems(
@@ -453,20 +490,80 @@ class StepEngine:
                 print(f"elastrain: warning: {problem}", file=sys.stderr, flush=True)
         return m.Connected()
 
+    def _connect_shards(self, gen: int) -> None:
+        """Sharded: take this member's slot, build its twins' group and (unless it is a
+        shadow) its replica group's FSDP2 wrapper. Every member builds its groups in
+        the same order (generation, twins, replica group), so none waits on another
+        that waits on it."""
+        sharded, ready = self.sharded, self._ready
+        assert sharded is not None and ready is not None and ready.gen == gen
+        size = self.config.shard_size
+        if ready.shard_size != size or not ready.slots:
+            raise WorkerExit(
+                EXIT_MISCONFIGURED,
+                "misconfigured",
+                f"elastrain: misconfigured: this worker shards the model {size} ways but the "
+                f"coordinator's shard size is {ready.shard_size}: start the job with "
+                f"`elastrain run --shard-size {size}` (or set TrainerConfig.shard_size to match)",
+            )
+        layout = Layout.from_wire(ready.slots, size)
+        self.layout = layout
+        slot = layout.slots[self.member]
+        sharded.place(slot.shard)
+        twins = layout.twins(slot.shard)
+        store = self.session.store(self.config.timeouts.rendezvous_s)
+        prefix = self.session.group_prefix(ready)
+        timeouts = self.config.timeouts
+        self._twins_pg = build_group(
+            store,
+            f"{prefix}/twins{slot.shard}",
+            twins.index(self.member),
+            len(twins),
+            host=self.host,
+            connect_timeout_s=timeouts.rendezvous_s,
+            op_timeout_s=self.config.watchdog.ceiling_s,
+        )
+        group = None if layout.is_shadow(self.member) else tuple(layout.group(slot.replica))
+        sharded.form_group(
+            group,
+            lambda: open_replica_group(
+                store,
+                f"{prefix}/replica{slot.replica}",
+                slot.shard,
+                size,
+                connect_timeout_s=timeouts.rendezvous_s,
+                op_timeout_s=self.config.watchdog.ceiling_s,
+            ),
+        )
+        log.info("%s: generation %d layout %s", self.member, gen, layout.describe())
+
     # ---- heal -----------------------------------------------------------------------
 
     def _heal(self, a: m.Action) -> m.Observation:
         committed, received = a.step, False
-        if a.receivers:
-            role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
+        pg, rank, senders, receivers = self._pg, a.rank, a.senders, a.receivers
+        if self.sharded is not None:
+            # Each shard index heals within its twins: only the shard a member lacks moves.
+            try:
+                pg, rank, senders, receivers = self._shard_heal_roles(a)
+            except ShardLost as e:
+                self.events.emit(
+                    EventKind.WORKER_EXIT,
+                    reason=m.ExitReason.MISCONFIGURED,
+                    committed=self.committed,
+                )
+                self._shutdown()
+                raise WorkerExit(EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}") from None
+        if receivers:
+            role = "send" if rank in senders else "recv" if rank in receivers else "idle"
             self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
             state = self.backend.state()
             try:
                 got, stats = self._heal_fn(
-                    self._pg,
-                    a.rank,
-                    list(a.senders),
-                    list(a.receivers),
+                    pg,
+                    rank,
+                    list(senders),
+                    list(receivers),
                     state,
                     self._meta(committed) if role == "send" else None,
                     self.config.timeouts.heal_s,
@@ -490,6 +587,28 @@ class StepEngine:
         self._start_hash(a.gen, committed, list(a.members), a.rank)
         return m.Healed(committed, received)
 
+    def _shard_heal_roles(self, a: m.Action) -> tuple[Any, int, tuple[int, ...], tuple[int, ...]]:
+        """(group, rank, senders, receivers) of this member's heal among its twins.
+        Raises ShardLost when some shard index has members that need its state and
+        none that holds it (every holder of it died)."""
+        assert self.layout is not None and self._ready is not None
+        r = self._ready
+        mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        for shard in range(self.layout.shard_size):
+            twins = tuple(self.layout.twins(shard))
+            if not twins:
+                continue
+            senders, receivers, _ = m.heal_roles(twins, r.committed, r.commit_gens, r.start_step)
+            if receivers and not senders:
+                raise ShardLost(
+                    f"shard {shard} of {self.layout.shard_size} has no up-to-date holder (all of "
+                    f"its holders died): the job cannot heal it in memory; resume from a checkpoint"
+                )
+            if self.member in twins:
+                mine = (senders, receivers)
+        me = self.layout.slots[self.member]
+        return self._twins_pg, self.layout.twins(me.shard).index(self.member), mine[0], mine[1]
+
     def _start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:
         """Hash the state off the recovery's critical path: it overlaps the first
         step's compute, which only reads the parameters; `_settle_hash` joins it
@@ -497,6 +616,10 @@ class StepEngine:
 
         def start_event() -> None:
             digest = self.backend.state_hash() if self.config.hash_state else ""
+            shard = {}
+            if self.layout is not None:
+                slot = self.layout.slots[self.member]
+                shard = {"shard": slot.shard, "replica": slot.replica}
             self.events.emit(
                 EventKind.GENERATION_START,
                 gen=gen,
@@ -504,6 +627,7 @@ class StepEngine:
                 state_hash=digest,
                 members=members,
                 rank=rank,
+                **shard,
             )
 
         self._hashing = self._hash_pool.submit(start_event)
@@ -546,6 +670,8 @@ class StepEngine:
         self._step = st
         self.backend.begin_step(EXTRA_SLOTS)
         mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
+        if self.sharded is not None:
+            return self._compute_shard(s, st, mbs)
         mine = assign_microbatches(len(mbs), len(self.proto.members), self.proto.rank)
         for k, i in enumerate(mine):
             if self.session.gen_broken(self.proto.gen):
@@ -560,6 +686,49 @@ class StepEngine:
                 self._hook(s, hooks.StepPoint.COMPUTE)
         st.t_compute = time.monotonic()
         return m.Computed()
+
+    def _compute_shard(self, s: int, st: _Step, mbs: list[range]) -> m.Observation:
+        """Sharded: this member's turns in its replica group's rounds (none for a shadow).
+        A failed collective inside (a group-mate died) abandons the generation."""
+        assert self.sharded is not None and self.layout is not None
+        layout = self.layout
+        slot = layout.slots[self.member]
+        complete = layout.complete_replicas()
+        if slot.replica in complete:
+            self.sharded.set_collective_timeout(self.hang.timeout_s)
+            rounds = assign_rounds(
+                len(mbs), len(complete), complete.index(slot.replica), layout.shard_size, slot.shard
+            )
+            pad: Any = None
+            for k, i in enumerate(rounds):
+                if self.session.gen_broken(self.proto.gen):
+                    return m.Superseded()
+                t_data = time.monotonic()
+                if i is None:
+                    # Padding turn: the group's collectives need this member; weight 0.
+                    ids: list[int] = []
+                    if pad is None:
+                        pad = self._load(mbs[0])
+                    batch = pad
+                else:
+                    ids = self.order.ids(mbs[i].start, mbs[i].stop)
+                    batch = pad = self._load(mbs[i])
+                st.data_s += time.monotonic() - t_data
+                try:
+                    st.loss_sum += self.sharded.compute(s, -1 if i is None else i, batch, len(ids))
+                except (RuntimeError, dist_errors()) as e:
+                    if not _collective_error(e):
+                        raise
+                    return m.ComputeFailed(str(e)[:300])
+                st.samples.extend(ids)
+                if k == 0:
+                    self._hook(s, hooks.StepPoint.COMPUTE)
+        st.t_compute = time.monotonic()
+        return m.Computed()
+
+    def _load(self, positions: range) -> Any:
+        ids = self.order.ids(positions.start, positions.stop)
+        return self.collate_fn([self.dataset[j] for j in ids])
 
     def _verdict(self, a: m.Action) -> m.Observation:
         st = self._step
@@ -612,7 +781,13 @@ class StepEngine:
         )
         self.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
+        if self.sharded is not None:
+            # The gradient over the shard's twins, the extras over the whole generation.
+            self._inflight = tensor_allreduce(self._pg, [extras]) + tensor_allreduce(
+                self._twins_pg, self.backend.reduce_buffers()
+            )
+        else:
+            self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
         self._hook(s, hooks.StepPoint.ALLREDUCE)
         timeout = self.hang.timeout_s
         try:
@@ -681,6 +856,7 @@ class StepEngine:
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
         self._pg = None
+        self._drop_shard_groups()
         self._inflight = []
         self._step = None
         # An abandoned all-reduce may still complete later and write into its
@@ -689,6 +865,16 @@ class StepEngine:
         self.session.set_gen(0)
         log.warning("%s: generation %d abandoned in %s: %s", self.member, a.gen, a.phase, a.error)
         return m.Abandoned()
+
+    def _drop_shard_groups(self) -> None:
+        """Sharded: park the twins' group (its all-reduce may be in flight) and leave
+        the replica group (no collective of it is: compute is synchronous)."""
+        if self._twins_pg is not None:
+            self.graveyard.bury(self._twins_pg, self._inflight)
+            self._twins_pg = None
+        if self.sharded is not None:
+            self.sharded.leave_group()
+        self.layout = None
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -718,6 +904,14 @@ class StepEngine:
         got = load_resume(self.ckpt.directory, self._resume_mode)
         if got is None:
             return
+        if self.sharded is not None:
+            self.events.emit(
+                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+            )
+            exit_misconfigured(
+                f"{got[0].path} is a whole-model checkpoint and a sharded model cannot resume "
+                "from checkpoints yet: start in a fresh run directory, or without --shard-size"
+            )
         ckpt, tensors, meta = got
         saved = meta.get("framework", "torch")
         if saved != self.backend.framework:
@@ -754,6 +948,12 @@ class StepEngine:
         step's verdict) and wait until it is durable within the grace period."""
         deadline = time.monotonic() + a.grace_s
         n = a.step
+        if self.sharded is not None:
+            # Sharded checkpoints (each member its own shard, DCP) are not built yet:
+            # writing this member's shard as if it were the whole state would corrupt one.
+            log.warning("%s: preempted; no emergency checkpoint for a sharded model", self.member)
+            print(f"[{self.member}] preempted: sharded models have no checkpoint yet", flush=True)
+            return m.CheckpointWritten(False)
         log.warning("%s: preemption notice; emergency checkpoint at step %d", self.member, n)
         print(f"[{self.member}] preempted: emergency checkpoint at step {n}", flush=True)
         members, rank = list(self.proto.members), self.proto.rank
@@ -807,6 +1007,7 @@ class StepEngine:
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
             self._pg = None
+        self._drop_shard_groups()
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)

@@ -123,6 +123,7 @@ class AbortPhase(StrEnum):
     QUORUM = "quorum"
     WATCHDOG = "watchdog"
     ALLREDUCE = "allreduce"
+    COMPUTE = "compute"
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,14 @@ class Superseded:
 
 
 @dataclass(frozen=True)
+class ComputeFailed:
+    """A collective inside the compute failed (a sharded model's replica group
+    lost a member mid-step): nothing of the step was reduced yet."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class VerdictSeen:
     verdict: Verdict
     asked_incarnation: int
@@ -292,6 +301,7 @@ Observation = (
     | HealFailed
     | Computed
     | Superseded
+    | ComputeFailed
     | VerdictSeen
     | VerdictFailed
     | Reduced
@@ -485,6 +495,9 @@ class MemberProtocol:
     def _on_superseded(self, obs: Superseded, flags: Flags) -> Action:
         return self._abandon(AbortPhase.SUPERSEDED, "generation changed during compute")
 
+    def _on_compute_failed(self, obs: ComputeFailed, flags: Flags) -> Action:
+        return self._abandon(AbortPhase.COMPUTE, obs.error)
+
     def _on_computed(self, obs: Computed, flags: Flags) -> Action:
         self.phase = Phase.VERDICT
         return Action(Do.VERDICT, step=self.committed, gen=self.gen)
@@ -602,6 +615,7 @@ def _table() -> dict[tuple[Phase, type], _Handler]:
         (P.HEAL, HealFailed): M._on_heal_failed,
         (P.COMPUTE, Computed): M._on_computed,
         (P.COMPUTE, Superseded): M._on_superseded,
+        (P.COMPUTE, ComputeFailed): M._on_compute_failed,
         (P.VERDICT, VerdictSeen): M._on_verdict,
         (P.VERDICT, Unreachable): M._on_verdict_unreachable,
         (P.VERDICT, VerdictFailed): M._on_verdict_failed,

@@ -73,6 +73,7 @@ class MemberSession:
         self._reg_lock = threading.Lock()
         self._gen = 0
         self._members: tuple[str, ...] = ()
+        self._slots: dict[str, list[int]] = {}
         self._last_gen = 0
         self._committed = 0
         self._unreachable_since: float | None = None
@@ -114,6 +115,7 @@ class MemberSession:
                     self.signature,
                     gen=self._last_gen,
                     gen_members=list(self._members) if self._gen else [],
+                    gen_slots=dict(self._slots) if self._gen else {},
                     committed=self._committed,
                     prev_incarnation=self.incarnation,
                 )
@@ -184,11 +186,18 @@ class MemberSession:
 
     # ---- state shared with the training thread -------------------------------
 
-    def set_gen(self, gen: int, members: tuple[str, ...] | list[str] = ()) -> None:
-        """The generation the training thread runs now (0: none) and its members."""
+    def set_gen(
+        self,
+        gen: int,
+        members: tuple[str, ...] | list[str] = (),
+        slots: dict[str, list[int]] | None = None,
+    ) -> None:
+        """The generation the training thread runs now (0: none), its members and,
+        sharded, their slots (a restarted coordinator adopts them from us)."""
         with self._lock:
             self._gen = gen
             self._members = tuple(members)
+            self._slots = dict(slots or {})
             self._last_gen = max(self._last_gen, gen)
 
     def note_committed(self, committed: int) -> None:

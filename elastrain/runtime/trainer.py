@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from elastrain.runtime.backend import Backend
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import EngineTrainer, MapDataset, StepResult
+from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
 
 __all__ = ["ElasticTrainer", "LossFn", "MapDataset", "StepResult", "TrainerConfig"]
@@ -42,6 +44,15 @@ class ElasticTrainer(EngineTrainer):
     checkpoint the launcher chose before its first rendezvous, takes the
     periodic checkpoints `TrainerConfig` asks for, and, on a preemption
     notice, one emergency checkpoint before exiting with EXIT_PREEMPTED.
+
+    With `TrainerConfig.shard_size` S > 1 (or `elastrain run --shard-size S`)
+    each member holds one shard of the model: the members form replica groups
+    of S that run FSDP2 inside (`elastrain.runtime.sharded`); `shard_policy`
+    picks the submodules wrapped as their own FSDP2 units (default: every
+    element of an `nn.ModuleList`). The loss function then receives the FSDP2
+    wrapper, not `model` (whose parameters are freed once the shard is taken),
+    and the optimizer that steps is the trainer's (`trainer.optimizer`, same
+    class and hyperparameters, over this member's shard).
     """
 
     def __init__(
@@ -59,15 +70,28 @@ class ElasticTrainer(EngineTrainer):
         run_dir: str | None = None,
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+        shard_policy: ShardPolicy = default_shard_policy,
     ) -> None:
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         self.model = model
-        backend = TorchBackend(
-            model,
-            optimizer,
-            loss_fn,
-            config,
-            extra_state=extra_state,
-            load_extra_state=load_extra_state,
-        )
+        backend: Backend
+        if config.shard_size > 1:
+            backend = ShardedBackend(
+                model,
+                optimizer,
+                loss_fn,
+                config,
+                shard_policy=shard_policy,
+                extra_state=extra_state,
+                load_extra_state=load_extra_state,
+            )
+        else:
+            backend = TorchBackend(
+                model,
+                optimizer,
+                loss_fn,
+                config,
+                extra_state=extra_state,
+                load_extra_state=load_extra_state,
+            )
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)

@@ -1,0 +1,326 @@
+"""Sharded replica groups (issue 16): FSDP2 inside a group, twins across groups.
+
+The same script (tests/scripts/train_sharded.py) runs replicated and as 2 x 2:
+the sharded job's gradient is the exact float64 sum of the same float32
+micro-batch gradients, so its loss curve equals the replicated one bit for bit,
+with and without a killed rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastrain.chaos.schedule import parse_fault
+from elastrain.data import GlobalOrder, assign_microbatches, assign_rounds
+from elastrain.launch.launcher import LaunchConfig, Launcher
+from elastrain.observe.events import read_events
+from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+from elastrain.runtime.sharded import shard_rows
+
+from .conftest import ROOT, Job
+
+SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
+B, SEED, DATASET = 24, 5, 2048
+STEPS = 40
+
+
+def expected_ids(step: int) -> list[int]:
+    return GlobalOrder(DATASET, SEED).ids(step * B, (step + 1) * B)
+
+
+# ---- pure pieces ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 37, 111])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_shard_rows_is_torch_chunk(rows: int, size: int) -> None:
+    """A member's rows are FSDP2's Shard(0) rows (torch.chunk), padded shards included."""
+    t = torch.arange(rows)
+    chunks = list(torch.chunk(t, size)) if rows else []
+    for shard in range(size):
+        lo, hi = shard_rows(rows, size, shard)
+        want = chunks[shard].tolist() if shard < len(chunks) else []
+        assert t[lo:hi].tolist() == want
+
+
+@pytest.mark.parametrize("mbs", [1, 5, 8, 9])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_rounds_give_every_microbatch_once_and_every_member_the_same_rounds(
+    mbs: int, groups: int, size: int
+) -> None:
+    seen: list[int] = []
+    for g in range(groups):
+        turns = [assign_rounds(mbs, groups, g, size, s) for s in range(size)]
+        # FSDP2's collectives need every member of a group in every round.
+        assert len({len(t) for t in turns}) == 1
+        block = assign_microbatches(mbs, groups, g)
+        assert sorted(i for t in turns for i in t if i is not None) == block
+        seen += block
+    assert sorted(seen) == list(range(mbs))
+
+
+# ---- the backend against the replicated one, in two processes ----------------------
+
+
+def _backend_worker(rank: int, port: int, q: Any) -> None:
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import torch.distributed as dist
+    from train_sharded import Net, Regression, loss_fn
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = Net()
+    cfg = TrainerConfig(global_batch_size=B, micro_batch_size=3, total_steps=4, shard_size=2)
+    sb = ShardedBackend(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loss_fn, cfg)
+    sb.place(rank)
+    sb.form_group(
+        ("a", "b"),
+        lambda: open_replica_group(store, "r0", rank, 2, connect_timeout_s=60, op_timeout_s=60),
+    )
+    data = Regression()
+    for step in range(4):
+        sb.begin_step(2)
+        for i in assign_rounds(B // 3, 1, 0, 2, rank):
+            assert i is not None
+            ids = expected_ids(step)[i * 3 : (i + 1) * 3]
+            batch = torch.utils.data.default_collate([data[j] for j in ids])
+            sb.compute(step, i, batch, 3)
+        sb.apply()
+    q.put((rank, {n: p.detach().numpy().copy() for n, p in sb.local.named_parameters()}))
+    sb.leave_group()
+
+
+def test_sharded_update_is_the_replicated_update_bit_for_bit() -> None:
+    """Two members as one replica group of 2 (FSDP2 over gloo) end 4 AdamW steps with
+    exactly the rows the replicated backend computes for the same micro-batches."""
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from train_sharded import Net, Regression, loss_fn
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.torch_backend import TorchBackend
+
+    torch.manual_seed(0)
+    model = Net()
+    cfg = TrainerConfig(global_batch_size=B, micro_batch_size=3, total_steps=4)
+    tb = TorchBackend(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loss_fn, cfg)
+    data = Regression()
+    for step in range(4):
+        tb.begin_step(2)
+        for i in range(B // 3):
+            ids = expected_ids(step)[i * 3 : (i + 1) * 3]
+            tb.compute(step, i, torch.utils.data.default_collate([data[j] for j in ids]), 3)
+        tb.apply()
+    full = {n.replace(".", "/"): p.detach() for n, p in model.named_parameters()}
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_backend_worker, args=(r, store.port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for name, want in full.items():
+        for shard in range(2):
+            lo, hi = shard_rows(want.shape[0], 2, shard)
+            assert torch.equal(torch.from_numpy(got[shard][name]), want[lo:hi]), (name, shard)
+
+
+# ---- whole jobs --------------------------------------------------------------------
+
+
+def _run(tmp: Path, name: str, shard_size: int | None, **kw: Any) -> Job:
+    cfg = LaunchConfig(
+        script=SHARDED,
+        workers=4,
+        steps=kw.pop("steps", STEPS),
+        shard_size=shard_size,
+        run_dir=str(tmp / name),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        **kw,
+    )
+    la = Launcher(cfg)
+    return Job(la, la.run())
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free replicated run (4 members, no shards) the sharded runs equal."""
+    job = _run(tmp_path_factory.mktemp("replicated"), "ref", None)
+    assert job.result.status == "done", job.result.message
+    return job
+
+
+def _assert_job(job: Job, ref: Job, steps: int = STEPS) -> None:
+    assert job.result.status == "done", job.result.message
+    assert check_same_state(job.events) == []
+    led = check_exactly_once(job.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == steps
+    a, b = loss_curve(ref.events), loss_curve(job.events)
+    assert list(b) == list(range(steps))
+    for s in range(steps):
+        assert a[s] == b[s], f"step {s}: replicated {a[s]!r}, sharded {b[s]!r}"
+
+
+def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replicated: Job) -> None:
+    job = _run(tmp_path, "2x2", 2)
+    _assert_job(job, replicated)
+    starts = job.of("generation_start")
+    # Each member hashed its own shard; twins agree, the two shards differ.
+    by_shard: dict[int, set[str]] = {}
+    for e in starts:
+        by_shard.setdefault(e["shard"], set()).add(e["state_hash"])
+    assert sorted(by_shard) == [0, 1] and all(len(h) == 1 for h in by_shard.values())
+    assert by_shard[0] != by_shard[1]
+    ready = [e for e in job.events if e["kind"] == "generation_ready"]
+    assert ready[0]["layout"].startswith("2x2: r0=[")
+
+
+def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Kill one rank of a 2 x 2 job: its group-mate keeps its process as a shadow, the
+    other group keeps committing, the replacement takes the dead slot and receives
+    one shard (half the state) from its twin, and the loss curve is the replicated
+    job's bit for bit."""
+    pace = tmp_path / "pace"
+    pace.write_text("0.3")
+    healed: list[dict[str, Any]] = []
+
+    def watch(_la: Launcher, _st: dict[str, Any]) -> None:
+        # Slow steps until the replacement has healed (a loaded machine starts it
+        # slowly), then let the job run to its end at full speed.
+        if not healed:
+            events = read_events(tmp_path / "kill")
+            healed.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
+            if healed:
+                pace.unlink(missing_ok=True)
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace)],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        run_dir=str(tmp_path / "kill"),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        faults=[parse_fault("kill@6:w1")],
+    )
+    la = Launcher(cfg, on_status=lambda st: watch(la, st))
+    try:
+        job = Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+    _assert_job(job, replicated)
+    assert healed, "the replacement never healed"
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    for m in ("w0", "w2", "w3"):
+        pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
+        assert pids == {spawned[m]}, f"{m} changed process"
+    # Only the dead rank's shard moved: its twin sent about half the state, and
+    # nobody else took part in a heal.
+    heals = [e for e in job.events if e["kind"] == "heal_end"]
+    recv = [e for e in heals if e["role"] == "recv"]
+    assert len(recv) == 1 and recv[0]["proc"] not in ("w0", "w2", "w3")
+    slots = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=1)}
+    twin = [m for m, (_, s) in slots.items() if s == slots["w1"][1] and m != "w1"]
+    assert [e["proc"] for e in heals if e["role"] == "send"] == twin
+    # While w1's slot was empty its group-mate was a shadow: it took part in every
+    # step (its shard's update) and computed no sample; the other group computed all.
+    mate = next(m for m, (r, _) in slots.items() if r == slots["w1"][0] and m != "w1")
+    gen2 = job.of("step_contrib", gen=2)
+    assert gen2 and all(e["samples"] == [] for e in gen2 if e["proc"] == mate)
+    assert {e["proc"] for e in gen2 if e["samples"]} == set(slots) - {"w1", mate}
+    state = _state_bytes()
+    assert 0.4 * state < recv[0]["bytes"] < 0.6 * state, (recv[0]["bytes"], state)
+
+
+def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """SIGSTOP one rank of a 2 x 2 job for 8 s: its group-mate, blocked inside FSDP2's
+    collectives, gives up at the step watchdog's deadline (not the group's creation
+    timeout), the job goes on without the hung rank, which rejoins its slot when it
+    wakes up and is healed; the loss curve is the replicated job's."""
+    pace = tmp_path / "pace"
+    pace.write_text("0.3")
+    rejoined: list[dict[str, Any]] = []
+
+    def watch(_st: dict[str, Any]) -> None:
+        if not rejoined:
+            events = read_events(tmp_path / "hang")
+            rejoined.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
+            if rejoined:
+                pace.unlink(missing_ok=True)
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace), "--hang-floor", "2"],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        run_dir=str(tmp_path / "hang"),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        faults=[parse_fault("hang@6:w1/8")],
+    )
+    la = Launcher(cfg, on_status=watch)
+    try:
+        job = Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+    _assert_job(job, replicated)
+    assert [e["proc"] for e in rejoined] == ["w1"]
+    # The job went on without it (where w1 stopped decides whether its group-mate gave
+    # up inside FSDP2's collectives or in the step's all-reduce; either way it did).
+    without = {
+        e["gen"] for e in job.events if e["kind"] == "generation_ready" and "w1" not in e["members"]
+    }
+    assert any(e["gen"] in without for e in job.of("step_commit")), "no step without w1"
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
+
+
+def _state_bytes() -> int:
+    """The whole training state of train_sharded.py: params and AdamW's two moments."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from train_sharded import Net
+
+    return 3 * sum(p.numel() * p.element_size() for p in Net().parameters())
+
+
+def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: Path) -> None:
+    """The script asks for 2 shards, the job was started unsharded: every worker
+    stops with what to change, and the job fails fast instead of training wrong."""
+    job = _run(tmp_path, "mismatch", None, script_args=["--shard-size", "2"], steps=5)
+    assert job.result.status != "done"
+    logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(4))
+    assert "--shard-size 2" in logs and "shard size is 1" in logs

@@ -245,9 +245,7 @@ class ShardedBackend:
         if self.model is None or not dist.is_initialized():
             return
         pg = dist.distributed_c10d._get_default_group()
-        pg._get_backend(torch.device("cpu")).set_timeout(
-            datetime.timedelta(seconds=seconds)
-        )
+        pg._get_backend(torch.device("cpu")).set_timeout(datetime.timedelta(seconds=seconds))
 
     def leave_group(self) -> None:
         """Drop the wrapper and the replica group's process group (a shadow, a

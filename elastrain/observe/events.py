@@ -59,6 +59,7 @@ class EventKind(StrEnum):
     GROUP_BUILT = "group_built"
     HEAL_BEGIN = "heal_begin"
     HEAL_END = "heal_end"
+    RESHARD_END = "reshard_end"
     GENERATION_START = "generation_start"
     STEP_CONTRIB = "step_contrib"
     STEP_COMMIT = "step_commit"
@@ -109,6 +110,9 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.GROUP_BUILT: frozenset(["build_s", "gen", "rank", "size"]),
     EventKind.HEAL_BEGIN: frozenset(["bytes", "gen", "role"]),
     EventKind.HEAL_END: frozenset(["bytes", "gen", "rate_mb_s", "role", "seconds"]),
+    EventKind.RESHARD_END: frozenset(
+        ["gen", "old_size", "new_size", "sent", "received", "seconds"]
+    ),
     EventKind.GENERATION_START: frozenset(["gen", "members", "rank", "state_hash", "step"]),
     EventKind.STEP_CONTRIB: frozenset(["gen", "samples", "step"]),
     EventKind.STEP_COMMIT: frozenset(

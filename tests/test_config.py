@@ -148,3 +148,16 @@ def test_the_fewest_members_default_to_one_replica_group() -> None:
     # An agent runs its node's share of the job: its -n need not be whole groups.
     agent = LaunchConfig(script=MLP, workers=1, shard_size=2, coordinator="h:1", token="t")
     assert agent.min_workers == 1
+
+
+def test_the_token_comes_from_one_place_for_coordinator_and_workers(tmp_path: Path) -> None:
+    from elastrain import env
+    from elastrain.runtime.config import read_worker_env
+
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    assert env.read_token({env.TOKEN_FILE: str(f)}) == "s3cret"
+    # The variable wins over the file; whitespace is never part of a token.
+    assert env.read_token({env.TOKEN: " abc \n", env.TOKEN_FILE: str(f)}) == "abc"
+    assert env.read_token({}) is None
+    assert read_worker_env({env.TOKEN_FILE: str(f)}).token == "s3cret"

@@ -15,12 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastrain.chaos.schedule import parse_fault
+from elastrain.control.layout import Slot
 from elastrain.data import GlobalOrder, assign_microbatches, assign_rounds
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
 from .conftest import ROOT, Job
@@ -324,3 +328,73 @@ def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: 
     assert job.result.status != "done"
     logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(4))
     assert "--shard-size 2" in logs and "not sharded" in logs
+
+
+# ---- the reshard plan (pure) -------------------------------------------------------
+
+
+def _check_plan(
+    rows: list[int],
+    held: dict[str, tuple[int, int]],
+    new: dict[str, Slot],
+    new_size: int,
+    order: list[str],
+) -> list[Piece]:
+    pieces = plan_reshard(rows, held, new, new_size, order)
+    for dst, slot in new.items():
+        for i, n in enumerate(rows):
+            lo, hi = shard_rows(n, new_size, slot.shard)
+            got = sorted((p.lo, p.hi) for p in pieces if p.dst == dst and p.param == i)
+            # Every row of the new shard arrives exactly once, in contiguous pieces.
+            flat = [r for a, b in got for r in range(a, b)]
+            assert flat == list(range(lo, hi)), (dst, i, got)
+    for pc in pieces:
+        size, shard = held[pc.src]
+        olo, ohi = shard_rows(rows[pc.param], size, shard)
+        assert olo <= pc.lo < pc.hi <= ohi, pc  # the source holds what it sends
+        if pc.dst in held:
+            dsize, dshard = held[pc.dst]
+            dlo, dhi = shard_rows(rows[pc.param], dsize, dshard)
+            if dlo <= pc.lo and pc.hi <= dhi:
+                assert pc.src == pc.dst, pc  # what a member holds it keeps
+    return pieces
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    old_size=st.integers(1, 4),
+    new_size=st.integers(1, 4),
+    replicas=st.integers(1, 3),
+    data=st.data(),
+)
+def test_the_reshard_plan_moves_every_needed_row_once_from_a_holder(
+    rows: list[int], old_size: int, new_size: int, replicas: int, data: st.DataObject
+) -> None:
+    members = [f"m{i}" for i in range(old_size * replicas)]
+    held = {m: (old_size, i % old_size) for i, m in enumerate(members)}
+    # Some holders die; every old shard keeps one holder; joiners hold nothing.
+    dead = set(data.draw(st.sets(st.sampled_from(members))))
+    for shard in range(old_size):
+        holders = [m for m in members if held[m][1] == shard]
+        if all(m in dead for m in holders):
+            dead.discard(holders[0])
+    held = {m: h for m, h in held.items() if m not in dead}
+    alive = [m for m in members if m in held] + ["j0", "j1"][: data.draw(st.integers(0, 2))]
+    # Joiners (holding nothing) fill the last replica group of the new layout.
+    alive += [f"j{i}" for i in range(2, 2 + (-len(alive)) % new_size)]
+    new = {m: Slot(i // new_size, i % new_size) for i, m in enumerate(alive)}
+    _check_plan(rows, held, new, new_size, alive)
+
+
+def test_the_reshard_plan_stripes_over_twins_and_says_when_rows_are_lost() -> None:
+    held = {"a": (2, 0), "b": (2, 1), "c": (2, 0), "d": (2, 1)}
+    # 2 x 2 -> 5 x 1 (the model fits one member) with a joiner that holds nothing:
+    # the rows a member lacks come from both holders of their old shard in turn.
+    new = {m: Slot(i, 0) for i, m in enumerate(["a", "b", "c", "d", "j"])}
+    pieces = _check_plan([8, 8, 8, 8], held, new, 1, ["a", "b", "c", "d", "j"])
+    assert {p.src for p in pieces if p.dst == "j"} == {"a", "b", "c", "d"}
+    assert moved_bytes(pieces, [4] * 4) == 4 * (4 * 16 + 2 * 16)  # j all, a-d half each
+    with pytest.raises(ShardLost, match="old shard 1 of 2"):
+        plan_reshard([8], {"a": (2, 0), "c": (2, 0)}, {"a": Slot(0, 0), "c": Slot(0, 1)}, 2,
+                     ["a", "c"])  # fmt: skip

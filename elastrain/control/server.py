@@ -620,17 +620,6 @@ class CoordinatorServer:
         self.events.close()
 
 
-def read_token() -> str | None:
-    """The job token from the environment (or the file it names); None if neither is set."""
-    tok = os.environ.get(env.TOKEN)
-    if tok:
-        return tok.strip()
-    path = os.environ.get(env.TOKEN_FILE)
-    if path:
-        return Path(path).read_text().strip()
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="elastrain coordinator",
@@ -698,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         ap.error(str(e))
-    token = read_token()
+    token = env.read_token()
     if token is None:
         ap.error(f"no job token: set {env.TOKEN} or {env.TOKEN_FILE}")
     srv = CoordinatorServer(

@@ -41,6 +41,7 @@ Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -302,8 +303,13 @@ class StepEngine:
         try:
             self._check_setup()
             self._resume()
-            self._warm_up()
-            self._metering = WorkerMetering.start(self.events, self._count_flops)
+            # One micro-batch serves both the warm-up and the FLOP count (loaded once).
+            first = self._first_batch()
+            self._warm_up(first)
+            self._metering = WorkerMetering.start(
+                self.events, functools.partial(self._count_flops, first)
+            )
+            del first
             action = self.proto.advance(m.Started())
             while True:
                 if action.do is m.Do.FINISH:
@@ -340,11 +346,9 @@ class StepEngine:
         ids = self.order.ids(0, self.config.micro_batch_size)
         return self.collate_fn([self.dataset[j] for j in ids])
 
-    def _count_flops(self) -> dict[str, Any] | None:
+    def _count_flops(self, batch: Any) -> dict[str, Any] | None:
         cfg = self.config
-        fields = self.backend.count_flops(
-            self._first_batch(), cfg.micro_batch_size, cfg.global_batch_size
-        )
+        fields = self.backend.count_flops(batch, cfg.micro_batch_size, cfg.global_batch_size)
         if fields is None:
             return None
         return {
@@ -353,9 +357,9 @@ class StepEngine:
             "global_batch": self.config.global_batch_size,
         }
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, batch: Any) -> None:
         t0 = time.monotonic()
-        self.backend.warm_up(self._first_batch())
+        self.backend.warm_up(batch)
         log.debug("%s: warm-up %.2f s", self.member, time.monotonic() - t0)
 
     # ---- registration and rendezvous -------------------------------------------------

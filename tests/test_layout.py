@@ -3,11 +3,15 @@
 The pure rules (`elastrain.control.layout`), a property test over random deaths
 and joins, then the coordinator handing the layout out: in its ready answers,
 across a death and a replacement, and to a generation it adopts after a restart.
+Then resharding in memory: the shard size chosen, who takes which shard of it
+(the fewest bytes move), and the coordinator regrouping 2x2 -> 1x3 -> 2x2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,15 @@ from hypothesis import strategies as st
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient
 from elastrain.control.config import CoordinatorConfig
-from elastrain.control.layout import Layout, Slot, assign_slots
+from elastrain.control.layout import (
+    Holding,
+    Layout,
+    Slot,
+    assign_slots,
+    choose_shard_size,
+    reshard_slots,
+    state_bytes,
+)
 from elastrain.control.quorum import Membership
 from elastrain.control.server import CoordinatorServer
 from elastrain.control.server import main as coordinator_main
@@ -343,3 +355,209 @@ def test_elastrain_coordinator_takes_a_shard_size(capsys: pytest.CaptureFixture[
         coordinator_main(["--target", "3", "--shard-size", "2"])
     assert e.value.code == 2
     assert "target (3) must be a multiple of shard_size (2)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- resharding: the rules
+
+
+def every(size: int) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    "alive, preferred, fits, want",
+    [
+        (4, 2, every, 2),  # the job's own shape
+        (3, 2, every, 3),  # 1x3: no member holds more than with 2
+        (5, 2, every, 5),
+        (6, 4, every, 6),  # 3 (2x3) would hold more than the 1/4 the job ran with
+        (3, 4, every, 3),  # below the preferred size: the least memory per member
+        (2, 4, every, 2),
+        (4, 2, lambda s: s >= 4, 4),  # 2 does not fit: 1x4
+        (6, 2, lambda s: s >= 3, 3),  # the smallest that fits: 2x3, not 1x6
+        (3, 2, lambda s: s >= 4, None),  # nothing fits: refused
+    ],
+)
+def test_the_shard_size_for_the_members_left(
+    alive: int, preferred: int, fits: Callable[[int], bool], want: int | None
+) -> None:
+    assert choose_shard_size(alive, preferred, fits) == want
+
+
+def test_the_shard_size_rule_holds_for_any_budget() -> None:
+    for alive in range(1, 25):
+        divisors = [d for d in range(1, alive + 1) if alive % d == 0]
+        for preferred in range(1, 9):
+            for smallest_fit in range(1, 26):
+
+                def fits(s: int, k: int = smallest_fit) -> bool:
+                    return s >= k
+
+                got = choose_shard_size(alive, preferred, fits)
+                ok = [d for d in divisors if fits(d)]
+                if not ok:
+                    assert got is None
+                    continue
+                assert got is not None and alive % got == 0 and fits(got)
+                at_least = [d for d in ok if d >= preferred]
+                assert got == (min(at_least) if at_least else max(ok))
+    with pytest.raises(ValueError):
+        choose_shard_size(0, 2, every)
+
+
+def kept(previous: Mapping[str, Slot], old: int, new: Mapping[str, Slot], size: int) -> Fraction:
+    """The rows (as a fraction of the model) the members keep in place: the sum
+    of each member's old shard's overlap with its new one."""
+    return sum(
+        (
+            Holding(old, previous[m].shard).overlap(Holding(size, s.shard))
+            for m, s in new.items()
+            if m in previous
+        ),
+        Fraction(0),
+    )
+
+
+def test_three_survivors_of_2x2_regroup_as_1x3_keeping_most_of_their_rows() -> None:
+    g = {"w0": S0, "w2": T0, "w3": T1}  # w1 (r0, shard 1) died
+    new = reshard_slots(g, 2, ["w0", "w2", "w3"], 3)
+    assert Layout(3, new).describe() == "1x3: r0=[w0,w2,w3]"
+    # w0 keeps all of new shard 0 (rows [0, 1/3) of its [0, 1/2)); w3 all of new
+    # shard 2; w2 half of new shard 1. Any other placement keeps less.
+    assert kept(g, 2, new, 3) == Fraction(1, 3) + Fraction(1, 6) + Fraction(1, 3)
+
+
+def test_back_to_2x2_when_a_replacement_joins() -> None:
+    g = {"w0": S0, "w2": S1, "w3": Slot(0, 2)}  # 1x3
+    new = reshard_slots(g, 3, ["w0", "w2", "w3", "w4"], 2)
+    layout = Layout(2, new)
+    assert layout.complete_replicas() == [0, 1]
+    # w0 ([0, 1/3)) stays on shard 0, w3 ([2/3, 1)) on shard 1: nothing of theirs moves;
+    # w2 ([1/3, 2/3)) keeps half of either; the joiner takes what is left.
+    assert new["w0"].shard == 0 and new["w3"].shard == 1
+    assert kept(g, 3, new, 2) == Fraction(1, 3) + Fraction(1, 3) + Fraction(1, 6)
+    assert layout.describe() == "2x2: r0=[w0,w3] r1=[w2,w4]"
+
+
+def test_broken_groups_of_the_same_size_merge_without_moving_bytes() -> None:
+    # 2x2 lost w1 (r0, shard 1) and w2 (r1, shard 0): no group is complete, yet
+    # w0 holds shard 0 and w3 shard 1, which together are one whole group.
+    new = reshard_slots({"w0": S0, "w3": T1}, 2, ["w0", "w3"], 2)
+    assert new == {"w0": S0, "w3": S1}
+
+
+def test_resharding_to_or_from_unsharded() -> None:
+    assert reshard_slots({"a": S0, "b": S1}, 2, ["a", "b"], 1) == {}
+    # Unsharded, every member held the whole model: any placement keeps it; rank order.
+    assert reshard_slots({}, 1, ["a", "b", "c"], 3) == {"a": S0, "b": S1, "c": Slot(0, 2)}
+    with pytest.raises(ValueError, match="shard_size must be >= 1"):
+        reshard_slots({}, 0, ["a"], 2)
+
+
+def test_stale_or_duplicate_slots_count_as_holding_nothing() -> None:
+    previous = {"a": Slot(0, 7), "b": S1, "c": S1}  # a: outside size 2; c: b's slot
+    new = reshard_slots(previous, 2, ["a", "b", "c", "b"], 3)
+    assert list(new) == ["a", "b", "c"]
+    assert new["b"].shard == 2  # b's rows [1/2, 1) keep most on new shard 2, [2/3, 1)
+    assert Layout(3, new).complete_replicas() == [0]
+
+
+def test_a_models_bytes_from_its_signature() -> None:
+    sig = [
+        ["w", [1000, 10], "torch.float32"],
+        ["b", [10], "torch.bfloat16"],
+        ["step", [], "torch.int64"],
+        ["mask", [3], "torch.bool"],
+        ["jax", [2, 2], "float16"],  # numpy/JAX names too
+    ]
+    assert state_bytes(sig) == 1000 * 10 * 4 + 10 * 2 + 8 + 3 + 4 * 2
+    with pytest.raises(ValueError, match="cannot size dtype"):
+        state_bytes([["x", [1], "torch.mystery"]])
+
+
+def test_every_torch_dtype_is_sized_as_torch_sizes_it() -> None:
+    torch = pytest.importorskip("torch")
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    for dt in dtypes:
+        assert state_bytes([["x", [3, 5], str(dt)]]) == 15 * dt.itemsize, dt
+
+
+@st.composite
+def reshards(draw: st.DrawFn) -> tuple[dict[str, Slot], int, list[str], int]:
+    """A layout of some shard size after random deaths, the survivors plus joiners, and
+    a new shard size."""
+    old = draw(st.integers(1, 5))
+    first = [f"m{i}" for i in range(draw(st.integers(1, 10)))]
+    slots = assign_slots({}, first, old)
+    survivors = [m for m in first if draw(st.booleans())]
+    joiners = [f"j{i}" for i in range(draw(st.integers(0, 4)))]
+    members = draw(st.permutations(survivors + joiners))
+    return slots, old, list(members), draw(st.integers(1, 5))
+
+
+def best_kept(previous: Mapping[str, Slot], old: int, members: list[str], size: int) -> Fraction:
+    """The most rows any valid layout keeps, by trying every placement."""
+    full, rest = divmod(len(members), size)
+    best = Fraction(0)
+    for partial in itertools.combinations(range(size), rest):
+        shards = [j for j in range(size) for _ in range(full)] + list(partial)
+        for order in set(itertools.permutations(shards)):
+            new = {m: Slot(0, j) for m, j in zip(members, order, strict=True)}
+            best = max(best, kept(previous, old, new, size))
+    return best
+
+
+def check_reshard(previous: Mapping[str, Slot], old: int, members: list[str], size: int) -> None:
+    new = reshard_slots(previous, old, members, size)
+    if size == 1:
+        assert new == {}
+        return
+    # A valid layout: every member once, no slot twice, complete groups 0..full-1
+    # and at most one incomplete group after them.
+    assert list(new) == members
+    assert len(set(new.values())) == len(new)
+    layout = Layout(size, new)
+    full, rest = divmod(len(members), size)
+    assert layout.complete_replicas() == list(range(full))
+    assert layout.replicas() == list(range(full + (1 if rest else 0)))
+    check_layout(layout, members)
+    # Nobody could keep more of their rows by trading places (or, in the incomplete
+    # group, by moving to a shard it lacks): in particular a member sits on a
+    # shard that shares no rows with its old one only when every slot of the
+    # shards that do is held by a member that keeps at least as much there.
+    if old == 1:
+        return  # every holder held everything
+
+    def keeps(m: str, shard: int) -> Fraction:
+        s = previous.get(m)
+        return Holding(old, s.shard).overlap(Holding(size, shard)) if s else Fraction(0)
+
+    for a, b in itertools.combinations(members, 2):
+        sa, sb = new[a].shard, new[b].shard
+        assert keeps(a, sa) + keeps(b, sb) >= keeps(a, sb) + keeps(b, sa), (a, b, new)
+    if rest:
+        lacking = set(range(size)) - {new[m].shard for m in layout.group(full)}
+        for m in layout.group(full):
+            assert all(keeps(m, new[m].shard) >= keeps(m, j) for j in lacking)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reshards())
+def test_a_reshard_is_a_valid_layout_that_keeps_most_rows_in_place(
+    case: tuple[dict[str, Slot], int, list[str], int],
+) -> None:
+    previous, old, members, size = case
+    check_reshard(previous, old, members, size)
+    if 1 < size and 1 < old and len(members) <= 6:
+        # The fewest bytes move: no placement at all keeps more rows.
+        new = reshard_slots(previous, old, members, size)
+        assert kept(previous, old, new, size) == best_kept(previous, old, members, size)
+
+
+def test_a_reshard_of_many_members_is_sound_and_costs_little() -> None:
+    previous = assign_slots({}, [f"m{i}" for i in range(40_000)], 8)
+    members = [f"m{i}" for i in range(40_000) if i % 7] + [f"j{i}" for i in range(50)]
+    check_reshard(previous, 8, members[::200], 6)  # (the check is quadratic)
+    new = reshard_slots(previous, 8, members, 6)  # the flow is over shard indices only
+    assert len(new) == len(members) and len(set(new.values())) == len(new)
+    assert Layout(6, new).complete_replicas() == list(range(len(members) // 6))

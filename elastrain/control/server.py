@@ -33,7 +33,7 @@ from typing import Any
 
 from elastrain import env
 from elastrain.control import protocol as p
-from elastrain.control.config import CoordinatorConfig
+from elastrain.control.config import CoordinatorConfig, parse_bytes
 from elastrain.control.http import (
     HttpError,
     HttpServer,
@@ -685,6 +685,31 @@ def main(argv: list[str] | None = None) -> int:
         help="members per replica group, each holding one shard of the model "
         "(default 1: unsharded); --target, --min and --max must be multiples of it",
     )
+    ap.add_argument(
+        "--reshard-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sharded jobs: when a replica group has had a vacancy for S seconds with no "
+        "replacement, regroup the members in memory to a shard size that makes whole "
+        "groups (e.g. 3 members of a 2x2 job as 1x3), and back when replacements return "
+        "(default: never; wait for replacements)",
+    )
+    ap.add_argument(
+        "--memory-per-member",
+        default=None,
+        metavar="BYTES",
+        help="bytes of training state a member can hold (512M, 2G, 16Gi, ...): a reshard "
+        "to a shard size whose shard does not fit is refused (default: no limit)",
+    )
+    ap.add_argument(
+        "--state-factor",
+        type=float,
+        default=4.0,
+        metavar="F",
+        help="bytes of training state per byte of parameters, for --memory-per-member "
+        "(default 4: parameter, gradient, two Adam moments)",
+    )
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
@@ -719,6 +744,11 @@ def main(argv: list[str] | None = None) -> int:
             start_grace_s=args.start_grace,
             ready_timeout_s=args.ready_timeout,
             shard_size=args.shard_size,
+            reshard_after_s=args.reshard_after,
+            memory_per_member=(
+                None if args.memory_per_member is None else parse_bytes(args.memory_per_member)
+            ),
+            state_factor=args.state_factor,
         )
     except ValueError as e:
         ap.error(str(e))

@@ -30,6 +30,7 @@ from elastrain.control.layout import (
     reshard_slots,
     state_bytes,
 )
+from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.server import CoordinatorServer
 from elastrain.control.server import main as coordinator_main
@@ -548,7 +549,7 @@ def test_a_reshard_is_a_valid_layout_that_keeps_most_rows_in_place(
 ) -> None:
     previous, old, members, size = case
     check_reshard(previous, old, members, size)
-    if 1 < size and 1 < old and len(members) <= 6:
+    if size > 1 and old > 1 and len(members) <= 6:
         # The fewest bytes move: no placement at all keeps more rows.
         new = reshard_slots(previous, old, members, size)
         assert kept(previous, old, new, size) == best_kept(previous, old, members, size)
@@ -561,3 +562,310 @@ def test_a_reshard_of_many_members_is_sound_and_costs_little() -> None:
     new = reshard_slots(previous, 8, members, 6)  # the flow is over shard indices only
     assert len(new) == len(members) and len(set(new.values())) == len(new)
     assert Layout(6, new).complete_replicas() == list(range(len(members) // 6))
+
+
+# ---------------------------------------------------------------- resharding: the coordinator
+
+RESHARD_AFTER = 30.0
+MODEL = [["w", [1000], "torch.float32"]]  # 4000 bytes: 16000 of training state at factor 4
+
+
+def sharded_job(n: int = 4, **kw: object) -> Membership:
+    """n members as n/2 x 2, ready in generation 1 at t=0, resharding after 30 s."""
+    cfg: dict[str, object] = {"target": n, "shard_size": 2, "reshard_after_s": RESHARD_AFTER}
+    cfg.update(kw)
+    m = Membership(CoordinatorConfig(**cfg))  # type: ignore[arg-type]
+    m.signature = MODEL  # type: ignore[assignment]
+    for i in range(n):
+        m.register(f"w{i}", 100 + i, "h", 0.0)
+    all_ready(m, 0, 0.0)
+    return m
+
+
+def all_ready(m: Membership, known_gen: int, now: float) -> Generation:
+    """Every member of the current generation calls rendezvous; it must be ready."""
+    g = m.gen
+    assert g is not None
+    for mid in g.members:
+        m.rendezvous(mid, m.members[mid].incarnation, known_gen, 0, now)
+    assert m.gen is g and g.is_ready, m.waiting
+    return g
+
+
+def step(m: Membership, step: int, now: float) -> p.Verdict:
+    """Every member heartbeats at `now`; the first member of the current generation
+    asks for the verdict of `step`."""
+    g = m.gen
+    assert g is not None
+    for mid in m.members:
+        m.touch(mid, m.members[mid].incarnation, now)
+    first = g.members[0]
+    verdict, _ = m.quorum(first, m.members[first].incarnation, g.gen, step, False, now)
+    return verdict
+
+
+def held(g: Generation) -> dict[str, tuple[int, int]]:
+    return {mid: (h.shard_size, h.shard) for mid, h in g.held.items()}
+
+
+def test_three_survivors_regroup_as_1x3_after_the_limit_and_back_when_a_replacement_comes() -> None:
+    m = sharded_job()
+    m.exited("w1", 101, 10.0)  # no replacement comes
+    g2 = all_ready(m, 1, 10.0)
+    assert g2.reason == "failure" and g2.shard_size == 2
+    assert Layout(2, g2.slots).describe() == "2x2: r0=[w0,-] r1=[w2,w3]"
+
+    # Before the limit, steps proceed with w0 as a shadow.
+    assert step(m, 1, 10.0 + RESHARD_AFTER - 0.1) == "proceed"
+    assert m.gen is g2
+    # After it, the next step boundary regroups the same members as 1x3.
+    assert step(m, 2, 10.0 + RESHARD_AFTER + 0.1) == "regroup"
+    g3 = m.gen
+    assert g3 is not None and g3 is not g2
+    assert (g3.reason, g3.shard_size, g3.members) == ("reshard", 3, g2.members)
+    assert Layout(3, g3.slots).describe() == "1x3: r0=[w0,w2,w3]"
+    assert held(g3) == {"w0": (2, 0), "w2": (2, 0), "w3": (2, 1)}
+    # At a step boundary: nobody's step in flight is aborted.
+    assert not m.gen_interrupted(g2.gen)
+    [change] = m.drain_layout_changes()
+    assert (change.gen, change.old, change.new, change.reason) == (
+        g3.gen,
+        "2x2: r0=[w0,-] r1=[w2,w3]",
+        "1x3: r0=[w0,w2,w3]",
+        "reshard",
+    )
+    all_ready(m, g2.gen, 41.0)
+    assert step(m, 2, 41.0) == "proceed"  # no vacancy left: nothing more to do
+
+    # A replacement registers: the next step boundary goes back to 2x2.
+    m.register("w4", 104, "h", 50.0)
+    assert step(m, 3, 50.0) == "regroup"
+    g4 = m.gen
+    assert g4 is not None and (g4.reason, g4.shard_size) == ("join", 2)
+    assert Layout(2, g4.slots).complete_replicas() == [0, 1]
+    assert held(g4) == {"w0": (3, 0), "w2": (3, 1), "w3": (3, 2)}  # w4 holds nothing
+    [back] = m.drain_layout_changes()
+    assert (back.old, back.new, back.reason) == (
+        "1x3: r0=[w0,w2,w3]",
+        Layout(2, g4.slots).describe(),
+        "join",
+    )
+    assert not m.gen_interrupted(g3.gen)
+
+
+def test_a_reshard_that_does_not_fit_the_memory_budget_is_refused_once() -> None:
+    # 1x3 would need 16000 / 3 bytes per member, 3x1 all 16000: over 5000.
+    m = sharded_job(memory_per_member=5000)
+    m.exited("w1", 101, 10.0)
+    g2 = all_ready(m, 1, 10.0)
+    assert step(m, 1, 100.0) == "proceed" and m.gen is g2  # the job keeps its layout
+    [refused] = m.drain_refusals()
+    assert (refused.alive, refused.preferred, refused.shard_size) == (3, 2, 2)
+    assert (refused.needed, refused.budget) == (5334, 5000)
+    assert "5,334 bytes" in refused.message and "5,000 bytes of --memory-per-member" in (
+        refused.message
+    )
+    for s in range(2, 5):
+        assert step(m, s, 100.0 + s) == "proceed"
+    assert m.drain_refusals() == []  # once per vacancy, not every step
+
+
+def test_a_reshard_fits_a_budget_that_the_thinner_layout_meets() -> None:
+    m = sharded_job(memory_per_member=5400)  # 1x3: 5334 bytes per member
+    m.exited("w1", 101, 10.0)
+    all_ready(m, 1, 10.0)
+    assert step(m, 1, 100.0) == "regroup"
+    assert m.gen is not None and m.gen.shard_size == 3 and m.drain_refusals() == []
+
+
+def test_the_vacancy_is_timed_from_its_start_across_generations() -> None:
+    m = sharded_job(6)  # 3x2
+    m.exited("w1", 101, 10.0)  # the vacancy starts
+    all_ready(m, 1, 10.0)
+    m.exited("w3", 103, 20.0)  # a second one, in another group
+    g3 = all_ready(m, 2, 20.0)
+    assert Layout(2, g3.slots).describe() == "3x2: r0=[w0,-] r1=[w2,-] r2=[w4,w5]"
+    assert step(m, 1, 10.0 + RESHARD_AFTER + 0.1) == "regroup"
+    g4 = m.gen
+    # 4 members make whole groups of 2 again: the same size, two complete groups,
+    # w0 and w2 (both shard 0) on the two shard-0 slots, one of the r2 pair moving.
+    assert g4 is not None and (g4.reason, g4.shard_size) == ("reshard", 2)
+    assert Layout(2, g4.slots).complete_replicas() == [0, 1]
+    assert m.drain_layout_changes() == []  # the shard size did not change
+
+
+def test_broken_groups_merge_when_the_shard_size_still_divides() -> None:
+    m = sharded_job()
+    m.exited("w1", 101, 10.0)
+    m.exited("w2", 102, 10.0)
+    g = all_ready(m, 1, 10.0)
+    assert Layout(2, g.slots).describe() == "2x2: r0=[w0,-] r1=[-,w3]"  # nobody computes
+    assert step(m, 1, 10.0 + RESHARD_AFTER + 1) == "regroup"
+    assert m.gen is not None and m.gen.slots == {"w0": S0, "w3": S1}  # nothing moves
+
+
+def test_a_failure_that_makes_the_configured_size_divide_returns_to_it_at_once() -> None:
+    m = sharded_job()
+    m.exited("w1", 101, 10.0)
+    all_ready(m, 1, 10.0)
+    step(m, 1, 45.0)  # 1x3
+    g3 = all_ready(m, 2, 45.0)
+    assert g3.shard_size == 3
+    m.drain_layout_changes()
+    m.exited("w3", 103, 50.0)  # 2 left: whole groups of 2 again
+    g4 = m.gen
+    assert g4 is not None and (g4.reason, g4.shard_size) == ("failure", 2)
+    assert Layout(2, g4.slots).complete_replicas() == [0]
+    assert held(g4) == {"w0": (3, 0), "w2": (3, 1)}
+    [change] = m.drain_layout_changes()
+    assert change.reason == "failure" and change.new == Layout(2, g4.slots).describe()
+
+
+def test_without_a_limit_the_job_waits_for_replacements() -> None:
+    m = sharded_job(reshard_after_s=None)
+    m.exited("w1", 101, 10.0)
+    g2 = all_ready(m, 1, 10.0)
+    assert step(m, 1, 10_000.0) == "proceed" and m.gen is g2
+
+
+def test_held_counts_only_generations_that_became_ready() -> None:
+    m = sharded_job()
+    m.exited("w1", 101, 10.0)
+    all_ready(m, 1, 10.0)
+    step(m, 1, 45.0)  # the reshard forms (1x3) ...
+    m.exited("w3", 103, 45.5)  # ... and breaks before it is ready: nobody moved rows
+    g = m.gen
+    assert g is not None and g.reason == "failure"
+    assert held(g) == {"w0": (2, 0), "w2": (2, 0)}
+
+
+def test_a_restarted_coordinator_adopts_a_resharded_generation() -> None:
+    running = {"w0": S0, "w2": S1, "w3": Slot(0, 2)}
+    members = ("w0", "w2", "w3")
+    m = Membership(CoordinatorConfig(target=4, shard_size=2, reshard_after_s=RESHARD_AFTER))
+    m.register("w2", 1, "h", 0.0, gen=9, gen_members=members, gen_slots=running, gen_shard_size=3)
+    g = m.gen
+    assert g is not None and (g.reason, g.shard_size, g.slots) == ("adopted", 3, running)
+    assert held(g) == {"w0": (3, 0), "w2": (3, 1), "w3": (3, 2)}
+    # Without the size (an older worker) the configured one: the 1x3 slots do not fit it.
+    m = Membership(CoordinatorConfig(target=4, shard_size=2, reshard_after_s=RESHARD_AFTER))
+    m.register("w2", 1, "h", 0.0, gen=9, gen_members=members, gen_slots=running)
+    assert m.gen is not None and m.gen.shard_size == 2
+
+
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        ({"target": 4, "reshard_after_s": 5.0}, "needs shard_size > 1"),
+        ({"target": 4, "shard_size": 2, "reshard_after_s": -1.0}, "reshard_after_s must be"),
+        ({"target": 4, "shard_size": 2, "memory_per_member": 10}, "set reshard_after_s too"),
+        (
+            {"target": 4, "shard_size": 2, "reshard_after_s": 1.0, "memory_per_member": 0},
+            "memory_per_member must be a positive",
+        ),
+        ({"target": 4, "state_factor": 0.0}, "state_factor must be > 0"),
+    ],
+)
+def test_the_resharding_policy_is_checked(config: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValueError) as e:
+        CoordinatorConfig(**config)  # type: ignore[arg-type]
+    assert needle in str(e.value)
+
+
+class Clock:
+    """The coordinator's `now`, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def reshard_server(tmp_path: Path, clock: Clock, **kw: object) -> CoordinatorServer:
+    cfg: dict[str, object] = {"target": 4, "shard_size": 2, "reshard_after_s": RESHARD_AFTER}
+    cfg.update(kw)
+    config = CoordinatorConfig(**cfg)  # type: ignore[arg-type]
+    return CoordinatorServer(config, TOKEN, run_dir=str(tmp_path), clock=clock).start()
+
+
+def test_the_coordinator_reshards_2x2_to_1x3_and_back_over_the_wire(tmp_path: Path) -> None:
+    clock = Clock()
+    srv = reshard_server(tmp_path, clock)
+    try:
+        c = CoordinatorClient(srv.address, TOKEN)
+        incs = {m: c.register(p.RegisterRequest(m, 100 + i, "h", MODEL)).incarnation
+                for i, m in enumerate(["w0", "w1", "w2", "w3"])}  # fmt: skip
+        r1 = ready(c, incs, 0)
+        assert r1.shard_size == 2 and r1.held == {}  # nobody held anything yet
+
+        c.exit(p.ExitRequest("w1", 101, -9))  # and no replacement comes
+        del incs["w1"]
+        r2 = ready(c, incs, r1.gen)
+        assert r2.reason == "failure" and r2.shard_size == 2
+        assert r2.held == {"w0": [2, 0], "w2": [2, 0], "w3": [2, 1]}  # their slots of r1
+
+        clock.t += RESHARD_AFTER - 1
+        assert c.quorum(p.QuorumRequest("w0", incs["w0"], r2.gen, 1)).verdict == "proceed"
+        clock.t += 2
+        q = c.quorum(p.QuorumRequest("w0", incs["w0"], r2.gen, 2))
+        assert q.verdict == "regroup"
+        # Nobody's step in flight is broken: heartbeats do not say "changed".
+        hb = c.heartbeat(p.HeartbeatRequest("w2", incs["w2"], r2.gen, 0.0))
+        assert hb.status == "ok"
+        r3 = ready(c, incs, r2.gen)
+        assert (r3.reason, r3.shard_size, r3.members) == ("reshard", 3, ["w0", "w2", "w3"])
+        assert Layout.from_wire(r3.slots, r3.shard_size).describe() == "1x3: r0=[w0,w2,w3]"
+        assert r3.held == {"w0": [2, 0], "w2": [2, 0], "w3": [2, 1]}
+
+        incs["w4"] = c.register(p.RegisterRequest("w4", 104, "h", MODEL)).incarnation
+        assert c.quorum(p.QuorumRequest("w0", incs["w0"], r3.gen, 3)).verdict == "regroup"
+        r4 = ready(c, incs, r3.gen)
+        assert (r4.reason, r4.shard_size) == ("join", 2)
+        assert Layout.from_wire(r4.slots, r4.shard_size).complete_replicas() == [0, 1]
+        assert r4.held == {"w0": [3, 0], "w2": [3, 1], "w3": [3, 2]}  # w4: nothing
+        c.close()
+    finally:
+        srv.stop()
+
+    events = read_events(tmp_path)
+    formed = [(e["gen"], e["reason"], e["shard_size"]) for e in events
+              if e["kind"] == "generation_formed"]  # fmt: skip
+    assert formed == [
+        (r1.gen, "start", 2),
+        (r2.gen, "failure", 2),
+        (r3.gen, "reshard", 3),
+        (r4.gen, "join", 2),
+    ]
+    changes = [(e["gen"], e["old"], e["new"], e["reason"]) for e in events
+               if e["kind"] == "layout_changed"]  # fmt: skip
+    assert changes == [
+        (r3.gen, "2x2: r0=[w0,-] r1=[w2,w3]", "1x3: r0=[w0,w2,w3]", "reshard"),
+        (r4.gen, "1x3: r0=[w0,w2,w3]", Layout.from_wire(r4.slots, 2).describe(), "join"),
+    ]
+    assert {e["shard_size"] for e in events if e["kind"] == "generation_ready"} == {2, 3}
+
+
+def test_the_coordinator_refuses_a_reshard_that_does_not_fit_once(tmp_path: Path) -> None:
+    clock = Clock()
+    srv = reshard_server(tmp_path, clock, memory_per_member=5000)
+    try:
+        c = CoordinatorClient(srv.address, TOKEN)
+        incs = {m: c.register(p.RegisterRequest(m, 100 + i, "h", MODEL)).incarnation
+                for i, m in enumerate(["w0", "w1", "w2", "w3"])}  # fmt: skip
+        r1 = ready(c, incs, 0)
+        c.exit(p.ExitRequest("w1", 101, -9))
+        del incs["w1"]
+        r2 = ready(c, incs, r1.gen)
+        clock.t += 10 * RESHARD_AFTER
+        for s in range(1, 4):
+            q = c.quorum(p.QuorumRequest("w0", incs["w0"], r2.gen, s))
+            assert (q.verdict, q.gen) == ("proceed", r2.gen)  # the job keeps its layout
+        c.close()
+    finally:
+        srv.stop()
+    [refused] = [e for e in read_events(tmp_path) if e["kind"] == "reshard_refused"]
+    assert (refused["alive"], refused["preferred"], refused["shard_size"]) == (3, 2, 2)
+    assert (refused["needed"], refused["budget"]) == (5334, 5000)
+    assert "--memory-per-member" in refused["message"]
+    assert not [e for e in read_events(tmp_path) if e["kind"] == "layout_changed"]

@@ -56,7 +56,15 @@ BODY_TIMEOUT_S = 10.0
 """A request must arrive within this long (its headers after its first byte,
 its body after its headers), or 408."""
 
-__all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "MAX_WAIT_S", "ROUTES", "Coordinator", "HttpError"]
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "MAX_BODY",
+    "MAX_WAIT_S",
+    "ROUTES",
+    "Coordinator",
+    "HttpError",
+    "parse_args",
+]
 
 
 class Coordinator:
@@ -655,7 +663,11 @@ class CoordinatorServer:
         self.events.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace, CoordinatorConfig]:
+    """`elastrain coordinator`'s command line and the config it makes; a bad one
+    exits with status 2 and a usage message."""
     ap = argparse.ArgumentParser(
         prog="elastrain coordinator",
         description=__doc__,
@@ -733,7 +745,6 @@ def main(argv: list[str] | None = None) -> int:
         help="most open client connections (default: what the open-file limit allows)",
     )
     args = ap.parse_args(argv)
-    host, _, port = args.bind.rpartition(":")
     try:
         cfg = CoordinatorConfig(
             target=args.target,
@@ -752,6 +763,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         ap.error(str(e))
+    return ap, args, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, args, cfg = parse_args(argv)
+    host, _, port = args.bind.rpartition(":")
     token = env.read_token()
     if token is None:
         ap.error(f"no job token: set {env.TOKEN} or {env.TOKEN_FILE}")

@@ -869,3 +869,23 @@ def test_the_coordinator_refuses_a_reshard_that_does_not_fit_once(tmp_path: Path
     assert (refused["needed"], refused["budget"]) == (5334, 5000)
     assert "--memory-per-member" in refused["message"]
     assert not [e for e in read_events(tmp_path) if e["kind"] == "layout_changed"]
+
+
+def test_a_fresh_process_under_an_old_name_holds_nothing() -> None:
+    m = sharded_job()
+    m.exited("w1", 101, 10.0)
+    all_ready(m, 1, 10.0)
+    m.remove("w3", "suspected", 11.0)  # expelled: it comes back as the same process
+    all_ready(m, 2, 11.0)
+    m.register("w3", 103, "h", 12.0, prev_incarnation=1)  # it keeps its rows
+    m.register("w1", 201, "h", 12.0)  # a new process under a dead one's name: nothing
+    assert step(m, 1, 12.0) == "regroup"
+    g = m.gen
+    assert g is not None and set(g.members) == {"w0", "w1", "w2", "w3"}
+    assert held(g) == {"w0": (2, 0), "w2": (2, 0), "w3": (2, 1)}
+
+
+def test_an_unbelievable_reported_shard_size_is_not_adopted() -> None:
+    m = Membership(CoordinatorConfig(target=4, shard_size=2))
+    m.register("w0", 1, "h", 0.0, gen=3, gen_members=("w0", "w1"), gen_shard_size=10**15)
+    assert m.gen is not None and m.gen.shard_size == 2

@@ -153,7 +153,8 @@ class Membership:
         self.holdings: dict[str, Holding] = {}
         """member -> what its state holds: its slot (as shard size, shard) in the
         last generation it was part of that became ready. Kept for members
-        that are gone, should they register again with their state."""
+        that are gone, should they register again with their state; dropped
+        when a fresh process registers under the name (no `prev_incarnation`)."""
         self.vacant_since: float | None = None
         """Since when the generations have had a vacancy, without a break (None:
         none now, or resharding is off)."""
@@ -220,6 +221,9 @@ class Membership:
         restarts; `gen_shard_size` 0: the configured one)."""
         inc = max(self.incarnations.get(member, 0), prev_incarnation) + 1
         self.incarnations[member] = inc
+        if not prev_incarnation:
+            # A fresh process under a name seen before holds nothing of the old one's.
+            self.holdings.pop(member, None)
         if member in self.members:
             self._remove(member, "reregistered", now)
         self._changed()
@@ -236,7 +240,10 @@ class Membership:
         g = self.gen
         if gen and member in gen_members:
             if g is None or (g.reason == GenerationReason.ADOPTED and g.gen < gen):
-                size = gen_shard_size or self.config.shard_size
+                # A size no generation can have (more than its members or the cap)
+                # is not believed: it would only cost time (`Layout.describe`).
+                believable = gen_shard_size <= max(self.config.max_members, len(gen_members))
+                size = gen_shard_size if gen_shard_size and believable else self.config.shard_size
                 self._adopt(gen, tuple(gen_members), committed, now, gen_slots or {}, size)
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)

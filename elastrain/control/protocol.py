@@ -473,8 +473,11 @@ class RendezvousResponse:
     generation it was part of that became ready: the rows [shard/shard_size,
     (shard+1)/shard_size) of every parameter (`elastrain.control.layout.Holding`).
     Absent for a member that never held anything (a fresh joiner). Where it
-    differs from the member's new slot (after a reshard), its rows move. {}
-    from a coordinator that predates resharding."""
+    differs from the member's new slot (after a reshard), its rows move. It is
+    what the coordinator knows: a member whose heal or move in that generation
+    was cut short by a failure may hold less, which a worker must check (the
+    per-shard state hash) rather than trust. {} from a coordinator that
+    predates resharding."""
 
 
 @dataclass(frozen=True)

@@ -500,7 +500,9 @@ class Membership:
                     assert out == self._left_out(old, plan), (out, self._left_out(old, plan))
         else:
             plan = plan_generation(self._view(step_boundary), now, self.config)
-        if plan is None and due and old is not None and old.is_ready and not old.broken:
+        if plan is None and due and old is not None and old.is_ready and not old.awaiting:
+            # (Not while an adopted generation still waits for members to report:
+            # the regrouped one would wait for them too.)
             plan = self._plan_reshard(old)
         if isinstance(plan, Wait):
             self.waiting = plan.message

@@ -889,3 +889,68 @@ def test_an_unbelievable_reported_shard_size_is_not_adopted() -> None:
     m = Membership(CoordinatorConfig(target=4, shard_size=2))
     m.register("w0", 1, "h", 0.0, gen=3, gen_members=("w0", "w1"), gen_shard_size=10**15)
     assert m.gen is not None and m.gen.shard_size == 2
+
+
+Op = tuple[str, int]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from([2, 3]),
+    st.integers(1, 3),
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("die"), st.integers(0, 50)),
+            st.tuples(st.just("join"), st.just(0)),
+            st.tuples(st.just("step"), st.integers(0, 40)),
+        ),
+        max_size=30,
+    ),
+)
+def test_random_histories_with_resharding_keep_sound_layouts(
+    size: int, groups: int, ops: list[Op]
+) -> None:
+    m = sharded_job(size * groups, shard_size=size)
+    t, joined, s = 0.0, 0, 0
+    for op, arg in ops:
+        t += 1.0
+        g = m.gen
+        if op == "die" and g is not None and g.members:
+            mid = g.members[arg % len(g.members)]
+            if mid in m.members:
+                m.exited(mid, m.members[mid].pid, t)
+        elif op == "join":
+            joined += 1
+            m.register(f"j{joined}", 1000 + joined, "h", t)
+        elif op == "step" and g is not None:
+            t += arg
+            for mid in m.members:
+                m.touch(mid, m.members[mid].incarnation, t)
+            was_due = (
+                g.is_ready
+                and not g.broken
+                and m.vacant_since is not None
+                and t >= m.vacant_since + RESHARD_AFTER
+                and not set(m.members) - set(g.members)  # nobody waits to join
+            )
+            if g.is_ready and not g.broken:
+                s += 1
+                step(m, s, t)
+                if was_due:  # a lasting vacancy is regrouped at this boundary
+                    assert m.gen is not None and m.gen.reason == "reshard"
+        g = m.gen
+        if g is None or g.broken:
+            continue
+        for mid in g.members:  # everyone comes to the (new) generation
+            if mid in m.members:
+                m.rendezvous(mid, m.members[mid].incarnation, 0, 0, t)
+        # Every generation's layout is sound at its own shard size ...
+        layout = Layout(g.shard_size, g.slots)
+        assert set(g.slots) == set(g.members)
+        assert all(0 <= h.shard < h.shard_size for h in g.held.values())
+        assert set(g.held) <= set(g.members)
+        if g.reason == "reshard":  # ... a reshard makes whole groups ...
+            assert len(g.members) % g.shard_size == 0
+            assert len(layout.complete_replicas()) * g.shard_size == len(g.members)
+        if g.shard_size != size:  # ... and the configured one is left only while it
+            assert len(g.members) % size  # cannot make whole groups

@@ -10,7 +10,7 @@ a failure costs a copy of the member list, not a pass over every member's
 state. tests/test_quorum_scale.py checks that both agree on random histories.
 
 Sharded jobs decide each generation's shard size too (`formation_shard_size`,
-and `plan_reshard` at a step boundary where a vacancy lasted; see
+and `decide_reshard` at a step boundary where a vacancy lasted; see
 `CoordinatorConfig.reshard_after_s`).
 """
 
@@ -61,7 +61,7 @@ class Generation:
     the shard size changes, take the new shard that keeps most of their rows)."""
     shard_size: int = 1
     """Members per replica group in this generation: the job's configured one,
-    or another after a reshard (`plan_reshard`). 1: unsharded."""
+    or another after a reshard (`decide_reshard`). 1: unsharded."""
     held: dict[str, Holding] = field(default_factory=dict)
     """member -> what its state held when this generation formed: its slot in
     the last generation it was part of that became ready (absent: nothing, a
@@ -354,7 +354,7 @@ def formation_shard_size(
     old_size: int | None, members: int, config: CoordinatorConfig, fits: Callable[[int], bool]
 ) -> int:
     """The shard size of a generation formed for a failure, a join or a leave
-    (a reshard's is `plan_reshard`'s): the previous generation's, so that
+    (a reshard's is `decide_reshard`'s): the previous generation's, so that
     survivors keep their slots; but back at the configured one (`shard_size`)
     when the job had resharded away from it and it now divides the member
     count and `fits` (members returned, or one more left). With no previous
@@ -399,7 +399,7 @@ def has_vacancy(g: Generation) -> bool:
     return any(n < size for n in filled.values())
 
 
-def plan_reshard(
+def decide_reshard(
     g: Generation, config: CoordinatorConfig, param_bytes: int | None, why_unsized: str = ""
 ) -> Form | ReshardRefused | None:
     """At a step boundary of generation `g`, once a vacancy lasted

@@ -35,7 +35,7 @@ Resharding (`config.reshard_after_s`): each generation has its own shard size
 (`Generation.shard_size`). When a sharded generation has had a vacancy (an
 incomplete replica group) for `reshard_after_s`, through however many
 generations, the next step boundary with nothing else to do regroups the same
-members (`plan_reshard`, reason "reshard"); a later failure/join/leave that
+members (`decide_reshard`, reason "reshard"); a later failure/join/leave that
 makes the configured size divide the member count returns to it
 (`formation_shard_size`). A shard size change places members with
 `reshard_slots` instead of `assign_slots`. `holdings` remembers what each
@@ -77,12 +77,12 @@ from elastrain.control.plan import (
     Plan,
     ReshardRefused,
     Wait,
+    decide_reshard,
     formation_shard_size,
     has_vacancy,
     in_rank_order,
     plan_generation,
     plan_incremental,
-    plan_reshard,
 )
 from elastrain.control.protocol import GenerationReason, RendezvousStatus, Verdict
 
@@ -503,7 +503,7 @@ class Membership:
         if plan is None and due and old is not None and old.is_ready and not old.awaiting:
             # (Not while an adopted generation still waits for members to report:
             # the regrouped one would wait for them too.)
-            plan = self._plan_reshard(old)
+            plan = self._decide_reshard(old)
         if isinstance(plan, Wait):
             self.waiting = plan.message
             if old is not None:
@@ -591,13 +591,13 @@ class Membership:
             self.vacant_since = now
         self._reshard_at = self.vacant_since + after
 
-    def _plan_reshard(self, g: Generation) -> Form | None:
+    def _decide_reshard(self, g: Generation) -> Form | None:
         """The reshard of `g` whose vacancy is due; decided once per generation
         (a refusal is reported once, and decided again only when membership
         changes and a new generation forms)."""
         self._reshard_at = None
         size, why = self._param_bytes()
-        plan = plan_reshard(g, self.config, size, why)
+        plan = decide_reshard(g, self.config, size, why)
         if isinstance(plan, ReshardRefused):
             self.refusals.append(plan)
             return None

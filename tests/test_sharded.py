@@ -31,7 +31,11 @@ from .conftest import ROOT, Job
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
-STEPS = 40
+STEPS = 60
+HOLD = "1.0"
+"""Seconds per step while a test waits for a replacement (written to the pace file,
+removed once it has joined): a loaded machine took 30 s to start a worker, and the
+job must still be running then."""
 
 
 def expected_ids(step: int) -> list[int]:
@@ -213,7 +217,7 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     one shard (half the state) from its twin, and the loss curve is the replicated
     job's bit for bit."""
     pace = tmp_path / "pace"
-    pace.write_text("0.3")
+    pace.write_text(HOLD)
     healed: list[dict[str, Any]] = []
 
     def watch(_la: Launcher, _st: dict[str, Any]) -> None:
@@ -273,7 +277,7 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     timeout), the job goes on without the hung rank, which rejoins its slot when it
     wakes up and is healed; the loss curve is the replicated job's."""
     pace = tmp_path / "pace"
-    pace.write_text("0.3")
+    pace.write_text(HOLD)
     rejoined: list[dict[str, Any]] = []
 
     def watch(_st: dict[str, Any]) -> None:
@@ -309,6 +313,68 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     assert any(e["gen"] in without for e in job.of("step_commit")), "no step without w1"
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
+
+
+def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Kill one rank of a 2 x 2 job and hold its replacement back: after
+    --reshard-after the 3 survivors regroup as 1 x 3 in memory (no disk, no
+    restart), each pulling only the rows its new shard lacks; when the
+    replacement arrives the job goes back to 2 x 2. The loss curve is the
+    replicated job's bit for bit, every sample is used once, and the survivors
+    keep their processes."""
+    pace = tmp_path / "pace"
+    pace.write_text(HOLD)
+    back: list[dict[str, Any]] = []
+
+    def watch(_st: dict[str, Any]) -> None:
+        # Slow steps until the job is back at 2 x 2, then run to the end at full speed.
+        if not back:
+            events = read_events(tmp_path / "reshard")
+            back.extend(e for e in events if e["kind"] == "reshard_end" and e["new_size"] == 2)
+            if back:
+                pace.unlink(missing_ok=True)
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace)],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        reshard_after_s=0.5,
+        replace_delay_s=1.0,  # it takes seconds more to start: the vacancy lasts
+        run_dir=str(tmp_path / "reshard"),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        faults=[parse_fault("kill@5:w1")],
+    )
+    la = Launcher(cfg, on_status=watch)
+    try:
+        job = Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+    _assert_job(job, replicated)
+    sizes = [e.get("shard_size") for e in job.events if e["kind"] == "generation_ready"]
+    # 2 x 2, then 2 x 2 with a vacancy (a shadow), then 1 x 3, then 2 x 2 again.
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
+    assert sizes.index(3) < len(sizes) - 1 - sizes[::-1].index(2)
+    reshards = job.of("reshard_end")
+    to3 = [e for e in reshards if e["new_size"] == 3]
+    to2 = [e for e in reshards if e["new_size"] == 2]
+    assert {e["proc"] for e in to3} == {"w0", "w2", "w3"}
+    assert len(to2) == 4
+    state = _state_bytes()
+    # 2 -> 3 ways: a survivor holds part of its new shard already; nobody receives
+    # more than its new shard (a third of the state), and nobody the whole state.
+    assert all(e["received"] <= state / 3 * 1.1 for e in to3), to3
+    assert sum(e["received"] for e in to3) == sum(e["sent"] for e in to3) > 0
+    joiner = [e for e in to2 if e["proc"] not in ("w0", "w2", "w3")]
+    assert len(joiner) == 1 and 0.4 * state < joiner[0]["received"] <= 0.55 * state
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    for m in ("w0", "w2", "w3"):
+        pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
+        assert pids == {spawned[m]}, f"{m} changed process"
 
 
 def _state_bytes() -> int:

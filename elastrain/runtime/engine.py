@@ -84,7 +84,7 @@ from elastrain.runtime.resume import (
     resolve_directory,
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
-from elastrain.runtime.shard_member import ShardedMember, ShardLost
+from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, heal
@@ -484,7 +484,8 @@ class StepEngine:
             build_s=time.monotonic() - t0,
         )
         self._pg = pg
-        self.session.set_gen(a.gen, a.members, self._ready.slots if self._ready else None)
+        r = self._ready
+        self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         if a.rank == 0:
             cfg = self.config
             for problem in batch_problems(
@@ -641,7 +642,13 @@ class StepEngine:
         A failed collective inside (a group-mate died) abandons the generation."""
         assert self.shards is not None
         pad: Any = None
-        for k, i in enumerate(self.shards.rounds(len(mbs), self.hang.timeout_s)):
+        try:
+            rounds = self.shards.rounds(len(mbs), self.hang.timeout_s)
+        except NoCompleteGroup as e:
+            log.warning("%s: %s", self.member, e)
+            time.sleep(self.session.heartbeat_s)  # pace the regroups until a member arrives
+            return m.ComputeFailed(str(e))
+        for k, i in enumerate(rounds):
             if self.session.gen_broken(self.proto.gen):
                 return m.Superseded()
             t_data = time.monotonic()

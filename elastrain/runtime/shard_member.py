@@ -51,7 +51,11 @@ log = logging.getLogger("elastrain.shards")
 
 HealFn = Callable[..., tuple[dict[str, Any], Any]]
 
-__all__ = ["HealOutcome", "ShardLost", "ShardedMember"]
+__all__ = ["HealOutcome", "NoCompleteGroup", "ShardLost", "ShardedMember"]
+
+
+class NoCompleteGroup(RuntimeError):
+    """Every replica group of the generation has a vacancy: no step can be computed."""
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,12 @@ class ShardedMember:
         members = tuple(ready.members)
         senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
         up_to_date = [members[i] for i in senders]
-        reported = getattr(ready, "held", {})
+        reported = ready.held
         held = {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
-        if any(size != layout.shard_size for size, _ in held.values()):
+        # A reshard whenever a source's rows are not its new slot's: a new shard
+        # size, or the same size with members moved to other shards (groups broken
+        # in several places regrouped into whole ones).
+        if any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items()):
             outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
         else:
             outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key)
@@ -319,6 +326,11 @@ class ShardedMember:
         assert layout is not None
         slot = layout.slots[self.member]
         complete = layout.complete_replicas()
+        if not complete:
+            raise NoCompleteGroup(
+                f"no complete replica group in {layout.describe()}: nobody can compute; "
+                "waiting for a replacement (or a reshard, --reshard-after)"
+            )
         if slot.replica not in complete:
             return []
         self.backend.set_collective_timeout(watchdog_s)

@@ -300,7 +300,13 @@ class ShardedBackend:
         self.shard_size, self.shard = size, shard
         self._offsets = offsets
         self._grad64 = torch.zeros(off, dtype=torch.float64)
-        self._full = None
+        if self._full is not None:
+            # The script (and its optimizer) may still hold the full model: free its
+            # tensors, or every member would keep the whole model beside its shard.
+            with torch.no_grad():
+                for t in (*self._full.parameters(), *self._full.buffers()):
+                    t.data = torch.empty(0, dtype=t.dtype)
+            self._full = None
 
     # ---- resharding ------------------------------------------------------------------
 

@@ -878,7 +878,12 @@ def test_a_fresh_process_under_an_old_name_holds_nothing() -> None:
     m.remove("w3", "suspected", 11.0)  # expelled: it comes back as the same process
     all_ready(m, 2, 11.0)
     m.register("w3", 103, "h", 12.0, prev_incarnation=1)  # it keeps its rows
+    # No group could compute in gen 3 (w0 and w2 both hold shard 0): w3 is admitted
+    # at once, without waiting for a step boundary that cannot come.
+    g = m.gen
+    assert g is not None and g.gen == 4 and set(g.members) == {"w0", "w2", "w3"}
     m.register("w1", 201, "h", 12.0)  # a new process under a dead one's name: nothing
+    all_ready(m, 3, 12.0)
     assert step(m, 1, 12.0) == "regroup"
     g = m.gen
     assert g is not None and set(g.members) == {"w0", "w1", "w2", "w3"}

@@ -377,6 +377,68 @@ def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
         assert pids == {spawned[m]}, f"{m} changed process"
 
 
+def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Kill one rank in each replica group of a 2 x 2 job (different shards, so every
+    row still has a holder) with no replacement: no group can compute, so the two
+    survivors wait (no step is attempted), and after --reshard-after the coordinator
+    regroups them as one whole group (1 x 2) with nothing moved; the job finishes
+    with the replicated loss curve."""
+    import os
+    import signal
+
+    pace = tmp_path / "pace"
+    pace.write_text(HOLD)
+    run_dir = tmp_path / "two"
+    killed: list[str] = []
+
+    def watch(st: dict[str, Any]) -> None:
+        if killed:
+            events = read_events(run_dir)
+            if any(e["kind"] == "generation_ready" and e.get("layout", "").startswith("1x2")
+                   for e in events):  # fmt: skip
+                pace.unlink(missing_ok=True)
+            return
+        if int(st.get("step") or 0) < 5:
+            return
+        events = read_events(run_dir)
+        slots = {e["proc"]: (e["replica"], e["shard"]) for e in events
+                 if e["kind"] == "generation_start" and e["gen"] == 1}  # fmt: skip
+        pids = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+        victims = [m for m, rs in slots.items() if rs in ((0, 0), (1, 1))]
+        for m in victims:
+            os.kill(pids[m], signal.SIGKILL)
+        killed.extend(victims)
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace)],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        reshard_after_s=0.5,
+        replace=False,
+        run_dir=str(run_dir),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+    )
+    la = Launcher(cfg, on_status=watch)
+    try:
+        job = Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+    assert len(killed) == 2
+    _assert_job(job, replicated)
+    layouts = [e.get("layout", "") for e in job.of("generation_ready")]
+    assert layouts[-1].startswith("1x2"), layouts
+    # Nobody computed a step in the generation where no group was whole.
+    stuck = {e["gen"] for e in job.of("generation_ready") if "r0=[-" in e.get("layout", "")
+             and "-]" in e.get("layout", "")}  # fmt: skip
+    assert stuck and not [e for e in job.of("step_contrib") if e["gen"] in stuck and e["samples"]]
+    assert not job.of("reshard_end")  # each survivor kept its own shard
+
+
 def _state_bytes() -> int:
     """The whole training state of train_sharded.py: params and AdamW's two moments."""
     import sys

@@ -79,6 +79,15 @@ class Generation:
             self.ready_version += 1
 
     @cached_property
+    def has_complete_group(self) -> bool:
+        """Some replica group has all its slots filled (always, unsharded): some
+        group can compute a step in this generation. Slots are fixed at formation."""
+        if self.shard_size == 1:
+            return True
+        filled = Counter(s.replica for s in self.slots.values())
+        return any(n == self.shard_size for n in filled.values())
+
+    @cached_property
     def member_set(self) -> frozenset[str]:
         """`members` as a set, for O(1) membership tests."""
         return frozenset(self.members)
@@ -397,6 +406,12 @@ def has_vacancy(g: Generation) -> bool:
         return True
     filled = Counter(s.replica for s in g.slots.values())
     return any(n < size for n in filled.values())
+
+
+def has_complete_group(g: Generation) -> bool:
+    """Can some replica group of sharded generation `g` compute (all S slots filled)?
+    Always True unsharded. O(members) once per generation (its slots are fixed)."""
+    return g.has_complete_group
 
 
 def decide_reshard(

@@ -79,6 +79,7 @@ from elastrain.control.plan import (
     Wait,
     decide_reshard,
     formation_shard_size,
+    has_complete_group,
     has_vacancy,
     in_rank_order,
     plan_generation,
@@ -471,6 +472,12 @@ class Membership:
         the indexes (the same answer, without a pass over every member)."""
         if self.finished:
             return None
+        g = self.gen
+        if not step_boundary and g is not None and g.is_ready and not has_complete_group(g):
+            # No replica group can compute in it: no step is in flight to protect, so
+            # every moment is a step boundary (joiners are admitted, a due reshard
+            # forms) while its members wait for the next generation.
+            step_boundary = True
         level = 2 if step_boundary else 1
         # A vacancy's reshard is due by the clock: the one decision that is.
         due = step_boundary and self._reshard_at is not None and now >= self._reshard_at

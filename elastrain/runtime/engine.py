@@ -645,9 +645,18 @@ class StepEngine:
         try:
             rounds = self.shards.rounds(len(mbs), self.hang.timeout_s)
         except NoCompleteGroup as e:
+            # No step can commit in this generation, so the coordinator treats it as
+            # always at a step boundary: wait for the one it forms next (a joiner
+            # admitted, or a reshard once the vacancy lasted --reshard-after).
             log.warning("%s: %s", self.member, e)
-            time.sleep(self.session.heartbeat_s)  # pace the regroups until a member arrives
-            return m.ComputeFailed(str(e))
+            print(f"[{self.member}] waiting: {e}", flush=True)
+            gen = self.proto.gen
+            self.waiter.wait_until(
+                lambda: (
+                    self.session.gen_broken(gen) or self.session.leaving or self.session.expelled
+                )
+            )
+            return m.Superseded()
         for k, i in enumerate(rounds):
             if self.session.gen_broken(self.proto.gen):
                 return m.Superseded()

@@ -161,10 +161,10 @@ def test_sharded_update_is_the_replicated_update_bit_for_bit() -> None:
 # ---- whole jobs --------------------------------------------------------------------
 
 
-def _run(tmp: Path, name: str, shard_size: int | None, **kw: Any) -> Job:
+def _run(tmp: Path, name: str, shard_size: int | None, workers: int = 4, **kw: Any) -> Job:
     cfg = LaunchConfig(
         script=SHARDED,
-        workers=4,
+        workers=workers,
         steps=kw.pop("steps", STEPS),
         shard_size=shard_size,
         run_dir=str(tmp / name),
@@ -209,6 +209,53 @@ def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replica
     assert ready[0]["layout"].startswith("2x2: r0=[")
 
 
+def _run_held(
+    tmp: Path,
+    name: str,
+    released: Any,
+    *,
+    act: Any = None,
+    args: tuple[str, ...] = (),
+    **kw: Any,
+) -> Job:
+    """Run a 2 x 2 job whose steps are held at HOLD seconds until `released(events)`
+    is true (a loaded machine starts a replacement slowly; the job must still be
+    running when it arrives), then at full speed. `act(status, events)`, if given,
+    runs at every status poll until it returns True (a test's own fault)."""
+    pace = tmp / f"{name}.pace"
+    pace.write_text(HOLD)
+    run_dir = tmp / name
+    acted = act is None
+
+    def watch(st: dict[str, Any]) -> None:
+        nonlocal acted
+        if not acted:
+            acted = bool(act(st, read_events(run_dir)))
+        elif pace.exists() and released(read_events(run_dir)):
+            pace.unlink()
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace), *args],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        run_dir=str(run_dir),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        **kw,
+    )
+    la = Launcher(cfg, on_status=watch)
+    try:
+        return Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+
+
+def _received(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "heal_end" and e["role"] == "recv"]
+
+
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     tmp_path: Path, replicated: Job
 ) -> None:
@@ -216,37 +263,8 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     other group keeps committing, the replacement takes the dead slot and receives
     one shard (half the state) from its twin, and the loss curve is the replicated
     job's bit for bit."""
-    pace = tmp_path / "pace"
-    pace.write_text(HOLD)
-    healed: list[dict[str, Any]] = []
-
-    def watch(_la: Launcher, _st: dict[str, Any]) -> None:
-        # Slow steps until the replacement has healed (a loaded machine starts it
-        # slowly), then let the job run to its end at full speed.
-        if not healed:
-            events = read_events(tmp_path / "kill")
-            healed.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
-            if healed:
-                pace.unlink(missing_ok=True)
-
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace)],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
-        run_dir=str(tmp_path / "kill"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-        faults=[parse_fault("kill@6:w1")],
-    )
-    la = Launcher(cfg, on_status=lambda st: watch(la, st))
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
+    job = _run_held(tmp_path, "kill", _received, faults=[parse_fault("kill@6:w1")])
     _assert_job(job, replicated)
-    assert healed, "the replacement never healed"
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     for m in ("w0", "w2", "w3"):
         pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
@@ -276,35 +294,15 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     collectives, gives up at the step watchdog's deadline (not the group's creation
     timeout), the job goes on without the hung rank, which rejoins its slot when it
     wakes up and is healed; the loss curve is the replicated job's."""
-    pace = tmp_path / "pace"
-    pace.write_text(HOLD)
-    rejoined: list[dict[str, Any]] = []
-
-    def watch(_st: dict[str, Any]) -> None:
-        if not rejoined:
-            events = read_events(tmp_path / "hang")
-            rejoined.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
-            if rejoined:
-                pace.unlink(missing_ok=True)
-
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace), "--hang-floor", "2"],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
-        run_dir=str(tmp_path / "hang"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
+    job = _run_held(
+        tmp_path,
+        "hang",
+        _received,
         faults=[parse_fault("hang@6:w1/8")],
+        args=("--hang-floor", "2"),
     )
-    la = Launcher(cfg, on_status=watch)
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
     _assert_job(job, replicated)
-    assert [e["proc"] for e in rejoined] == ["w1"]
+    assert [e["proc"] for e in _received(job.events)] == ["w1"]
     # The job went on without it (where w1 stopped decides whether its group-mate gave
     # up inside FSDP2's collectives or in the step's all-reduce; either way it did).
     without = {
@@ -324,36 +322,14 @@ def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
     replacement arrives the job goes back to 2 x 2. The loss curve is the
     replicated job's bit for bit, every sample is used once, and the survivors
     keep their processes."""
-    pace = tmp_path / "pace"
-    pace.write_text(HOLD)
-    back: list[dict[str, Any]] = []
-
-    def watch(_st: dict[str, Any]) -> None:
-        # Slow steps until the job is back at 2 x 2, then run to the end at full speed.
-        if not back:
-            events = read_events(tmp_path / "reshard")
-            back.extend(e for e in events if e["kind"] == "reshard_end" and e["new_size"] == 2)
-            if back:
-                pace.unlink(missing_ok=True)
-
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace)],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
+    job = _run_held(
+        tmp_path,
+        "reshard",
+        lambda events: any(e["kind"] == "reshard_end" and e["new_size"] == 2 for e in events),
         reshard_after_s=0.5,
         replace_delay_s=1.0,  # it takes seconds more to start: the vacancy lasts
-        run_dir=str(tmp_path / "reshard"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
         faults=[parse_fault("kill@5:w1")],
     )
-    la = Launcher(cfg, on_status=watch)
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
     _assert_job(job, replicated)
     sizes = [e.get("shard_size") for e in job.events if e["kind"] == "generation_ready"]
     # 2 x 2, then 2 x 2 with a vacancy (a shadow), then 1 x 3, then 2 x 2 again.
@@ -388,46 +364,30 @@ def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
     import os
     import signal
 
-    pace = tmp_path / "pace"
-    pace.write_text(HOLD)
-    run_dir = tmp_path / "two"
     killed: list[str] = []
 
-    def watch(st: dict[str, Any]) -> None:
-        if killed:
-            events = read_events(run_dir)
-            if any(e["kind"] == "generation_ready" and e.get("layout", "").startswith("1x2")
-                   for e in events):  # fmt: skip
-                pace.unlink(missing_ok=True)
-            return
+    def kill_one_in_each_group(st: dict[str, Any], events: list[dict[str, Any]]) -> bool:
         if int(st.get("step") or 0) < 5:
-            return
-        events = read_events(run_dir)
+            return False
         slots = {e["proc"]: (e["replica"], e["shard"]) for e in events
                  if e["kind"] == "generation_start" and e["gen"] == 1}  # fmt: skip
         pids = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
-        victims = [m for m, rs in slots.items() if rs in ((0, 0), (1, 1))]
-        for m in victims:
+        for m in [m for m, rs in slots.items() if rs in ((0, 0), (1, 1))]:
             os.kill(pids[m], signal.SIGKILL)
-        killed.extend(victims)
+            killed.append(m)
+        return True
 
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace)],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
+    job = _run_held(
+        tmp_path,
+        "two",
+        lambda events: any(
+            e["kind"] == "generation_ready" and e.get("layout", "").startswith("1x2")
+            for e in events
+        ),
+        act=kill_one_in_each_group,
         reshard_after_s=0.5,
         replace=False,
-        run_dir=str(run_dir),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
     )
-    la = Launcher(cfg, on_status=watch)
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
     assert len(killed) == 2
     _assert_job(job, replicated)
     layouts = [e.get("layout", "") for e in job.of("generation_ready")]
@@ -452,9 +412,9 @@ def _state_bytes() -> int:
 def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: Path) -> None:
     """The script asks for 2 shards, the job was started unsharded: every worker
     stops with what to change, and the job fails fast instead of training wrong."""
-    job = _run(tmp_path, "mismatch", None, script_args=["--shard-size", "2"], steps=5)
+    job = _run(tmp_path, "mismatch", None, 2, script_args=["--shard-size", "2"], steps=5)
     assert job.result.status != "done"
-    logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(4))
+    logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(2))
     assert "--shard-size 2" in logs and "not sharded" in logs
 
 

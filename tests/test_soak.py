@@ -52,3 +52,49 @@ def test_short_soak_every_fault_kind_zero_violations(job: SoakJob, tmp_path: Pat
     assert summary["job"] == job and table.startswith(f"soak: {job} job,")
     # Every fault was followed by progress (zero violations includes that).
     assert all(f["recovery_s"] is not None for f in summary["faults"] if not f["skipped"])
+
+
+def test_a_fault_too_close_to_the_end_is_not_judged_but_a_late_one_is() -> None:
+    from elastrain.chaos.soak import judge_recoveries
+
+    def rec(t: float, recovery_s: float | None) -> dict[str, object]:
+        return {"fault": "kill", "t": t, "recovery_s": recovery_s, "bound_s": 60.0,
+                "skipped": False}  # fmt: skip
+
+    late, notes = judge_recoveries([rec(0, 2.0), rec(50, None), rec(10, None), rec(20, 70.0)], 80)
+    # 50 s: the soak ended 30 s later, within the bound: a note, not a violation.
+    assert late == ["kill at 10 s: no progress after it (bound 60 s)",
+                    "kill at 20 s: 70.0 s (bound 60 s)"]  # fmt: skip
+    assert len(notes) == 1 and notes[0].startswith("kill at 50 s: no progress before")
+
+
+def test_threads_waiting_out_abandoned_collectives_are_not_counted_as_leaks() -> None:
+    import threading
+
+    from elastrain.chaos.soak import _fds_threads
+    from elastrain.runtime.threadnames import COLLECTIVE_WAIT, name_native_thread
+
+    base = _fds_threads(os.getpid())
+    assert base is not None
+    named, plain = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def waiter(ready: threading.Event, name: str | None) -> None:
+        if name:
+            name_native_thread(name)
+        ready.set()
+        release.wait()
+
+    ts = [threading.Thread(target=waiter, args=(named, COLLECTIVE_WAIT)),
+          threading.Thread(target=waiter, args=(plain, None))]  # fmt: skip
+    for t in ts:
+        t.start()
+    try:
+        named.wait(5)
+        plain.wait(5)
+        got = _fds_threads(os.getpid())
+        assert got is not None and got[1] == base[1] + 1  # the plain one only
+    finally:
+        release.set()
+        for t in ts:
+            t.join()

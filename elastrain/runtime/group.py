@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
+from elastrain.runtime.threadnames import COLLECTIVE_WAIT, GRAVEYARD, name_native_thread
+
 log = logging.getLogger("elastrain.group")
 
 
@@ -94,6 +96,7 @@ class Waiter:
         wake = self._wake
 
         def finish() -> None:
+            name_native_thread(COLLECTIVE_WAIT)
             for w in works:
                 try:
                     w.wait()
@@ -154,6 +157,7 @@ class Graveyard:
             return list(self._reapers)
 
     def _reap(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
+        name_native_thread(GRAVEYARD)
         for w in works:
             try:
                 w.wait()

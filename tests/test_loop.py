@@ -348,6 +348,7 @@ def _agree(recs: dict[str, dict[int, dict[str, Any]]], steps: int) -> dict[int, 
 
 STEPS, POISON = 30, 12
 LOOP_ARGS = ["--clip", "0.5", "--sched", "cosine", "--poison-step", str(POISON)]
+AMP_ARGS = ["--amp", "--sched", "cosine", "--min-step-s", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -423,43 +424,35 @@ def test_clipping_and_a_cosine_schedule_survive_a_kill_bit_for_bit(
 def test_grad_scaler_and_scheduler_travel_through_heal_and_resume(
     run_job: Callable[..., Job],
 ) -> None:
-    # fp16 autocast with a GradScaler. w1 dies at step 6: its replacement w3 is healed.
+    # fp16 autocast with a GradScaler. w1 dies at step 6: its replacement w2 is healed.
     # Then every member dies at step 18: their replacements resume from the checkpoint
     # of step 10 and redo steps 10-17, the poisoned step 12 included. Paced, so that the
     # checkpoint is committed well before the kill even on a loaded machine.
     job = run_job(
         script=LOOP,
-        script_args=[
-            "--amp",
-            "--sched",
-            "cosine",
-            "--poison-step",
-            str(POISON),
-            "--min-step-s",
-            "0.1",
-        ],  # fmt: skip
+        script_args=[*AMP_ARGS, "--poison-step", str(POISON)],
         steps=STEPS,
-        workers=3,
-        min_workers=3,
+        workers=2,
+        min_workers=2,
         checkpoint_every=10,
         name="loopamp",
         points=[
             {"member": "w1", "step": 6, "phase": "compute", "action": "kill"},
             *(
                 {"member": m, "step": 18, "phase": "compute", "action": "kill"}
-                for m in ("w0", "w2", "w3")
+                for m in ("w0", "w2")
             ),
         ],
     )
     assert job.result.status == "done", job.result.message
     assert check_same_state(job.events) == []
-    assert job.of("heal_end", proc="w3", role="recv")
+    assert job.of("heal_end", proc="w2", role="recv")
     resumed = {e["proc"]: e["step"] for e in job.of("checkpoint_loaded")}
-    assert sorted(resumed) == ["w4", "w5", "w6"] and set(resumed.values()) == {10}
+    assert sorted(resumed) == ["w3", "w4"] and set(resumed.values()) == {10}
     recs = _records(job)
-    assert POISON in recs["w3"] and min(recs["w4"]) == 10
+    assert POISON in recs["w2"] and min(recs["w3"]) == min(recs["w4"]) == 10
     # Steps 10-17 were logged by the members that died and by those that resumed:
-    # the same learning rate, scale, state hash, grad norm (and 0-9 by the healed w3).
+    # the same learning rate, scale, state hash, grad norm (and 6-9 by the healed w2).
     got = _agree(recs, STEPS)
     assert [s for s, r in got.items() if r["skipped"]] == [POISON]
     assert {got[s]["scale"] for s in range(POISON)} == {2.0**10}

@@ -285,6 +285,11 @@ def test_unregistered_scheduler_is_found() -> None:
     seq = torch.optim.lr_scheduler.SequentialLR(opt2, [warm, cos], milestones=[3])
     assert len(scheduler_problems(opt2, {})) == 3
     assert scheduler_problems(opt2, {"sched": seq}) == []
+    # ReduceLROnPlateau does not wrap the optimizer's step; it is found all the same.
+    model3, opt3 = _net()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt3)
+    assert "ReduceLROnPlateau" in scheduler_problems(opt3, {})[0]
+    assert scheduler_problems(opt3, {"plateau": plateau}) == []
 
 
 def test_trainer_refuses_an_unregistered_scheduler_at_start(tmp_path: Path) -> None:
@@ -425,9 +430,11 @@ def test_grad_scaler_and_scheduler_travel_through_heal_and_resume(
     run_job: Callable[..., Job],
 ) -> None:
     # fp16 autocast with a GradScaler. w1 dies at step 6: its replacement w2 is healed.
-    # Then every member dies at step 18: their replacements resume from the checkpoint
-    # of step 10 and redo steps 10-17, the poisoned step 12 included. Paced, so that the
-    # checkpoint is committed well before the kill even on a loaded machine.
+    # Then every member dies once it committed step 17 (at the commit point, which no
+    # peer's death can make a member miss, unlike a compute point): their replacements
+    # resume from the checkpoint of step 10 and redo steps 10-17, the poisoned step 12
+    # included. Paced, so that the checkpoint is committed well before the kill even on
+    # a loaded machine.
     job = run_job(
         script=LOOP,
         script_args=[*AMP_ARGS, "--poison-step", str(POISON)],
@@ -439,7 +446,7 @@ def test_grad_scaler_and_scheduler_travel_through_heal_and_resume(
         points=[
             {"member": "w1", "step": 6, "phase": "compute", "action": "kill"},
             *(
-                {"member": m, "step": 18, "phase": "compute", "action": "kill"}
+                {"member": m, "step": 17, "phase": "commit", "action": "kill"}
                 for m in ("w0", "w2")
             ),
         ],

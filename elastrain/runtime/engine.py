@@ -1119,6 +1119,12 @@ class EngineTrainer:
         return self.engine.rank
 
     @property
+    def skipped_steps(self) -> int:
+        """Committed steps that did not update the state (non-finite gradient, or the
+        `before_step` hook said so); the job's count, carried with the state."""
+        return self.engine.skipped_steps
+
+    @property
     def is_leader(self) -> bool:
         """True on rank 0 of the current generation (for logging, not for correctness)."""
         return self.engine.rank == 0

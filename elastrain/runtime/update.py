@@ -118,20 +118,15 @@ def clip(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> bool
 
 
 def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
-    """The LR schedulers built over ``optimizer`` that are still alive.
-
-    Every torch scheduler wraps ``optimizer.step`` once (the wrapper carries
-    ``_wrapped_by_lr_sched``), so an unwrapped step means none was ever built
-    and nothing is scanned. Otherwise the scheduler objects are the referrers
-    of the optimizer that are schedulers (one scan of the heap, ~25 ms here,
-    once per worker at start)."""
-    if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return []
+    """The LR schedulers over ``optimizer`` that are alive: the optimizer's referrers
+    that are schedulers holding it as ``.optimizer`` (one scan of the heap, ~25 ms
+    here, once per worker at start). A flag on ``optimizer.step`` would be cheaper
+    but not every scheduler sets it (`ReduceLROnPlateau` does not wrap the step)."""
     lr_scheduler = torch.optim.lr_scheduler.LRScheduler
     return [
         r
         for r in gc.get_referrers(optimizer)
-        if isinstance(r, lr_scheduler) and r.optimizer is optimizer
+        if isinstance(r, lr_scheduler) and getattr(r, "optimizer", None) is optimizer
     ]
 
 
@@ -163,8 +158,9 @@ def scheduler_problems(
     found = _schedulers_of(optimizer)
     missing = [s for s in found if id(s) not in carried]
     if not found and hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        # A scheduler was built over this optimizer but the scan found none (a
-        # Python whose objects refer to it otherwise): refuse unless one is registered.
+        # Every scheduler built with torch's LRScheduler.__init__ wraps the step once;
+        # wrapped but none found means a Python whose objects refer to the optimizer
+        # otherwise than the scan sees: refuse unless some scheduler is registered.
         lr_scheduler = torch.optim.lr_scheduler.LRScheduler
         if not any(isinstance(o, lr_scheduler) for o in objects.values()):
             return [_unregistered("an LR scheduler")]

@@ -3,6 +3,7 @@
 elastrain demo                                # the elastic demo (about 2 minutes)
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
 elastrain run -n 4 --shard-size 2 train.py       # 2 replica groups x 2 shards
+elastrain run -n 4 --shard-size 2 --reshard-after 30 train.py   # 3 left: 1x3, then back
 elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: resumes
 elastrain coordinator --bind 127.0.0.1:0 --target 4
 elastrain report runs/my-job [-o report.html]    # self-contained HTML + terminal summary
@@ -29,6 +30,17 @@ def _default(name: str) -> Any:
     f = next(f for f in dataclasses.fields(LaunchConfig) if f.name == name)
     assert f.default is not dataclasses.MISSING, name
     return f.default
+
+
+def _size(text: str) -> int:
+    """argparse type: a byte count with a suffix (`parse_bytes`); a bad one is a
+    usage error naming what is accepted."""
+    from elastrain.control.config import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
@@ -66,6 +78,33 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         help="members per replica group, each holding one shard of the model: -n 4 "
         "--shard-size 2 is 2 replicas x 2 shards (overrides the script's "
         "TrainerConfig.shard_size; -n and --min must be multiples of S)",
+    )
+    ap.add_argument(
+        "--reshard-after",
+        type=float,
+        default=_default("reshard_after_s"),
+        metavar="S",
+        help="with --shard-size: when a replica group has had a vacancy for S seconds and "
+        "no replacement came, regroup the members in memory to a shard size that makes "
+        "whole groups (3 members of -n 4 --shard-size 2 as 1x3), and back when "
+        "replacements return (default: never)",
+    )
+    ap.add_argument(
+        "--memory-per-member",
+        type=_size,
+        default=_default("memory_per_member"),
+        metavar="BYTES",
+        help="bytes of training state one member can hold (512M, 2G, 16Gi, ...): a reshard "
+        "whose shards would not fit is refused and the job keeps its layout "
+        "(default: no limit; needs --reshard-after)",
+    )
+    ap.add_argument(
+        "--state-factor",
+        type=float,
+        default=_default("state_factor"),
+        metavar="F",
+        help="bytes of training state per byte of parameters, for --memory-per-member "
+        f"(default {_default('state_factor'):g}: parameter, gradient, two Adam moments)",
     )
     ap.add_argument(
         "--fault",
@@ -158,6 +197,9 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         run_dir=args.run_dir,
         steps=args.steps,
         shard_size=args.shard_size,
+        reshard_after_s=args.reshard_after,
+        memory_per_member=args.memory_per_member,
+        state_factor=args.state_factor,
         faults=faults,
         seed=args.seed,
         checkpoint_every=args.ckpt_every,

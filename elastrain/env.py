@@ -7,6 +7,10 @@ runtime reads them in `ElasticTrainer`. Nothing else in the package spells an
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
 COORDINATOR = "ELASTRAIN_COORDINATOR"
 """host:port of the coordinator's HTTP API."""
 
@@ -70,3 +74,14 @@ elastrain.observe.efficiency)."""
 
 GRID_GCO2_PER_KWH = "ELASTRAIN_GRID_GCO2_PER_KWH"
 """Grid carbon intensity for CO2e figures, in gCO2e per kWh (default 400)."""
+
+
+def read_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job token: $ELASTRAIN_TOKEN, else the contents of the file
+    $ELASTRAIN_TOKEN_FILE names (surrounding whitespace dropped), else None.
+    The one place the coordinator and the workers read it from."""
+    e = os.environ if environ is None else environ
+    token = (e.get(TOKEN) or "").strip()
+    if not token and e.get(TOKEN_FILE):
+        token = Path(e[TOKEN_FILE]).read_text().strip()
+    return token or None

@@ -123,6 +123,10 @@ def test_the_launchers_shard_size_reaches_the_trainer_config() -> None:
         (["-n", "3", "--shard-size", "2"], "-n 3 is not a multiple of --shard-size 2"),
         (["-n", "4", "--min", "3", "--shard-size", "2"], "--min 3 is not a multiple"),
         (["-n", "2", "--shard-size", "0"], "--shard-size must be >= 1"),
+        (["-n", "4", "--reshard-after", "30"], "it needs --shard-size S with S > 1"),
+        (["-n", "4", "--shard-size", "2", "--reshard-after", "-1"], "--reshard-after must be"),
+        (["-n", "4", "--shard-size", "2", "--memory-per-member", "2G"], "pass --reshard-after"),
+        (["-n", "4", "--shard-size", "2", "--state-factor", "0"], "--state-factor must be > 0"),
     ],
 )
 def test_run_wants_whole_replica_groups_before_starting_anything(
@@ -148,3 +152,103 @@ def test_the_fewest_members_default_to_one_replica_group() -> None:
     # An agent runs its node's share of the job: its -n need not be whole groups.
     agent = LaunchConfig(script=MLP, workers=1, shard_size=2, coordinator="h:1", token="t")
     assert agent.min_workers == 1
+
+
+def test_the_token_comes_from_one_place_for_coordinator_and_workers(tmp_path: Path) -> None:
+    from elastrain import env
+    from elastrain.runtime.config import read_worker_env
+
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    assert env.read_token({env.TOKEN_FILE: str(f)}) == "s3cret"
+    # The variable wins over the file; whitespace is never part of a token.
+    assert env.read_token({env.TOKEN: " abc \n", env.TOKEN_FILE: str(f)}) == "abc"
+    assert env.read_token({}) is None
+    assert read_worker_env({env.TOKEN_FILE: str(f)}).token == "s3cret"
+
+
+def test_run_reads_a_memory_budget_with_a_suffix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.cli import main
+
+    from .conftest import MLP
+
+    ap = argparse.ArgumentParser()
+    _add_run_args(ap)
+    assert ap.parse_args(["--memory-per-member", "512M"]).memory_per_member == 512 * 10**6
+    assert ap.parse_args(["--memory-per-member", "2Gi"]).memory_per_member == 2 * 2**30
+    assert ap.parse_args([]).memory_per_member is None
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--run-dir", str(run_dir), "--memory-per-member", "2X", MLP])
+    assert e.value.code == 2
+    assert "'2X' is not a size in bytes: use e.g. 512M, 2G" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_the_resharding_policy_reaches_the_coordinator() -> None:
+    from elastrain.control.server import parse_args
+
+    from .conftest import MLP
+
+    launch = LaunchConfig(
+        script=MLP,
+        workers=4,
+        shard_size=2,
+        reshard_after_s=30.0,
+        memory_per_member=2 * 10**9,
+        state_factor=5.0,
+    )
+    _, _, cfg = parse_args(["--target", "4", *launch.coordinator_policy_args()])
+    assert (cfg.shard_size, cfg.reshard_after_s, cfg.memory_per_member, cfg.state_factor) == (
+        2,
+        30.0,
+        2 * 10**9,
+        5.0,
+    )
+    # Unset, the coordinator never reshards.
+    _, _, cfg = parse_args(["--target", "4", *LaunchConfig(script=MLP).coordinator_policy_args()])
+    assert (cfg.shard_size, cfg.reshard_after_s, cfg.memory_per_member) == (1, None, None)
+    # The coordinator's own command line takes sizes with suffixes too.
+    _, _, cfg = parse_args(
+        [
+            "--target",
+            "4",
+            "--shard-size",
+            "2",
+            "--reshard-after",
+            "5",
+            "--memory-per-member",
+            "16Gi",
+        ]
+    )
+    assert cfg.memory_per_member == 16 * 2**30
+
+
+def test_an_agent_leaves_the_resharding_policy_to_its_coordinator() -> None:
+    from .conftest import MLP
+
+    with pytest.raises(ValueError, match="pass it to `elastrain coordinator`"):
+        LaunchConfig(
+            script=MLP, workers=2, shard_size=2, coordinator="h:1", token="t", reshard_after_s=5.0
+        )
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--reshard-after", "5"], "needs shard_size > 1"),
+        (["--shard-size", "2", "--reshard-after", "5", "--memory-per-member", "lots"], "lots"),
+        (["--shard-size", "2", "--memory-per-member", "1G"], "set reshard_after_s too"),
+    ],
+)
+def test_the_coordinator_refuses_a_bad_resharding_policy(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.control.server import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--target", "4", *argv])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err

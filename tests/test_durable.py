@@ -38,6 +38,8 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from .conftest import MLP, ROOT, Job, stop_processes
 
 STEPS, EVERY, WORKERS = 40, 5, 2
+PACED = ["--min-step-s", "0.2"]
+"""Script arguments of a run whose checkpoints must commit before a kill 8 steps later."""
 B, SEED, DATASET = 32, 7, 4096
 
 
@@ -145,6 +147,10 @@ def test_every_worker_killed_then_rerun_resumes_from_the_last_checkpoint(
         workers=WORKERS,
         checkpoint_every=EVERY,
         replace=False,
+        # Paced: the test needs a checkpoint committed before the kill at step 13; under
+        # load unpaced steps reached it before the step-5 checkpoint's commit (seen once
+        # in `make test` beside `stress --cpu 1`).
+        script_args=PACED,
         points=[
             {"member": m, "step": kill_at, "phase": "compute", "action": "kill"}
             for m in ("w0", "w1")
@@ -173,6 +179,7 @@ def test_every_worker_killed_while_the_launcher_lives_replacements_resume(
         steps=STEPS,
         workers=WORKERS,
         checkpoint_every=EVERY,
+        script_args=PACED,  # a checkpoint must commit before the kill (see above)
         points=[
             {"member": m, "step": 13, "phase": "compute", "action": "kill"} for m in ("w0", "w1")
         ],

@@ -15,19 +15,27 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastrain.chaos.schedule import parse_fault
+from elastrain.control.layout import Slot
 from elastrain.data import GlobalOrder, assign_microbatches, assign_rounds
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
 from .conftest import ROOT, Job
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
-STEPS = 40
+STEPS = 60
+HOLD = "1.0"
+"""Seconds per step while a test waits for a replacement (written to the pace file,
+removed once it has joined): a loaded machine took 30 s to start a worker, and the
+job must still be running then."""
 
 
 def expected_ids(step: int) -> list[int]:
@@ -153,10 +161,10 @@ def test_sharded_update_is_the_replicated_update_bit_for_bit() -> None:
 # ---- whole jobs --------------------------------------------------------------------
 
 
-def _run(tmp: Path, name: str, shard_size: int | None, **kw: Any) -> Job:
+def _run(tmp: Path, name: str, shard_size: int | None, workers: int = 4, **kw: Any) -> Job:
     cfg = LaunchConfig(
         script=SHARDED,
-        workers=4,
+        workers=workers,
         steps=kw.pop("steps", STEPS),
         shard_size=shard_size,
         run_dir=str(tmp / name),
@@ -201,6 +209,53 @@ def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replica
     assert ready[0]["layout"].startswith("2x2: r0=[")
 
 
+def _run_held(
+    tmp: Path,
+    name: str,
+    released: Any,
+    *,
+    act: Any = None,
+    args: tuple[str, ...] = (),
+    **kw: Any,
+) -> Job:
+    """Run a 2 x 2 job whose steps are held at HOLD seconds until `released(events)`
+    is true (a loaded machine starts a replacement slowly; the job must still be
+    running when it arrives), then at full speed. `act(status, events)`, if given,
+    runs at every status poll until it returns True (a test's own fault)."""
+    pace = tmp / f"{name}.pace"
+    pace.write_text(HOLD)
+    run_dir = tmp / name
+    acted = act is None
+
+    def watch(st: dict[str, Any]) -> None:
+        nonlocal acted
+        if not acted:
+            acted = bool(act(st, read_events(run_dir)))
+        elif pace.exists() and released(read_events(run_dir)):
+            pace.unlink()
+
+    cfg = LaunchConfig(
+        script=SHARDED,
+        script_args=["--pace-file", str(pace), *args],
+        workers=4,
+        steps=STEPS,
+        shard_size=2,
+        run_dir=str(run_dir),
+        progress=False,
+        extra_env={"PYTHONPATH": str(ROOT)},
+        **kw,
+    )
+    la = Launcher(cfg, on_status=watch)
+    try:
+        return Job(la, la.run())
+    finally:
+        pace.unlink(missing_ok=True)
+
+
+def _received(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "heal_end" and e["role"] == "recv"]
+
+
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     tmp_path: Path, replicated: Job
 ) -> None:
@@ -208,37 +263,8 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     other group keeps committing, the replacement takes the dead slot and receives
     one shard (half the state) from its twin, and the loss curve is the replicated
     job's bit for bit."""
-    pace = tmp_path / "pace"
-    pace.write_text("0.3")
-    healed: list[dict[str, Any]] = []
-
-    def watch(_la: Launcher, _st: dict[str, Any]) -> None:
-        # Slow steps until the replacement has healed (a loaded machine starts it
-        # slowly), then let the job run to its end at full speed.
-        if not healed:
-            events = read_events(tmp_path / "kill")
-            healed.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
-            if healed:
-                pace.unlink(missing_ok=True)
-
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace)],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
-        run_dir=str(tmp_path / "kill"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-        faults=[parse_fault("kill@6:w1")],
-    )
-    la = Launcher(cfg, on_status=lambda st: watch(la, st))
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
+    job = _run_held(tmp_path, "kill", _received, faults=[parse_fault("kill@6:w1")])
     _assert_job(job, replicated)
-    assert healed, "the replacement never healed"
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     for m in ("w0", "w2", "w3"):
         pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
@@ -268,35 +294,15 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     collectives, gives up at the step watchdog's deadline (not the group's creation
     timeout), the job goes on without the hung rank, which rejoins its slot when it
     wakes up and is healed; the loss curve is the replicated job's."""
-    pace = tmp_path / "pace"
-    pace.write_text("0.3")
-    rejoined: list[dict[str, Any]] = []
-
-    def watch(_st: dict[str, Any]) -> None:
-        if not rejoined:
-            events = read_events(tmp_path / "hang")
-            rejoined.extend(e for e in events if e["kind"] == "heal_end" and e["role"] == "recv")
-            if rejoined:
-                pace.unlink(missing_ok=True)
-
-    cfg = LaunchConfig(
-        script=SHARDED,
-        script_args=["--pace-file", str(pace), "--hang-floor", "2"],
-        workers=4,
-        steps=STEPS,
-        shard_size=2,
-        run_dir=str(tmp_path / "hang"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
+    job = _run_held(
+        tmp_path,
+        "hang",
+        _received,
         faults=[parse_fault("hang@6:w1/8")],
+        args=("--hang-floor", "2"),
     )
-    la = Launcher(cfg, on_status=watch)
-    try:
-        job = Job(la, la.run())
-    finally:
-        pace.unlink(missing_ok=True)
     _assert_job(job, replicated)
-    assert [e["proc"] for e in rejoined] == ["w1"]
+    assert [e["proc"] for e in _received(job.events)] == ["w1"]
     # The job went on without it (where w1 stopped decides whether its group-mate gave
     # up inside FSDP2's collectives or in the step's all-reduce; either way it did).
     without = {
@@ -305,6 +311,92 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     assert any(e["gen"] in without for e in job.of("step_commit")), "no step without w1"
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
+
+
+def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Kill one rank of a 2 x 2 job and hold its replacement back: after
+    --reshard-after the 3 survivors regroup as 1 x 3 in memory (no disk, no
+    restart), each pulling only the rows its new shard lacks; when the
+    replacement arrives the job goes back to 2 x 2. The loss curve is the
+    replicated job's bit for bit, every sample is used once, and the survivors
+    keep their processes."""
+    job = _run_held(
+        tmp_path,
+        "reshard",
+        lambda events: any(e["kind"] == "reshard_end" and e["new_size"] == 2 for e in events),
+        reshard_after_s=0.5,
+        replace_delay_s=1.0,  # it takes seconds more to start: the vacancy lasts
+        faults=[parse_fault("kill@5:w1")],
+    )
+    _assert_job(job, replicated)
+    sizes = [e.get("shard_size") for e in job.events if e["kind"] == "generation_ready"]
+    # 2 x 2, then 2 x 2 with a vacancy (a shadow), then 1 x 3, then 2 x 2 again.
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
+    assert sizes.index(3) < len(sizes) - 1 - sizes[::-1].index(2)
+    reshards = job.of("reshard_end")
+    to3 = [e for e in reshards if e["new_size"] == 3]
+    to2 = [e for e in reshards if e["new_size"] == 2]
+    assert {e["proc"] for e in to3} == {"w0", "w2", "w3"}
+    assert len(to2) == 4
+    state = _state_bytes()
+    # 2 -> 3 ways: a survivor holds part of its new shard already; nobody receives
+    # more than its new shard (a third of the state), and nobody the whole state.
+    assert all(e["received"] <= state / 3 * 1.1 for e in to3), to3
+    assert sum(e["received"] for e in to3) == sum(e["sent"] for e in to3) > 0
+    joiner = [e for e in to2 if e["proc"] not in ("w0", "w2", "w3")]
+    assert len(joiner) == 1 and 0.4 * state < joiner[0]["received"] <= 0.55 * state
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    for m in ("w0", "w2", "w3"):
+        pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
+        assert pids == {spawned[m]}, f"{m} changed process"
+
+
+def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Kill one rank in each replica group of a 2 x 2 job (different shards, so every
+    row still has a holder) with no replacement: no group can compute, so the two
+    survivors wait (no step is attempted), and after --reshard-after the coordinator
+    regroups them as one whole group (1 x 2) with nothing moved; the job finishes
+    with the replicated loss curve."""
+    import os
+    import signal
+
+    killed: list[str] = []
+
+    def kill_one_in_each_group(st: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+        if int(st.get("step") or 0) < 5:
+            return False
+        slots = {e["proc"]: (e["replica"], e["shard"]) for e in events
+                 if e["kind"] == "generation_start" and e["gen"] == 1}  # fmt: skip
+        pids = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+        for m in [m for m, rs in slots.items() if rs in ((0, 0), (1, 1))]:
+            os.kill(pids[m], signal.SIGKILL)
+            killed.append(m)
+        return True
+
+    job = _run_held(
+        tmp_path,
+        "two",
+        lambda events: any(
+            e["kind"] == "generation_ready" and e.get("layout", "").startswith("1x2")
+            for e in events
+        ),
+        act=kill_one_in_each_group,
+        reshard_after_s=0.5,
+        replace=False,
+    )
+    assert len(killed) == 2
+    _assert_job(job, replicated)
+    layouts = [e.get("layout", "") for e in job.of("generation_ready")]
+    assert layouts[-1].startswith("1x2"), layouts
+    # Nobody computed a step in the generation where no group was whole.
+    stuck = {e["gen"] for e in job.of("generation_ready") if "r0=[-" in e.get("layout", "")
+             and "-]" in e.get("layout", "")}  # fmt: skip
+    assert stuck and not [e for e in job.of("step_contrib") if e["gen"] in stuck and e["samples"]]
+    assert not job.of("reshard_end")  # each survivor kept its own shard
 
 
 def _state_bytes() -> int:
@@ -320,7 +412,77 @@ def _state_bytes() -> int:
 def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: Path) -> None:
     """The script asks for 2 shards, the job was started unsharded: every worker
     stops with what to change, and the job fails fast instead of training wrong."""
-    job = _run(tmp_path, "mismatch", None, script_args=["--shard-size", "2"], steps=5)
+    job = _run(tmp_path, "mismatch", None, 2, script_args=["--shard-size", "2"], steps=5)
     assert job.result.status != "done"
-    logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(4))
-    assert "--shard-size 2" in logs and "shard size is 1" in logs
+    logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(2))
+    assert "--shard-size 2" in logs and "not sharded" in logs
+
+
+# ---- the reshard plan (pure) -------------------------------------------------------
+
+
+def _check_plan(
+    rows: list[int],
+    held: dict[str, tuple[int, int]],
+    new: dict[str, Slot],
+    new_size: int,
+    order: list[str],
+) -> list[Piece]:
+    pieces = plan_reshard(rows, held, new, new_size, order)
+    for dst, slot in new.items():
+        for i, n in enumerate(rows):
+            lo, hi = shard_rows(n, new_size, slot.shard)
+            got = sorted((p.lo, p.hi) for p in pieces if p.dst == dst and p.param == i)
+            # Every row of the new shard arrives exactly once, in contiguous pieces.
+            flat = [r for a, b in got for r in range(a, b)]
+            assert flat == list(range(lo, hi)), (dst, i, got)
+    for pc in pieces:
+        size, shard = held[pc.src]
+        olo, ohi = shard_rows(rows[pc.param], size, shard)
+        assert olo <= pc.lo < pc.hi <= ohi, pc  # the source holds what it sends
+        if pc.dst in held:
+            dsize, dshard = held[pc.dst]
+            dlo, dhi = shard_rows(rows[pc.param], dsize, dshard)
+            if dlo <= pc.lo and pc.hi <= dhi:
+                assert pc.src == pc.dst, pc  # what a member holds it keeps
+    return pieces
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    old_size=st.integers(1, 4),
+    new_size=st.integers(1, 4),
+    replicas=st.integers(1, 3),
+    data=st.data(),
+)
+def test_the_reshard_plan_moves_every_needed_row_once_from_a_holder(
+    rows: list[int], old_size: int, new_size: int, replicas: int, data: st.DataObject
+) -> None:
+    members = [f"m{i}" for i in range(old_size * replicas)]
+    held = {m: (old_size, i % old_size) for i, m in enumerate(members)}
+    # Some holders die; every old shard keeps one holder; joiners hold nothing.
+    dead = set(data.draw(st.sets(st.sampled_from(members))))
+    for shard in range(old_size):
+        holders = [m for m in members if held[m][1] == shard]
+        if all(m in dead for m in holders):
+            dead.discard(holders[0])
+    held = {m: h for m, h in held.items() if m not in dead}
+    alive = [m for m in members if m in held] + ["j0", "j1"][: data.draw(st.integers(0, 2))]
+    # Joiners (holding nothing) fill the last replica group of the new layout.
+    alive += [f"j{i}" for i in range(2, 2 + (-len(alive)) % new_size)]
+    new = {m: Slot(i // new_size, i % new_size) for i, m in enumerate(alive)}
+    _check_plan(rows, held, new, new_size, alive)
+
+
+def test_the_reshard_plan_stripes_over_twins_and_says_when_rows_are_lost() -> None:
+    held = {"a": (2, 0), "b": (2, 1), "c": (2, 0), "d": (2, 1)}
+    # 2 x 2 -> 5 x 1 (the model fits one member) with a joiner that holds nothing:
+    # the rows a member lacks come from both holders of their old shard in turn.
+    new = {m: Slot(i, 0) for i, m in enumerate(["a", "b", "c", "d", "j"])}
+    pieces = _check_plan([8, 8, 8, 8], held, new, 1, ["a", "b", "c", "d", "j"])
+    assert {p.src for p in pieces if p.dst == "j"} == {"a", "b", "c", "d"}
+    assert moved_bytes(pieces, [4] * 4) == 4 * (4 * 16 + 2 * 16)  # j all, a-d half each
+    with pytest.raises(ShardLost, match="old shard 1 of 2"):
+        plan_reshard([8], {"a": (2, 0), "c": (2, 0)}, {"a": Slot(0, 0), "c": Slot(0, 1)}, 2,
+                     ["a", "c"])  # fmt: skip

@@ -1,9 +1,10 @@
-"""What the elastrain job and the DDP baseline of benchmarks/recovery.py share.
+"""What the elastrain jobs and the baselines of benchmarks/recovery.py and sharded.py share.
 
 One model (the demo GPT, sized to about 10M parameters), one dataset (the Python
 stdlib's source as bytes), one loss, one optimizer and one data pipeline
-(elastrain's seeded global order and micro-batch assignment), so that the two
-sides of the step-time comparison differ only in how gradients are reduced.
+(elastrain's seeded global order and micro-batch assignment), so that the
+sides of a step-time comparison differ only in how gradients are reduced (and,
+in sharded.py, how the model is sharded).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from elastrain.demo.gpt import GPT, ByteBlocks, loss_fn, stdlib_corpus
 
-__all__ = ["Shape", "build", "loss_fn", "param_count", "micro_rng_seed"]
+__all__ = ["Shape", "build", "loss_fn", "param_count", "micro_rng_seed", "proc_status_kb"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,19 @@ def build(shape: Shape) -> tuple[torch.nn.Module, torch.optim.Optimizer, ByteBlo
 
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def proc_status_kb(field: str, pid: int | str = "self") -> int:
+    """A kB field of /proc/<pid>/status (VmRSS: resident now; VmHWM: the peak
+    resident size since the process started); -1 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
 
 
 def micro_rng_seed(seed: int, step: int, micro: int) -> int:

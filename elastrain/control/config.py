@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from elastrain.k8s.config import parse_quantity
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +45,30 @@ class CoordinatorConfig:
     """Members per replica group (`elastrain.control.layout`): inside a group the
     model is sharded, one shard per member. Every generation's members are
     given slots (replica group, shard) that survivors keep; 1 means unsharded
-    (no slots). `target`, `min_members` and `max_members` must be multiples of it."""
+    (no slots). `target`, `min_members` and `max_members` must be multiples of it.
+    The *preferred* shard size: resharding (`reshard_after_s`) may run a
+    generation at another one (`Generation.shard_size`) and returns to it."""
+
+    reshard_after_s: float | None = None
+    """Sharded jobs: when the current generation has a vacancy (an incomplete
+    replica group, no joiner waiting to fill it) for longer than this, regroup
+    its members in memory to a shard size that makes whole groups
+    (`elastrain.control.layout.choose_shard_size`), at a step boundary; when
+    members return so that `shard_size` divides their count again, regroup
+    back. None: never reshard (a vacancy waits for a replacement)."""
+
+    memory_per_member: int | None = None
+    """Bytes of training state one member can hold, for resharding: a shard size
+    S fits when `state_factor` x the model's bytes / S is at most this. A reshard
+    to a shard size that does not fit is refused (the job keeps its layout).
+    None: no limit. Needs `reshard_after_s`."""
+
+    state_factor: float = 4.0
+    """Bytes of training state per byte of the model's parameters: the parameter,
+    its gradient and Adam's two moments (4). An estimate: raise it for what your
+    optimizer and engine keep beyond that (the sharded engine's float64
+    gradient buffer is 2 per float32 parameter byte: 5 for Adam), lower it for
+    SGD."""
 
     def __post_init__(self) -> None:
         if self.target < 1:
@@ -86,3 +112,55 @@ class CoordinatorConfig:
         for name in ("start_grace_s", "ready_timeout_s", "heartbeat_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.reshard_after_s is not None:
+            if not (math.isfinite(self.reshard_after_s) and self.reshard_after_s >= 0):
+                raise ValueError(
+                    f"reshard_after_s must be a number of seconds >= 0 (got {self.reshard_after_s})"
+                )
+            if self.shard_size == 1:
+                raise ValueError(
+                    "resharding regroups a sharded job's replica groups: it needs shard_size > 1 "
+                    "(--shard-size S)"
+                )
+        if self.memory_per_member is not None:
+            if self.memory_per_member < 1:
+                raise ValueError(
+                    f"memory_per_member must be a positive number of bytes "
+                    f"(got {self.memory_per_member})"
+                )
+            if self.reshard_after_s is None:
+                raise ValueError(
+                    "memory_per_member only limits what a reshard may choose: "
+                    "set reshard_after_s too (--reshard-after S)"
+                )
+        if not (math.isfinite(self.state_factor) and self.state_factor > 0):
+            raise ValueError(f"state_factor must be > 0 (got {self.state_factor})")
+
+    def member_bytes(self, param_bytes: int, shard_size: int) -> int:
+        """Bytes of training state one member holds with a model of `param_bytes`
+        split `shard_size` ways (`state_factor` x its shard), rounded up."""
+        return math.ceil(param_bytes * self.state_factor / shard_size)
+
+    def fits(self, param_bytes: int, shard_size: int) -> bool:
+        """Does a shard of a `param_bytes` model split `shard_size` ways fit
+        `memory_per_member`? (Always, with no limit.)"""
+        limit = self.memory_per_member
+        return limit is None or self.member_bytes(param_bytes, shard_size) <= limit
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional suffix, as Kubernetes writes memory:
+    "512M" (10^6 bytes each), "2G", "1.5T", "2Gi" (2^30), "512Mi", or plain
+    "1048576". ValueError saying what is accepted otherwise (including
+    counts below one byte, and Kubernetes' milli suffix "m")."""
+    try:
+        if text.strip().endswith("m"):
+            raise ValueError  # Kubernetes' milli: a thousandth of a byte is no size
+        q = parse_quantity(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a size in bytes: use e.g. 512M, 2G, 16Gi, or a plain number"
+        ) from None
+    if q < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return math.floor(q)  # "1.5k" is 1500; a fraction of a byte left over is dropped

@@ -8,10 +8,15 @@ are gone, alive members outside it, signs of life in time order), touching
 only the members that changed, so deciding a generation of 100k members after
 a failure costs a copy of the member list, not a pass over every member's
 state. tests/test_quorum_scale.py checks that both agree on random histories.
+
+Sharded jobs decide each generation's shard size too (`formation_shard_size`,
+and `decide_reshard` at a step boundary where a vacancy lasted; see
+`CoordinatorConfig.reshard_after_s`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,7 +24,7 @@ from itertools import islice
 from typing import overload
 
 from elastrain.control.config import CoordinatorConfig
-from elastrain.control.layout import Slot
+from elastrain.control.layout import Holding, Slot, choose_shard_size
 from elastrain.control.protocol import GenerationReason
 
 
@@ -52,7 +57,15 @@ class Generation:
     slots: dict[str, Slot] = field(default_factory=dict)
     """member -> its (replica group, shard) slot when the job is sharded (see
     `elastrain.control.layout`; {} when unsharded). Decided when the generation
-    is formed, from the previous generation's: survivors keep theirs."""
+    is formed, from the previous generation's: survivors keep theirs (or, when
+    the shard size changes, take the new shard that keeps most of their rows)."""
+    shard_size: int = 1
+    """Members per replica group in this generation: the job's configured one,
+    or another after a reshard (`decide_reshard`). 1: unsharded."""
+    held: dict[str, Holding] = field(default_factory=dict)
+    """member -> what its state held when this generation formed: its slot in
+    the last generation it was part of that became ready (absent: nothing, a
+    fresh joiner). The ready answer's `held`."""
     ready_version: int = field(default=0, init=False, repr=False, compare=False)
     """Bumped whenever `ready` changes (the server caches the ready answer)."""
     announced: bool = field(default=False, init=False, repr=False, compare=False)
@@ -64,6 +77,15 @@ class Generation:
             self.ready[member] = committed
             self.commit_gens[member] = commit_gen
             self.ready_version += 1
+
+    @cached_property
+    def has_complete_group(self) -> bool:
+        """Some replica group has all its slots filled (always, unsharded): some
+        group can compute a step in this generation. Slots are fixed at formation."""
+        if self.shard_size == 1:
+            return True
+        filled = Counter(s.replica for s in self.slots.values())
+        return any(n == self.shard_size for n in filled.values())
 
     @cached_property
     def member_set(self) -> frozenset[str]:
@@ -126,6 +148,8 @@ class MembershipView:
 class Form:
     members: tuple[str, ...]
     reason: GenerationReason
+    shard_size: int | None = None
+    """A reshard's new shard size; None: decided by `formation_shard_size`."""
 
 
 @dataclass(frozen=True)
@@ -329,4 +353,111 @@ def plan_incremental(
         Form(tuple(cand), GenerationReason.LEAVE if lost else GenerationReason.JOIN),
         [],
         n_admitted,
+    )
+
+
+# ---- shard sizes ----------------------------------------------------------------
+
+
+def formation_shard_size(
+    old_size: int | None, members: int, config: CoordinatorConfig, fits: Callable[[int], bool]
+) -> int:
+    """The shard size of a generation formed for a failure, a join or a leave
+    (a reshard's is `decide_reshard`'s): the previous generation's, so that
+    survivors keep their slots; but back at the configured one (`shard_size`)
+    when the job had resharded away from it and it now divides the member
+    count and `fits` (members returned, or one more left). With no previous
+    generation: the configured one."""
+    preferred = config.shard_size
+    if old_size is None:
+        return preferred
+    if (
+        config.reshard_after_s is not None
+        and old_size != preferred
+        and members % preferred == 0
+        and fits(preferred)
+    ):
+        return preferred
+    return old_size
+
+
+@dataclass(frozen=True)
+class ReshardRefused:
+    """No shard size that makes whole replica groups of `alive` members fits a
+    member's memory: the job keeps its layout (`reshard_refused` event)."""
+
+    alive: int
+    preferred: int
+    shard_size: int
+    """The current generation's shard size (kept)."""
+    needed: int | None
+    """Bytes of training state per member in the thinnest layout (1 x alive);
+    None when the model could not be sized."""
+    budget: int | None
+    message: str
+
+
+def has_vacancy(g: Generation) -> bool:
+    """Does sharded generation `g` have an incomplete replica group? O(members)."""
+    size = g.shard_size
+    if size == 1:
+        return False
+    if len(g.members) % size:
+        return True
+    filled = Counter(s.replica for s in g.slots.values())
+    return any(n < size for n in filled.values())
+
+
+def has_complete_group(g: Generation) -> bool:
+    """Can some replica group of sharded generation `g` compute (all S slots filled)?
+    Always True unsharded. O(members) once per generation (its slots are fixed)."""
+    return g.has_complete_group
+
+
+def decide_reshard(
+    g: Generation, config: CoordinatorConfig, param_bytes: int | None, why_unsized: str = ""
+) -> Form | ReshardRefused | None:
+    """At a step boundary of generation `g`, once a vacancy lasted
+    `reshard_after_s`: regroup its members into whole replica groups of
+    `choose_shard_size` (a Form of the same members, reason "reshard"), or
+    ReshardRefused when no size fits; None when `g` has no vacancy.
+
+    The size may be `g`'s own: members left in several groups (2x2 that lost
+    one member of each group) regroup into fewer, complete ones, which moves
+    few bytes or none (each survivor may already hold a different shard).
+
+    param_bytes   the model's bytes (`layout.state_bytes` of the signature);
+                  None when it could not be sized (`why_unsized` says why), in
+                  which case only a job without `memory_per_member` reshards
+    """
+    if not has_vacancy(g):
+        return None
+    alive = len(g.members)
+    budget = config.memory_per_member
+
+    def fits(size: int) -> bool:
+        if budget is None:
+            return True
+        return param_bytes is not None and config.fits(param_bytes, size)
+
+    size = choose_shard_size(alive, config.shard_size, fits)
+    if size is not None:
+        return Form(g.members, GenerationReason.RESHARD, size)
+    needed = config.member_bytes(param_bytes, alive) if param_bytes is not None else None
+    if needed is None:
+        why = f"the model's size is unknown ({why_unsized})"
+    else:
+        why = (
+            f"even split {alive} ways (1x{alive}) a member would hold {needed:,} bytes of "
+            f"training state (state factor {config.state_factor:g}), over the "
+            f"{budget:,} bytes of --memory-per-member"
+        )
+    return ReshardRefused(
+        alive,
+        config.shard_size,
+        g.shard_size,
+        needed,
+        budget,
+        f"cannot regroup the {alive} members into whole replica groups: {why}; keeping "
+        f"shard size {g.shard_size} and waiting for a replacement",
     )

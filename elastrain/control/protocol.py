@@ -170,11 +170,28 @@ def _check_slots(value: Any, where: str) -> None:
             raise ProtocolError(f"{where}.{m}: expected [replica, shard] >= 0, got {_short(v)}")
 
 
+def _check_held(value: Any, where: str) -> None:
+    """member -> [shard_size, shard] with shard_size >= 1 and 0 <= shard < shard_size."""
+    for m, v in value.items():
+        if len(v) != 2 or not 0 <= v[1] < v[0]:
+            raise ProtocolError(
+                f"{where}.{m}: expected [shard_size, shard] with 0 <= shard < shard_size, "
+                f"got {_short(v)}"
+            )
+
+
+def _check_shard_size(value: Any, where: str) -> None:
+    if value < 0:
+        raise ProtocolError(f"{where}: expected a shard size >= 1, or 0 (not said), got {value}")
+
+
 FIELD_CHECKS: dict[tuple[str, str], Callable[[Any, str], None]] = {
     ("RegisterRequest", "signature"): _check_signature,
     ("RegisterRequest", "gen_slots"): _check_slots,
+    ("RegisterRequest", "gen_shard_size"): _check_shard_size,
     ("LeaveRequest", "reason"): _check_leave_reason,
     ("RendezvousResponse", "slots"): _check_slots,
+    ("RendezvousResponse", "held"): _check_held,
 }
 """Checks beyond the field's type, run by `decode` after the type check. Every
 field also gets the generic rules of `_check`: integers fit in int64, and a
@@ -289,6 +306,10 @@ class RegisterRequest:
     """With `gen_members`, in a sharded job: the slots of `gen` (member ->
     [replica, shard]) as its ready answer gave them. A restarted coordinator
     adopts them with the generation; without them it assumes rank order."""
+    gen_shard_size: int = 0
+    """With `gen_slots`: the shard size of `gen` (its ready answer's
+    `shard_size`), which differs from the job's after a reshard. 0: not said
+    (a worker that predates resharding): the coordinator's configured one."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +408,9 @@ class GenerationReason(StrEnum):
     JOIN = "join"
     LEAVE = "leave"
     ADOPTED = "adopted"
+    RESHARD = "reshard"
+    """The same members regrouped to another shard size, in memory: a vacancy
+    lasted longer than `CoordinatorConfig.reshard_after_s`."""
 
 
 # ---- responses ------------------------------------------------------------
@@ -421,7 +445,8 @@ class RendezvousResponse:
     start_step: int = 0
     message: str = ""
     reason: str = ""
-    """Why the generation was formed: "start", "failure", "join", "leave", "adopted"."""
+    """Why the generation was formed: "start", "failure", "join", "leave",
+    "adopted", "reshard" (`GenerationReason`)."""
     commit_gens: dict[str, int] = field(default_factory=dict)
     """member -> its `commit_gen`. Among the members at `start_step`, those with
     the highest one are the heal senders: a member that completed a step its
@@ -436,8 +461,23 @@ class RendezvousResponse:
     (`elastrain.control.layout.Layout.from_wire`). Empty when unsharded, and
     from a coordinator that predates sharding."""
     shard_size: int = 1
-    """The coordinator's shard size (members per replica group; 1: unsharded).
-    A worker configured otherwise must not train with this job."""
+    """With "ready": this generation's shard size (members per replica group; 1:
+    unsharded), which `slots` are in. It is the job's configured one
+    (`--shard-size`) unless the coordinator resharded (reason "reshard"), and
+    back at it once members return. Other answers: the current generation's
+    (the configured one before the first). A coordinator that predates
+    resharding always sends its configured one."""
+    held: dict[str, list[int]] = field(default_factory=dict)
+    """With "ready", in a sharded job: member -> [shard_size, shard], what that
+    member's state holds as the generation starts, i.e. its slot in the last
+    generation it was part of that became ready: the rows [shard/shard_size,
+    (shard+1)/shard_size) of every parameter (`elastrain.control.layout.Holding`).
+    Absent for a member that never held anything (a fresh joiner). Where it
+    differs from the member's new slot (after a reshard), its rows move. It is
+    what the coordinator knows: a member whose heal or move in that generation
+    was cut short by a failure may hold less, which a worker must check (the
+    per-shard state hash) rather than trust. {} from a coordinator that
+    predates resharding."""
 
 
 @dataclass(frozen=True)

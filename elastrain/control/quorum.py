@@ -31,6 +31,18 @@ rank-order layout, which is the layout it ran only if no member of it was
 replaced since the job started (a replacement takes the dead member's slot,
 not the last rank's).
 
+Resharding (`config.reshard_after_s`): each generation has its own shard size
+(`Generation.shard_size`). When a sharded generation has had a vacancy (an
+incomplete replica group) for `reshard_after_s`, through however many
+generations, the next step boundary with nothing else to do regroups the same
+members (`decide_reshard`, reason "reshard"); a later failure/join/leave that
+makes the configured size divide the member count returns to it
+(`formation_shard_size`). A shard size change places members with
+`reshard_slots` instead of `assign_slots`. `holdings` remembers what each
+member's state holds (its slot in the last ready generation it was in), which
+every new generation reports as `Generation.held`. A reshard that cannot fit
+`memory_per_member` is refused (`drain_refusals`), once per generation.
+
 Scale: every per-request transition (`touch`, `register`, `quorum`,
 `rendezvous`, `expire` with nothing due) is O(1) in the number of members, so
 one coordinator serves 100k members: members are kept in registration order
@@ -48,7 +60,14 @@ from dataclasses import dataclass
 from itertools import islice
 
 from elastrain.control.config import CoordinatorConfig
-from elastrain.control.layout import Slot, assign_slots
+from elastrain.control.layout import (
+    Holding,
+    Layout,
+    Slot,
+    assign_slots,
+    reshard_slots,
+    state_bytes,
+)
 from elastrain.control.plan import (
     Form,
     Generation,
@@ -56,7 +75,12 @@ from elastrain.control.plan import (
     Member,
     MembershipView,
     Plan,
+    ReshardRefused,
     Wait,
+    decide_reshard,
+    formation_shard_size,
+    has_complete_group,
+    has_vacancy,
     in_rank_order,
     plan_generation,
     plan_incremental,
@@ -66,11 +90,13 @@ from elastrain.control.protocol import GenerationReason, RendezvousStatus, Verdi
 __all__ = [
     "Form",
     "Generation",
+    "LayoutChange",
     "Member",
     "Membership",
     "MembershipView",
     "Plan",
     "Removal",
+    "ReshardRefused",
     "Wait",
     "plan_generation",
 ]
@@ -80,6 +106,17 @@ __all__ = [
 class Removal:
     member: str
     reason: str
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """Generation `gen` runs at another shard size than the one before it."""
+
+    gen: int
+    old: str
+    """`Layout.describe()` of the previous generation."""
+    new: str
+    reason: GenerationReason
 
 
 class Membership:
@@ -114,6 +151,25 @@ class Membership:
         """See `restarted` and `MembershipView.restart_grace_until`."""
         self.adopted: list[Generation] = []
         """Generations adopted since the last `drain_adopted()` (for events)."""
+        self.holdings: dict[str, Holding] = {}
+        """member -> what its state holds: its slot (as shard size, shard) in the
+        last generation it was part of that became ready. Kept for members
+        that are gone, should they register again with their state; dropped
+        when a fresh process registers under the name (no `prev_incarnation`)."""
+        self.vacant_since: float | None = None
+        """Since when the generations have had a vacancy, without a break (None:
+        none now, or resharding is off)."""
+        self.refusals: list[ReshardRefused] = []
+        """Reshards refused since the last `drain_refusals()` (for events)."""
+        self.layout_changes: list[LayoutChange] = []
+        """Shard size changes since the last `drain_layout_changes()` (for events)."""
+        self._reshard_at: float | None = None
+        """When the current generation's vacancy is due a reshard decision (None:
+        no vacancy, resharding off, or decided already for this generation)."""
+        self._recorded: Generation | None = None
+        """The generation last entered into `holdings` (at its ready)."""
+        self._sized: tuple[object, int | None, str] | None = None
+        """(signature, its bytes or None, why not): `_param_bytes`' cache."""
         # ---- indexes (derived from the above; see the module docstring on scale)
         self._seq = 0
         self._last_registered = float("-inf")
@@ -158,12 +214,17 @@ class Membership:
         committed: int = 0,
         prev_incarnation: int = 0,
         gen_slots: Mapping[str, Slot] | None = None,
+        gen_shard_size: int = 0,
     ) -> int:
         """Add (or re-add, after expulsion or a coordinator restart) a member;
-        returns its incarnation. `gen`/`gen_members`/`committed`/`gen_slots`
-        are what the worker runs (see the module docstring on restarts)."""
+        returns its incarnation. `gen`/`gen_members`/`committed`/`gen_slots`/
+        `gen_shard_size` are what the worker runs (see the module docstring on
+        restarts; `gen_shard_size` 0: the configured one)."""
         inc = max(self.incarnations.get(member, 0), prev_incarnation) + 1
         self.incarnations[member] = inc
+        if not prev_incarnation:
+            # A fresh process under a name seen before holds nothing of the old one's.
+            self.holdings.pop(member, None)
         if member in self.members:
             self._remove(member, "reregistered", now)
         self._changed()
@@ -180,7 +241,11 @@ class Membership:
         g = self.gen
         if gen and member in gen_members:
             if g is None or (g.reason == GenerationReason.ADOPTED and g.gen < gen):
-                self._adopt(gen, tuple(gen_members), committed, now, gen_slots or {})
+                # A size no generation can have (more than its members or the cap)
+                # is not believed: it would only cost time (`Layout.describe`).
+                believable = gen_shard_size <= max(self.config.max_members, len(gen_members))
+                size = gen_shard_size if gen_shard_size and believable else self.config.shard_size
+                self._adopt(gen, tuple(gen_members), committed, now, gen_slots or {}, size)
             elif g.gen == gen and member in g.awaiting:
                 g.awaiting.discard(member)
                 g.set_ready(member, committed)
@@ -194,18 +259,28 @@ class Membership:
         committed: int,
         now: float,
         slots: Mapping[str, Slot],
+        shard_size: int,
     ) -> None:
+        # The reported slots where valid, the rest in rank order (module docstring).
+        placed = assign_slots(slots, members, shard_size)
         g = Generation(
             gen,
             members,
             now,
             GenerationReason.ADOPTED,
             ready=dict.fromkeys(members, committed),
-            # The reported slots where valid, the rest in rank order (module docstring).
-            slots=assign_slots(slots, members, self.config.shard_size),
+            slots=placed,
+            shard_size=shard_size,
+            # Its members run it: they hold their slots in it (sharded jobs).
+            held={m: Holding(shard_size, placed[m].shard if placed else 0) for m in members}
+            if self.config.shard_size > 1
+            else {},
         )
         g.awaiting = {m for m in members if m not in self.members}
         self.gen = g
+        self._record_holdings(g)
+        self.vacant_since = None
+        self._track_vacancy(g, now)
         self.adopted.append(g)
         self.failure_reported = False
         self.decision = None
@@ -397,8 +472,16 @@ class Membership:
         the indexes (the same answer, without a pass over every member)."""
         if self.finished:
             return None
+        g = self.gen
+        if not step_boundary and g is not None and g.is_ready and not has_complete_group(g):
+            # No replica group can compute in it: no step is in flight to protect, so
+            # every moment is a step boundary (joiners are admitted, a due reshard
+            # forms) while its members wait for the next generation.
+            step_boundary = True
         level = 2 if step_boundary else 1
-        if self._settled >= level:
+        # A vacancy's reshard is due by the clock: the one decision that is.
+        due = step_boundary and self._reshard_at is not None and now >= self._reshard_at
+        if self._settled >= level and not due:
             return None
         old = self.gen
         fast = old is not None and self._index(old)
@@ -424,6 +507,10 @@ class Membership:
                     assert out == self._left_out(old, plan), (out, self._left_out(old, plan))
         else:
             plan = plan_generation(self._view(step_boundary), now, self.config)
+        if plan is None and due and old is not None and old.is_ready and not old.awaiting:
+            # (Not while an adopted generation still waits for members to report:
+            # the regrouped one would wait for them too.)
+            plan = self._decide_reshard(old)
         if isinstance(plan, Wait):
             self.waiting = plan.message
             if old is not None:
@@ -452,12 +539,7 @@ class Membership:
             # from their next quorum call; nobody's collective is aborted.
             self.clean_handoffs.add(old.gen)
         nxt = max(old.gen if old is not None else 0, self.gen_floor) + 1
-        # Survivors keep their slots (their shards live there); joiners fill
-        # the vacancies. Unsharded: {} at once, nothing to decide.
-        slots = assign_slots(
-            old.slots if old is not None else {}, plan.members, self.config.shard_size
-        )
-        self.gen = Generation(nxt, plan.members, now, plan.reason, slots=slots)
+        self.gen = self._new_generation(nxt, old, plan, now)
         if fast:
             self._outside = dict.fromkeys(islice(self._outside, admitted, None))
         elif old is None and self._registration_sorted:
@@ -470,6 +552,92 @@ class Membership:
         self.failure_reported = False
         self.decision = None
         return self.gen
+
+    def _new_generation(
+        self, gen: int, old: Generation | None, plan: Form, now: float
+    ) -> Generation:
+        """Generation `gen` of `plan.members`: its shard size and slots, what its
+        members hold; a size change is recorded for events. O(members)."""
+        old_size = old.shard_size if old is not None else None
+        if plan.shard_size is not None:
+            size = plan.shard_size
+        else:
+            size = formation_shard_size(old_size, len(plan.members), self.config, self._fits)
+        previous = old.slots if old is not None else {}
+        if old_size is None or size == old_size and plan.reason != GenerationReason.RESHARD:
+            # Survivors keep their slots (their shards live there); joiners fill
+            # the vacancies. Unsharded: {} at once, nothing to decide.
+            slots = assign_slots(previous, plan.members, size)
+        else:
+            # A new shape: each member takes the new shard that keeps most of its rows.
+            slots = reshard_slots(previous, old_size, plan.members, size)
+        holdings = self.holdings
+        held = {m: holdings[m] for m in plan.members if m in holdings} if holdings else {}
+        g = Generation(gen, plan.members, now, plan.reason, slots=slots, shard_size=size, held=held)
+        if old is not None and size != old.shard_size:
+            self.layout_changes.append(
+                LayoutChange(
+                    gen,
+                    Layout(old.shard_size, old.slots).describe(),
+                    Layout(size, slots).describe(),
+                    plan.reason,
+                )
+            )
+        self._track_vacancy(g, now)
+        return g
+
+    def _track_vacancy(self, g: Generation, now: float) -> None:
+        """Arm the reshard clock for a new current generation `g`: a vacancy that
+        began in an earlier generation keeps its start."""
+        after = self.config.reshard_after_s
+        if after is None or not has_vacancy(g):
+            self.vacant_since = None
+            self._reshard_at = None
+            return
+        if self.vacant_since is None:
+            self.vacant_since = now
+        self._reshard_at = self.vacant_since + after
+
+    def _decide_reshard(self, g: Generation) -> Form | None:
+        """The reshard of `g` whose vacancy is due; decided once per generation
+        (a refusal is reported once, and decided again only when membership
+        changes and a new generation forms)."""
+        self._reshard_at = None
+        size, why = self._param_bytes()
+        plan = decide_reshard(g, self.config, size, why)
+        if isinstance(plan, ReshardRefused):
+            self.refusals.append(plan)
+            return None
+        return plan
+
+    def _param_bytes(self) -> tuple[int | None, str]:
+        """The job's model size in bytes from its signature (None and why, when
+        it cannot be sized); recomputed only when the signature changes."""
+        sig = self.signature
+        if self._sized is None or self._sized[0] is not sig:
+            try:
+                self._sized = (sig, state_bytes(sig or []), "")  # type: ignore[arg-type]
+            except (ValueError, TypeError) as e:
+                self._sized = (sig, None, str(e))
+        return self._sized[1], self._sized[2]
+
+    def _fits(self, shard_size: int) -> bool:
+        """Does the model split `shard_size` ways fit `memory_per_member`?"""
+        if self.config.memory_per_member is None:
+            return True
+        size, _ = self._param_bytes()
+        return size is not None and self.config.fits(size, shard_size)
+
+    def _record_holdings(self, g: Generation) -> None:
+        """`g` became ready: its members now hold their slots in it. Sharded
+        jobs only (an unsharded member holds the whole model: nothing to say)."""
+        if self._recorded is g or self.config.shard_size == 1:
+            return
+        self._recorded = g
+        size, slots, holdings = g.shard_size, g.slots, self.holdings
+        for m in g.members:
+            s = slots.get(m)
+            holdings[m] = Holding(size, s.shard if s is not None else 0)
 
     def _left_out(self, old: Generation, plan: Form) -> list[str]:
         """Members of `old` that are alive but not in `plan`, in rank order."""
@@ -517,7 +685,10 @@ class Membership:
                 else RendezvousStatus.PENDING
             )
         g.set_ready(member, committed, commit_gen)
-        return RendezvousStatus.READY if g.is_ready else RendezvousStatus.PENDING
+        if not g.is_ready:
+            return RendezvousStatus.PENDING
+        self._record_holdings(g)
+        return RendezvousStatus.READY
 
     def quorum(
         self, member: str, incarnation: int, gen: int, step: int, leaving: bool, now: float
@@ -603,4 +774,12 @@ class Membership:
 
     def drain_adopted(self) -> list[Generation]:
         out, self.adopted = self.adopted, []
+        return out
+
+    def drain_refusals(self) -> list[ReshardRefused]:
+        out, self.refusals = self.refusals, []
+        return out
+
+    def drain_layout_changes(self) -> list[LayoutChange]:
+        out, self.layout_changes = self.layout_changes, []
         return out

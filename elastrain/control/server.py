@@ -33,7 +33,7 @@ from typing import Any
 
 from elastrain import env
 from elastrain.control import protocol as p
-from elastrain.control.config import CoordinatorConfig
+from elastrain.control.config import CoordinatorConfig, parse_bytes
 from elastrain.control.http import (
     HttpError,
     HttpServer,
@@ -56,7 +56,15 @@ BODY_TIMEOUT_S = 10.0
 """A request must arrive within this long (its headers after its first byte,
 its body after its headers), or 408."""
 
-__all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "MAX_WAIT_S", "ROUTES", "Coordinator", "HttpError"]
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "MAX_BODY",
+    "MAX_WAIT_S",
+    "ROUTES",
+    "Coordinator",
+    "HttpError",
+    "parse_args",
+]
 
 
 class Coordinator:
@@ -87,8 +95,12 @@ class Coordinator:
         store_host: str,
         store_port: int,
         events: EventLog,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = Membership(config)
+        self.clock = clock
+        """The membership's `now` (tests pass a fake one to drive time; long-poll
+        deadlines and rates stay on the real monotonic clock)."""
         self.config = config
         self.token = token
         self._token = token.encode()
@@ -168,6 +180,20 @@ class Coordinator:
                 reason=g.reason,
                 **self._layout_field(g),
             )
+        for c in self.state.drain_layout_changes():
+            self._emit(EventKind.LAYOUT_CHANGED, gen=c.gen, old=c.old, new=c.new, reason=c.reason)
+            _log(f"generation {c.gen} regroups ({c.reason}): {c.old} -> {c.new}")
+        for no in self.state.drain_refusals():
+            self._emit(
+                EventKind.RESHARD_REFUSED,
+                alive=no.alive,
+                preferred=no.preferred,
+                shard_size=no.shard_size,
+                needed=no.needed,
+                budget=no.budget,
+                message=no.message,
+            )
+            _log(f"reshard refused: {no.message}")
         if self.state.waiting and self.state.waiting != self._last_wait:
             self._emit(
                 EventKind.WAITING_FOR_MEMBERS,
@@ -181,11 +207,12 @@ class Coordinator:
             self._last_key = key
             self.changes.notify()
 
-    def _layout_field(self, g: Generation) -> dict[str, str]:
-        """A generation event's `layout` (`Layout.describe()`), only when sharded."""
+    def _layout_field(self, g: Generation) -> dict[str, Any]:
+        """A generation event's `layout` (`Layout.describe()`) and `shard_size`
+        (the generation's), only when the job is sharded."""
         if self.config.shard_size == 1:
             return {}
-        return {"layout": Layout(self.config.shard_size, g.slots).describe()}
+        return {"layout": Layout(g.shard_size, g.slots).describe(), "shard_size": g.shard_size}
 
     def check_token(self, header: str | bytes | None) -> None:
         """401 unless `header` is `Bearer <the job token>` (the scheme in any
@@ -226,7 +253,7 @@ class Coordinator:
                     "model_mismatch",
                     f"refused {req.member}: its model does not match the job's: {why}",
                 )
-            now = time.monotonic()
+            now = self.clock()
             inc = self.state.register(
                 req.member,
                 req.pid,
@@ -237,6 +264,7 @@ class Coordinator:
                 committed=req.committed,
                 prev_incarnation=req.prev_incarnation,
                 gen_slots=slots_from_wire(req.gen_slots),  # the wire checked their shape
+                gen_shard_size=req.gen_shard_size,
             )
             self._emit(
                 EventKind.MEMBER_REGISTERED,
@@ -255,7 +283,7 @@ class Coordinator:
         """One attempt of a heartbeat long poll; None: nothing to say yet."""
         with self.lock:
             now = time.monotonic()
-            if not self.state.touch(req.member, req.incarnation, now):
+            if not self.state.touch(req.member, req.incarnation, self.clock()):
                 known = self.state.knows(req.member)
                 return p.HeartbeatResponse(
                     p.HeartbeatStatus.EXPELLED if known else p.HeartbeatStatus.UNKNOWN,
@@ -276,7 +304,12 @@ class Coordinator:
         with self.lock:
             now = time.monotonic()
             status = self.state.rendezvous(
-                req.member, req.incarnation, req.known_gen, req.committed, now, req.commit_gen
+                req.member,
+                req.incarnation,
+                req.known_gen,
+                req.committed,
+                self.clock(),
+                req.commit_gen,
             )
             self._flush()
             g = self.state.gen
@@ -303,7 +336,8 @@ class Coordinator:
                         commit_gens=dict(g.commit_gens),
                         group_key=generation_key(self._gen_secret, g.gen),
                         slots={m: [s.replica, s.shard] for m, s in g.slots.items()},
-                        shard_size=self.config.shard_size,
+                        shard_size=g.shard_size,
+                        held={m: [h.shard_size, h.shard] for m, h in g.held.items()},
                     )
                     cached = (g, g.ready_version, json.dumps(p.encode(r)).encode())
                     self._ready_body = cached
@@ -316,13 +350,14 @@ class Coordinator:
                     if names and count > len(names):
                         who += f" and {count - len(names)} more"
                     msg = f"generation {g.gen}: waiting for {who}"
-                return p.RendezvousResponse(status, message=msg, shard_size=self.config.shard_size)
+                size = g.shard_size if g is not None else self.config.shard_size
+                return p.RendezvousResponse(status, message=msg, shard_size=size)
             return None
 
     def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
         with self.lock:
             verdict, gen = self.state.quorum(
-                req.member, req.incarnation, req.gen, req.step, req.leaving, time.monotonic()
+                req.member, req.incarnation, req.gen, req.step, req.leaving, self.clock()
             )
             preempt_s = 0.0
             if verdict == p.Verdict.PROCEED:
@@ -357,7 +392,7 @@ class Coordinator:
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         with self.lock:
-            ok = self.state.leave(req.member, req.incarnation, req.reason, time.monotonic())
+            ok = self.state.leave(req.member, req.incarnation, req.reason, self.clock())
             if ok and req.reason == "done":
                 self.state.progress_step = max(self.state.progress_step, req.committed)
             self._flush(wake=True)
@@ -367,7 +402,7 @@ class Coordinator:
         """The launcher saw a worker process exit: drop it, and record the exit
         status (`exit_reported`: evidence of what the failure was)."""
         with self.lock:
-            ok = self.state.exited(req.member, req.pid, time.monotonic())
+            ok = self.state.exited(req.member, req.pid, self.clock())
             self._emit(
                 EventKind.EXIT_REPORTED,
                 member=req.member,
@@ -411,11 +446,16 @@ class Coordinator:
 
     def tick(self) -> None:
         with self.lock:
-            self.state.expire(time.monotonic())
+            self.state.expire(self.clock())
             self._flush()
 
     def _gen_id(self) -> int:
         return self.state.gen.gen if self.state.gen else 0
+
+
+def _log(line: str) -> None:
+    """A line in the coordinator's log (its stderr: logs/coordinator.log)."""
+    print(f"elastrain coordinator: {line}", file=sys.stderr, flush=True)
 
 
 ROUTES: dict[str, tuple[type, str]] = {
@@ -539,7 +579,8 @@ class CoordinatorServer:
     The constructor binds (port 0 picks a free port); `start()` serves on a
     background thread running an asyncio event loop (see control/http.py), so
     this API stays synchronous; `stop()` closes everything. Tests use this
-    class directly; the launcher runs `main()` in a process of its own.
+    class directly (with a fake `clock` to drive the membership's time); the
+    launcher runs `main()` in a process of its own.
     """
 
     def __init__(
@@ -553,6 +594,7 @@ class CoordinatorServer:
         run_dir: str | None = None,
         job_id: str | None = None,
         max_connections: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not token:
             raise ValueError(
@@ -567,6 +609,7 @@ class CoordinatorServer:
             store_host=host,
             store_port=self.store.port,
             events=self.events,
+            clock=clock,
         )
         self.http = HttpServer(
             make_handler(self.coord),
@@ -620,18 +663,11 @@ class CoordinatorServer:
         self.events.close()
 
 
-def read_token() -> str | None:
-    """The job token from the environment (or the file it names); None if neither is set."""
-    tok = os.environ.get(env.TOKEN)
-    if tok:
-        return tok.strip()
-    path = os.environ.get(env.TOKEN_FILE)
-    if path:
-        return Path(path).read_text().strip()
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace, CoordinatorConfig]:
+    """`elastrain coordinator`'s command line and the config it makes; a bad one
+    exits with status 2 and a usage message."""
     ap = argparse.ArgumentParser(
         prog="elastrain coordinator",
         description=__doc__,
@@ -661,6 +697,31 @@ def main(argv: list[str] | None = None) -> int:
         help="members per replica group, each holding one shard of the model "
         "(default 1: unsharded); --target, --min and --max must be multiples of it",
     )
+    ap.add_argument(
+        "--reshard-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="sharded jobs: when a replica group has had a vacancy for S seconds with no "
+        "replacement, regroup the members in memory to a shard size that makes whole "
+        "groups (e.g. 3 members of a 2x2 job as 1x3), and back when replacements return "
+        "(default: never; wait for replacements)",
+    )
+    ap.add_argument(
+        "--memory-per-member",
+        default=None,
+        metavar="BYTES",
+        help="bytes of training state a member can hold (512M, 2G, 16Gi, ...): a reshard "
+        "to a shard size whose shard does not fit is refused (default: no limit)",
+    )
+    ap.add_argument(
+        "--state-factor",
+        type=float,
+        default=4.0,
+        metavar="F",
+        help="bytes of training state per byte of parameters, for --memory-per-member "
+        "(default 4: parameter, gradient, two Adam moments)",
+    )
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
     ap.add_argument("--start-grace", type=float, default=60.0)
@@ -684,7 +745,6 @@ def main(argv: list[str] | None = None) -> int:
         help="most open client connections (default: what the open-file limit allows)",
     )
     args = ap.parse_args(argv)
-    host, _, port = args.bind.rpartition(":")
     try:
         cfg = CoordinatorConfig(
             target=args.target,
@@ -695,10 +755,21 @@ def main(argv: list[str] | None = None) -> int:
             start_grace_s=args.start_grace,
             ready_timeout_s=args.ready_timeout,
             shard_size=args.shard_size,
+            reshard_after_s=args.reshard_after,
+            memory_per_member=(
+                None if args.memory_per_member is None else parse_bytes(args.memory_per_member)
+            ),
+            state_factor=args.state_factor,
         )
     except ValueError as e:
         ap.error(str(e))
-    token = read_token()
+    return ap, args, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, args, cfg = parse_args(argv)
+    host, _, port = args.bind.rpartition(":")
+    token = env.read_token()
     if token is None:
         ap.error(f"no job token: set {env.TOKEN} or {env.TOKEN_FILE}")
     srv = CoordinatorServer(

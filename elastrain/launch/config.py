@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,16 @@ class LaunchConfig:
     Run mode: -n and --min must be multiples of it. An agent runs only its
     node's workers; the job's shape is its coordinator's (`elastrain
     coordinator --shard-size`), so an agent's -n need not be one."""
+    reshard_after_s: float | None = None
+    """Sharded jobs: regroup the members in memory to another shard size when a
+    replica group has had a vacancy this long, and back when replacements
+    return (--reshard-after; `CoordinatorConfig.reshard_after_s`). None: never."""
+    memory_per_member: int | None = None
+    """Bytes of training state a member can hold: reshards to a shard size that
+    does not fit are refused (--memory-per-member; needs `reshard_after_s`)."""
+    state_factor: float = 4.0
+    """Bytes of training state per parameter byte, for `memory_per_member`
+    (--state-factor; `CoordinatorConfig.state_factor`)."""
     faults: list[Fault] = field(default_factory=list)
     """Faults to inject (see elastrain.chaos.schedule)."""
     fault_points: str | None = None
@@ -133,6 +144,7 @@ class LaunchConfig:
                 f"training needs whole replica groups of {shards} "
                 f"(try --min {self._multiples(self.min_workers)})"
             )
+        self._check_resharding()
         if self.replace_delay_s < 0:
             raise ValueError("--replace-delay must be >= 0")
         if not Path(self.script).is_file():
@@ -145,6 +157,48 @@ class LaunchConfig:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
+
+    def coordinator_policy_args(self) -> list[str]:
+        """The flags that give the coordinator this job's shape and resharding
+        policy (`elastrain coordinator`'s --shard-size, --reshard-after, ...)."""
+        out = ["--shard-size", str(self.shard_size or 1)]
+        if self.reshard_after_s is not None:
+            out += ["--reshard-after", repr(self.reshard_after_s)]
+        if self.memory_per_member is not None:
+            out += ["--memory-per-member", str(self.memory_per_member)]
+        out += ["--state-factor", repr(self.state_factor)]
+        return out
+
+    def _check_resharding(self) -> None:
+        """The flags' own words for what `CoordinatorConfig` would refuse later, in
+        the coordinator's process, where the user would not see why."""
+        if self.reshard_after_s is not None:
+            if not (math.isfinite(self.reshard_after_s) and self.reshard_after_s >= 0):
+                raise ValueError(
+                    f"--reshard-after must be a number of seconds >= 0 (got {self.reshard_after_s})"
+                )
+            if self.coordinator is not None:
+                raise ValueError(
+                    "--reshard-after is the coordinator's policy: pass it to "
+                    "`elastrain coordinator`, not to an agent"
+                )
+            if (self.shard_size or 1) == 1:
+                raise ValueError(
+                    "--reshard-after regroups a sharded job's replica groups: "
+                    "it needs --shard-size S with S > 1"
+                )
+        if self.memory_per_member is not None:
+            if self.memory_per_member < 1:
+                raise ValueError(
+                    f"--memory-per-member must be a positive size (got {self.memory_per_member})"
+                )
+            if self.reshard_after_s is None:
+                raise ValueError(
+                    "--memory-per-member only limits what a reshard may choose: "
+                    "pass --reshard-after S too"
+                )
+        if not (math.isfinite(self.state_factor) and self.state_factor > 0):
+            raise ValueError(f"--state-factor must be > 0 (got {self.state_factor})")
 
     def _multiples(self, n: int) -> str:
         """The multiples of the shard size around `n`, for an error message."""

@@ -179,8 +179,7 @@ class Launcher:
             str(c.lease_s),
             "--suspect",
             str(c.suspect_s),
-            "--shard-size",
-            str(c.shard_size or 1),
+            *c.coordinator_policy_args(),
             *bind,
         ]
         log = open(self.run_dir / "logs" / "coordinator.log", "ab")  # noqa: SIM115

@@ -48,6 +48,8 @@ class EventKind(StrEnum):
     PREEMPT_NOTICE = "preempt_notice"
     GENERATION_ADOPTED = "generation_adopted"
     EXIT_REPORTED = "exit_reported"
+    LAYOUT_CHANGED = "layout_changed"
+    RESHARD_REFUSED = "reshard_refused"
     # launcher: coordinator restarts; worker: losing and finding it again
     COORDINATOR_EXITED = "coordinator_exited"
     COORDINATOR_RESTARTED = "coordinator_restarted"
@@ -59,6 +61,7 @@ class EventKind(StrEnum):
     GROUP_BUILT = "group_built"
     HEAL_BEGIN = "heal_begin"
     HEAL_END = "heal_end"
+    RESHARD_END = "reshard_end"
     GENERATION_START = "generation_start"
     STEP_CONTRIB = "step_contrib"
     STEP_COMMIT = "step_commit"
@@ -94,13 +97,18 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.MEMBER_REFUSED: frozenset(["member", "reason"]),
     EventKind.MEMBER_REMOVED: frozenset(["member", "reason"]),
     # generation_formed, _ready and _adopted also carry `layout` (`Layout.describe()`,
-    # e.g. "2x2: r0=[w0,w1] r1=[w2,-]") when the job is sharded, and only then.
+    # e.g. "2x2: r0=[w0,w1] r1=[w2,-]") and `shard_size` (the generation's) when
+    # the job is sharded, and only then.
     EventKind.GENERATION_FORMED: frozenset(["gen", "members", "reason"]),
     EventKind.GENERATION_READY: frozenset(["gen", "members", "start_step", "steps"]),
     EventKind.WAITING_FOR_MEMBERS: frozenset(["have", "message", "min"]),
     EventKind.PREEMPT_NOTICE: frozenset(["grace_s"]),
     EventKind.GENERATION_ADOPTED: frozenset(["awaiting", "gen", "members", "step"]),
     EventKind.EXIT_REPORTED: frozenset(["member", "pid", "returncode"]),
+    EventKind.LAYOUT_CHANGED: frozenset(["gen", "new", "old", "reason"]),
+    EventKind.RESHARD_REFUSED: frozenset(
+        ["alive", "budget", "message", "needed", "preferred", "shard_size"]
+    ),
     EventKind.COORDINATOR_EXITED: frozenset(["pid", "returncode"]),
     EventKind.COORDINATOR_RESTARTED: frozenset(["down_s", "pid", "restarts"]),
     EventKind.COORDINATOR_UNREACHABLE: frozenset(["error", "gen", "op"]),
@@ -110,6 +118,9 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.GROUP_BUILT: frozenset(["build_s", "gen", "rank", "size"]),
     EventKind.HEAL_BEGIN: frozenset(["bytes", "gen", "role"]),
     EventKind.HEAL_END: frozenset(["bytes", "gen", "rate_mb_s", "role", "seconds"]),
+    EventKind.RESHARD_END: frozenset(
+        ["gen", "old_size", "new_size", "sent", "received", "seconds"]
+    ),
     EventKind.GENERATION_START: frozenset(["gen", "members", "rank", "state_hash", "step"]),
     EventKind.STEP_CONTRIB: frozenset(["gen", "samples", "step"]),
     EventKind.STEP_COMMIT: frozenset(

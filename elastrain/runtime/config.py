@@ -320,10 +320,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     """The worker's environment (`elastrain.env` names every variable). The token
     comes from $ELASTRAIN_TOKEN or, failing that, the file $ELASTRAIN_TOKEN_FILE."""
     e = os.environ if environ is None else environ
-    token = e.get(env.TOKEN) or None
-    if token is None and e.get(env.TOKEN_FILE):
-        with open(e[env.TOKEN_FILE]) as f:
-            token = f.read().strip()
+    token = env.read_token(e)
 
     def num(name: str, kind: type[int] | type[float]) -> Any:
         raw = e.get(name)

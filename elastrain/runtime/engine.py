@@ -41,6 +41,7 @@ Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import os
@@ -56,8 +57,7 @@ import torch
 
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
-from elastrain.control.layout import Layout
-from elastrain.data import GlobalOrder, assign_microbatches, assign_rounds, step_microbatches
+from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
@@ -85,7 +85,8 @@ from elastrain.runtime.resume import (
     resolve_directory,
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
-from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
+from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, heal
 
@@ -122,10 +123,6 @@ class StepResult:
     not measure it); the same on every member."""
     skipped: SkipReason | None = None
     """Not None: the step committed without updating the state (and why)."""
-
-
-class ShardLost(RuntimeError):
-    """A shard index whose every holder died: nothing in memory can restore it."""
 
 
 def dist_errors() -> type[BaseException]:
@@ -249,13 +246,12 @@ class StepEngine:
         self._hashing: concurrent.futures.Future[None] | None = None
         self._pg: Any = None
         self._inflight: list[Any] = []
-        self.sharded = backend if isinstance(backend, ShardedBackend) else None
-        """The backend, when the model is sharded (`TrainerConfig.shard_size` > 1)."""
-        self.layout: Layout | None = None
-        """The current generation's slots (sharded only)."""
-        self._twins_pg: Any = None
-        """The group of this member's shard index (sharded only): its gradient's all-reduce
-        and its heal."""
+        self.shards = (
+            ShardedMember(backend, self.member, config, self.host, self.events, self.graveyard)
+            if isinstance(backend, ShardedBackend)
+            else None
+        )
+        """The sharded layout's work, when the model is sharded (`TrainerConfig.shard_size` > 1)."""
         self._ready: p.RendezvousResponse | None = None
         self._step: _Step | None = None
         self._result: StepResult | None = None
@@ -323,8 +319,13 @@ class StepEngine:
         try:
             self._check_setup()
             self._resume()
-            self._warm_up()
-            self._metering = WorkerMetering.start(self.events, self._count_flops)
+            # One micro-batch serves both the warm-up and the FLOP count (loaded once).
+            first = self._first_batch()
+            self._warm_up(first)
+            self._metering = WorkerMetering.start(
+                self.events, functools.partial(self._count_flops, first)
+            )
+            del first
             action = self.proto.advance(m.Started())
             while True:
                 if action.do is m.Do.FINISH:
@@ -364,11 +365,9 @@ class StepEngine:
         ids = self.order.ids(0, self.config.micro_batch_size)
         return self.collate_fn([self.dataset[j] for j in ids])
 
-    def _count_flops(self) -> dict[str, Any] | None:
+    def _count_flops(self, batch: Any) -> dict[str, Any] | None:
         cfg = self.config
-        fields = self.backend.count_flops(
-            self._first_batch(), cfg.micro_batch_size, cfg.global_batch_size
-        )
+        fields = self.backend.count_flops(batch, cfg.micro_batch_size, cfg.global_batch_size)
         if fields is None:
             return None
         return {
@@ -377,9 +376,9 @@ class StepEngine:
             "global_batch": self.config.global_batch_size,
         }
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, batch: Any) -> None:
         t0 = time.monotonic()
-        self.backend.warm_up(self._first_batch())
+        self.backend.warm_up(batch)
         log.debug("%s: warm-up %.2f s", self.member, time.monotonic() - t0)
 
     # ---- registration and rendezvous -------------------------------------------------
@@ -472,9 +471,14 @@ class StepEngine:
         t0 = time.monotonic()
         try:
             pg = self._groups(a.gen, a.rank, len(a.members))
-            if self.sharded is not None:
+            if self.shards is not None:
                 self._pg = pg
-                self._connect_shards(a.gen)
+                assert self._ready is not None
+                self.shards.connect(
+                    self._ready,
+                    self.session.store(self.config.timeouts.rendezvous_s),
+                    self.session.group_prefix(self._ready),
+                )
         except WorkerExit:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
@@ -499,7 +503,8 @@ class StepEngine:
             build_s=time.monotonic() - t0,
         )
         self._pg = pg
-        self.session.set_gen(a.gen, a.members, self._ready.slots if self._ready else None)
+        r = self._ready
+        self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         if a.rank == 0:
             cfg = self.config
             for problem in batch_problems(
@@ -509,80 +514,22 @@ class StepEngine:
                 print(f"elastrain: warning: {problem}", file=sys.stderr, flush=True)
         return m.Connected()
 
-    def _connect_shards(self, gen: int) -> None:
-        """Sharded: take this member's slot, build its twins' group and (unless it is a
-        shadow) its replica group's FSDP2 wrapper. Every member builds its groups in
-        the same order (generation, twins, replica group), so none waits on another
-        that waits on it."""
-        sharded, ready = self.sharded, self._ready
-        assert sharded is not None and ready is not None and ready.gen == gen
-        size = self.config.shard_size
-        if ready.shard_size != size or not ready.slots:
-            raise WorkerExit(
-                EXIT_MISCONFIGURED,
-                "misconfigured",
-                f"elastrain: misconfigured: this worker shards the model {size} ways but the "
-                f"coordinator's shard size is {ready.shard_size}: start the job with "
-                f"`elastrain run --shard-size {size}` (or set TrainerConfig.shard_size to match)",
-            )
-        layout = Layout.from_wire(ready.slots, size)
-        self.layout = layout
-        slot = layout.slots[self.member]
-        sharded.place(slot.shard)
-        twins = layout.twins(slot.shard)
-        store = self.session.store(self.config.timeouts.rendezvous_s)
-        prefix = self.session.group_prefix(ready)
-        timeouts = self.config.timeouts
-        self._twins_pg = build_group(
-            store,
-            f"{prefix}/twins{slot.shard}",
-            twins.index(self.member),
-            len(twins),
-            host=self.host,
-            connect_timeout_s=timeouts.rendezvous_s,
-            op_timeout_s=self.config.watchdog.ceiling_s,
-        )
-        group = None if layout.is_shadow(self.member) else tuple(layout.group(slot.replica))
-        sharded.form_group(
-            group,
-            lambda: open_replica_group(
-                store,
-                f"{prefix}/replica{slot.replica}",
-                slot.shard,
-                size,
-                connect_timeout_s=timeouts.rendezvous_s,
-                op_timeout_s=self.config.watchdog.ceiling_s,
-            ),
-        )
-        log.info("%s: generation %d layout %s", self.member, gen, layout.describe())
-
     # ---- heal -----------------------------------------------------------------------
 
     def _heal(self, a: m.Action) -> m.Observation:
+        if self.shards is not None:
+            return self._heal_shards(a)
         committed, received = a.step, False
-        pg, rank, senders, receivers = self._pg, a.rank, a.senders, a.receivers
-        if self.sharded is not None:
-            # Each shard index heals within its twins: only the shard a member lacks moves.
-            try:
-                pg, rank, senders, receivers = self._shard_heal_roles(a)
-            except ShardLost as e:
-                self.events.emit(
-                    EventKind.WORKER_EXIT,
-                    reason=m.ExitReason.MISCONFIGURED,
-                    committed=self.committed,
-                )
-                self._shutdown()
-                raise WorkerExit(EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}") from None
-        if receivers:
-            role = "send" if rank in senders else "recv" if rank in receivers else "idle"
+        if a.receivers:
+            role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
             self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
             state = self.backend.state()
             try:
                 got, stats = self._heal_fn(
-                    pg,
-                    rank,
-                    list(senders),
-                    list(receivers),
+                    self._pg,
+                    a.rank,
+                    list(a.senders),
+                    list(a.receivers),
                     state,
                     self._meta(committed) if role == "send" else None,
                     self.config.timeouts.heal_s,
@@ -601,32 +548,38 @@ class StepEngine:
                 seconds=stats.seconds,
                 rate_mb_s=stats.rate_mb_s,
             )
+        return self._healed(a, committed, received)
+
+    def _heal_shards(self, a: m.Action) -> m.Observation:
+        """Sharded: heal inside twins' groups, or reshard to a new shard size
+        (`ShardedMember.heal`). Rows nobody holds end the worker: nothing in memory
+        restores them."""
+        assert self.shards is not None and self._ready is not None
+        try:
+            out = self.shards.heal(
+                a.gen,
+                self._ready,
+                self._pg,
+                self._meta,
+                self._load_meta,
+                self._heal_fn,
+                self.token.encode() or None,
+            )
+        except ShardLost as e:
+            self.events.emit(
+                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+            )
+            self._shutdown()
+            raise WorkerExit(EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}") from None
+        except (HealError, RuntimeError, ValueError) as e:
+            return m.HealFailed(str(e))
+        return self._healed(a, out.committed, out.received)
+
+    def _healed(self, a: m.Action, committed: int, received: bool) -> m.Observation:
         assert self._ready is not None
         self.ckpt.note_generation(self._ready.reason)
         self._start_hash(a.gen, committed, list(a.members), a.rank)
         return m.Healed(committed, received)
-
-    def _shard_heal_roles(self, a: m.Action) -> tuple[Any, int, tuple[int, ...], tuple[int, ...]]:
-        """(group, rank, senders, receivers) of this member's heal among its twins.
-        Raises ShardLost when some shard index has members that need its state and
-        none that holds it (every holder of it died)."""
-        assert self.layout is not None and self._ready is not None
-        r = self._ready
-        mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-        for shard in range(self.layout.shard_size):
-            twins = tuple(self.layout.twins(shard))
-            if not twins:
-                continue
-            senders, receivers, _ = m.heal_roles(twins, r.committed, r.commit_gens, r.start_step)
-            if receivers and not senders:
-                raise ShardLost(
-                    f"shard {shard} of {self.layout.shard_size} has no up-to-date holder (all of "
-                    f"its holders died): the job cannot heal it in memory; resume from a checkpoint"
-                )
-            if self.member in twins:
-                mine = (senders, receivers)
-        me = self.layout.slots[self.member]
-        return self._twins_pg, self.layout.twins(me.shard).index(self.member), mine[0], mine[1]
 
     def _start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:
         """Hash the state off the recovery's critical path: it overlaps the first
@@ -635,10 +588,7 @@ class StepEngine:
 
         def start_event() -> None:
             digest = self.backend.state_hash() if self.config.hash_state else ""
-            shard = {}
-            if self.layout is not None:
-                slot = self.layout.slots[self.member]
-                shard = {"shard": slot.shard, "replica": slot.replica}
+            shard = self.shards.event_fields() if self.shards is not None else {}
             self.events.emit(
                 EventKind.GENERATION_START,
                 gen=gen,
@@ -691,7 +641,7 @@ class StepEngine:
         self._step = st
         self.backend.begin_step(EXTRA_SLOTS)
         mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
-        if self.sharded is not None:
+        if self.shards is not None:
             return self._compute_shard(s, st, mbs)
         mine = assign_microbatches(len(mbs), len(self.proto.members), self.proto.rank)
         for k, i in enumerate(mine):
@@ -711,39 +661,44 @@ class StepEngine:
     def _compute_shard(self, s: int, st: _Step, mbs: list[range]) -> m.Observation:
         """Sharded: this member's turns in its replica group's rounds (none for a shadow).
         A failed collective inside (a group-mate died) abandons the generation."""
-        assert self.sharded is not None and self.layout is not None
-        layout = self.layout
-        slot = layout.slots[self.member]
-        complete = layout.complete_replicas()
-        if slot.replica in complete:
-            self.sharded.set_collective_timeout(self.hang.timeout_s)
-            rounds = assign_rounds(
-                len(mbs), len(complete), complete.index(slot.replica), layout.shard_size, slot.shard
+        assert self.shards is not None
+        pad: Any = None
+        try:
+            rounds = self.shards.rounds(len(mbs), self.hang.timeout_s)
+        except NoCompleteGroup as e:
+            # No step can commit in this generation, so the coordinator treats it as
+            # always at a step boundary: wait for the one it forms next (a joiner
+            # admitted, or a reshard once the vacancy lasted --reshard-after).
+            log.warning("%s: %s", self.member, e)
+            print(f"[{self.member}] waiting: {e}", flush=True)
+            gen = self.proto.gen
+            self.waiter.wait_until(
+                lambda: (
+                    self.session.gen_broken(gen) or self.session.leaving or self.session.expelled
+                )
             )
-            pad: Any = None
-            for k, i in enumerate(rounds):
-                if self.session.gen_broken(self.proto.gen):
-                    return m.Superseded()
-                t_data = time.monotonic()
-                if i is None:
-                    # Padding turn: the group's collectives need this member; weight 0.
-                    ids: list[int] = []
-                    if pad is None:
-                        pad = self._load(mbs[0])
-                    batch = pad
-                else:
-                    ids = self.order.ids(mbs[i].start, mbs[i].stop)
-                    batch = pad = self._load(mbs[i])
-                st.data_s += time.monotonic() - t_data
-                try:
-                    st.loss_sum += self.sharded.compute(s, -1 if i is None else i, batch, len(ids))
-                except (RuntimeError, dist_errors()) as e:
-                    if not _collective_error(e):
-                        raise
-                    return m.ComputeFailed(str(e)[:300])
-                st.samples.extend(ids)
-                if k == 0:
-                    self._hook(s, hooks.StepPoint.COMPUTE)
+            return m.Superseded()
+        for k, i in enumerate(rounds):
+            if self.session.gen_broken(self.proto.gen):
+                return m.Superseded()
+            t_data = time.monotonic()
+            ids: list[int] = []
+            if i is None:
+                # Padding turn: the group's collectives need this member; weight 0.
+                batch = pad = pad if pad is not None else self._load(mbs[0])
+            else:
+                ids = self.order.ids(mbs[i].start, mbs[i].stop)
+                batch = pad = self._load(mbs[i])
+            st.data_s += time.monotonic() - t_data
+            try:
+                st.loss_sum += self.backend.compute(s, -1 if i is None else i, batch, len(ids))
+            except (RuntimeError, dist_errors()) as e:
+                if not _collective_error(e):
+                    raise
+                return m.ComputeFailed(str(e)[:300])
+            st.samples.extend(ids)
+            if k == 0:
+                self._hook(s, hooks.StepPoint.COMPUTE)
         st.t_compute = time.monotonic()
         return m.Computed()
 
@@ -802,11 +757,8 @@ class StepEngine:
         )
         self.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        if self.sharded is not None:
-            # The gradient over the shard's twins, the extras over the whole generation.
-            self._inflight = tensor_allreduce(self._pg, [extras]) + tensor_allreduce(
-                self._twins_pg, self.backend.reduce_buffers()
-            )
+        if self.shards is not None:
+            self._inflight = self.shards.reduce(self._pg, extras)
         else:
             self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
         self._hook(s, hooks.StepPoint.ALLREDUCE)
@@ -916,14 +868,8 @@ class StepEngine:
         return m.Abandoned()
 
     def _drop_shard_groups(self) -> None:
-        """Sharded: park the twins' group (its all-reduce may be in flight) and leave
-        the replica group (no collective of it is: compute is synchronous)."""
-        if self._twins_pg is not None:
-            self.graveyard.bury(self._twins_pg, self._inflight)
-            self._twins_pg = None
-        if self.sharded is not None:
-            self.sharded.leave_group()
-        self.layout = None
+        if self.shards is not None:
+            self.shards.drop(self._inflight)
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -953,7 +899,7 @@ class StepEngine:
         got = load_resume(self.ckpt.directory, self._resume_mode)
         if got is None:
             return
-        if self.sharded is not None:
+        if self.shards is not None:
             self.events.emit(
                 EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
@@ -997,7 +943,7 @@ class StepEngine:
         step's verdict) and wait until it is durable within the grace period."""
         deadline = time.monotonic() + a.grace_s
         n = a.step
-        if self.sharded is not None:
+        if self.shards is not None:
             # Sharded checkpoints (each member its own shard, DCP) are not built yet:
             # writing this member's shard as if it were the whole state would corrupt one.
             log.warning("%s: preempted; no emergency checkpoint for a sharded model", self.member)

@@ -122,6 +122,15 @@ class Waiter:
                 )
             self._wake.wait(remaining)
 
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Block until `done()` is true, checking it whenever `interrupt()` is called
+        (the session calls it when the coordinator announces a change)."""
+        while True:
+            self._wake.clear()
+            if done():
+                return
+            self._wake.wait()
+
 
 class Graveyard:
     """Destroys dropped groups off the training thread, once their work has ended."""

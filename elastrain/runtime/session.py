@@ -74,6 +74,7 @@ class MemberSession:
         self._gen = 0
         self._members: tuple[str, ...] = ()
         self._slots: dict[str, list[int]] = {}
+        self._shard_size = 0
         self._last_gen = 0
         self._committed = 0
         self._unreachable_since: float | None = None
@@ -116,6 +117,7 @@ class MemberSession:
                     gen=self._last_gen,
                     gen_members=list(self._members) if self._gen else [],
                     gen_slots=dict(self._slots) if self._gen else {},
+                    gen_shard_size=self._shard_size if self._gen and self._slots else 0,
                     committed=self._committed,
                     prev_incarnation=self.incarnation,
                 )
@@ -191,6 +193,7 @@ class MemberSession:
         gen: int,
         members: tuple[str, ...] | list[str] = (),
         slots: dict[str, list[int]] | None = None,
+        shard_size: int = 0,
     ) -> None:
         """The generation the training thread runs now (0: none), its members and,
         sharded, their slots (a restarted coordinator adopts them from us)."""
@@ -198,6 +201,7 @@ class MemberSession:
             self._gen = gen
             self._members = tuple(members)
             self._slots = dict(slots or {})
+            self._shard_size = shard_size
             self._last_gen = max(self._last_gen, gen)
 
     def note_committed(self, committed: int) -> None:

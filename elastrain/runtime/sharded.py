@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import copy
 import datetime
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,8 @@ from elastrain.transfer import NamedState, TorchState, model_signature, state_di
 log = logging.getLogger("elastrain.sharded")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+RowStateLike = tuple[list[list[torch.Tensor]], list[int]]
+"""A member's row-shaped tensors per parameter and the global row each starts at."""
 ShardPolicy = Callable[[nn.Module], list[nn.Module]]
 
 
@@ -135,8 +138,26 @@ class ShardedBackend:
             )
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
-        self._user_optimizer = optimizer
         self._policy = shard_policy
+        named = list(model.named_parameters())
+        self._names = [n for n, _ in named]
+        self._shapes = {n: tuple(p.shape) if p.dim() else (1,) for n, p in named}
+        self._requires_grad = {n: p.requires_grad for n, p in named}
+        by_id = {id(p): n for n, p in named}
+        self._opt_class = type(optimizer)
+        self._opt_defaults = dict(optimizer.defaults)
+        self._opt_groups: list[dict[str, Any]] = []
+        """The optimizer's param groups: hyperparameters, and "params" as parameter names."""
+        for g in optimizer.param_groups:
+            if any(id(q) not in by_id for q in g["params"]):
+                raise ValueError("the optimizer holds parameters that are not the model's")
+            self._opt_groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [by_id[id(q)] for q in g["params"]],
+                }  # fmt: skip
+            )
+        self._template = copy.deepcopy(model).to("meta")
         self.shard: int | None = None
         self.model: nn.Module | None = None
         """The FSDP2 wrapper of the current replica group (None: a shadow, or not placed)."""
@@ -146,77 +167,246 @@ class ShardedBackend:
         """This member's shard: one parameter per model parameter (its rows), and the
         model's buffers (replicated, not sharded)."""
         self.optimizer: torch.optim.Optimizer | None = None
-        self._names: list[str] = []
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._template: nn.Module | None = None
+        self._buffers: dict[str, torch.Tensor] = {
+            n: b.detach().clone() for n, b in model.named_buffers()
+        }
         self._offsets: dict[str, tuple[int, int]] = {}
         self._grad64 = torch.zeros(0, dtype=torch.float64)
         self._extras = torch.zeros(0, dtype=torch.float64)
 
     # ---- placement and replica groups ---------------------------------------------
 
-    def place(self, shard: int) -> None:
-        """Keep only the rows of `shard` (first call), or check the slot did not move.
+    @property
+    def placed(self) -> bool:
+        """True once this member holds a shard (its full model is gone)."""
+        return self.shard is not None
 
-        The first call turns the full model into this member's shard parameters,
-        an optimizer over them (the user's class, hyperparameters and param
-        groups) and a meta-device template for building FSDP2 wrappers; the
-        full parameters are freed.
+    def rows(self) -> list[int]:
+        """Dim-0 size of each parameter (0-dim ones count as 1 row), in model order."""
+        return [self._shapes[n][0] for n in self._names]
+
+    def row_bytes(self) -> list[int]:
+        """Bytes of one row of each parameter and of its row-shaped optimizer state."""
+        out = []
+        for n in self._names:
+            per_row = 1
+            for d in self._shapes[n][1:]:
+                per_row *= d
+            lp = self.local._parameters.get(_local_name(n)) if self.placed else None
+            state = self.optimizer.state.get(lp, {}) if self.optimizer and lp is not None else {}
+            size = 4 if lp is None else lp.element_size()
+            size += sum(
+                t.element_size() for t in state.values()
+                if isinstance(t, torch.Tensor) and lp is not None and t.shape == lp.shape
+            )  # fmt: skip
+            out.append(per_row * size)
+        return out
+
+    def place(self, shard: int, size: int | None = None) -> None:
+        """Keep only the rows of `shard` of `size` (first call), or check the slot did
+        not move (a move with the same size is a bug; a new size is `reshard`'s).
+
+        The first call turns the full model into this member's shard parameters
+        and an optimizer over them (the user's class, hyperparameters and param
+        groups); the full parameters are freed.
         """
-        if not 0 <= shard < self.shard_size:
-            raise ValueError(f"shard {shard} out of range for shard size {self.shard_size}")
-        if self.shard is not None:
-            if shard != self.shard:
+        size = self.shard_size if size is None else size
+        if not 0 <= shard < size:
+            raise ValueError(f"shard {shard} out of range for shard size {size}")
+        if self.placed:
+            if (size, shard) != (self.shard_size, self.shard):
                 raise RuntimeError(
-                    f"the coordinator moved this member from shard {self.shard} to {shard}; "
-                    "a member keeps its slot for life"
+                    f"the coordinator moved this member from shard {self.shard} of "
+                    f"{self.shard_size} to {shard} of {size} without a reshard"
                 )
             return
         full = self._full
         assert full is not None
-        self.shard = shard
-        names: list[str] = []
-        off = 0
+        params = dict(full.named_parameters())
         with torch.no_grad():
-            for name, p in full.named_parameters():
-                lo, hi = shard_rows(p.shape[0] if p.dim() else 1, self.shard_size, shard)
-                rows = p.detach().reshape(p.shape if p.dim() else (1,))[lo:hi].clone()
-                self.local.register_parameter(
-                    _local_name(name), nn.Parameter(rows, requires_grad=p.requires_grad)
-                )
-                names.append(name)
-                self._offsets[name] = (off, off + rows.numel())
-                off += rows.numel()
-            self._buffers = {n: b.detach().clone() for n, b in full.named_buffers()}
+            rows = {}
+            for n in self._names:
+                lo, hi = shard_rows(self._shapes[n][0], size, shard)
+                rows[n] = params[n].detach().reshape(self._shapes[n])[lo:hi].clone()
+        self._install(size, shard, rows, {}, self._opt_groups)
+
+    def reset(self, shard: int, size: int) -> None:
+        """Hold zeroed rows of `shard` of `size` and no optimizer state: a member
+        whose rows are stale and shaped for an older layout, about to be healed."""
+        rows = {}
+        for n in self._names:
+            lo, hi = shard_rows(self._shapes[n][0], size, shard)
+            dtype = getattr(torch, self._signature_dtype(n).removeprefix("torch."))
+            rows[n] = torch.zeros((hi - lo, *self._shapes[n][1:]), dtype=dtype)
+        groups = self._opt_groups
+        if self.optimizer is not None:
+            by_param = {q: n for n, q in self._local_params().items()}
+            groups = [
+                {**{k: v for k, v in g.items() if k != "params"},
+                 "params": [by_param[q] for q in g["params"]]}
+                for g in self.optimizer.param_groups
+            ]  # fmt: skip
+        self._install(size, shard, rows, {}, groups)
+
+    def _install(
+        self,
+        size: int,
+        shard: int,
+        rows: dict[str, torch.Tensor],
+        state: dict[str, dict[str, torch.Tensor]],
+        groups: list[dict[str, Any]],
+    ) -> None:
+        """Make `rows` (name -> this member's rows, owned from now on) the shard
+        parameters, with an optimizer of the user's class over them holding `state`
+        (name -> its optimizer state) and `groups` (hyperparameters, params by name)."""
+        self.leave_group()
+        local = nn.Module()
+        off = 0
+        offsets = {}
+        for n in self._names:
+            t = rows[n]
+            local.register_parameter(
+                _local_name(n), nn.Parameter(t, requires_grad=self._requires_grad[n])
+            )
+            offsets[n] = (off, off + t.numel())
+            off += t.numel()
         for n, b in self._buffers.items():
             # Buffers travel with the shard state (heal, hash) but are not sharded.
-            self.local.register_buffer(_local_name(n), b)
-        self._names = names
-        self.optimizer = self._shard_optimizer(full)
-        self._template = copy.deepcopy(full).to("meta")
-        self._full = None
-        self._grad64 = torch.zeros(off, dtype=torch.float64)
-
-    def _shard_optimizer(self, full: nn.Module) -> torch.optim.Optimizer:
-        opt = self._user_optimizer
-        by_id = {id(p): n for n, p in full.named_parameters()}
-        groups = []
-        for g in opt.param_groups:
-            missing = [p for p in g["params"] if id(p) not in by_id]
-            if missing:
-                raise ValueError("the optimizer holds parameters that are not the model's")
-            groups.append(
+            local.register_buffer(_local_name(n), b)
+        opt_groups = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [local.get_parameter(_local_name(n)) for n in g["params"]]}
+            for g in groups
+        ]  # fmt: skip
+        try:
+            opt = self._opt_class(opt_groups, **self._opt_defaults)
+        except TypeError:
+            opt = self._opt_class(opt_groups)  # type: ignore[call-arg]
+        if state:
+            index = {n: i for i, n in enumerate(n for g in groups for n in g["params"])}
+            opt.load_state_dict(
                 {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": [
-                        self.local.get_parameter(_local_name(by_id[id(p)])) for p in g["params"]
-                    ],
+                    "state": {index[n]: st for n, st in state.items() if st},
+                    "param_groups": [
+                        {
+                            **{k: v for k, v in g.items() if k != "params"},
+                            "params": [index[n] for n in g["params"]],
+                        }
+                        for g in groups
+                    ],  # fmt: skip
                 }
             )
-        try:
-            return type(opt)(groups, **opt.defaults)
-        except TypeError:
-            return type(opt)(groups)  # type: ignore[call-arg]
+        self.local, self.optimizer = local, opt
+        self.shard_size, self.shard = size, shard
+        self._offsets = offsets
+        self._grad64 = torch.zeros(off, dtype=torch.float64)
+        if self._full is not None:
+            # The script (and its optimizer) may still hold the full model: free its
+            # tensors, or every member would keep the whole model beside its shard.
+            with torch.no_grad():
+                for t in (*self._full.parameters(), *self._full.buffers()):
+                    t.data = torch.empty(0, dtype=t.dtype)
+            self._full = None
+
+    # ---- resharding ------------------------------------------------------------------
+
+    def reshard_schema(self) -> dict[str, Any]:
+        """What a reshard's leader tells every member besides the rows (JSON): the
+        param groups' hyperparameters, and per parameter the names and dtypes of its
+        row-shaped optimizer state and the values of the rest (Adam's `step`)."""
+        assert self.optimizer is not None
+        state: dict[str, Any] = {}
+        by_param: dict[Any, str] = {p: n for n, p in self._local_params().items()}
+        for p, st in self.optimizer.state.items():
+            n = by_param[p]
+            rows: dict[str, str] = {}
+            scalars: dict[str, list[Any]] = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                    rows[k] = str(v.dtype)
+                elif isinstance(v, torch.Tensor) and v.numel() == 1:
+                    scalars[k] = [str(v.dtype), list(v.shape), v.item()]
+                elif isinstance(v, int | float | bool) or v is None:
+                    scalars[k] = ["py", [], v]
+                else:
+                    raise ValueError(
+                        f"cannot reshard optimizer state {k!r} of {n} ({type(v).__name__}, "
+                        f"shape {getattr(v, 'shape', None)}): only row-shaped tensors and scalars"
+                    )
+            state[n] = {"rows": sorted(rows.items()), "scalars": scalars}
+        groups = []
+        for g in self.optimizer.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            try:
+                json.dumps(hyper)
+            except TypeError as e:
+                raise ValueError(f"cannot reshard: a param group's hyperparameters: {e}") from e
+            groups.append({**hyper, "params": [by_param[q] for q in g["params"]]})
+        return {"groups": groups, "state": state}
+
+    def _local_params(self) -> dict[str, nn.Parameter]:
+        return {n: self.local.get_parameter(_local_name(n)) for n in self._names}
+
+    def row_state(self, schema: dict[str, Any]) -> RowStateLike:
+        """This member's rows (param, then its row-shaped optimizer state in the
+        schema's order), each starting at its global row; for sending."""
+        assert self.optimizer is not None and self.shard is not None
+        tensors, start = [], []
+        for n, p in self._local_params().items():
+            keys = [k for k, _ in schema["state"].get(n, {}).get("rows", [])]
+            st = self.optimizer.state.get(p, {})
+            tensors.append([p.detach(), *(st[k] for k in keys)])
+            start.append(shard_rows(self._shapes[n][0], self.shard_size, self.shard)[0])
+        return tensors, start
+
+    def reshard(
+        self,
+        size: int,
+        shard: int,
+        schema: dict[str, Any],
+        exchange: Callable[[RowStateLike | None, RowStateLike], None],
+        *,
+        holds: bool,
+    ) -> None:
+        """Become shard `shard` of `size`: allocate its rows, let `exchange` fill them
+        (from this member's old rows, `holds`, and its peers'), then install them
+        with the schema's optimizer state and hyperparameters. Collective: every
+        member of the generation calls it with the same plan."""
+        old = self.row_state(schema) if holds else None
+        tensors, start = [], []
+        for n in self._names:
+            lo, hi = shard_rows(self._shapes[n][0], size, shard)
+            shape = (hi - lo, *self._shapes[n][1:])
+            dtype = getattr(torch, self._signature_dtype(n).removeprefix("torch."))
+            rows = [torch.empty(shape, dtype=dtype)]
+            for _, d in schema["state"].get(n, {}).get("rows", []):
+                rows.append(torch.empty(shape, dtype=getattr(torch, d.removeprefix("torch."))))
+            tensors.append(rows)
+            start.append(lo)
+        exchange(old, (tensors, start))
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for n, rows in zip(self._names, tensors, strict=True):
+            entry = schema["state"].get(n)
+            if entry is None:
+                continue
+            st: dict[str, Any] = {k: t for (k, _), t in zip(entry["rows"], rows[1:], strict=True)}
+            for k, (dtype, shape, value) in entry["scalars"].items():
+                st[k] = (
+                    value
+                    if dtype == "py"
+                    else torch.tensor(
+                        value, dtype=getattr(torch, dtype.removeprefix("torch."))
+                    ).reshape(shape)
+                )
+            state[n] = st
+        self._install(size, shard, dict(zip(self._names, (r[0] for r in tensors), strict=True)),
+                      state, schema["groups"])  # fmt: skip
+
+    def _signature_dtype(self, name: str) -> str:
+        for entry in self._signature:
+            if entry[0] == name:
+                return str(entry[2])
+        raise KeyError(name)
 
     def form_group(self, members: tuple[str, ...] | None, open_group: Callable[[], None]) -> bool:
         """Be ready to compute in the replica group `members` (shard order), or be a

@@ -101,7 +101,7 @@ class ElasticTrainer(EngineTrainer):
         before_step: BeforeStep | None = None,
     ) -> None:
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
-        self.model = model
+        self._model = model
         backend: Backend
         if config.shard_size > 1:
             unsupported = [
@@ -161,3 +161,25 @@ class ElasticTrainer(EngineTrainer):
         if not isinstance(self.backend, TorchBackend):
             raise ValueError("registered state is not carried for sharded models yet")
         self.backend.register(name, obj)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model: the one given, or, sharded, the current replica group's FSDP2
+        wrapper (None while this member is a shadow; the given model's tensors are
+        freed once the shard is taken)."""
+        if isinstance(self.backend, ShardedBackend):
+            return self.backend.model
+        return self._model
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer that steps: the one given, or, sharded, the trainer's own
+        over this member's shard (same class and hyperparameters; None before the
+        first generation)."""
+        if isinstance(self.backend, ShardedBackend):
+            return self.backend.optimizer
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        self._optimizer = value

@@ -1,0 +1,366 @@
+"""A sharded member's part of each generation: its slot, its groups, heal or reshard.
+
+The step engine (`elastrain.runtime.engine`) runs the same protocol for every
+member; when the model is sharded (`TrainerConfig.shard_size` > 1) it hands
+the layout-specific work of a generation to a `ShardedMember`:
+
+    connect   read the generation's layout (slots) and build the twins' group
+              (every member with this member's shard index);
+    heal      same shard size as the sources hold: the heal runs inside each
+              twins' group (only the shard a member lacks moves); a new shard
+              size: the reshard plan moves just the rows each new shard needs
+              (`elastrain.runtime.reshard`); then the replica group's FSDP2
+              wrapper is built (a shadow has none);
+    rounds    this member's micro-batch turns in its replica group's rounds;
+    reduce    the shard's gradient over the twins, the extras over everyone;
+    drop      park the twins' group and leave the replica group.
+
+Groups are built in the same order on every member (generation, twins, replica
+group), and a heal or reshard involves only groups built before the replica
+group, so no member waits on one that waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastrain.control import protocol as p
+from elastrain.control.layout import Layout
+from elastrain.data import assign_rounds
+from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.observe.events import EventKind, EventLog
+from elastrain.runtime import member as m
+from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.group import Graveyard, build_group, tensor_allreduce
+from elastrain.runtime.reshard import (
+    ShardLost,
+    broadcast_json,
+    exchange_rows,
+    moved_bytes,
+    plan_reshard,
+)
+from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+
+log = logging.getLogger("elastrain.shards")
+
+HealFn = Callable[..., tuple[dict[str, Any], Any]]
+
+__all__ = ["HealOutcome", "NoCompleteGroup", "ShardLost", "ShardedMember"]
+
+
+class NoCompleteGroup(RuntimeError):
+    """Every replica group of the generation has a vacancy: no step can be computed."""
+
+
+@dataclass(frozen=True)
+class HealOutcome:
+    committed: int
+    """The committed count this member's state now stands for."""
+    received: bool
+    """Its state came from its peers (a heal's or a reshard's receiver)."""
+
+
+class ShardedMember:
+    """One member's sharded layout work, for the engine's training thread.
+
+    Contract: every member of a generation calls `connect`, then `heal`, with
+    that generation's ready answer, in that order; `drop` when the generation
+    ends. Raises ShardLost from `heal` when rows of the model have no
+    up-to-date holder (nothing in memory can restore them).
+    """
+
+    def __init__(
+        self,
+        backend: ShardedBackend,
+        member: str,
+        config: TrainerConfig,
+        host: str,
+        events: EventLog,
+        graveyard: Graveyard,
+    ) -> None:
+        self.backend = backend
+        self.member = member
+        self.config = config
+        self.host = host
+        self.events = events
+        self.graveyard = graveyard
+        self.layout: Layout | None = None
+        """The current generation's slots (None between generations)."""
+        self.twins_pg: Any = None
+        """The group of this member's shard index: its gradient's all-reduce and its heal."""
+        self._store: Any = None
+        self._prefix = ""
+
+    # ---- a generation -------------------------------------------------------------
+
+    def connect(self, ready: p.RendezvousResponse, store: Any, prefix: str) -> None:
+        """Read the layout and build the twins' group (blocks for the twins)."""
+        if not ready.slots:
+            raise WorkerExit(
+                EXIT_MISCONFIGURED,
+                "misconfigured",
+                f"elastrain: misconfigured: this worker shards the model "
+                f"{self.config.shard_size} ways but the coordinator's job is not sharded (shard "
+                f"size {ready.shard_size}): start the job with `elastrain run --shard-size "
+                f"{self.config.shard_size}` (or set TrainerConfig.shard_size to match)",
+            )
+        self.layout = Layout.from_wire(ready.slots, ready.shard_size)
+        self._store, self._prefix = store, prefix
+        slot = self.layout.slots[self.member]
+        twins = self.layout.twins(slot.shard)
+        self.twins_pg = build_group(
+            store,
+            f"{prefix}/twins{slot.shard}",
+            twins.index(self.member),
+            len(twins),
+            host=self.host,
+            connect_timeout_s=self.config.timeouts.rendezvous_s,
+            op_timeout_s=self.config.watchdog.ceiling_s,
+        )
+
+    def heal(
+        self,
+        gen: int,
+        ready: p.RendezvousResponse,
+        world_pg: Any,
+        meta: Callable[[int], dict[str, Any]],
+        load_meta: Callable[[dict[str, Any]], int],
+        heal_fn: HealFn,
+        key: bytes | None,
+    ) -> HealOutcome:
+        """Bring this member's shard up to date (heal from twins, or reshard), then
+        build its replica group's wrapper. Collective over the generation."""
+        layout = self.layout
+        assert layout is not None
+        members = tuple(ready.members)
+        senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
+        up_to_date = [members[i] for i in senders]
+        reported = ready.held
+        held = {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
+        # A reshard whenever a source's rows are not its new slot's: a new shard
+        # size, or the same size with members moved to other shards (groups broken
+        # in several places regrouped into whole ones).
+        if any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items()):
+            outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
+        else:
+            outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key)
+        self._form_group()
+        return outcome
+
+    def _heal_twins(
+        self,
+        gen: int,
+        ready: p.RendezvousResponse,
+        meta: Callable[[int], dict[str, Any]],
+        load_meta: Callable[[dict[str, Any]], int],
+        heal_fn: HealFn,
+        key: bytes | None,
+    ) -> HealOutcome:
+        """Same shard size as before: each shard index heals inside its twins."""
+        layout = self.layout
+        assert layout is not None
+        slot = layout.slots[self.member]
+        backend = self.backend
+        if backend.placed and (backend.shard_size, backend.shard) != (
+            layout.shard_size,
+            slot.shard,
+        ):
+            # A member that missed a reshard: its rows are stale and shaped for the
+            # old layout. Take the new slot's shape; its twins heal it (it is behind).
+            backend.reset(slot.shard, layout.shard_size)
+        backend.place(slot.shard, layout.shard_size)
+        mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        for shard in range(layout.shard_size):
+            twins = tuple(layout.twins(shard))
+            if not twins:
+                continue
+            senders, receivers, _ = m.heal_roles(
+                twins, ready.committed, ready.commit_gens, ready.start_step
+            )
+            if receivers and not senders:
+                raise ShardLost(
+                    f"shard {shard} of {layout.shard_size} has no up-to-date holder (all of its "
+                    "holders died): the job cannot heal it in memory; resume from a checkpoint"
+                )
+            if self.member in twins:
+                mine = (senders, receivers)
+        senders, receivers = mine
+        rank = layout.twins(slot.shard).index(self.member)
+        committed = ready.committed.get(self.member, 0)
+        if not receivers:
+            return HealOutcome(committed, False)
+        role = "send" if rank in senders else "recv" if rank in receivers else "idle"
+        self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
+        state = backend.state()
+        got, stats = heal_fn(
+            self.twins_pg,
+            rank,
+            list(senders),
+            list(receivers),
+            state,
+            meta(committed) if role == "send" else None,
+            self.config.timeouts.heal_s,
+            key=key,
+        )
+        received = role == "recv"
+        if received:
+            backend.adopt(state)
+            committed = load_meta(got)
+        self.events.emit(
+            EventKind.HEAL_END,
+            gen=gen,
+            role=role,
+            bytes=stats.bytes,
+            seconds=stats.seconds,
+            rate_mb_s=stats.rate_mb_s,
+        )
+        return HealOutcome(committed, received)
+
+    def _reshard(
+        self,
+        gen: int,
+        ready: p.RendezvousResponse,
+        world_pg: Any,
+        held: dict[str, tuple[int, int]],
+        meta: Callable[[int], dict[str, Any]],
+        load_meta: Callable[[dict[str, Any]], int],
+    ) -> HealOutcome:
+        """A new shard size: every member pulls its new shard's rows from the members
+        that hold them (itself first), the leader sends the rest as JSON."""
+        layout = self.layout
+        assert layout is not None
+        t0 = time.monotonic()
+        members = list(ready.members)
+        rank_of = {w: i for i, w in enumerate(members)}
+        me = self.member
+        backend = self.backend
+        pieces = plan_reshard(backend.rows(), held, layout.slots, layout.shard_size, members)
+        leader = next(w for w in members if w in held)
+        holds = me in held
+        old_size = next(iter(held.values()))[0]
+        role = "send" if holds else "recv"
+        self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
+        what = broadcast_json(
+            world_pg,
+            rank_of[leader],
+            rank_of[me],
+            {"schema": backend.reshard_schema(), "meta": meta(ready.start_step)}
+            if me == leader
+            else None,
+        )
+        row_bytes = backend.row_bytes() if holds else [0] * len(backend.rows())
+        counted: list[tuple[int, int]] = []
+
+        def exchange(old: Any, new: Any) -> None:
+            counted.append(exchange_rows(world_pg, rank_of, me, pieces, old, new))
+
+        slot = layout.slots[me]
+        backend.reshard(layout.shard_size, slot.shard, what["schema"], exchange, holds=holds)
+        sent, received_bytes = counted[0]
+        committed = ready.start_step
+        if not holds:
+            committed = load_meta(what["meta"])
+        seconds = time.monotonic() - t0
+        self.events.emit(
+            EventKind.HEAL_END,
+            gen=gen,
+            role=role,
+            bytes=received_bytes if not holds else sent,
+            seconds=seconds,
+            rate_mb_s=(received_bytes + sent) / 1e6 / max(seconds, 1e-9),
+        )
+        self.events.emit(
+            EventKind.RESHARD_END,
+            gen=gen,
+            old_size=old_size,
+            new_size=layout.shard_size,
+            sent=sent,
+            received=received_bytes,
+            seconds=seconds,
+            moved=moved_bytes(pieces, row_bytes) if holds else None,
+        )
+        log.info(
+            "%s: resharded %d -> %d ways (%s) in %.3f s: sent %d B, received %d B",
+            me,
+            old_size,
+            layout.shard_size,
+            layout.describe(),
+            seconds,
+            sent,
+            received_bytes,
+        )
+        return HealOutcome(committed, not holds)
+
+    def _form_group(self) -> None:
+        """Build the replica group's FSDP2 wrapper (None for a shadow)."""
+        layout = self.layout
+        assert layout is not None
+        slot = layout.slots[self.member]
+        group = None if layout.is_shadow(self.member) else tuple(layout.group(slot.replica))
+        timeouts = self.config.timeouts
+        self.backend.form_group(
+            group,
+            lambda: open_replica_group(
+                self._store,
+                f"{self._prefix}/replica{slot.replica}",
+                slot.shard,
+                layout.shard_size,
+                # Group-mates may still be healing or resharding.
+                connect_timeout_s=timeouts.rendezvous_s + timeouts.heal_s,
+                op_timeout_s=self.config.watchdog.ceiling_s,
+            ),
+        )
+
+    # ---- a step -------------------------------------------------------------------
+
+    def rounds(self, num_microbatches: int, watchdog_s: float) -> list[int | None]:
+        """This member's micro-batch per round of its replica group (None: a padding
+        turn); [] for a shadow. Bounds the group's collectives by `watchdog_s`."""
+        layout = self.layout
+        assert layout is not None
+        slot = layout.slots[self.member]
+        complete = layout.complete_replicas()
+        if not complete:
+            raise NoCompleteGroup(
+                f"no complete replica group in {layout.describe()}: nobody can compute; "
+                "waiting for a replacement (or a reshard, --reshard-after)"
+            )
+        if slot.replica not in complete:
+            return []
+        self.backend.set_collective_timeout(watchdog_s)
+        return assign_rounds(
+            num_microbatches,
+            len(complete),
+            complete.index(slot.replica),
+            layout.shard_size,
+            slot.shard,
+        )
+
+    def reduce(self, world_pg: Any, extras: torch.Tensor) -> list[Any]:
+        """Start the step's all-reduces: the gradient over the twins, the extras over
+        the whole generation. Returns the works (not waited)."""
+        return tensor_allreduce(world_pg, [extras]) + tensor_allreduce(
+            self.twins_pg, self.backend.reduce_buffers()
+        )
+
+    def event_fields(self) -> dict[str, int]:
+        """The slot, for the `generation_start` event (hashes compare among twins)."""
+        if self.layout is None:
+            return {}
+        slot = self.layout.slots[self.member]
+        return {"shard": slot.shard, "replica": slot.replica, "shard_size": self.layout.shard_size}
+
+    def drop(self, inflight: list[Any]) -> None:
+        """Park the twins' group (its all-reduce may be in flight) and leave the
+        replica group (none of its collectives is: compute is synchronous)."""
+        if self.twins_pg is not None:
+            self.graveyard.bury(self.twins_pg, inflight)
+            self.twins_pg = None
+        self.backend.leave_group()
+        self.layout = None

@@ -445,10 +445,7 @@ def test_grad_scaler_and_scheduler_travel_through_heal_and_resume(
         name="loopamp",
         points=[
             {"member": "w1", "step": 6, "phase": "compute", "action": "kill"},
-            *(
-                {"member": m, "step": 17, "phase": "commit", "action": "kill"}
-                for m in ("w0", "w2")
-            ),
+            *({"member": m, "step": 17, "phase": "commit", "action": "kill"} for m in ("w0", "w2")),
         ],
     )
     assert job.result.status == "done", job.result.message

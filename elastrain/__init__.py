@@ -11,17 +11,40 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ElasticTrainer", "TrainerConfig", "StepResult", "WorkerExit", "__version__"]
+__all__ = [
+    "Decision",
+    "ElasticTrainer",
+    "SkipReason",
+    "StepGrads",
+    "StepResult",
+    "TrainerConfig",
+    "WorkerExit",
+    "__version__",
+]
 
 from elastrain.exitcodes import WorkerExit
 
 if TYPE_CHECKING:
-    from elastrain.runtime.trainer import ElasticTrainer, StepResult, TrainerConfig
+    from elastrain.runtime.trainer import (
+        Decision,
+        ElasticTrainer,
+        SkipReason,
+        StepGrads,
+        StepResult,
+        TrainerConfig,
+    )
 
 
 def __getattr__(name: str) -> Any:
     # Lazy so that `import elastrain` (the CLI, the coordinator) does not pay for torch.
-    if name in ("ElasticTrainer", "TrainerConfig", "StepResult"):
+    if name in (
+        "ElasticTrainer",
+        "TrainerConfig",
+        "StepResult",
+        "StepGrads",
+        "Decision",
+        "SkipReason",
+    ):
         from elastrain.runtime import trainer
 
         return getattr(trainer, name)

@@ -26,8 +26,17 @@ trainer = ElasticTrainer(
     opt,
     data,
     loss_fn,
-    TrainerConfig(global_batch_size=64, micro_batch_size=8, total_steps=500, seed=0),
+    TrainerConfig(
+        global_batch_size=64,
+        micro_batch_size=8,
+        total_steps=500,
+        seed=0,
+        max_grad_norm=1.0,  # clip_grad_norm_, the same on every member
+    ),
 )
+sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=500)
+trainer.register("sched", sched)  # heals, checkpoints and the state hash carry it
 for r in trainer.steps():  # yields after every committed step
+    sched.step()
     if r.rank == 0 and r.step % 50 == 0:
-        print(f"step {r.step} loss {r.loss:.4f} on {r.members} members")
+        print(f"step {r.step} loss {r.loss:.4f} grad norm {r.grad_norm:.3f} on {r.members} members")

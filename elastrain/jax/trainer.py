@@ -56,6 +56,12 @@ class JaxElasticTrainer(EngineTrainer):
         member_id: str | None = None,
         run_dir: str | None = None,
     ) -> None:
+        if config.max_grad_norm is not None:
+            # optax clips inside the jitted update, the same on every member.
+            raise ValueError(
+                "TrainerConfig.max_grad_norm is for the PyTorch trainer; with JAX chain "
+                f"optax.clip_by_global_norm({config.max_grad_norm}) before the optimizer"
+            )
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)

@@ -65,6 +65,7 @@ class EventKind(StrEnum):
     GENERATION_START = "generation_start"
     STEP_CONTRIB = "step_contrib"
     STEP_COMMIT = "step_commit"
+    STEP_SKIPPED = "step_skipped"
     STEP_ABORT = "step_abort"
     WATCHDOG_FIRED = "watchdog_fired"
     WORKER_EXIT = "worker_exit"
@@ -128,13 +129,16 @@ FIELDS: dict[EventKind, frozenset[str]] = {
             "compute_s",
             "data_s",
             "gen",
+            "grad_norm",
             "loss",
             "samples",
             "samples_per_s",
+            "skipped",
             "step",
             "step_s",
         ]
     ),
+    EventKind.STEP_SKIPPED: frozenset(["gen", "grad_norm", "reason", "skipped_total", "step"]),
     EventKind.STEP_ABORT: frozenset(["error", "gen", "phase", "step"]),
     EventKind.WATCHDOG_FIRED: frozenset(["gen", "step", "timeout_s"]),
     EventKind.WORKER_EXIT: frozenset(["committed", "reason"]),

@@ -8,7 +8,7 @@ the arithmetic of a step on the engine's orders:
     begin_step()                       fresh or zeroed gradient buffers
     compute(step, i, batch, n)         forward/backward of micro-batch i, summed
     reduce_buffers()                   what the all-reduce sums (extras at the end of the first)
-    apply()                            divide by the global batch, optimizer update
+    apply()                            divide by the global batch, optimizer update (or skip it)
     discard()                          drop the buffers (an abandoned all-reduce may still write them)
 
 and exposes its state as named buffers (`state()`, a `NamedState`) that heal
@@ -20,12 +20,33 @@ which is the wire format of the gloo collectives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from elastrain.transfer.state import NamedState
+
+
+class SkipReason(StrEnum):
+    """Why a committed step did not update the state (the same on every member)."""
+
+    NONFINITE = "nonfinite"
+    """The reduced gradient held inf or nan (with a GradScaler: the scale overflowed)."""
+    HOOK = "hook"
+    """The script's `before_step` hook decided so."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """What `Backend.apply` did with a step's reduced gradient."""
+
+    grad_norm: float | None = None
+    """Global L2 norm of the mean gradient before clipping (None: not measured)."""
+    skipped: SkipReason | None = None
+    """None: the optimizer stepped. Otherwise the state did not change, and why."""
 
 
 class Backend(Protocol):
@@ -71,8 +92,10 @@ class Backend(Protocol):
     def extras(self) -> torch.Tensor:
         """The view of the extra slots at the end of the first reduce buffer."""
 
-    def apply(self) -> None:
-        """Divide the summed gradient by the global batch and update the parameters."""
+    def apply(self) -> Update | None:
+        """Divide the summed gradient by the global batch and update the parameters, or
+        skip the update (the step commits either way). Every member decides alike: its
+        inputs are the same everywhere. None: updated, nothing measured."""
 
     def discard(self) -> None:
         """Forget the step's buffers: an abandoned all-reduce may still write into them."""

@@ -115,6 +115,14 @@ class TrainerConfig:
     and twice the all-reduce bytes. "native": sum in the parameters' dtype (half
     the bytes; the result depends on membership in the last bits)."""
 
+    max_grad_norm: float | None = None
+    """Clip the mean gradient to this global L2 norm before the optimizer step
+    (torch's `clip_grad_norm_` rule: scale by min(1, max_norm / (norm + 1e-6))),
+    on every member alike: the norm is computed in float64 in an order fixed by
+    the model's layout (`elastrain.runtime.update.grad_norm`), not by thread
+    count. None: no clipping. The norm is measured either way (`grad_norm` in
+    `StepResult` and the `step_commit` event). PyTorch, unsharded only."""
+
     hash_state: bool = True
     """Hash the full state at every generation start (logged as an event, so
     tests and chaos runs can check that every member holds the same state)."""
@@ -180,6 +188,10 @@ class TrainerConfig:
                 "need 0 < hang_timeout_floor_s <= hang_timeout_ceiling_s "
                 f"(got {self.hang_timeout_floor_s}, {self.hang_timeout_ceiling_s})"
             )
+        if self.max_grad_norm is not None and not (
+            math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0
+        ):
+            raise ValueError(f"max_grad_norm must be > 0 (or None), got {self.max_grad_norm}")
         if self.hang_timeout_multiplier < 1:
             raise ValueError("hang_timeout_multiplier must be >= 1")
         if self.checkpoint_every < 0:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -62,7 +63,7 @@ from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
-from elastrain.runtime.backend import Backend
+from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.durable import Checkpointing
@@ -117,6 +118,11 @@ class StepResult:
     members: int
     rank: int
     step_s: float
+    grad_norm: float | None = None
+    """Global L2 norm of the mean gradient before clipping (None: the backend does
+    not measure it); the same on every member."""
+    skipped: SkipReason | None = None
+    """Not None: the step committed without updating the state (and why)."""
 
 
 def dist_errors() -> type[BaseException]:
@@ -249,6 +255,11 @@ class StepEngine:
         self._ready: p.RendezvousResponse | None = None
         self._step: _Step | None = None
         self._result: StepResult | None = None
+        self._after_commit: Callable[[], None] | None = None
+        self.started = False
+        """`steps()` began: the state's layout (registered objects) is fixed."""
+        self.skipped_steps = 0
+        """Committed steps that did not update the state (travels with the state)."""
         self.last_loss: float | None = None
         self._last_wait_msg = 0.0
         self._metering: WorkerMetering | None = None
@@ -295,7 +306,12 @@ class StepEngine:
     # ---- the loop ----------------------------------------------------------------
 
     def steps(self) -> Iterator[StepResult]:
-        """Train until `total_steps` are committed, yielding after each commit."""
+        """Train until `total_steps` are committed, yielding after each commit.
+
+        What the caller does with a result before asking for the next (stepping an
+        LR scheduler) belongs to that step: the step's checkpoint is taken, and its
+        commit hook called, only when the caller comes back."""
+        self.started = True
         self._install_sigterm()
         for h in self.hooks:
             h.attach(self.member, self.events)
@@ -322,6 +338,9 @@ class StepEngine:
                 if isinstance(obs, m.Applied):
                     assert self._result is not None
                     yield self._result
+                    if self._after_commit is not None:
+                        self._after_commit()
+                        self._after_commit = None
         finally:
             self._shutdown()
 
@@ -592,6 +611,7 @@ class StepEngine:
         return {
             "committed": committed,
             "last_loss": self.last_loss,
+            "skipped_steps": self.skipped_steps,
             "ckpt": self.ckpt.schedule.to_json(),
             **self.backend.meta(),
         }
@@ -601,6 +621,7 @@ class StepEngine:
         committed = int(meta["committed"])
         self.session.note_committed(committed)
         self.last_loss = meta.get("last_loss")
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.backend.load_meta(meta)
         self.ckpt.schedule.load_json(meta.get("ckpt"))
         return committed
@@ -762,13 +783,28 @@ class StepEngine:
         assert st is not None
         s = a.step
         self._settle_hash()
-        self.backend.apply()
+        update = self.backend.apply() or Update()
         n = s + 1
         self.session.note_committed(n)
         total_loss, count = st.extras[0], int(round(st.extras[1]))
         loss_mean = total_loss / count
         self.last_loss = loss_mean
         t_end = time.monotonic()
+        norm = update.grad_norm
+        shown_norm = norm if norm is not None and math.isfinite(norm) else None
+        if update.skipped is not None:
+            self.skipped_steps += 1
+            log.warning(
+                "%s: step %d committed without an update (%s)", self.member, s, update.skipped
+            )
+            self.events.emit(
+                EventKind.STEP_SKIPPED,
+                step=s,
+                gen=a.gen,
+                reason=update.skipped,
+                grad_norm=shown_norm,
+                skipped_total=self.skipped_steps,
+            )
         self.events.emit(
             EventKind.STEP_COMMIT,
             step=s,
@@ -780,18 +816,31 @@ class StepEngine:
             data_s=st.data_s,
             samples=count,
             samples_per_s=count / max(t_end - st.t0, 1e-9),
+            grad_norm=shown_norm,
+            skipped=update.skipped is not None,
         )
         self.ckpt.absorb(list(st.extras[2:]))
         self.ckpt.note_step_time(t_end - st.t0)
         self._result = StepResult(
-            s, loss_mean, a.gen, len(self.proto.members), self.proto.rank, t_end - st.t0
+            s,
+            loss_mean,
+            a.gen,
+            len(self.proto.members),
+            self.proto.rank,
+            t_end - st.t0,
+            norm,
+            update.skipped,
         )
         self._step = None
         if a.grace_s <= 0:
-            self.ckpt.after_commit(
-                n, a.gen, list(self.proto.members), self.proto.rank, self._state_at(n)
-            )
-            self._hook(s, hooks.StepPoint.COMMIT)
+            members, rank = list(self.proto.members), self.proto.rank
+
+            def after_commit() -> None:
+                # Once the caller's own work on this result is done (`steps`).
+                self.ckpt.after_commit(n, a.gen, members, rank, self._state_at(n))
+                self._hook(s, hooks.StepPoint.COMMIT)
+
+            self._after_commit = after_commit
         return m.Applied(n, a.grace_s)
 
     def _hook(self, step: int, point: hooks.StepPoint) -> None:
@@ -1014,6 +1063,12 @@ class EngineTrainer:
     @property
     def rank(self) -> int:
         return self.engine.rank
+
+    @property
+    def skipped_steps(self) -> int:
+        """Committed steps that did not update the state (non-finite gradient, or the
+        `before_step` hook said so); the job's count, carried with the state."""
+        return self.engine.skipped_steps
 
     @property
     def is_leader(self) -> bool:

@@ -11,14 +11,26 @@ which member computed which micro-batch (`TrainerConfig.reduce_dtype`).
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from elastrain.runtime.backend import SkipReason, Update
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.update import (
+    BeforeStep,
+    Decision,
+    StepGrads,
+    all_finite,
+    clip,
+    grad_norm,
+    scheduler_problems,
+)
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
+from elastrain.transfer.flatten import Stateful, encode_object
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -29,6 +41,11 @@ class TorchBackend:
     Who calls: the engine's training thread only; the state-hash thread reads
     the parameters between `begin_step` and `apply` (the engine settles it
     before `apply` writes them).
+
+    ``grad_scaler``: a `torch.amp.GradScaler` the loss is scaled with (fp16
+    autocast in the loss function); it is registered as ``"grad_scaler"``.
+    ``before_step``: the script's hook (`elastrain.runtime.update.BeforeStep`);
+    ``step_index`` then gives it the index of the step being applied.
     """
 
     framework = "torch"
@@ -42,15 +59,30 @@ class TorchBackend:
         *,
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        before_step: BeforeStep | None = None,
+        step_index: Callable[[], int] | None = None,
     ) -> None:
+        if before_step is not None and step_index is None:
+            raise ValueError("before_step needs step_index (the index of the step being applied)")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.seed = config.seed
         self.global_batch_size = config.global_batch_size
         self.native = config.reduce_dtype == "native"
+        self.max_grad_norm = config.max_grad_norm
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
+        self.objects: dict[str, Stateful] = {}
+        """Registered objects, in registration order (the order of their entries)."""
+        self.grad_scaler = (
+            grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        )
+        self.before_step = before_step
+        self.step_index = step_index
+        if self.grad_scaler is not None:
+            self.register("grad_scaler", self.grad_scaler)
         self._extra_slots = 0
         self._flats: list[torch.Tensor] = []
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -62,7 +94,24 @@ class TorchBackend:
         return model_signature(self.model)
 
     def state(self) -> TorchState:
-        return TorchState(self.model, self.optimizer)
+        return TorchState(self.model, self.optimizer, self.objects)
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Carry ``obj``'s ``state_dict()`` with the model and optimizer: heal,
+        checkpoints and the state hash include it, and a replacement or a resumed
+        member gets it through ``load_state_dict``. Every member must register the
+        same objects under the same names, before the first step. Raises
+        ValueError for a bad or taken name, TypeError for state that cannot travel
+        as tensors and JSON."""
+        if not name or "/" in name or not name.isprintable():
+            raise ValueError(f"cannot register {name!r}: a name is printable, non-empty, no '/'")
+        if name in self.objects:
+            raise ValueError(f"{name!r} is registered already")
+        for attr in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, attr, None)):
+                raise TypeError(f"cannot register {name!r}: a {type(obj).__name__} has no {attr}()")
+        encode_object(name, obj, [])  # TypeError now, not at the first heal
+        self.objects[name] = obj
 
     def adopt(self, state: NamedState) -> None:
         """Nothing to do: `TorchState.install` writes the live model and optimizer."""
@@ -99,7 +148,7 @@ class TorchBackend:
         }
 
     def problems(self) -> list[str]:
-        return model_problems(self.model)
+        return model_problems(self.model) + scheduler_problems(self.optimizer, self.objects)
 
     def warm_up(self, batch: Any) -> None:
         """Nothing to compile in eager mode."""
@@ -111,6 +160,10 @@ class TorchBackend:
         for f in grads if bufs is grads else (*grads, *bufs):
             f.zero_()
         self.model.train()
+        if self.grad_scaler is not None:
+            # The scaler makes its scale tensor at its first use: a member that computes
+            # no micro-batch of this step must have it too, for unscale_ in apply.
+            self.grad_scaler.scale(torch.zeros(()))
 
     def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
         with torch.random.fork_rng(devices=[]):
@@ -119,7 +172,10 @@ class TorchBackend:
                 (self.seed * 0x9E3779B1 + step * 1_000_003 + microbatch) & 0x7FFF_FFFF_FFFF
             )
             loss = self.loss_fn(self.model, batch)
-            (loss * samples).backward()
+            total = loss * samples
+            if self.grad_scaler is not None:
+                total = self.grad_scaler.scale(total)
+            total.backward()
         if self._reduce is not self._flats:
             self._widen(self._flats, self._reduce[0])
         return float(loss.detach()) * samples
@@ -130,9 +186,46 @@ class TorchBackend:
     def extras(self) -> torch.Tensor:
         return self._reduce[0][-self._extra_slots :]
 
-    def apply(self) -> None:
+    def apply(self) -> Update:
+        """The mean gradient into ``.grad``, unscaled; its norm; clipping; the
+        non-finite skip; the hook; then the optimizer step unless skipped (see
+        `elastrain.runtime.update` for why every member decides alike)."""
         self._narrow(self._flats, self._reduce)
-        self.optimizer.step()
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        grads = self._grads()
+        norm = grad_norm(grads)
+        # A finite norm means finite grads; an infinite one may be a float64 overflow.
+        finite = not math.isnan(norm) and (not math.isinf(norm) or all_finite(grads))
+        skipped = None if finite else SkipReason.NONFINITE
+        clipped = False
+        params = [q for q, _ in self._views]
+        if skipped is None and self.max_grad_norm is not None:
+            clipped = clip(params, self.max_grad_norm, norm)
+        if self.before_step is not None:
+            assert self.step_index is not None
+            decision = self.before_step(
+                StepGrads(self.step_index(), norm, finite, clipped, params, self.optimizer)
+            )
+            if skipped is None and decision == Decision.SKIP:
+                skipped = SkipReason.HOOK
+        if skipped is None:
+            if scaler is not None:
+                scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+        if scaler is not None:
+            # The scale backs off after an overflow and grows after enough good steps:
+            # the same on every member, which saw the same found-inf.
+            scaler.update()
+        return Update(norm, skipped)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The mean gradient, one flat tensor per dtype (the extras left out)."""
+        if self.native and self._extra_slots:
+            return [self._flats[0][: -self._extra_slots], *self._flats[1:]]
+        return list(self._flats)
 
     def discard(self) -> None:
         self._flats, self._views, self._reduce = [], [], []

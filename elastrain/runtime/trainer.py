@@ -4,9 +4,12 @@ Run one per worker process (`elastrain run` starts them with the coordinator's
 address, the job token and a member id in the environment):
 
     trainer = ElasticTrainer(model, optimizer, dataset, loss_fn,
-                             TrainerConfig(global_batch_size=64, micro_batch_size=8, total_steps=100))
+                             TrainerConfig(global_batch_size=64, micro_batch_size=8, total_steps=100,
+                                           max_grad_norm=1.0))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+    trainer.register("sched", sched)       # heal, checkpoints and the state hash carry it
     for result in trainer.steps():
-        ...
+        sched.step()                       # after each committed step, as in any loop
 
 This is the PyTorch face of the step engine (`elastrain.runtime.engine`, the
 protocol for every framework) over a `TorchBackend` (the model, its optimizer
@@ -21,13 +24,25 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from elastrain.runtime.backend import Backend
+from elastrain.runtime.backend import Backend, SkipReason
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import EngineTrainer, MapDataset, StepResult
 from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
+from elastrain.runtime.update import BeforeStep, Decision, StepGrads
+from elastrain.transfer.flatten import Stateful
 
-__all__ = ["ElasticTrainer", "LossFn", "MapDataset", "StepResult", "TrainerConfig"]
+__all__ = [
+    "BeforeStep",
+    "Decision",
+    "ElasticTrainer",
+    "LossFn",
+    "MapDataset",
+    "SkipReason",
+    "StepGrads",
+    "StepResult",
+    "TrainerConfig",
+]
 
 
 class ElasticTrainer(EngineTrainer):
@@ -53,6 +68,17 @@ class ElasticTrainer(EngineTrainer):
     wrapper, not `model` (whose parameters are freed once the shard is taken),
     and the optimizer that steps is the trainer's (`trainer.optimizer`, same
     class and hyperparameters, over this member's shard).
+
+    The step, on every member alike: the mean gradient (unscaled by
+    ``grad_scaler``, a `torch.amp.GradScaler` for fp16 autocast), its global
+    norm, clipping to `TrainerConfig.max_grad_norm`, the script's
+    ``before_step`` hook, then the optimizer step; a non-finite gradient is
+    never applied (the step commits as skipped). Anything stateful the loop
+    keeps besides the model and optimizer (an LR scheduler, a counter) must be
+    registered (`register`); an LR scheduler over the optimizer that is not
+    registered stops the job at start with what to do. Step it after each
+    result `steps()` yields: that is the state a heal, a checkpoint and the
+    state hash see as "after the step". Unsharded only for now.
     """
 
     def __init__(
@@ -71,11 +97,28 @@ class ElasticTrainer(EngineTrainer):
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
         shard_policy: ShardPolicy = default_shard_policy,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        before_step: BeforeStep | None = None,
     ) -> None:
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         self._model = model
         backend: Backend
         if config.shard_size > 1:
+            unsupported = [
+                what
+                for what, given in (
+                    ("max_grad_norm", config.max_grad_norm is not None),
+                    ("grad_scaler", grad_scaler is not None),
+                    ("before_step", before_step is not None),
+                )
+                if given
+            ]
+            if unsupported:
+                # Each needs the global norm or found-inf across the shards: not built yet.
+                raise ValueError(
+                    f"{', '.join(unsupported)}: not available for sharded models yet "
+                    "(TrainerConfig.shard_size > 1)"
+                )
             backend = ShardedBackend(
                 model,
                 optimizer,
@@ -93,8 +136,31 @@ class ElasticTrainer(EngineTrainer):
                 config,
                 extra_state=extra_state,
                 load_extra_state=load_extra_state,
+                grad_scaler=grad_scaler,
+                before_step=before_step,
+                # While a step is applied the committed count is its index.
+                step_index=lambda: self.engine.committed,
             )
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Carry ``obj`` (anything with ``state_dict``/``load_state_dict``: an LR
+        scheduler, a user's counter) with the model and optimizer.
+
+        Contract: every member registers the same objects under the same names
+        before iterating `steps()`; the object's state changes only as a function
+        of the committed steps (e.g. ``sched.step()`` after each result). Heal,
+        checkpoints and the state hash then carry it: a replacement gets its
+        peers' state, so its learning rate equals theirs. Its state dict's
+        tensors travel as tensors, everything else as JSON (str keys; no pickle).
+        """
+        if self.engine.started:
+            raise RuntimeError(
+                f"register({name!r}) after steps() began: register every object before the loop"
+            )
+        if not isinstance(self.backend, TorchBackend):
+            raise ValueError("registered state is not carried for sharded models yet")
+        self.backend.register(name, obj)
 
     @property
     def model(self) -> torch.nn.Module | None:

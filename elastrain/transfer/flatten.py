@@ -7,10 +7,14 @@ Layout (the same on every rank with the same model and optimizer class):
   ascending index order, keys in the optimizer's order (a tensor nested in a
   list or dict gets ``/<i>`` or ``/<subkey>`` appended);
 - ``optim/groups/<group_idx>/<key>`` for a tensor-valued param-group
-  hyperparameter (e.g. a tensor ``lr``).
+  hyperparameter (e.g. a tensor ``lr``);
+- ``obj/<name>/<key>`` for each tensor in the ``state_dict()`` of an object the
+  trainer registered under ``name`` (an LR scheduler, a GradScaler, a user's
+  counter), objects in registration order.
 
 Everything else of the optimizer state dict stays JSON, with each tensor
-replaced by ``{"$tensor": <entry name>}``. Nothing is pickled. All functions
+replaced by ``{"$tensor": <entry name>}``; so do the registered objects' state
+dicts, under the section's ``objects`` key. Nothing is pickled. All functions
 here are local (no communication); `elastrain.transfer.torch_state.TorchState`
 is the `NamedState` built on them.
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +36,19 @@ from elastrain.transfer.state import FlatState, NamedState
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 GROUPS_PREFIX = OPTIM_PREFIX + "groups/"
+OBJECTS_PREFIX = "obj/"
+OBJECTS_KEY = "objects"
+"""The section's key for the registered objects' JSON state dicts."""
+
+
+class Stateful(Protocol):
+    """What a registered object must have: torch's `state_dict` convention (LR
+    schedulers, `torch.amp.GradScaler`, a user's own object). Its state dict may
+    hold tensors and JSON values only (str keys); nothing is pickled."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
@@ -51,19 +69,28 @@ def _encode(value: Any, name: str, out: list[tuple[str, torch.Tensor]]) -> Any:
         enc: dict[str, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str) or k == TENSOR_REF:
-                raise TypeError(
-                    f"optimizer state {name!r} has a dict key {k!r} that JSON cannot carry"
-                )
+                raise TypeError(f"state {name!r} has a dict key {k!r} that JSON cannot carry")
             enc[k] = _encode(v, f"{name}/{k}", out)
         return enc
     raise TypeError(
-        f"optimizer state {name!r} holds a {type(value).__name__}; only tensors and JSON "
+        f"state {name!r} holds a {type(value).__name__}; only tensors and JSON "
         "values (None, bool, int, float, str, list, dict) can be sent without pickle"
     )
 
 
-def flatten_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FlatState:
-    """Name every tensor of the model's state_dict and the optimizer's state dict.
+def encode_object(name: str, obj: Stateful, out: list[tuple[str, torch.Tensor]]) -> Any:
+    """The JSON of a registered object's state dict; its tensors appended to ``out``
+    as ``obj/<name>/...``. TypeError for state that cannot travel as tensors + JSON."""
+    return _encode(obj.state_dict(), f"{OBJECTS_PREFIX}{name}", out)
+
+
+def flatten_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Stateful] | None = None,
+) -> FlatState:
+    """Name every tensor of the model's state_dict, the optimizer's state dict and
+    the registered objects' state dicts.
 
     The returned tensors alias the live state (no copies). Raises TypeError for
     state that cannot travel as tensors + JSON.
@@ -77,7 +104,13 @@ def flatten_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> F
     for idx in sorted(osd["state"]):
         state[str(idx)] = _encode(osd["state"][idx], f"{OPTIM_PREFIX}{idx}", tensors)
     groups = [_encode(g, f"{GROUPS_PREFIX}{i}", tensors) for i, g in enumerate(osd["param_groups"])]
-    section = {"class": optimizer_class(optimizer), "param_groups": groups, "state": state}
+    encoded = {name: encode_object(name, obj, tensors) for name, obj in (objects or {}).items()}
+    section = {
+        "class": optimizer_class(optimizer),
+        "param_groups": groups,
+        "state": state,
+        OBJECTS_KEY: encoded,
+    }
     return FlatState(tensors, section)
 
 
@@ -114,7 +147,11 @@ def state_digest(state: NamedState) -> str:
     """SHA-256 hex digest of a member's full state, in its fixed order.
 
     Covers every named tensor (name, dtype, shape and raw bytes) plus the JSON
-    section (torch: the optimizer's class, param_groups and non-tensor state).
+    section (torch: the optimizer's class, param_groups with every
+    hyperparameter such as ``lr``, its non-tensor state and the registered
+    objects' state): everything that decides the next step but the global RNG,
+    which travels in the meta and which a step does not read (each
+    micro-batch's RNG is seeded from (seed, step, micro-batch)).
     Two members with bit-identical state get the same digest; JSON turning
     tuples into lists does not change it. Local and read-only; hashes the
     tensors' memory in place (no copy for contiguous CPU tensors). About 0.1 s

@@ -1,29 +1,38 @@
 """`TorchState`: a PyTorch model + optimizer as a `NamedState`.
 
-Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``
-(see `elastrain.transfer.flatten`); the section is the optimizer's class,
-param_groups and non-tensor state. A receiver accepts exactly its own model
-signature and, for the optimizer, what is plausible for its own params (the
-bounds below), so that a sender cannot make it allocate more than a small,
-stated multiple of its own model. Local; no communication.
+Entries are ``model/<state_dict key>`` in state_dict order, then ``optim/...``,
+then ``obj/<name>/...`` for the registered objects (see
+`elastrain.transfer.flatten`); the section is the optimizer's class,
+param_groups and non-tensor state, and the registered objects' JSON state. A
+receiver accepts exactly its own model signature, for the optimizer what is
+plausible for its own params (the bounds below), and for the registered objects
+exactly its own objects' names and tensor layout, so that a sender cannot make
+it allocate more than a small, stated multiple of its own model. Local; no
+communication.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
 import torch
 
-from elastrain.transfer.dtypes import byte_view
+from elastrain.transfer.dtypes import byte_view, dtype_name
 from elastrain.transfer.errors import HealError
 from elastrain.transfer.flatten import (
     GROUPS_PREFIX,
     MODEL_PREFIX,
+    OBJECTS_KEY,
+    OBJECTS_PREFIX,
     OPTIM_PREFIX,
+    Stateful,
     copy_bytes_into,
     decode_refs,
+    encode_object,
     flatten_state,
     optimizer_class,
 )
@@ -64,9 +73,11 @@ def _owner(name: str) -> tuple[Owner, int] | None:
 
 
 class TorchState:
-    """A model and its optimizer, healed together (see the module docstring).
+    """A model, its optimizer and the registered objects, healed together (see the
+    module docstring).
 
-    ``install`` loads the optimizer first (``load_state_dict`` may still refuse,
+    ``install`` loads the registered objects and the optimizer first (a
+    ``load_state_dict`` that refuses puts back what was loaded before it,
     leaving the model untouched), then overwrites the model's tensors in place,
     so params and buffers keep their identity (the optimizer and any hooks keep
     pointing at them).
@@ -74,12 +85,25 @@ class TorchState:
 
     kind = KIND
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        objects: Mapping[str, Stateful] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.objects: Mapping[str, Stateful] = objects or {}
 
     def flatten(self) -> FlatState:
-        return flatten_state(self.model, self.optimizer)
+        return flatten_state(self.model, self.optimizer, self.objects)
+
+    def _own_object_entries(self) -> dict[str, torch.Tensor]:
+        """This state's own ``obj/...`` tensors by name: the layout a sender's must equal."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, obj in self.objects.items():
+            encode_object(name, obj, out)
+        return dict(out)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -90,26 +114,47 @@ class TorchState:
         )
 
     def manifest_limit(self) -> int:
-        return manifest_limit(len(self.model.state_dict()) + self._max_optim_entries())
+        return manifest_limit(
+            len(self.model.state_dict())
+            + self._max_optim_entries()
+            + len(self._own_object_entries())
+            + MAX_GROUP_TENSORS
+        )
 
     def payload_limit(self) -> int:
         """The most payload bytes this state accepts: its model's bytes plus
-        `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack)."""
+        `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack), plus
+        its registered objects' tensor bytes (plus room for a few small ones it does
+        not have, which `check` refuses with a clear message)."""
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         param_bytes = sum(p.numel() * p.element_size() for p in self._params())
-        return model_bytes + OPTIM_STATE_FACTOR * param_bytes + 16 * self._max_optim_entries()
+        object_bytes = sum(
+            t.numel() * t.element_size() for t in self._own_object_entries().values()
+        )
+        return (
+            model_bytes
+            + OPTIM_STATE_FACTOR * param_bytes
+            + 16 * self._max_optim_entries()
+            + object_bytes
+            + MAX_GROUP_TENSORS * MAX_GROUP_TENSOR_NUMEL * 16
+        )
 
     def bound(self, m: Manifest) -> str | None:
-        in_optim = False
+        order = (MODEL_PREFIX, OPTIM_PREFIX, OBJECTS_PREFIX)
+        at = 0
         for e in m.entries:
-            if e.name.startswith(OPTIM_PREFIX):
-                in_optim = True
-            elif not e.name.startswith(MODEL_PREFIX):
-                return f"entry {e.name!r} is neither model/ nor optim/"
-            elif in_optim:
-                return f"model entry {e.name!r} comes after optim/ entries"
-        why = self._bound_section(m) or self._bound_optim_entries(
-            [e for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
+            kind = next((i for i, prefix in enumerate(order) if e.name.startswith(prefix)), None)
+            if kind is None:
+                return f"entry {e.name!r} is neither model/, optim/ nor obj/"
+            if kind < at:
+                return f"entry {e.name!r} comes after {order[at]} entries"
+            at = kind
+        why = (
+            self._bound_section(m)
+            or self._bound_optim_entries([e for e in m.entries if e.name.startswith(OPTIM_PREFIX)])
+            or self._bound_object_entries(
+                [e for e in m.entries if e.name.startswith(OBJECTS_PREFIX)]
+            )
         )
         limit = self.payload_limit()
         if why is None and m.total_bytes > limit:
@@ -127,23 +172,46 @@ class TorchState:
             return "optimizer param_groups is not a list"
         if not isinstance(section.get("state"), dict):
             return "optimizer state is not an object"
+        # A checkpoint written before objects could be registered has no such key.
+        objects = section.get(OBJECTS_KEY, {})
+        if not isinstance(objects, dict):
+            return "registered objects' state is not an object"
         n_params = len(self._params())
         for key in section["state"]:
             if not key.isdigit() or int(key) >= n_params:
                 return f"optimizer state for param {key!r}, but this optimizer has {n_params}"
-        try:
-            refs = tensor_refs(section)
-        except HealError as e:
-            return str(e)
-        names = [e.name for e in m.entries if e.name.startswith(OPTIM_PREFIX)]
-        if sorted(refs) != sorted(names):
-            missing = sorted(set(refs) - set(names))
-            unused = sorted(set(names) - set(refs))
-            return (
-                f"optimizer tensor references do not match the optim/ entries (referenced but "
-                f"absent: {missing[:3]}, present but unreferenced: {unused[:3]}, or referenced "
-                "twice)"
-            )
+        optimizer_part = {k: v for k, v in section.items() if k != OBJECTS_KEY}
+        for what, part, prefix in (
+            ("optimizer", optimizer_part, OPTIM_PREFIX),
+            ("registered objects'", objects, OBJECTS_PREFIX),
+        ):
+            try:
+                refs = tensor_refs(part)
+            except HealError as e:
+                return str(e)
+            names = [e.name for e in m.entries if e.name.startswith(prefix)]
+            if sorted(refs) != sorted(names):
+                missing = sorted(set(refs) - set(names))
+                unused = sorted(set(names) - set(refs))
+                return (
+                    f"{what} tensor references do not match the {prefix} entries (referenced "
+                    f"but absent: {missing[:3]}, present but unreferenced: {unused[:3]}, or "
+                    "referenced twice)"
+                )
+        return None
+
+    def _bound_object_entries(self, entries: list[Entry]) -> str | None:
+        """A registered object's tensor may be no larger than this state's own of that
+        name; one this state does not have, no larger than a hyperparameter (`check`
+        then refuses it as a divergence, not as damage)."""
+        own = self._own_object_entries()
+        if len(entries) > len(own) + MAX_GROUP_TENSORS:
+            return f"{len(entries)} registered object tensors; this member has {len(own)}"
+        for e in entries:
+            mine = own.get(e.name)
+            most = MAX_GROUP_TENSOR_NUMEL if mine is None else mine.numel()
+            if e.numel > most:
+                return f"entry {e.name!r} claims {e.numel} elements; at most {most} fit here"
         return None
 
     def _bound_optim_entries(self, entries: list[Entry]) -> str | None:
@@ -181,7 +249,29 @@ class TorchState:
         problem = signature_mismatch(model_signature(self.model), theirs)
         if problem is not None:
             return f"cannot heal into this model: {problem}"
-        return self._check_optimizer(m.section)
+        return self._check_optimizer(m.section) or self._check_objects(m)
+
+    def _check_objects(self, m: Manifest) -> str | None:
+        """The same registered names, and each tensor of theirs with this member's
+        dtype and shape (what registers an object is the script, the same on every
+        member)."""
+        theirs = sorted(m.section.get(OBJECTS_KEY, {}))
+        mine = sorted(self.objects)
+        if theirs != mine:
+            return (
+                f"registered objects differ: the state holds {theirs}, this member registered "
+                f"{mine} (every member must register the same objects under the same names)"
+            )
+        own = self._own_object_entries()
+        layout = {e.name: (e.dtype, list(e.shape)) for e in m.entries if e.name in own}
+        for name, t in own.items():
+            want = (dtype_name(t.dtype), list(t.shape))
+            if layout.get(name) != want:
+                return (
+                    f"registered object tensor {name!r}: the state has "
+                    f"{layout.get(name, 'none')}, this member {want}"
+                )
+        return None
 
     def _check_optimizer(self, section: dict[str, Any]) -> str | None:
         """Same class, same number of param groups and params per group."""
@@ -212,10 +302,22 @@ class TorchState:
         model_sd = self.model.state_dict()
         state = {int(k): decode_refs(v, tensors) for k, v in section["state"].items()}
         groups = decode_refs(section["param_groups"], tensors)
+        objects = section.get(OBJECTS_KEY, {})
+        # What a refusal puts back: the objects loaded so far, then nothing else changed.
+        before = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
+        loaded: list[str] = []
+        what = "optimizer"
         try:
+            for name, obj in self.objects.items():
+                what = f"registered object {name!r}"
+                obj.load_state_dict(decode_refs(objects[name], tensors))
+                loaded.append(name)
+            what = "optimizer"
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise HealError(f"optimizer.load_state_dict refused the healed state: {e}") from e
+        except (ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
+            for done in loaded:
+                self.objects[done].load_state_dict(before[done])
+            raise HealError(f"{what}.load_state_dict refused the healed state: {e}") from e
         for key, dst in model_sd.items():
             if dst.numel():
                 copy_bytes_into(dst, byte_view(tensors[MODEL_PREFIX + key]))

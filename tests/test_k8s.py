@@ -19,8 +19,9 @@ import pytest
 from elastrain import env
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.k8s import cluster
-from elastrain.k8s.config import K8sConfig, format_quantity, parse_quantity
+from elastrain.k8s.config import K8sConfig
 from elastrain.k8s.render import find, render, to_yaml
+from elastrain.quantity import format_quantity, parse_quantity
 
 yaml = pytest.importorskip("yaml")
 validate = pytest.importorskip("elastrain.k8s.validate")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from elastrain.k8s.config import parse_quantity
+from elastrain.quantity import parse_quantity
 
 
 @dataclass(frozen=True, kw_only=True)

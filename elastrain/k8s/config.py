@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
+
+from elastrain.quantity import parse_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 """An RFC 1123 label (Kubernetes names of Services, Jobs, ...): lower-case alphanumerics and '-'."""
@@ -12,50 +13,6 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 40
 """Longest job name: JobSet names its pods `<name>-workers-0-<index>-<5 random>` and
 its Services `<name>`; 40 keeps those within the 63-character label limit."""
-
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P)?$")
-_SUFFIX = {
-    None: Fraction(1),
-    "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-}
-
-
-def parse_quantity(q: str) -> Fraction:
-    """A Kubernetes resource quantity ("500m", "2", "16Gi", "1.5") as an exact number.
-
-    Only the plain decimal forms with the usual suffixes; raises ValueError otherwise.
-    """
-    m = _QUANTITY.match(q.strip())
-    if not m:
-        raise ValueError(
-            f"{q!r} is not a Kubernetes quantity; use e.g. '500m' or '2' (CPU), '4Gi' (memory)"
-        )
-    return Fraction(m.group(1)) * _SUFFIX[m.group(2)]
-
-
-def format_quantity(x: Fraction, binary: bool) -> str:
-    """The shortest exact quantity string for x ("3", "2500m", "18Gi", "1536Mi")."""
-    if binary:
-        for suf in ("Pi", "Ti", "Gi", "Mi", "Ki"):
-            v = x / _SUFFIX[suf]
-            if v.denominator == 1 and v >= 1:
-                return f"{v.numerator}{suf}"
-    if x.denominator == 1:
-        return str(x.numerator)
-    v = x * 1000
-    if v.denominator == 1:
-        return f"{v.numerator}m"
-    return str(float(x))
 
 
 def _check_name(what: str, value: str, limit: int = 63) -> None:

@@ -21,8 +21,9 @@ from typing import Any
 
 from elastrain import env
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
-from elastrain.k8s.config import K8sConfig, format_quantity, parse_quantity
+from elastrain.k8s.config import K8sConfig
 from elastrain.k8s.hardening import TOKEN_MODE, harden, network_policies
+from elastrain.quantity import format_quantity, parse_quantity
 
 Obj = dict[str, Any]
 

@@ -41,7 +41,6 @@ membership does and is rebuilt when it changes (`form_group`).
 
 from __future__ import annotations
 
-import base64
 import copy
 import datetime
 import json
@@ -55,6 +54,7 @@ from torch import nn
 
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.torch_backend import load_torch_meta, torch_meta
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 
 log = logging.getLogger("elastrain.sharded")
@@ -540,17 +540,10 @@ class ShardedBackend:
         return state_digest(self.state())
 
     def meta(self) -> dict[str, Any]:
-        return {
-            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "extra": self.extra_state() if self.extra_state else None,
-        }
+        return torch_meta(self.extra_state)
 
     def load_meta(self, meta: dict[str, Any]) -> None:
-        if meta.get("rng"):
-            rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
-            torch.set_rng_state(rng)
-        if self.load_extra_state is not None and meta.get("extra") is not None:
-            self.load_extra_state(meta["extra"])
+        load_torch_meta(meta, self.load_extra_state)
 
     def problems(self) -> list[str]:
         return self._problems

@@ -35,6 +35,25 @@ from elastrain.transfer.flatten import Stateful, encode_object
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
+def torch_meta(extra_state: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+    """A torch member's JSON meta: its global RNG state and the script's extra state."""
+    return {
+        "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "extra": extra_state() if extra_state else None,
+    }
+
+
+def load_torch_meta(
+    meta: dict[str, Any], load_extra_state: Callable[[dict[str, Any]], None] | None
+) -> None:
+    """Install what `torch_meta` returned on the member that sent or saved it."""
+    if meta.get("rng"):
+        rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
+        torch.set_rng_state(rng)
+    if load_extra_state is not None and meta.get("extra") is not None:
+        load_extra_state(meta["extra"])
+
+
 class TorchBackend:
     """`Backend` for a `torch.nn.Module` and a `torch.optim.Optimizer` on this process.
 
@@ -120,17 +139,10 @@ class TorchBackend:
         return state_digest(self.state())
 
     def meta(self) -> dict[str, Any]:
-        return {
-            "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "extra": self.extra_state() if self.extra_state else None,
-        }
+        return torch_meta(self.extra_state)
 
     def load_meta(self, meta: dict[str, Any]) -> None:
-        if meta.get("rng"):
-            rng = torch.frombuffer(bytearray(base64.b64decode(meta["rng"])), dtype=torch.uint8)
-            torch.set_rng_state(rng)
-        if self.load_extra_state is not None and meta.get("extra") is not None:
-            self.load_extra_state(meta["extra"])
+        load_torch_meta(meta, self.load_extra_state)
 
     def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any]:
         from elastrain.observe.efficiency import device_info

@@ -678,9 +678,11 @@ class StepEngine:
                 )
             )
             return m.Superseded()
+        # No "superseded?" check between rounds: a group's members run every round
+        # together (FSDP2's collectives), and two members that answered that question
+        # differently would leave one waiting in a collective for the other until the
+        # timeout. A superseded generation is seen at the verdict, one step later.
         for k, i in enumerate(rounds):
-            if self.session.gen_broken(self.proto.gen):
-                return m.Superseded()
             t_data = time.monotonic()
             ids: list[int] = []
             if i is None:

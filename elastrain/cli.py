@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser(
         "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
     )
-    d.add_argument("--steps", type=int, default=None, help="steps to train (default 80)")
+    d.add_argument(
+        "--steps", type=int, default=None, help="steps to train (default 80; --sharded 75)"
+    )
     d.add_argument(
         "--sharded",
         action="store_true",

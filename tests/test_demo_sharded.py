@@ -152,13 +152,13 @@ def test_the_driver_kills_again_after_the_heal_and_paces_the_waits(tmp_path: Pat
 
 
 def test_the_sharded_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The whole demo, as `elastrain demo --sharded --steps 70` runs it: 2x2, one
+    """The whole demo, as `elastrain demo --sharded` runs it: 2x2, one
     kill healed shard-only, a held kill that regroups as 1x3, back to 2x2; it
     ends with the invariants line (twins bit-identical at every generation start)."""
     from elastrain.demo.show import run_demo
     from elastrain.observe.events import read_events
 
-    rc = run_demo(sharded=True, steps=70, run_dir=str(tmp_path / "demo"), plain=True)
+    rc = run_demo(sharded=True, run_dir=str(tmp_path / "demo"), plain=True)
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1] == (
         "invariants: all members bit-identical at every generation start: yes"

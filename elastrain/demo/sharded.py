@@ -16,7 +16,7 @@ At the end it prints the tables `elastrain demo` prints, the layout of every
 generation and each regroup, the first heal against the whole state, the loss
 and the invariants line.
 
-    elastrain demo --sharded [--steps 80] [--run-dir DIR] [--plain]
+    elastrain demo --sharded [--steps 75] [--run-dir DIR] [--plain]
 
 Timing (why these constants): the coordinator reshards when a vacancy has
 lasted `--reshard-after` (`RESHARD_AFTER_S`), whatever its cause; there is no
@@ -54,12 +54,12 @@ RESHARD_AFTER_S = 30.0
 HOLD_S = 36.0
 BASE_PACE_S = 0.2
 """Seconds per step (at least) outside the waits."""
-WAIT_PACE_S = 1.0
+WAIT_PACE_S = 1.5
 """Seconds per step while a phase is awaited (a replacement starting, a reshard)."""
 LATE_PACE_S = 3.0
 """... and when fewer than LATE_STEPS steps are left: the job must not end first."""
 LATE_STEPS = 15
-STEPS = 90
+STEPS = 75
 
 
 def shard_size_of(layout: str) -> int | None:

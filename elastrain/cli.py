@@ -1,6 +1,7 @@
 """elastrain's command line: run, demo, coordinator, report, sim, chaos soak.
 
 elastrain demo                                # the elastic demo (about 2 minutes)
+elastrain demo --sharded                      # 2x2 shards: heal one shard, 1x3, back
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
 elastrain run -n 4 --shard-size 2 train.py       # 2 replica groups x 2 shards
 elastrain run -n 4 --shard-size 2 --reshard-after 30 train.py   # 3 left: 1x3, then back
@@ -324,7 +325,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from elastrain.demo.show import run_demo
 
-    return run_demo(steps=args.steps, run_dir=args.run_dir, plain=args.plain)
+    steps = args.steps if args.steps is not None or args.sharded else 80
+    return run_demo(steps=steps, run_dir=args.run_dir, plain=args.plain, sharded=args.sharded)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -401,7 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser(
         "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
     )
-    d.add_argument("--steps", type=int, default=80)
+    d.add_argument(
+        "--steps", type=int, default=None, help="steps to train (default 80; --sharded 75)"
+    )
+    d.add_argument(
+        "--sharded",
+        action="store_true",
+        help="2 replica groups x 2 shards: a kill healed shard-only, a reshard to 1x3 in "
+        "memory and back to 2x2",
+    )
     d.add_argument("--run-dir", default=None)
     d.add_argument("--plain", action="store_true")
     sub.add_parser("coordinator", help="run a standalone coordinator (see --help after it)")

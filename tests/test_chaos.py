@@ -4,6 +4,7 @@ disk filling, the straggler inbox, and the ledger's view of rolled-back steps.""
 from __future__ import annotations
 
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ from .test_checkpoint import make_state, save
         ("fill-disk@70/3", Fault("fill-disk", at_step=70, duration_s=3.0)),
         ("cut@30:w1/8", Fault("cut", at_step=30, member="w1", duration_s=8.0)),
         ("cut@2m", Fault("cut", at_s=120.0, duration_s=10.0)),
+        ("kill@30:w2/hold=20s", Fault("kill", at_step=30, member="w2", hold_s=20.0)),
+        ("term@1m/hold=1.5m", Fault("term", at_s=60.0, hold_s=90.0)),
     ],
 )
 def test_fault_specs_parse_and_print_back(spec: str, want: Fault) -> None:
@@ -58,6 +61,8 @@ def test_fault_specs_parse_and_print_back(spec: str, want: Fault) -> None:
         ("explode@3", "kind must be one of"),
         ("kill", "expected KIND@WHEN"),
         ("kill@3/5", "only hang, fill-disk and cut"),
+        ("hang@3/hold=2s", "only kill and term take /hold"),
+        ("kill@3/hold=soon", "expected KIND@WHEN"),
         ("kill-all@3:w1", "takes no member"),
         ("slow@3:w1", "DELAYxSTEPS"),
         ("slow@3/0x5", "DELAYxSTEPS"),
@@ -122,6 +127,47 @@ def test_schedule_by_step_by_time_and_repeating_with_seeded_jitter() -> None:
     sch = FaultSchedule([parse_fault("kill@5")])
     assert sch.due(step=3, elapsed_s=None) == [] and not sch.exhausted
     assert len(sch.due(step=5)) == 1 and sch.exhausted
+
+
+def test_a_fault_added_while_the_job_runs_is_due_like_the_others() -> None:
+    sch = FaultSchedule([parse_fault("kill@5")])
+    sch.add(parse_fault("kill@9:w2/hold=20s"))
+    assert [str(f) for f in sch.due(step=5)] == ["kill@5"] and not sch.exhausted
+    assert [str(f) for f in sch.due(step=9)] == ["kill@9:w2/hold=20s"] and sch.exhausted
+
+
+def test_a_held_kill_delays_only_its_victims_replacement(tmp_path: Path) -> None:
+    """`kill@S:wN/hold=H`: the launcher asks `replace_delay` when it replaces a dead
+    process; the held victim's replacement waits H, any other death the default."""
+    from elastrain.launch.faults import Injector
+    from elastrain.observe.events import EventLog, read_events
+
+    class P:
+        def __init__(self) -> None:
+            self.proc = subprocess.Popen(["sleep", "60"])
+
+    held, plain = P(), P()
+    inj = Injector(
+        [],
+        0,
+        events=EventLog(tmp_path, "launcher"),
+        run_dir=tmp_path,
+        checkpoint_dir=tmp_path / "ckpt",
+        at=lambda *_: None,
+    )
+    try:
+        inj.fire(parse_fault("kill@1:w1/hold=20s"), "w1", {"w1": held}, None, 1)
+        inj.fire(parse_fault("kill@1:w2"), "w2", {"w2": plain}, None, 1)
+        assert held.proc.wait(10) == -9 and plain.proc.wait(10) == -9
+    finally:
+        for w in (held, plain):
+            w.proc.kill()
+            w.proc.wait()
+    assert inj.replace_delay(held.proc.pid, 0.5) == 20.0
+    assert inj.replace_delay(held.proc.pid, 0.5) == 0.5  # once: a later death is not held
+    assert inj.replace_delay(plain.proc.pid, 0.5) == 0.5
+    kills = [e for e in read_events(tmp_path) if e["kind"] == "fault_injected"]
+    assert [(e["member"], e.get("hold_s")) for e in kills] == [("w1", 20.0), ("w2", None)]
 
 
 def test_victims() -> None:

@@ -4,6 +4,9 @@ A fault is written `KIND@WHEN[:MEMBER][/ARG]`:
 
     kill@15              SIGKILL a seeded-random member once the job reached step 15
     kill@15:w2           ... member w2
+    kill@15:w2/hold=20s  ... and start its replacement 20 s after its death
+                         instead of --replace-delay (a vacancy that lasts, e.g.
+                         for a sharded job to reshard; term takes it too)
     kill@90s             ... 90 s after the job's first committed step (also 2m, 1h)
     kill@every45s~15s    ... every 45 s, each time shifted by up to +-15 s (seeded)
     hang@30/6            SIGSTOP a member at step 30, SIGCONT it 6 s later
@@ -52,7 +55,7 @@ JOB = "job"
 _DUR = r"\d+(?:\.\d+)?(?:s|m|h)"
 _RE = re.compile(
     rf"^(?P<kind>[a-z-]+)@(?:(?P<step>\d+)|(?P<at>{_DUR})|every(?P<every>{_DUR})(?:~(?P<jit>{_DUR}))?)"
-    r"(?::(?P<member>[\w.-]+))?(?:/(?P<arg>[\d.x]+))?$"
+    rf"(?::(?P<member>[\w.-]+))?(?:/(?P<arg>[\d.x]+|hold=[\d.]+[smh]?))?$"
 )
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -91,6 +94,9 @@ class Fault:
     """slow: the extra seconds per step."""
     steps: int | None = None
     """slow: for how many steps."""
+    hold_s: float | None = None
+    """kill, term: seconds from the victim's death to its replacement's start,
+    instead of the launcher's --replace-delay (None: that delay)."""
 
     def __str__(self) -> str:
         if self.every_s is not None:
@@ -106,6 +112,8 @@ class Fault:
             s += f"/{self.delay_s:g}x{self.steps}"
         elif self.duration_s is not None:
             s += f"/{self.duration_s:g}"
+        elif self.hold_s is not None:
+            s += f"/hold={self.hold_s:g}s"
         return s
 
     @property
@@ -147,9 +155,16 @@ def parse_fault(text: str) -> Fault:
                 "(0.2 s more on each of 30 steps)"
             )
         return replace(f, delay_s=float(sm[1]), steps=int(sm[2]))
+    if arg is not None and arg.startswith("hold="):
+        if kind not in ("kill", "term"):
+            raise ValueError(f"bad fault {text!r}: only kill and term take /hold=SECONDS")
+        return replace(f, hold_s=parse_duration(arg[5:]))
     if arg is not None:
         if kind not in ("hang", "fill-disk", "cut"):
-            raise ValueError(f"bad fault {text!r}: only hang, fill-disk and cut take a /SECONDS")
+            raise ValueError(
+                f"bad fault {text!r}: only hang, fill-disk and cut take a /SECONDS "
+                "(kill and term take /hold=SECONDS)"
+            )
         try:
             dur = float(arg)
         except ValueError:
@@ -188,6 +203,14 @@ class FaultSchedule:
         for f in faults:
             if f.every_s is not None:
                 self._repeating.append((f, self._next_time(f, 0.0)))
+
+    def add(self, fault: Fault) -> None:
+        """Schedule one more fault while the job runs (a driver that waits for an
+        event before the next fault, as `elastrain demo --sharded` does)."""
+        if fault.every_s is None:
+            self.pending.append(fault)
+        else:
+            self._repeating.append((fault, self._next_time(fault, 0.0)))
 
     def _next_time(self, f: Fault, after: float) -> float:
         assert f.every_s is not None

@@ -7,6 +7,10 @@ Run it under the launcher (this is what `elastrain demo` does, with faults):
 The corpus is available offline on every machine that has Python: the
 standard library's top-level `.py` files, concatenated in sorted order and
 read as bytes (vocabulary 256).
+
+It also runs sharded (`elastrain demo --sharded` runs it as 2 x 2 with
+`--dim 192 --layers 4`): the loss function uses the model it is given (the
+FSDP2 wrapper), and the blocks sit in an `nn.ModuleList`, one FSDP2 unit each.
 """
 
 from __future__ import annotations
@@ -93,6 +97,15 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def _pace(path: str | None, default: float) -> float:
+    if path:
+        try:
+            return float(Path(path).read_text())
+        except (OSError, ValueError):
+            pass
+    return default
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=60)
@@ -110,6 +123,13 @@ def main(argv: list[str] | None = None) -> None:
         help="pace: at least this long per step, so that a fast machine still shows the "
         "hung member rejoin before the job ends",
     )
+    ap.add_argument(
+        "--pace-file",
+        default=None,
+        help="a file holding a minimum step time in seconds, read every step; while it "
+        "exists it replaces --min-step-s (a driver slows the job while it waits for a "
+        "phase, as `elastrain demo --sharded` does)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)  # identical initial weights on every member
@@ -124,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     for r in trainer.steps():
-        if r.step_s < args.min_step_s:
-            time.sleep(args.min_step_s - r.step_s)  # the pace, not a synchronisation
+        pace = _pace(args.pace_file, args.min_step_s)
+        if r.step_s < pace:
+            time.sleep(pace - r.step_s)  # the pace, not a synchronisation
         if r.rank == 0 and (r.step % 10 == 0 or r.step == trainer.config.total_steps - 1):
             print(
                 f"step {r.step} loss {r.loss:.4f} ppl {math.exp(r.loss):.1f} "

@@ -2,13 +2,19 @@
 replaced, another is hung (SIGSTOP) and later continued. Prints the survivors'
 PIDs before and after, the recovery phases of each failure, and the loss.
 
-    elastrain demo [--steps 100] [--run-dir DIR] [--plain]
+    elastrain demo [--steps 80] [--run-dir DIR] [--plain]
+
+`elastrain demo --sharded` is the sharded one: 2 replica groups x 2 shards, a
+kill healed shard-only, a reshard to 1x3 in memory and back
+(`elastrain.demo.sharded`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
@@ -29,7 +35,20 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * len(SPARK)))] for v in values)
 
 
-def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = False) -> int:
+def run_demo(
+    *,
+    steps: int | None = None,
+    run_dir: str | None = None,
+    plain: bool = False,
+    sharded: bool = False,
+) -> int:
+    """The plain demo (100 steps unless `steps`), or with `sharded` the sharded one
+    (`elastrain.demo.sharded`)."""
+    if sharded:
+        from elastrain.demo.sharded import STEPS, run_sharded_demo
+
+        return run_sharded_demo(steps=steps or STEPS, run_dir=run_dir, plain=plain)
+    steps = steps or 100
     script = str(Path(__file__).with_name("gpt.py"))
     kill_at, hang_at = max(1, steps // 4), max(2, steps // 2)
     cfg = LaunchConfig(
@@ -58,7 +77,18 @@ def run_demo(*, steps: int = 100, run_dir: str | None = None, plain: bool = Fals
     return report(result, launcher)
 
 
-def report(result: RunResult, launcher: Launcher) -> int:
+def report(
+    result: RunResult,
+    launcher: Launcher,
+    *,
+    sections: Callable[[list[dict[str, Any]]], str] | None = None,
+    ok: Callable[[list[dict[str, Any]]], bool] | None = None,
+) -> int:
+    """Print the end of a demo: status, the run tables, `sections` (more tables,
+    after the run tables), the loss, the invariants and the goodput. With
+    `sections` (the sharded demo) the invariants line comes last. Exit status 0
+    when the job is done, the invariants hold and `ok` (what the demo set out to
+    show) is true."""
     ev = read_events(result.run_dir)
     final = committed_steps(ev)
     print(f"\njob {result.status} after {final} steps; run directory {result.run_dir}")
@@ -66,6 +96,9 @@ def report(result: RunResult, launcher: Launcher) -> int:
         print(result.message)
     print()
     print(format_run_tables(ev, healed_only=True))
+    if sections is not None:
+        print()
+        print(sections(ev))
     curve = loss_curve(ev)
     if curve:
         ks = sorted(curve)
@@ -76,15 +109,23 @@ def report(result: RunResult, launcher: Launcher) -> int:
             f"  {sparkline([curve[k] for k in ks])}  ppl {math.exp(curve[ks[0]]):.0f} -> {math.exp(curve[ks[-1]]):.1f}"
         )
     same = check_same_state(ev)
-    print(
-        "\ninvariants: all members bit-identical at every generation start: "
-        + ("yes" if not same else f"NO ({len(same)} violations)")
+    line = "invariants: all members bit-identical at every generation start: " + (
+        "yes" if not same else f"NO ({len(same)} violations)"
     )
+    if sections is None:
+        print("\n" + line)
     path, rep = write_report(result.run_dir)
     print("\ngoodput and energy:")
     print(format_summary(rep))
     print(f"\nreport (open in a browser, works offline): {path}")
-    return 0 if result.status == "done" and not same else 1
+    if sections is not None:
+        for v in same:
+            print(f"  {v}")
+        print("\n(sharded: each member hashes its own shard; twins, the holders of the same shard,")
+        print(" must be equal)")
+        print(line)
+    good = result.status == "done" and not same and (ok is None or ok(ev))
+    return 0 if good else 1
 
 
 __all__ = ["run_demo", "check_exactly_once", "last_pids"]

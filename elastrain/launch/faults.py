@@ -3,9 +3,11 @@
 Who calls: the launcher's main loop only (single-threaded): `poll` with each
 fresh coordinator status decides which faults are due and on whom, and hands
 them back to the loop's timer (`at`) so that member signals land mid-step;
-`fire` then injects one. A `cut` takes the victim's simulated host (the
-launcher's --hosts) off the network and schedules its `reconnect`. Every
-fault becomes a `fault_injected` event and an entry in `log`; a fault that cannot be injected (no committed checkpoint to
+`fire` then injects one; the loop asks `replace_delay` when to replace a
+victim (a kill's /hold= holds its replacement back). A `cut` takes the
+victim's simulated host (the launcher's --hosts) off the network and
+schedules its `reconnect`. Every fault becomes a `fault_injected` event and
+an entry in `log`; a fault that cannot be injected (no committed checkpoint to
 damage, a filesystem too large to fill) is still an event, with `skipped`.
 """
 
@@ -55,6 +57,8 @@ class Injector:
         self.log: list[dict[str, Any]] = []
         self.killed: set[int] = set()
         """PIDs this injector killed (their deaths are not the job's fault)."""
+        self.holds: dict[int, float] = {}
+        """PID -> seconds from its death to its replacement's start (a fault's /hold=)."""
         self._t_first_commit: float | None = None
         self._host_of = host_of
         self._cuts: dict[str, int] = {}
@@ -116,7 +120,11 @@ class Injector:
         if k == "cut":
             self._cut(fault, victim, pid, step)
             return
-        self._record(fault, victim, pid, step)
+        if fault.hold_s is not None:
+            self.holds[pid] = fault.hold_s
+            self._record(fault, victim, pid, step, hold_s=fault.hold_s)
+        else:
+            self._record(fault, victim, pid, step)
         if k == "kill":
             self.killed.add(pid)
         os.kill(pid, _SIGNALS[k])
@@ -170,6 +178,11 @@ class Injector:
             step=step,
             host=host.name,
         )
+
+    def replace_delay(self, pid: int, default: float) -> float:
+        """Seconds from this process's death to its replacement's start: the
+        fault's /hold= when one killed it, else `default` (--replace-delay)."""
+        return self.holds.pop(pid, default)
 
     def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:
         """SIGCONT a hung member (if that process is still the member)."""

@@ -557,7 +557,8 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
-            self._at(self.config.replace_delay_s, "spawn", (member, pid))
+            delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
+            self._at(delay, "spawn", (member, pid))
         return None
 
     def _on_timer(self, what: str, arg: Any) -> None:

@@ -56,6 +56,7 @@ import torch
 
 from elastrain.checkpoint import VerifiedCheckpoint
 from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
@@ -563,7 +564,9 @@ class StepEngine:
                 EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
             self._shutdown()
-            raise WorkerExit(EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}") from None
+            raise WorkerExit(
+                EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}; {self._resume_hint()}"
+            ) from None
         except (HealError, RuntimeError, ValueError) as e:
             return m.HealFailed(str(e))
         return self._healed(a, out.committed, out.received)
@@ -851,9 +854,11 @@ class StepEngine:
         its stripe of the flattened state (rank 0 commits), or, sharded, its shard's
         rows if it is its shard's writer (`writer_shard`) and rank 0 commits."""
         rank, members = self.proto.rank, list(self.proto.members)
-        if self.shards is None or self.shards.layout is None:
+        if self.shards is None:
             return self._state_at(committed), SaveRole.replicated(rank, members)
         layout = self.shards.layout
+        if layout is None:  # between generations: no layout, nothing to write
+            return self._state_at(committed), SaveRole(None, 1, False)
         backend = self.backend
         assert isinstance(backend, ShardedBackend)
         shard = writer_shard(layout, self.member)
@@ -861,6 +866,17 @@ class StepEngine:
         return (
             lambda: shard_parts(backend, self._checkpoint_meta(committed), shard or 0),
             role,
+        )
+
+    def _resume_hint(self) -> str:
+        """Where the job can resume from (a worker ending because rows are lost)."""
+        d = self.ckpt.directory
+        steps = [s for s, p in list_steps(d) if (p / MARKER).exists()] if d else []
+        if not steps:
+            return "no checkpoint was committed (--ckpt-every, --ckpt-mtbf) to resume from"
+        return (
+            f"the newest committed checkpoint is step {steps[-1]} in {d}: run the same command "
+            "again (same --run-dir) to resume the whole job from it, with any --shard-size"
         )
 
     def _resume(self) -> None:
@@ -955,10 +971,12 @@ class StepEngine:
                 "Resume with the same script, or start in a fresh --run-dir."
             )
 
+        before = time.monotonic() - t0
+
         def on_read(nbytes: int, seconds: float) -> None:
             log.info("%s read its shard of %s: %d bytes in %.3f s", self.member, ckpt.path,
                      nbytes, seconds)  # fmt: skip
-            self._loaded(ckpt, nbytes, time.monotonic() - t0)
+            self._loaded(ckpt, nbytes, before + seconds)
 
         backend.resume_from(shard_source(reader, schema, on_read))
         return None

@@ -352,6 +352,23 @@ def test_a_changed_byte_is_caught_by_verification_and_by_the_reader(tmp_path: Pa
     assert latest_verified(tmp_path) is None  # the whole-file CRC-32 too
 
 
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path, _trained_shards(2, steps=1))
+    ckpt = latest_verified(tmp_path)
+    assert ckpt is not None
+    schema = ckpt.meta["schema"]
+    torch.manual_seed(0)
+    other = SCRIPT.Net(d=36)
+    b = ShardedBackend(other, torch.optim.AdamW(other.parameters()), SCRIPT.loss_fn, _config(2))
+    assert "are not this model's" in (schema_problem(schema, b) or "")
+    model, _ = _fresh(2)
+    b = ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), SCRIPT.loss_fn,
+                       _config(2))  # fmt: skip
+    assert "its optimizer is torch.optim.adamw.AdamW" in (schema_problem(schema, b) or "")
+
+
 def test_snapshot_refuses_chunks_the_checkpoint_does_not_declare() -> None:
     parts = ShardParts({"a": ("torch.float32", (4, 2))}, [Chunk("b", 0, 1, torch.zeros(2))], {})
     with pytest.raises(ValueError, match="does not declare"):

@@ -29,7 +29,9 @@ manifest, then a single commit marker**. For checkpoint ``step``::
    never claimed complete.
 
 Every JSON document carries a sha256 of itself. No pickle anywhere: tensors
-are raw bytes, everything else is JSON. A failed save (ENOSPC, EIO, ...)
+are raw bytes, everything else is JSON. (A sharded job writes its checkpoints
+in DCP format instead, `elastrain.checkpoint.dcp`: the same commit marker and
+verification, data files torch's DCP can load, read back here without pickle.) A failed save (ENOSPC, EIO, ...)
 fails only that save, removes its files and never touches a committed
 checkpoint; committed checkpoints are never rewritten.
 """

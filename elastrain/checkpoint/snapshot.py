@@ -61,6 +61,11 @@ class Snapshot:
         return self.hi - self.lo
 
     @property
+    def handed_over(self) -> bool:
+        """True once a newer snapshot took this one's buffer (``into=``): it cannot be written."""
+        return self.buffer.numel() != self.nbytes
+
+    @property
     def meta(self) -> dict[str, Any]:
         """A fresh copy of the meta dict passed to `take`."""
         out: dict[str, Any] = json.loads(self.meta_json)

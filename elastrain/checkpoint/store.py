@@ -18,6 +18,7 @@ from elastrain.checkpoint.files import (
     FORMAT,
     MARKER,
     CheckpointCorrupt,
+    CheckpointError,
     CommitError,
     list_steps,
     read_signed_json,
@@ -39,6 +40,8 @@ class VerifiedCheckpoint:
     """A committed checkpoint whose shards matched their sizes (and checksums, if checked).
 
     ``manifest`` is the parsed commit marker; ``meta`` is shard 0's meta dict.
+    ``kind`` is "flat" (striped safetensors, `load`) or "dcp" (a sharded job's
+    checkpoint in DCP format, `elastrain.checkpoint.dcp.ShardedReader`).
     """
 
     path: Path
@@ -49,6 +52,7 @@ class VerifiedCheckpoint:
     total_bytes: int
     meta: dict[str, Any]
     manifest: dict[str, Any]
+    kind: str = "flat"
 
 
 def _file_crc32(path: Path, size: int) -> int:
@@ -94,6 +98,10 @@ def _verify(d: Path, verify_checksums: bool) -> VerifiedCheckpoint:
             f"{marker} is missing: the save never completed (or is still in flight)"
         )
     m = read_signed_json(marker)
+    if m.get("kind") == "dcp":
+        from elastrain.checkpoint.dcp import verify_marker
+
+        return verify_marker(d, m, verify_checksums)
     try:
         step, n, shards = int(m["step"]), int(m["num_shards"]), list(m["shards"])
         layout = Layout.from_json(m["layout"])
@@ -249,8 +257,15 @@ def load(
     `Snapshot.take`, in that order, bit for bit, and shard 0's meta. Local and
     blocking (reads every shard once). Raises CheckpointCorrupt naming the
     file if a shard changed since it was verified (size or CRC-32, when
-    ``verify_checksums``); no partial state is returned.
+    ``verify_checksums``); no partial state is returned. A sharded checkpoint
+    (``ckpt.kind`` "dcp") is read with `elastrain.checkpoint.dcp.ShardedReader`
+    instead: CheckpointError.
     """
+    if ckpt.kind != "flat":
+        raise CheckpointError(
+            f"{ckpt.path} is a sharded ({ckpt.kind}) checkpoint: read it with "
+            "elastrain.checkpoint.dcp.ShardedReader (or torch.distributed.checkpoint.load)"
+        )
     layout = Layout.from_json(ckpt.manifest["layout"])
     tensors = {e.name: torch.empty(e.shape, dtype=e.torch_dtype) for e in layout.entries}
     for s in ckpt.manifest["shards"]:

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from elastrain.checkpoint.config import CheckpointConfig
 from elastrain.checkpoint.files import (
@@ -43,6 +43,21 @@ EventSink = Callable[[str, dict[str, Any]], None]
 
 CHUNK_BYTES = 32 << 20
 """Bytes per ``os.write``; a cancelled save (``close(wait=False)``) stops between chunks."""
+
+
+class SnapshotLike(Protocol):
+    """What a writer needs of a snapshot: its shard, and exclusive use of its buffers
+    while it is written (`Snapshot`; `elastrain.checkpoint.dcp.ShardSnapshot`)."""
+
+    shard: int
+    num_shards: int
+
+    @property
+    def handed_over(self) -> bool: ...
+
+    def _acquire(self) -> bool: ...
+
+    def _release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -140,7 +155,7 @@ class CheckpointWriter:
     def save_async(
         self,
         step: int,
-        snapshot: Snapshot,
+        snapshot: SnapshotLike,
         *,
         generation: int,
         members: list[str],
@@ -159,7 +174,7 @@ class CheckpointWriter:
             raise ValueError(f"step and generation must be >= 0, got {step}, {generation}")
         if not members or not all(isinstance(m, str) for m in members):
             raise ValueError(f"members must be a non-empty list of member ids, got {members!r}")
-        if snapshot.buffer.numel() != snapshot.nbytes:
+        if snapshot.handed_over:
             raise ValueError("snapshot buffer was handed to a newer snapshot (into=); take again")
         if (step_dir(self.config.directory, step) / MARKER).exists():
             return self._skip(step, snapshot, "step is already committed")
@@ -203,13 +218,13 @@ class CheckpointWriter:
         except Exception:
             log.exception("checkpoint events callback failed for %s", kind)
 
-    def _skip(self, step: int, snapshot: Snapshot, reason: str) -> SaveHandle:
+    def _skip(self, step: int, snapshot: SnapshotLike, reason: str) -> SaveHandle:
         log.info("checkpoint step %d shard %d skipped: %s", step, snapshot.shard, reason)
         self._emit("checkpoint_skipped", {"step": step, "shard": snapshot.shard, "reason": reason})
         return SaveHandle(SaveResult(step, snapshot.shard, "skipped", error=reason))
 
     def _run(
-        self, step: int, snap: Snapshot, generation: int, members: list[str], handle: SaveHandle
+        self, step: int, snap: SnapshotLike, generation: int, members: list[str], handle: SaveHandle
     ) -> None:
         res = SaveResult(step, snap.shard, "failed", error="internal error in the writer thread")
         try:
@@ -218,11 +233,13 @@ class CheckpointWriter:
             snap._release()
             handle._finish(res)
 
-    def _save(self, step: int, snap: Snapshot, generation: int, members: list[str]) -> SaveResult:
+    def _save(
+        self, step: int, snap: SnapshotLike, generation: int, members: list[str]
+    ) -> SaveResult:
         """One save, start to end; never raises (failures become a failed result)."""
         t0 = time.perf_counter()
         d = step_dir(self.config.directory, step)
-        final = d / shard_file_name(snap.shard, snap.num_shards)
+        final = self._data_path(d, snap)
         fields: dict[str, Any] = {
             "step": step,
             "shard": snap.shard,
@@ -231,30 +248,7 @@ class CheckpointWriter:
             "path": str(final),
         }
         try:
-            size, crc = self._write_shard(d, final, step, snap, generation)
-            manifest = {
-                "format": FORMAT,
-                "step": step,
-                "generation": generation,
-                "members": members,
-                "shard": snap.shard,
-                "num_shards": snap.num_shards,
-                "file": final.name,
-                "size": size,
-                "crc32": crc,
-                "range": [snap.lo, snap.hi],
-                "total_bytes": snap.layout.total,
-                "layout_sha256": snap.layout.sha256,
-                "layout": snap.layout.to_json(),
-                "meta": json.loads(snap.meta_json),
-                "created_unix": time.time(),
-            }
-            mpath = d / shard_manifest_name(snap.shard, snap.num_shards)
-            try:
-                write_signed_json(mpath, manifest, fsync=self.config.fsync)
-            except BaseException:
-                remove_quietly(final)
-                raise
+            size = self._write(d, final, step, snap, generation, members)
         except Exception as e:
             err = getattr(e, "errno", None)
             msg = f"{type(e).__name__}: {e}"
@@ -273,6 +267,41 @@ class CheckpointWriter:
             log.info("checkpoint step %d shard %d written: %d bytes", step, snap.shard, size)
             self._emit("checkpoint_saved", fields | {"bytes": size, "seconds": res.seconds})
         return res
+
+    def _data_path(self, d: Path, snap: Any) -> Path:
+        """The data file of ``snap`` in step directory ``d``."""
+        return d / shard_file_name(snap.shard, snap.num_shards)
+
+    def _write(
+        self, d: Path, final: Path, step: int, snap: Any, generation: int, members: list[str]
+    ) -> int:
+        """Write the data file, then the shard manifest (both durable); returns the
+        data file's size. Raises on failure, leaving neither behind."""
+        size, crc = self._write_shard(d, final, step, snap, generation)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "generation": generation,
+            "members": members,
+            "shard": snap.shard,
+            "num_shards": snap.num_shards,
+            "file": final.name,
+            "size": size,
+            "crc32": crc,
+            "range": [snap.lo, snap.hi],
+            "total_bytes": snap.layout.total,
+            "layout_sha256": snap.layout.sha256,
+            "layout": snap.layout.to_json(),
+            "meta": json.loads(snap.meta_json),
+            "created_unix": time.time(),
+        }
+        mpath = d / shard_manifest_name(snap.shard, snap.num_shards)
+        try:
+            write_signed_json(mpath, manifest, fsync=self.config.fsync)
+        except BaseException:
+            remove_quietly(final)
+            raise
+        return size
 
     def _write_shard(
         self, d: Path, final: Path, step: int, snap: Snapshot, generation: int

@@ -39,6 +39,12 @@ step protocol. Its distributed contract:
 
 A checkpoint's *step* is the committed step count it holds (the next step to
 run): ``step-00000020`` is the state after steps 0..19.
+
+A sharded job (``sharded=True``) writes sharded checkpoints instead
+(`elastrain.checkpoint.dcp`, `elastrain.runtime.sharded_ckpt`): the same
+schedule, writer thread, failure markers and committer, but its `SaveRole`s
+differ: one writer per shard index (``num_shards`` is the shard size), members
+that hold a twin's copy write nothing, and rank 0 commits whether it writes or not.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ from elastrain.checkpoint import (
     apply_retention,
     commit,
 )
-from elastrain.checkpoint.files import MARKER, shard_manifest_name, step_dir
+from elastrain.checkpoint.dcp import ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
+from elastrain.checkpoint.files import MARKER, read_signed_json, shard_manifest_name, step_dir
 from elastrain.control.protocol import GenerationReason
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime.ckpt_schedule import IntervalChoice, Schedule
@@ -76,6 +83,24 @@ POLL_S = 0.05
 
 StateFn = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
 """Returns the flattened state (names -> live tensors) and its JSON meta."""
+
+PartsFn = Callable[[], ShardParts]
+"""A sharded job's: this writer's chunks (live tensors), the tensor list and the meta."""
+
+
+@dataclass(frozen=True)
+class SaveRole:
+    """One member's part in one checkpoint: it writes part ``shard`` of
+    ``num_shards`` (None: nothing), and ``commits`` it (rank 0)."""
+
+    shard: int | None
+    num_shards: int
+    commits: bool
+
+    @staticmethod
+    def replicated(rank: int, members: list[str]) -> SaveRole:
+        """Every member writes its stripe; rank 0 commits."""
+        return SaveRole(rank, len(members), rank == 0)
 
 
 # ---- the committer (rank 0) ----------------------------------------------------
@@ -106,6 +131,7 @@ class _CommitJob:
     total_bytes: int
     blocking_s: float
     deadline: float
+    kind: str = "flat"
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
@@ -226,7 +252,7 @@ class _Committer:
             return
         t0 = time.monotonic()
         try:
-            marker = commit(
+            marker = (commit_sharded if job.kind == "dcp" else commit)(
                 self.config.directory,
                 job.step,
                 generation=job.generation,
@@ -234,6 +260,8 @@ class _Committer:
                 num_shards=job.num_shards,
                 fsync=self.config.fsync,
             )
+            if job.kind == "dcp":
+                job.total_bytes = int(read_signed_json(marker)["total_bytes"])
         except (CommitError, OSError, ValueError) as e:
             # Every shard is written: nobody writes here any more, so clean up.
             err = getattr(e, "errno", None)
@@ -295,11 +323,15 @@ class Checkpointing:
         directory: str | None,
         events: EventLog,
         member: str,
+        *,
+        sharded: bool = False,
     ) -> None:
         self.config = config
         self.directory = directory
         self.events = events
         self.member = member
+        self.sharded = sharded
+        """Sharded checkpoints (DCP format): `after_commit`'s state is then a `PartsFn`."""
         self.schedule = Schedule(config.every, config.mtbf_s)
         self.store: CheckpointConfig | None = None
         self.writer: CheckpointWriter | None = None
@@ -311,8 +343,9 @@ class Checkpointing:
                 keep_every=config.keep_every,
                 fsync=config.fsync,
             )
-            self.writer = CheckpointWriter(self.store, events=self._writer_event)
-        self._snap: Snapshot | None = None
+            writer = ShardedWriter if sharded else CheckpointWriter
+            self.writer = writer(self.store, events=self._writer_event)
+        self._snap: Snapshot | ShardSnapshot | None = None
         self._handle: SaveHandle | None = None
         self._pending_cost: float | None = None
         self._last_step_s: float | None = None
@@ -364,11 +397,21 @@ class Checkpointing:
 
     # ---- saving ------------------------------------------------------------------
 
-    def after_commit(self, n: int, gen: int, members: list[str], rank: int, state: StateFn) -> bool:
+    def after_commit(
+        self,
+        n: int,
+        gen: int,
+        members: list[str],
+        rank: int,
+        state: StateFn | PartsFn,
+        role: SaveRole | None = None,
+    ) -> bool:
         """Take this member's shard of checkpoint ``n`` if one is due; returns whether it was due.
 
         Called by every member right after committing the step that made its
-        committed count ``n``. Blocks only for the snapshot copy.
+        committed count ``n``. Blocks only for the snapshot copy. ``role``: what
+        this member writes and whether it commits (default: stripe ``rank`` of
+        ``len(members)``, rank 0 commits); sharded, ``state`` is a `PartsFn`.
         """
         choice = self.schedule.plan(n)
         if choice is not None and rank == 0:
@@ -379,7 +422,8 @@ class Checkpointing:
         if not self.enabled:
             return True
         assert self.writer is not None
-        if self.writer.busy:
+        role = role or SaveRole.replicated(rank, members)
+        if role.shard is not None and self.writer.busy:
             log.warning(
                 "checkpoint step %d skipped by %s: its previous save is still writing",
                 n,
@@ -388,22 +432,31 @@ class Checkpointing:
             self.events.emit(
                 EventKind.CHECKPOINT_SKIPPED,
                 step=n,
-                shard=rank,
+                shard=role.shard,
                 phase="snapshot",
                 reason="previous save still writing",
             )
             assert self.directory is not None
-            mark_failed(self.directory, n, rank, len(members), gen)
+            mark_failed(self.directory, n, role.shard, role.num_shards, gen)
             return True
-        self._save(n, gen, members, rank, state, deadline=None)
+        self._save(n, gen, members, role, state, deadline=None)
         return True
 
     def emergency(
-        self, n: int, gen: int, members: list[str], rank: int, state: StateFn, deadline: float
+        self,
+        n: int,
+        gen: int,
+        members: list[str],
+        rank: int,
+        state: StateFn | PartsFn,
+        deadline: float,
+        role: SaveRole | None = None,
     ) -> bool:
         """Write checkpoint ``n`` now and wait until it is durable (rank 0: committed),
         no later than ``deadline`` (monotonic). Every member of the generation
-        calls it after committing the same step. Returns True on success."""
+        calls it after committing the same step. Returns True on success (a
+        member with nothing to write nor commit: at once)."""
+        role = role or SaveRole.replicated(rank, members)
         if not self.enabled:
             log.warning("no checkpoint directory: cannot take the emergency checkpoint")
             return False
@@ -420,18 +473,19 @@ class Checkpointing:
                     error="the previous save did not finish within the grace period",
                 )
                 return False
-        job = self._save(n, gen, members, rank, state, deadline=deadline, emergency=True)
-        handle = self._handle
-        if handle is None:
-            return False
-        try:
-            res = handle.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            return False
-        if res.status == "skipped" and "already committed" in (res.error or ""):
-            return True
-        if not res.ok:
-            return False
+        job = self._save(n, gen, members, role, state, deadline=deadline, emergency=True)
+        if role.shard is not None:
+            handle = self._handle
+            if handle is None:
+                return False
+            try:
+                res = handle.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return False
+            if res.status == "skipped" and "already committed" in (res.error or ""):
+                return True
+            if not res.ok:
+                return False
         if job is None:
             return True
         job.done.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -442,39 +496,57 @@ class Checkpointing:
         n: int,
         gen: int,
         members: list[str],
-        rank: int,
-        state: StateFn,
+        role: SaveRole,
+        state: StateFn | PartsFn,
         *,
         deadline: float | None,
         emergency: bool = False,
     ) -> _CommitJob | None:
         assert self.writer is not None and self.store is not None
-        t0 = time.perf_counter()
-        try:
-            tensors, meta = state()
-            snap = Snapshot.take(
-                tensors, meta, shard=rank, num_shards=len(members), into=self._snap
-            )
-        except Exception as e:  # noqa: BLE001 - a checkpoint failure must not stop training
-            log.error("checkpoint step %d: snapshot failed: %s", n, e)
-            mark_failed(self.store.directory, n, rank, len(members), gen)
-            self.events.emit(
-                EventKind.CHECKPOINT_FAILED,
-                step=n,
-                shard=rank,
-                phase="snapshot",
-                emergency=emergency,
-                error=f"{type(e).__name__}: {e}"[:500],
-            )
-            return None
-        blocking = time.perf_counter() - t0
-        self._blocking = {n: blocking}
-        self._snap = snap
-        self._handle = self.writer.save_async(n, snap, generation=gen, members=list(members))
-        self._pending_cost = blocking
-        if self._handle.done() and self._handle.wait().status == "skipped":
-            return None
-        if rank != 0:
+        blocking, total = 0.0, 0
+        if role.shard is not None:
+            t0 = time.perf_counter()
+            snap: Snapshot | ShardSnapshot
+            try:
+                if self.sharded:
+                    parts = state()
+                    assert isinstance(parts, ShardParts)
+                    snap = ShardSnapshot.take(
+                        parts,
+                        shard=role.shard,
+                        num_shards=role.num_shards,
+                        into=self._snap if isinstance(self._snap, ShardSnapshot) else None,
+                    )
+                else:
+                    tensors, meta = state()  # type: ignore[misc]
+                    snap = Snapshot.take(
+                        tensors,
+                        meta,
+                        shard=role.shard,
+                        num_shards=role.num_shards,
+                        into=self._snap if isinstance(self._snap, Snapshot) else None,
+                    )
+            except Exception as e:  # noqa: BLE001 - a checkpoint failure must not stop training
+                log.error("checkpoint step %d: snapshot failed: %s", n, e)
+                mark_failed(self.store.directory, n, role.shard, role.num_shards, gen)
+                self.events.emit(
+                    EventKind.CHECKPOINT_FAILED,
+                    step=n,
+                    shard=role.shard,
+                    phase="snapshot",
+                    emergency=emergency,
+                    error=f"{type(e).__name__}: {e}"[:500],
+                )
+                return None
+            blocking = time.perf_counter() - t0
+            total = snap.layout.total if isinstance(snap, Snapshot) else snap.nbytes
+            self._blocking = {n: blocking}
+            self._snap = snap
+            self._handle = self.writer.save_async(n, snap, generation=gen, members=list(members))
+            self._pending_cost = blocking
+            if self._handle.done() and self._handle.wait().status == "skipped":
+                return None
+        if not role.commits:
             return None
         if self._committer is None:
             self._committer = _Committer(self.store, self.events, self.member)
@@ -483,10 +555,11 @@ class Checkpointing:
             step=n,
             generation=gen,
             members=list(members),
-            num_shards=len(members),
-            total_bytes=snap.layout.total,
+            num_shards=role.num_shards,
+            total_bytes=total,
             blocking_s=blocking,
             deadline=limit if deadline is None else min(limit, deadline),
+            kind="dcp" if self.sharded else "flat",
         )
         self._committer.submit(job)
         return job

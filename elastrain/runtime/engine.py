@@ -55,6 +55,9 @@ from typing import Any, Protocol
 
 import torch
 
+from elastrain.checkpoint import VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
@@ -66,7 +69,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
-from elastrain.runtime.durable import Checkpointing
+from elastrain.runtime.durable import Checkpointing, PartsFn, SaveRole, StateFn
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
@@ -77,6 +80,7 @@ from elastrain.runtime.group import (
 )
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.resume import (
+    ResumeError,
     from_ordered_json,
     install_checkpoint,
     load_resume,
@@ -87,8 +91,16 @@ from elastrain.runtime.resume import (
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import ShardedBackend
+from elastrain.runtime.sharded_ckpt import (
+    ResumeMismatch,
+    replicated_state,
+    schema_problem,
+    shard_parts,
+    shard_source,
+    writer_shard,
+)
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealError, heal
+from elastrain.transfer import HealError, TorchState, heal
 
 log = logging.getLogger("elastrain.engine")
 
@@ -214,6 +226,7 @@ class StepEngine:
             resolve_directory(config.checkpoint_dir, where.checkpoint_dir, where.run_dir),
             self.events,
             self.member,
+            sharded=isinstance(backend, ShardedBackend),
         )
         self._resume_mode = parse_resume(
             where.resume, "latest" if config.checkpoints_periodic else "none"
@@ -570,7 +583,9 @@ class StepEngine:
                 EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
             self._shutdown()
-            raise WorkerExit(EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}") from None
+            raise WorkerExit(
+                EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}; {self._resume_hint()}"
+            ) from None
         except (HealError, RuntimeError, ValueError) as e:
             return m.HealFailed(str(e))
         return self._healed(a, out.committed, out.received)
@@ -839,7 +854,7 @@ class StepEngine:
 
             def after_commit() -> None:
                 # Once the caller's own work on this result is done (`steps`).
-                self.ckpt.after_commit(n, a.gen, members, rank, self._state_at(n))
+                self.ckpt.after_commit(n, a.gen, members, rank, *self._save_args(n))
                 self._hook(s, hooks.StepPoint.COMMIT)
 
             self._after_commit = after_commit
@@ -884,11 +899,45 @@ class StepEngine:
 
     def _checkpoint_state(self, committed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         flat = self.backend.state().flatten()
+        meta = self._checkpoint_meta(committed)
+        meta["optimizer"] = ordered_json(flat.section)
+        return dict(flat.tensors), meta
+
+    def _checkpoint_meta(self, committed: int) -> dict[str, Any]:
         meta = self._meta(committed)
         meta["extra"] = ordered_json(meta.get("extra"))
-        meta["optimizer"] = ordered_json(flat.section)
         meta["framework"] = self.backend.framework
-        return dict(flat.tensors), meta
+        return meta
+
+    def _save_args(self, committed: int) -> tuple[StateFn | PartsFn, SaveRole]:
+        """What this member snapshots for checkpoint `committed` and its role in it:
+        its stripe of the flattened state (rank 0 commits), or, sharded, its shard's
+        rows if it is its shard's writer (`writer_shard`) and rank 0 commits."""
+        rank, members = self.proto.rank, list(self.proto.members)
+        if self.shards is None:
+            return self._state_at(committed), SaveRole.replicated(rank, members)
+        layout = self.shards.layout
+        if layout is None:  # between generations: no layout, nothing to write
+            return self._state_at(committed), SaveRole(None, 1, False)
+        backend = self.backend
+        assert isinstance(backend, ShardedBackend)
+        shard = writer_shard(layout, self.member)
+        role = SaveRole(shard, layout.shard_size, rank == 0)
+        return (
+            lambda: shard_parts(backend, self._checkpoint_meta(committed), shard or 0),
+            role,
+        )
+
+    def _resume_hint(self) -> str:
+        """Where the job can resume from (a worker ending because rows are lost)."""
+        d = self.ckpt.directory
+        steps = [s for s, p in list_steps(d) if (p / MARKER).exists()] if d else []
+        if not steps:
+            return "no checkpoint was committed (--ckpt-every, --ckpt-mtbf) to resume from"
+        return (
+            f"the newest committed checkpoint is step {steps[-1]} in {d}: run the same command "
+            "again (same --run-dir) to resume the whole job from it, with any --shard-size"
+        )
 
     def _resume(self) -> None:
         """Load the checkpoint to resume from, if any (before the first rendezvous).
@@ -901,24 +950,29 @@ class StepEngine:
         got = load_resume(self.ckpt.directory, self._resume_mode)
         if got is None:
             return
-        if self.shards is not None:
+        ckpt, tensors, meta = got
+        if self.shards is not None and ckpt.kind != "dcp":
             self.events.emit(
                 EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
             exit_misconfigured(
-                f"{got[0].path} is a whole-model checkpoint and a sharded model cannot resume "
-                "from checkpoints yet: start in a fresh run directory, or without --shard-size"
+                f"{ckpt.path} is a whole-model checkpoint (a replicated job's) and a sharded "
+                "model resumes only from sharded ones: resume it without --shard-size, or start "
+                "in a fresh run directory"
             )
-        ckpt, tensors, meta = got
         saved = meta.get("framework", "torch")
         if saved != self.backend.framework:
             raise RuntimeError(
                 f"checkpoint {ckpt.path} was written by a {saved} job, this is {self.backend.framework}"
             )
         meta["extra"] = from_ordered_json(meta.get("extra"))
-        state = self.backend.state()
-        install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
-        self.backend.adopt(state)
+        loaded: int | None = ckpt.total_bytes
+        if ckpt.kind == "dcp":
+            loaded = self._resume_sharded(ckpt, meta, t0)
+        else:
+            state = self.backend.state()
+            install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+            self.backend.adopt(state)
         committed = self._load_meta(meta)
         if committed != ckpt.step:
             raise RuntimeError(
@@ -930,14 +984,62 @@ class StepEngine:
             "%s resumed from %s (step %d) in %.2f s", self.member, ckpt.path, ckpt.step, seconds
         )
         print(f"[{self.member}] resumed from checkpoint step {ckpt.step} ({ckpt.path})", flush=True)
+        if loaded is not None:
+            self._loaded(ckpt, loaded, seconds)
+
+    def _loaded(self, ckpt: VerifiedCheckpoint, nbytes: int, seconds: float) -> None:
         self.events.emit(
             EventKind.CHECKPOINT_LOADED,
             step=ckpt.step,
             path=str(ckpt.path),
             generation=ckpt.generation,
-            bytes=ckpt.total_bytes,
+            bytes=nbytes,
             seconds=seconds,
         )
+
+    def _resume_sharded(
+        self, ckpt: VerifiedCheckpoint, meta: dict[str, Any], t0: float
+    ) -> int | None:
+        """Resume from a sharded checkpoint (`elastrain.runtime.sharded_ckpt`). A
+        replicated member reads every tensor whole now; returns the bytes read. A
+        sharded member reads its slot's rows when it takes its slot (its first
+        `place`, in the first generation's heal, whatever the layout) and says
+        so then (`checkpoint_loaded`); returns None."""
+        schema = meta["schema"]
+        reader = ShardedReader(ckpt)
+        if self.shards is None:
+            state = self.backend.state()
+            if not isinstance(state, TorchState):
+                raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
+            try:
+                tensors, section = replicated_state(reader, schema, state)
+            except ResumeMismatch as e:
+                raise ResumeError(
+                    f"checkpoint {ckpt.path} does not fit this model and optimizer: {e}. "
+                    "Resume with the same script, or start in a fresh --run-dir."
+                ) from None
+            install_checkpoint(state, tensors, section, str(ckpt.path))
+            self.backend.adopt(state)
+            return reader.bytes_read
+        backend = self.backend
+        assert isinstance(backend, ShardedBackend)
+        problem = schema_problem(schema, backend)
+        if problem is not None:
+            reader.close()
+            raise ResumeError(
+                f"checkpoint {ckpt.path} does not fit this model and optimizer: {problem}. "
+                "Resume with the same script, or start in a fresh --run-dir."
+            )
+
+        before = time.monotonic() - t0
+
+        def on_read(nbytes: int, seconds: float) -> None:
+            log.info("%s read its shard of %s: %d bytes in %.3f s", self.member, ckpt.path,
+                     nbytes, seconds)  # fmt: skip
+            self._loaded(ckpt, nbytes, before + seconds)
+
+        backend.resume_from(shard_source(reader, schema, on_read))
+        return None
 
     def _emergency(self, a: m.Action) -> m.Observation:
         """The job is being preempted: write an emergency checkpoint of the step just
@@ -945,16 +1047,11 @@ class StepEngine:
         step's verdict) and wait until it is durable within the grace period."""
         deadline = time.monotonic() + a.grace_s
         n = a.step
-        if self.shards is not None:
-            # Sharded checkpoints (each member its own shard, DCP) are not built yet:
-            # writing this member's shard as if it were the whole state would corrupt one.
-            log.warning("%s: preempted; no emergency checkpoint for a sharded model", self.member)
-            print(f"[{self.member}] preempted: sharded models have no checkpoint yet", flush=True)
-            return m.CheckpointWritten(False)
         log.warning("%s: preemption notice; emergency checkpoint at step %d", self.member, n)
         print(f"[{self.member}] preempted: emergency checkpoint at step {n}", flush=True)
         members, rank = list(self.proto.members), self.proto.rank
-        ok = self.ckpt.emergency(n, a.gen, members, rank, self._state_at(n), deadline)
+        state, role = self._save_args(n)
+        ok = self.ckpt.emergency(n, a.gen, members, rank, state, deadline, role)
         self.events.emit(
             EventKind.CHECKPOINT_EMERGENCY,
             step=n,

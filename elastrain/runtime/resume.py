@@ -8,6 +8,7 @@ order decides the flattening order, hence the state hash).
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -117,12 +118,16 @@ def load_resume(
                 f"the launcher chose checkpoint step {mode} in {directory}, but the newest "
                 f"committed one is {ckpt.step if ckpt else 'none'}; was the directory changed?"
             )
+        if ckpt.kind != "flat":
+            return ckpt, {}, copy.deepcopy(ckpt.meta)  # sharded: read by its own reader
         tensors, meta = load(ckpt)  # checks every CRC-32 while reading
         return ckpt, tensors, meta
     for attempt in range(3):
         ckpt = latest_verified(directory, verify_checksums=attempt > 0)
         if ckpt is None:
             return None
+        if ckpt.kind != "flat":
+            return ckpt, {}, copy.deepcopy(ckpt.meta)  # sharded: read by its own reader
         try:
             tensors, meta = load(ckpt)
         except (CheckpointCorrupt, OSError) as e:

@@ -46,12 +46,14 @@ import datetime
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.torch_backend import load_torch_meta, torch_meta
@@ -60,6 +62,20 @@ from elastrain.transfer import NamedState, TorchState, model_signature, state_di
 log = logging.getLogger("elastrain.sharded")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ResumedShard:
+    """One slot's state read from a sharded checkpoint (`ShardedBackend.resume_from`):
+    its rows and optimizer state per parameter name, the param groups
+    (hyperparameters, "params" as names) and the model's buffers."""
+
+    rows: dict[str, torch.Tensor]
+    state: dict[str, dict[str, Any]]
+    groups: list[dict[str, Any]]
+    buffers: dict[str, torch.Tensor]
+
+
 RowStateLike = tuple[list[list[torch.Tensor]], list[int]]
 """A member's row-shaped tensors per parameter and the global row each starts at."""
 ShardPolicy = Callable[[nn.Module], list[nn.Module]]
@@ -130,12 +146,6 @@ class ShardedBackend:
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
         self._problems = model_problems(model)
-        if config.checkpoints_periodic:
-            self._problems.append(
-                "periodic checkpoints are not built for a sharded model yet (shard_size > 1): "
-                "drop checkpoint_every/checkpoint_mtbf_s (--ckpt-every/--ckpt-mtbf); a sharded "
-                "job survives the loss of any member whose shard a twin holds"
-            )
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
         self._policy = shard_policy
@@ -173,6 +183,7 @@ class ShardedBackend:
         self._offsets: dict[str, tuple[int, int]] = {}
         self._grad64 = torch.zeros(0, dtype=torch.float64)
         self._extras = torch.zeros(0, dtype=torch.float64)
+        self._resume_source: Callable[[int, int], ResumedShard] | None = None
 
     # ---- placement and replica groups ---------------------------------------------
 
@@ -219,6 +230,15 @@ class ShardedBackend:
                     f"the coordinator moved this member from shard {self.shard} of "
                     f"{self.shard_size} to {shard} of {size} without a reshard"
                 )
+            return
+        if self._resume_source is not None:
+            # Resuming from a sharded checkpoint: this slot's rows come from it.
+            got = self._resume_source(size, shard)
+            self._resume_source = None
+            with torch.no_grad():
+                for n, b in got.buffers.items():
+                    self._buffers[n].copy_(b)
+            self._install(size, shard, got.rows, got.state, got.groups)
             return
         full = self._full
         assert full is not None
@@ -307,6 +327,104 @@ class ShardedBackend:
                 for t in (*self._full.parameters(), *self._full.buffers()):
                     t.data = torch.empty(0, dtype=t.dtype)
             self._full = None
+
+    # ---- sharded checkpoints (elastrain.runtime.sharded_ckpt) ---------------------------
+
+    def checkpoint_schema(self) -> dict[str, Any]:
+        """What a sharded checkpoint says of this state besides the tensors (JSON):
+
+        - ``class``: the optimizer's class (module.qualname);
+        - ``groups``: the param groups' hyperparameters, "params" as parameter names;
+        - ``params``: per parameter ``[name, shape, dtype, state]``, its whole shape
+          and its optimizer state in the optimizer's key order, each entry
+          ``[key, "rows", dtype]`` (shaped like the parameter: sharded with it),
+          ``[key, "tensor", dtype, shape]`` (one element, the same on every
+          member: Adam's ``step``) or ``[key, "value", v]`` (a JSON value);
+        - ``buffers``: ``[name, shape, dtype]`` (not sharded).
+
+        ValueError for optimizer state of another kind, or hyperparameters JSON
+        cannot carry (the checkpoint then fails; training goes on)."""
+        assert self.optimizer is not None, "checkpoint_schema() before place()"
+        shapes = {e[0]: [int(x) for x in e[1]] for e in self._signature}
+        params = []
+        for n, p in self._local_params().items():
+            entries: list[list[Any]] = []
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+                    entries.append([k, "rows", str(v.dtype)])
+                elif isinstance(v, torch.Tensor) and v.numel() == 1:
+                    entries.append([k, "tensor", str(v.dtype), list(v.shape)])
+                elif isinstance(v, int | float | bool | str) or v is None:
+                    entries.append([k, "value", v])
+                else:
+                    raise ValueError(
+                        f"cannot checkpoint optimizer state {k!r} of {n} ({type(v).__name__}, "
+                        f"shape {getattr(v, 'shape', None)}): only tensors shaped like the "
+                        "parameter, one-element tensors and JSON values"
+                    )
+            params.append([n, shapes[n], self._signature_dtype(n), entries])
+        by_param = {q: n for n, q in self._local_params().items()}
+        groups = []
+        for g in self.optimizer.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            try:
+                json.dumps(hyper)
+            except TypeError as e:
+                raise ValueError(f"cannot checkpoint a param group's hyperparameters: {e}") from e
+            groups.append({**hyper, "params": [by_param[q] for q in g["params"]]})
+        buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self._buffers.items()]
+        cls = self._opt_class
+        return {
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "groups": groups,
+            "params": params,
+            "buffers": buffers,
+        }
+
+    def model_schema(self) -> dict[str, Any]:
+        """The part of `checkpoint_schema` a checkpoint must match to be resumed
+        here (known before `place`): ``params`` ``[name, shape, dtype]``, the
+        optimizer ``class`` and its ``groups`` (parameter names)."""
+        shapes = {e[0]: [int(x) for x in e[1]] for e in self._signature}
+        cls = self._opt_class
+        return {
+            "params": [[n, shapes[n], self._signature_dtype(n)] for n in self._names],
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "groups": [list(g["params"]) for g in self._opt_groups],
+        }
+
+    def checkpoint_chunks(self, schema: dict[str, Any], *, whole: bool) -> list[Chunk]:
+        """This member's rows of every parameter and of its row-shaped optimizer state
+        (aliases of the live tensors), as checkpoint chunks; with `whole`, also the
+        tensors that are not sharded (buffers, one-element optimizer state)."""
+        assert self.optimizer is not None and self.shard is not None
+        out: list[Chunk] = []
+        local = self._local_params()
+        for n, _, _, entries in schema["params"]:
+            p = local[n]
+            lo, hi = shard_rows(self._shapes[n][0], self.shard_size, self.shard)
+            st = self.optimizer.state.get(p, {})
+            if hi > lo:
+                out.append(Chunk(model_key(n), lo, hi, p.detach()))
+                out.extend(
+                    Chunk(optim_key(n, e[0]), lo, hi, st[e[0]]) for e in entries if e[1] == "rows"
+                )
+            if whole:
+                out.extend(
+                    Chunk(optim_key(n, e[0]), 0, 1, st[e[0]]) for e in entries if e[1] == "tensor"
+                )
+        if whole:
+            for n, b in self._buffers.items():
+                out.append(Chunk(model_key(n), 0, row_count(tuple(b.shape)), b))
+        return [c for c in out if c.hi > c.lo]
+
+    def resume_from(self, source: Callable[[int, int], ResumedShard]) -> None:
+        """Take this member's first shard from a checkpoint: the first `place`
+        calls ``source(size, shard)`` for that slot's rows, optimizer state and
+        hyperparameters instead of cutting them from the full model."""
+        if self.placed:
+            raise RuntimeError("resume_from() after place(): the shard is taken already")
+        self._resume_source = source
 
     # ---- resharding ------------------------------------------------------------------
 

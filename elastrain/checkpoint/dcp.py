@@ -1,0 +1,775 @@
+"""Sharded checkpoints in `torch.distributed.checkpoint` (DCP) format.
+
+A sharded job (docs/design.md, "Sharded checkpoints") writes every shard's rows
+once: one *writer* per shard index writes the rows it holds, and nobody gathers
+the model. A tensor is split along dim 0 (a 0-dim tensor counts as one row); a
+writer's piece of a tensor is a *chunk*, rows ``[lo, hi)``, which DCP describes
+as ``ChunkStorageMetadata(offsets=(lo, 0, ...), sizes=(hi - lo, ...))``. Tensors
+that are not sharded (buffers, Adam's ``step``) are one whole chunk, written by
+writer 0. For checkpoint ``step``::
+
+    <directory>/step-XXXXXXXX/
+        __K_0.distcp                writer K's data: DCP's data file, one torch.save
+                                    blob per chunk, back to back
+        shard-KKKKK-of-SSSSS.json   writer K's part manifest (signed JSON): the data
+                                    file's size and CRC-32; per chunk its tensor, rows,
+                                    blob offset and length, the offset of its raw bytes
+                                    and a CRC-32 per `BLOCK_BYTES` of them; the list of
+                                    every tensor of the checkpoint; the meta
+        .metadata                   DCP's `Metadata` of every chunk (pickled: DCP's
+                                    own format), written by the committer
+        COMMITTED.json              the commit marker (signed JSON): every chunk of
+                                    every tensor, every file with size and CRC-32, meta
+
+1. Each writer takes a `ShardSnapshot` of its chunks (a host copy; the only part
+   the training loop waits for); a `ShardedWriter` writes it in the background:
+   data file (temp file, fsync, rename, directory fsync), then its part manifest
+   the same way. The manifest's presence means "this part is durable".
+2. One process (the committer, rank 0 of the generation) calls `commit_sharded`
+   once every part manifest exists: it checks them (same step, generation,
+   members and tensor list; data files of the size and CRC-32 claimed; the chunks
+   of every tensor tile its rows exactly), writes DCP's ``.metadata`` and then
+   ``COMMITTED.json``. Without the marker a checkpoint does not count, whatever
+   else is there (``.metadata`` included).
+3. `torch.distributed.checkpoint.load` reads the directory as any DCP checkpoint
+   (keys ``model.<parameter or buffer>``, ``optim.state.<parameter>.<key>``: the
+   flattened ``{"model": ..., "optim": {"state": ...}}`` of torch's convention),
+   resharding to whatever the caller's state_dict asks for.
+4. elastrain reads with `ShardedReader`, from the marker's JSON only: it never
+   unpickles anything (neither ``.metadata`` nor the torch.save blobs). It reads
+   the rows it needs straight from the raw bytes inside each blob (torch.save
+   stores a tensor's bytes uncompressed, and the writer checked where), checking
+   the CRC-32 of every block it touches.
+
+Local file I/O only; no communication. Torch's zip format and DCP's metadata
+classes are those of the torch this runs with (checked at write time: a blob
+whose raw bytes are not where the writer expects them fails the save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import struct
+import sys
+import threading
+import time
+import zipfile
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastrain.checkpoint.files import (
+    FORMAT,
+    MARKER,
+    CheckpointCorrupt,
+    CheckpointError,
+    CommitError,
+    fsync_dir,
+    read_signed_json,
+    remove_quietly,
+    shard_manifest_name,
+    step_dir,
+    temp_name,
+    write_all,
+    write_signed_json,
+)
+from elastrain.checkpoint.store import VerifiedCheckpoint, _check_file
+from elastrain.checkpoint.writer import CheckpointWriter
+from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
+
+log = logging.getLogger(__name__)
+
+KIND = "dcp"
+"""The ``kind`` of a sharded checkpoint's manifests and marker (the replicated ones have none)."""
+
+METADATA = ".metadata"
+"""DCP's metadata file (``torch.distributed.checkpoint.filesystem``'s name)."""
+
+BLOCK_BYTES = 1 << 20
+"""The raw bytes of a chunk carry one CRC-32 per block of this size, so that a
+reader of a few rows checks what it reads without reading the whole chunk."""
+
+DCP_VERSION = "1.0.0"
+"""`torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION` of the format written."""
+
+
+def model_key(name: str) -> str:
+    """The DCP key of a model parameter or buffer (``{"model": state_dict}`` flattened)."""
+    return f"model.{name}"
+
+
+def optim_key(param: str, key: str) -> str:
+    """The DCP key of a parameter's optimizer state tensor (torch's FQN-keyed
+    ``{"optim": {"state": {param: {key: tensor}}}}`` flattened)."""
+    return f"optim.state.{param}.{key}"
+
+
+def data_file_name(shard: int) -> str:
+    """Writer ``shard``'s data file: DCP's ``__<rank>_<n>.distcp``."""
+    return f"__{shard}_0.distcp"
+
+
+def row_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A tensor's shape as rows: itself, or one row for a 0-dim tensor."""
+    return tuple(shape) if len(shape) else (1,)
+
+
+def row_count(shape: Sequence[int]) -> int:
+    return row_shape(shape)[0]
+
+
+def chunk_box(shape: Sequence[int], lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """DCP's chunk ``(offsets, sizes)`` of rows ``[lo, hi)`` of a tensor of ``shape``."""
+    if not len(shape):
+        if (lo, hi) != (0, 1):
+            raise ValueError(f"a 0-dim tensor has one row, not rows {lo}-{hi}")
+        return [], []
+    return [lo] + [0] * (len(shape) - 1), [hi - lo, *shape[1:]]
+
+
+# ---- pure planning ------------------------------------------------------------------
+
+
+def cover(chunks: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Which saved chunks make rows ``[lo, hi)``: ``(chunk index, a, b)``, rows
+    ``[a, b)`` from that chunk, in row order. ``chunks`` are ``(lo, hi)`` row
+    ranges that do not overlap (a committed checkpoint's tile their tensor).
+    ValueError if some row of ``[lo, hi)`` is in none. Pure."""
+    out: list[tuple[int, int, int]] = []
+    at = lo
+    for i in sorted(range(len(chunks)), key=lambda j: chunks[j]):
+        clo, chi = chunks[i]
+        a, b = max(at, clo), min(hi, chi)
+        if a >= b:
+            continue
+        if a != at:
+            raise ValueError(f"rows {at}-{a} are in no saved chunk")
+        out.append((i, a, b))
+        at = b
+    if at < hi:
+        raise ValueError(f"rows {at}-{hi} are in no saved chunk")
+    return out
+
+
+def tiling_problem(chunks: Sequence[tuple[int, int]], rows: int) -> str | None:
+    """None if the non-empty ``(lo, hi)`` chunks tile rows ``[0, rows)`` exactly
+    (every row in exactly one), else what is wrong. Pure."""
+    at = 0
+    for lo, hi in sorted(c for c in chunks if c[1] > c[0]):
+        if lo < at:
+            return f"rows {lo}-{min(hi, at)} are in two chunks"
+        if lo > at:
+            return f"rows {at}-{lo} are in no chunk"
+        at = hi
+    if at != rows:
+        return f"rows {at}-{rows} are in no chunk" if at < rows else f"chunks run to row {at}"
+    return None
+
+
+# ---- what a writer holds --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``[lo, hi)`` of tensor ``fqn`` (0-dim: rows [0, 1)); ``tensor`` holds
+    them (any shape with that many elements; read on the training thread only)."""
+
+    fqn: str
+    lo: int
+    hi: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class ShardParts:
+    """One writer's share of a sharded checkpoint.
+
+    ``tensors``: every tensor of the checkpoint (not only this writer's), fqn ->
+    (dtype name, shape); every writer declares the same. ``chunks``: the rows this
+    writer writes. ``meta``: JSON (the committer keeps writer 0's)."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    chunks: list[Chunk]
+    meta: dict[str, Any]
+
+
+def _tensor_list(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> list[list[Any]]:
+    return [[f, d, [int(x) for x in s]] for f, (d, s) in sorted(tensors.items())]
+
+
+class ShardSnapshot:
+    """A host copy of one writer's chunks, plus the JSON meta (`ShardSnapshot.take`).
+
+    The sharded counterpart of `elastrain.checkpoint.Snapshot`: hand it to a
+    `ShardedWriter`. Each chunk is its own tensor (torch.save writes a tensor's
+    whole storage, so a view into a shared buffer would write all of it).
+    """
+
+    def __init__(
+        self,
+        shard: int,
+        num_shards: int,
+        tensors: dict[str, tuple[str, tuple[int, ...]]],
+        chunks: list[tuple[str, int, int]],
+        staging: list[torch.Tensor],
+        meta_json: str,
+    ) -> None:
+        self.shard = shard
+        self.num_shards = num_shards
+        self.tensors = tensors
+        self.chunks = chunks
+        self.staging = staging
+        self.meta_json = meta_json
+        self.take_s = 0.0
+        self._handed = False
+        self._lock = threading.Lock()
+        self._in_use = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.staging)
+
+    @property
+    def handed_over(self) -> bool:
+        """True once a newer snapshot took this one's staging tensors (``into=``)."""
+        return self._handed
+
+    def _acquire(self) -> bool:
+        with self._lock:
+            if self._in_use:
+                return False
+            self._in_use = True
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_use = False
+
+    @staticmethod
+    def take(
+        parts: ShardParts, *, shard: int, num_shards: int, into: ShardSnapshot | None = None
+    ) -> ShardSnapshot:
+        """Copy ``parts``' chunks to host memory; the training thread waits for this only.
+
+        ``shard`` is the writer's index (its data file is ``__<shard>_0.distcp``),
+        ``num_shards`` the number of writers. ``into``: a previous snapshot whose
+        save finished; its tensors are reused when the chunks have the same
+        shapes (fresh memory page-faults several times slower than a copy).
+        ValueError/TypeError for chunks that do not fit the declared tensors or
+        meta that is not JSON; nothing is written anywhere.
+        """
+        t0 = time.perf_counter()
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got shard={shard} of {num_shards}")
+        try:
+            meta_json = json.dumps(parts.meta, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint meta must be JSON serialisable: {e}") from e
+        tensors = {f: (str(d), tuple(int(x) for x in s)) for f, (d, s) in parts.tensors.items()}
+        specs: list[tuple[str, int, int]] = []
+        shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        for c in parts.chunks:
+            if c.fqn not in tensors:
+                raise ValueError(f"chunk of {c.fqn!r}, which the checkpoint does not declare")
+            dtype, shape = tensors[c.fqn]
+            if not 0 <= c.lo < c.hi <= row_count(shape):
+                raise ValueError(f"chunk {c.fqn!r} rows {c.lo}-{c.hi} outside {list(shape)}")
+            box = tuple(chunk_box(shape, c.lo, c.hi)[1])
+            if c.tensor.numel() != math.prod(box) or dtype_name(c.tensor.dtype) != dtype:
+                raise ValueError(
+                    f"chunk {c.fqn!r} rows {c.lo}-{c.hi} is {c.tensor.dtype} "
+                    f"{list(c.tensor.shape)}, expected {dtype} {list(box)}"
+                )
+            if c.tensor.layout != torch.strided:
+                raise TypeError(f"chunk {c.fqn!r} has layout {c.tensor.layout}; only dense")
+            specs.append((c.fqn, c.lo, c.hi))
+            shapes.append((c.tensor.dtype, box))
+        staging: list[torch.Tensor] | None = None
+        if into is not None and into.shard == shard and into._acquire():
+            same = [(t.dtype, tuple(t.shape)) for t in into.staging] == shapes
+            if same and not into._handed:
+                staging, into._handed = into.staging, True
+                into.staging = []
+            into._release()
+        if staging is None:
+            staging = [torch.empty(box, dtype=dt) for dt, box in shapes]
+        with torch.no_grad():
+            for c, dst in zip(parts.chunks, staging, strict=True):
+                dst.copy_(c.tensor.detach().reshape(dst.shape))
+        snap = ShardSnapshot(shard, num_shards, tensors, specs, staging, meta_json)
+        snap.take_s = time.perf_counter() - t0
+        return snap
+
+
+# ---- writing -------------------------------------------------------------------------
+
+
+def _blob(t: torch.Tensor) -> tuple[bytes, int]:
+    """``torch.save(t)`` as bytes, and where ``t``'s raw bytes start inside it.
+
+    Checks that the blob stores them uncompressed, once, at that offset (so a
+    reader can take rows from it without unpickling); RuntimeError if not, which
+    fails the save rather than writing what elastrain could not read."""
+    bio = io.BytesIO()
+    torch.save(t, bio)
+    blob = bio.getvalue()
+    nbytes = t.numel() * t.element_size()
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        data = [i for i in z.infolist() if "/data/" in i.filename]
+    if len(data) != 1 or not data[0].filename.endswith("/data/0"):
+        raise RuntimeError(f"torch.save wrote {len(data)} storages for one chunk")
+    info = data[0]
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+        raise RuntimeError("torch.save stored a chunk compressed or with another size")
+    head = blob[info.header_offset : info.header_offset + 30]
+    if len(head) != 30 or struct.unpack("<I", head[:4])[0] != 0x04034B50:
+        raise RuntimeError("torch.save wrote no local zip header where its index says")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    at = info.header_offset + 30 + name_len + extra_len
+    if memoryview(blob)[at : at + nbytes] != byte_view(t).numpy().data:
+        raise RuntimeError("a chunk's bytes are not where torch.save's zip index says")
+    return blob, at
+
+
+def _block_crcs(raw: memoryview, block: int) -> list[int]:
+    return [zlib.crc32(raw[i : i + block]) for i in range(0, len(raw), block)] or [0]
+
+
+class ShardedWriter(CheckpointWriter):
+    """Writes `ShardSnapshot`s (one writer's part of a sharded checkpoint) in the
+    background; otherwise a `CheckpointWriter` (one save in flight, skips, events,
+    failure handling, cancel on ``close(wait=False)``)."""
+
+    def _data_path(self, d: Path, snap: Any) -> Path:
+        return d / data_file_name(snap.shard)
+
+    def _write(
+        self, d: Path, final: Path, step: int, snap: Any, generation: int, members: list[str]
+    ) -> int:
+        assert isinstance(snap, ShardSnapshot)
+        existed = d.is_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        if self.config.fsync and not existed:
+            fsync_dir(d.parent)
+        entries: list[dict[str, Any]] = []
+        crc, off = 0, 0
+        tmp = temp_name(final)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for (fqn, lo, hi), t in zip(snap.chunks, snap.staging, strict=True):
+                    if self._cancel.is_set():
+                        raise RuntimeError("writer closed (close(wait=False)) during the save")
+                    blob, at = _blob(t)
+                    nbytes = t.numel() * t.element_size()
+                    write_all(fd, memoryview(blob))
+                    entries.append(
+                        {
+                            "fqn": fqn,
+                            "lo": lo,
+                            "hi": hi,
+                            "offset": off,
+                            "length": len(blob),
+                            "data_offset": off + at,
+                            "nbytes": nbytes,
+                            "block_crc32": _block_crcs(
+                                memoryview(blob)[at : at + nbytes], BLOCK_BYTES
+                            ),
+                        }
+                    )
+                    crc = zlib.crc32(blob, crc)
+                    off += len(blob)
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if (d / MARKER).exists():
+                raise RuntimeError(f"{d} was committed while this part was being written")
+            os.replace(tmp, final)
+        except BaseException:
+            remove_quietly(tmp)
+            raise
+        if self.config.fsync:
+            fsync_dir(d)
+        manifest = {
+            "format": FORMAT,
+            "kind": KIND,
+            "step": step,
+            "generation": generation,
+            "members": members,
+            "shard": snap.shard,
+            "num_shards": snap.num_shards,
+            "file": final.name,
+            "size": off,
+            "crc32": crc,
+            "byteorder": sys.byteorder,
+            "block_bytes": BLOCK_BYTES,
+            "tensors": _tensor_list(snap.tensors),
+            "chunks": entries,
+            "meta": json.loads(snap.meta_json),
+            "created_unix": time.time(),
+        }
+        try:
+            write_signed_json(
+                d / shard_manifest_name(snap.shard, snap.num_shards),
+                manifest,
+                fsync=self.config.fsync,
+            )
+        except BaseException:
+            remove_quietly(final)
+            raise
+        return off
+
+
+# ---- commit and verification -----------------------------------------------------------
+
+
+def _dcp_metadata(tensors: Mapping[str, dict[str, Any]], checkpoint_id: str) -> Any:
+    """DCP's `Metadata` of every chunk of ``tensors`` (the marker's "tensors")."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sd_md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for fqn, t in tensors.items():
+        shape = tuple(t["shape"])
+        chunks = []
+        for c in t["chunks"]:
+            offsets, sizes = chunk_box(shape, c["lo"], c["hi"])
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(c["file"], c["offset"], c["length"])
+        sd_md[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=dtype_from_name(t["dtype"])), torch.Size(shape), chunks
+        )
+    return Metadata(
+        state_dict_metadata=sd_md,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id),
+        version=DCP_VERSION,
+    )
+
+
+def _write_durably(path: Path, data: bytes, *, fsync: bool) -> None:
+    tmp = temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, memoryview(data))
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def _index(parts: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The marker's "tensors": fqn -> dtype, shape and every chunk (with its file),
+    from the part manifests; ValueError if a chunk names an undeclared tensor or
+    the chunks of a tensor do not tile its rows."""
+    tensors: dict[str, dict[str, Any]] = {
+        str(f): {"dtype": str(d), "shape": [int(x) for x in s], "chunks": []}
+        for f, d, s in parts[0]["tensors"]
+    }
+    for p in parts:
+        for c in p["chunks"]:
+            t = tensors.get(c["fqn"])
+            if t is None:
+                raise ValueError(f"{p['file']} holds a chunk of undeclared tensor {c['fqn']!r}")
+            box = chunk_box(t["shape"], int(c["lo"]), int(c["hi"]))[1]
+            itemsize = dtype_from_name(t["dtype"]).itemsize
+            if int(c["nbytes"]) != math.prod(box) * itemsize:
+                raise ValueError(f"{p['file']}: chunk of {c['fqn']!r} has the wrong size")
+            t["chunks"].append({**c, "file": p["file"]})
+    for fqn, t in tensors.items():
+        t["chunks"].sort(key=lambda c: c["lo"])
+        why = tiling_problem([(c["lo"], c["hi"]) for c in t["chunks"]], row_count(t["shape"]))
+        if why is not None:
+            raise ValueError(f"tensor {fqn!r}: {why}")
+    return tensors
+
+
+def commit_sharded(
+    directory: str | os.PathLike[str],
+    step: int,
+    *,
+    generation: int,
+    members: list[str],
+    num_shards: int,
+    verify_checksums: bool = True,
+    fsync: bool = True,
+) -> Path:
+    """Make sharded checkpoint ``step`` count: check its parts, write DCP's
+    ``.metadata``, then the commit marker; returns the marker's path.
+
+    Who calls it: exactly one process per checkpoint (rank 0 of the generation),
+    once every part manifest exists (`num_shards` writers). Blocking (reads every
+    data file once when ``verify_checksums``). Idempotent like `commit`. Raises
+    CommitError naming the file, writing no marker, when a part is missing, of
+    another step, generation or member list, declares other tensors, has a data
+    file of the wrong size or CRC-32, or when the chunks of a tensor do not tile
+    its rows (a membership change mid-write never yields a "complete" checkpoint).
+    """
+    d = step_dir(directory, step)
+    marker = d / MARKER
+    if marker.exists():
+        try:
+            verify_marker(d, read_signed_json(marker), verify_checksums)
+        except CheckpointCorrupt as e:
+            raise CommitError(f"step {step} already has a marker that does not verify: {e}") from e
+        return marker
+    if num_shards < 1 or not members:
+        raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
+    parts: list[dict[str, Any]] = []
+    for k in range(num_shards):
+        mp = d / shard_manifest_name(k, num_shards)
+        if not mp.exists():
+            raise CommitError(
+                f"cannot commit step {step}: part {k} of {num_shards} is missing ({mp} does "
+                "not exist; its writer failed, left, or is still writing). Save a later step."
+            )
+        try:
+            pm = read_signed_json(mp)
+        except CheckpointCorrupt as e:
+            raise CommitError(f"cannot commit step {step}: {e}") from e
+        want: dict[str, Any] = {
+            "kind": KIND,
+            "step": step,
+            "generation": generation,
+            "num_shards": num_shards,
+            "shard": k,
+            "members": list(members),
+            "file": data_file_name(k),
+        }
+        for key, value in want.items():
+            if pm.get(key) != value:
+                raise CommitError(
+                    f"cannot commit step {step}: {mp} has {key}={pm.get(key)!r}, expected "
+                    f"{value!r} (membership changed during the write?). Save a later step."
+                )
+        if parts and pm.get("tensors") != parts[0]["tensors"]:
+            raise CommitError(f"cannot commit step {step}: {mp} declares other tensors")
+        if pm.get("byteorder") != sys.byteorder:
+            raise CommitError(f"cannot commit step {step}: {mp} was written {pm.get('byteorder')}")
+        try:
+            _check_file(d / pm["file"], int(pm["size"]), int(pm["crc32"]), verify_checksums)
+        except CheckpointCorrupt as e:
+            raise CommitError(f"cannot commit step {step}: {e}") from e
+        parts.append(pm)
+    try:
+        tensors = _index(parts)
+        meta_bytes = pickle.dumps(_dcp_metadata(tensors, str(d)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CommitError(f"cannot commit step {step}: {e}") from e
+    _write_durably(d / METADATA, meta_bytes, fsync=fsync)
+    files = [{"file": p["file"], "size": int(p["size"]), "crc32": int(p["crc32"])} for p in parts]
+    body = {
+        "format": FORMAT,
+        "kind": KIND,
+        "step": step,
+        "generation": generation,
+        "members": list(members),
+        "num_shards": num_shards,
+        "byteorder": sys.byteorder,
+        "block_bytes": int(parts[0]["block_bytes"]),
+        "total_bytes": sum(f["size"] for f in files),
+        "files": files,
+        "metadata": {
+            "file": METADATA,
+            "size": len(meta_bytes),
+            "crc32": zlib.crc32(meta_bytes),
+            "sha256": hashlib.sha256(meta_bytes).hexdigest(),
+        },
+        "tensors": tensors,
+        "meta": parts[0]["meta"],
+        "committed_unix": time.time(),
+    }
+    write_signed_json(marker, body, fsync=fsync)
+    log.info(
+        "sharded checkpoint step %d committed (%d parts, %d bytes)",
+        step,
+        num_shards,
+        body["total_bytes"],
+    )
+    return marker
+
+
+def verify_marker(d: Path, m: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:
+    """Verify the sharded checkpoint whose parsed marker is ``m`` in step directory
+    ``d``: every data file and ``.metadata`` has the size (and CRC-32) the marker
+    claims and every tensor's chunks tile its rows; CheckpointCorrupt naming the
+    file otherwise. (`elastrain.checkpoint.store` calls it for markers of this kind.)"""
+    try:
+        step, n, files = int(m["step"]), int(m["num_shards"]), list(m["files"])
+        if d.name != step_dir(d.parent, step).name:
+            raise ValueError(f"it claims step {step}")
+        if n < 1 or [f["file"] for f in files] != [data_file_name(k) for k in range(n)]:
+            raise ValueError("its data files are not those of its writers")
+        if m["byteorder"] != sys.byteorder:
+            raise ValueError(f"it was written on a {m['byteorder']}-endian machine")
+        names = {f["file"] for f in files}
+        for fqn, t in m["tensors"].items():
+            chunks = t["chunks"]
+            if any(c["file"] not in names for c in chunks):
+                raise ValueError(f"a chunk of {fqn!r} names a file it does not list")
+            why = tiling_problem([(c["lo"], c["hi"]) for c in chunks], row_count(t["shape"]))
+            if why is not None:
+                raise ValueError(f"tensor {fqn!r}: {why}")
+        md = m["metadata"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointCorrupt(f"{d / MARKER} is not a valid commit marker: {e}") from e
+    for f in files:
+        _check_file(d / f["file"], int(f["size"]), int(f["crc32"]), verify_checksums)
+    _check_file(d / METADATA, int(md["size"]), int(md["crc32"]), verify_checksums)
+    return VerifiedCheckpoint(
+        d,
+        step,
+        int(m["generation"]),
+        list(m["members"]),
+        n,
+        int(m["total_bytes"]),
+        m["meta"],
+        m,
+        kind=KIND,
+    )
+
+
+# ---- reading -------------------------------------------------------------------------
+
+
+class ShardedReader:
+    """Reads rows of a committed sharded checkpoint, from its marker's JSON only.
+
+    Who uses it: a resuming member, for the rows of its new shard (any shard size),
+    or a replicated member, for whole tensors. Local and blocking; reads only the
+    `BLOCK_BYTES` blocks that hold the rows asked for, checking each block's CRC-32
+    (CheckpointCorrupt naming the file if one changed). Never unpickles.
+    ``bytes_read`` counts what it read. Close it (or use ``with``) to close its files.
+    """
+
+    def __init__(self, ckpt: VerifiedCheckpoint) -> None:
+        m = ckpt.manifest
+        if ckpt.kind != KIND:
+            raise CheckpointError(f"{ckpt.path} is not a sharded checkpoint")
+        if m.get("byteorder") != sys.byteorder:
+            raise CheckpointError(f"{ckpt.path} was written on a {m.get('byteorder')} machine")
+        self.path = ckpt.path
+        self.step = ckpt.step
+        self.block = int(m["block_bytes"])
+        self.tensors: dict[str, dict[str, Any]] = m["tensors"]
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> ShardedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def has(self, fqn: str) -> bool:
+        return fqn in self.tensors
+
+    def info(self, fqn: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape of tensor ``fqn``; KeyError if the checkpoint lacks it."""
+        t = self.tensors[fqn]
+        return dtype_from_name(t["dtype"]), tuple(int(x) for x in t["shape"])
+
+    def read(self, fqn: str) -> torch.Tensor:
+        """The whole tensor ``fqn``, in its shape."""
+        _, shape = self.info(fqn)
+        return self.read_rows(fqn, 0, row_count(shape)).reshape(shape)
+
+    def read_rows(self, fqn: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``fqn`` as a new tensor (a 0-dim tensor is one
+        row: shape (1,)). Reads only the blocks of the saved chunks that hold them."""
+        dtype, shape = self.info(fqn)
+        rows = row_shape(shape)
+        if not 0 <= lo <= hi <= rows[0]:
+            raise ValueError(f"rows {lo}-{hi} of {fqn!r} {list(shape)}")
+        out = torch.empty((hi - lo, *rows[1:]), dtype=dtype)
+        if out.numel() == 0:
+            return out
+        row_bytes = math.prod(rows[1:]) * dtype.itemsize
+        dst = byte_view(out).numpy()
+        chunks = self.tensors[fqn]["chunks"]
+        for i, a, b in cover([(c["lo"], c["hi"]) for c in chunks], lo, hi):
+            c = chunks[i]
+            s, e = (a - c["lo"]) * row_bytes, (b - c["lo"]) * row_bytes
+            dst[(a - lo) * row_bytes : (b - lo) * row_bytes] = self._raw(c, s, e)
+        return out
+
+    def _raw(self, c: dict[str, Any], s: int, e: int) -> np.ndarray:
+        """Bytes ``[s, e)`` of chunk ``c``'s raw data, its blocks' CRC-32s checked."""
+        block = self.block
+        bs, be = s // block * block, min(int(c["nbytes"]), -(-e // block) * block)
+        path = self.path / c["file"]
+        fd = self._fds.get(c["file"])
+        if fd is None:
+            fd = self._fds[c["file"]] = os.open(path, os.O_RDONLY)
+        buf = bytearray(be - bs)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = os.preadv(fd, [view[got:]], int(c["data_offset"]) + bs + got)
+            if not n:
+                raise CheckpointCorrupt(f"{path} ended early (truncated since it was verified)")
+            got += n
+        self.bytes_read += len(buf)
+        crcs = c["block_crc32"]
+        for at in range(bs, be, block):
+            part = view[at - bs : min(at + block, be) - bs]
+            if zlib.crc32(part) != crcs[at // block]:
+                raise CheckpointCorrupt(
+                    f"{path}: bytes {at}-{at + len(part)} of {c['fqn']!r} rows "
+                    f"{c['lo']}-{c['hi']} fail their crc32 (changed on disk)"
+                )
+        return np.frombuffer(buf, dtype=np.uint8)[s - bs : e - bs]
+
+
+__all__ = [
+    "BLOCK_BYTES",
+    "KIND",
+    "METADATA",
+    "Chunk",
+    "ShardParts",
+    "ShardSnapshot",
+    "ShardedReader",
+    "ShardedWriter",
+    "chunk_box",
+    "commit_sharded",
+    "cover",
+    "data_file_name",
+    "model_key",
+    "optim_key",
+    "row_count",
+    "row_shape",
+    "tiling_problem",
+    "verify_marker",
+]

@@ -60,7 +60,9 @@ def damage_checkpoint(
     if not committed:
         return {"skipped": "no committed checkpoint yet"}
     step, d = committed[-1]
-    shards = sorted(p for p in d.iterdir() if p.suffix == ".safetensors")
+    # Data files of both kinds: a replicated job's safetensors stripes, a sharded
+    # job's DCP row chunks.
+    shards = sorted(p for p in d.iterdir() if p.suffix in (".safetensors", ".distcp"))
     if not shards:
         return {"skipped": f"no shard files in {d}"}
     path = rng.choice(shards)

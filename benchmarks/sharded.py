@@ -54,11 +54,12 @@ one thread per process, gloo over loopback. In order:
 5. Prints the tables and appends them, with date, machine, load, command and
    commit, to benchmarks/RESULTS.md (unless --no-record).
 
-Resharding (to another R x S) is not measured: this tree's coordinator cannot
-reshard yet. Each measurement is one `measure_*` function returning a dict
-and each report table one `*_table` function over it, so a reshard row is one
-more pair (a run with the coordinator's reshard flag, its `reshard_end`
-events' seconds and bytes) plus its line in the targets table.
+3b. Resharding: one more 2 x 2 run with `--reshard-after 2` where w1's
+   replacement is held back 20 s (`kill@K:w1/hold=20s`): the survivors regroup
+   in memory as 1 x 3, then back to 2 x 2 when it returns; each regroup's bytes
+   received (all members) and the slowest member's seconds (`reshard_end`).
+Each measurement is one `measure_*` function returning a dict, each report
+table one function over it.
 
 Why this model size: on this 2-core machine time, not memory, bounds the
 model (23 GB of RAM would hold a far larger one four times over). recovery.py's
@@ -482,6 +483,73 @@ def measure_recovery(
     }
 
 
+def measure_reshard(
+    shape: Shape, kill_step: int, out_dir: Path, timeout_s: float, hold_s: float = 20.0
+) -> dict[str, Any]:
+    """One elastrain 2 x 2 run with `--reshard-after 2`: w1 SIGKILLed at `kill_step`
+    with its replacement held back `hold_s` (`/hold=`), so the 3 survivors regroup in
+    memory as 1 x 3; when the replacement registers the job goes back to 2 x 2. Stopped
+    3 steps after it is back. Returns the run's `reshard_end` events and status."""
+    cfg = elastrain_config(
+        shape,
+        out_dir,
+        100_000,
+        SHARDS,
+        faults=[parse_fault(f"kill@{kill_step}:w1/hold={hold_s:g}s")],
+        reshard_after_s=2.0,
+        seed=0,
+    )
+    back: dict[str, int] = {}
+
+    def on_status(st: dict[str, Any]) -> None:
+        step = int(st.get("step", 0))
+        if "step" not in back:
+            events = read_events(out_dir)
+            if any(e["kind"] == "reshard_end" and e["new_size"] == SHARDS for e in events):
+                back["step"] = step
+        elif step >= back["step"] + 3:
+            launcher.stop()
+
+    launcher = Launcher(cfg, on_status=on_status)
+    timer = threading.Timer(timeout_s, launcher.stop)
+    timer.daemon = True
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        result = launcher.run()
+    finally:
+        timer.cancel()
+    events = read_events(out_dir)
+    return {
+        "status": result.status,
+        "wall_s": time.monotonic() - t0,
+        "back": "step" in back,
+        "reshards": [e for e in events if e["kind"] == "reshard_end"],
+        "dir": out_dir,
+    }
+
+
+def reshard_rows(rs: dict[str, Any], full_bytes: int) -> list[list[str]]:
+    """One row per regroup: sizes, members, bytes received in all, the slowest member's
+    seconds (every member's reshard is collective)."""
+    by_gen: dict[int, list[dict[str, Any]]] = {}
+    for e in rs["reshards"]:
+        by_gen.setdefault(int(e["gen"]), []).append(e)
+    rows = []
+    for gen, es in sorted(by_gen.items()):
+        moved = sum(int(e["received"]) for e in es)
+        rows.append(
+            [
+                str(gen),
+                f"{es[0]['old_size']} -> {es[0]['new_size']} ways",
+                str(len(es)),
+                f"{mb(moved, 2)} MB ({pct(moved, full_bytes)} of the full state)",
+                f"{max(float(e['seconds']) for e in es):.3f} s",
+            ]
+        )
+    return rows
+
+
 def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) -> dict[str, Any]:
     """A plain gloo broadcast of `nbytes` between two processes over loopback, `reps`
     times (_jobs/loopback_bcast.py): MB/s per broadcast."""
@@ -884,6 +952,17 @@ def main() -> int:
     survivors = rc["recs"][0].survivors if rc["recs"] else []
     kept = [m for m in survivors if len(rc["pids"].get(m, [])) == 1]
 
+    # ---- 3b. a reshard in memory and back -------------------------------------------------
+    log(f"reshard run: kill@{args.kill_step}:w1 with its replacement held 20 s, "
+        "--reshard-after 2: 2x2 -> 1x3 in memory, then back to 2x2")  # fmt: skip
+    rs = measure_reshard(shape, args.kill_step, base / "reshard", timeout_s=300 if q else 420)
+    log(f"reshard run {'came back to 2x2' if rs['back'] else 'did not come back'} "
+        f"(status {rs['status']}) in {rs['wall_s']:.1f} s ({rs['dir']})")  # fmt: skip
+    if not rs["back"]:
+        anomalies.append(f"reshard run never came back to 2x2 ({rs['dir']})")
+    r_rows = reshard_rows(rs, sizes["full"])
+    t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
+
     # ---- 4. torchft ------------------------------------------------------------------------
     tft = torchft_status()
     runtime = time.monotonic() - t_start
@@ -916,8 +995,9 @@ def main() -> int:
              ", ".join(f"{RSS_LABELS[k]} {fmt(v / sizes['full'], 2)}x"
                        for k, v in rs["above"].items()) + " (peak - after imports)",
              "report"],
-            ["reshard time and bytes moved", "not measured: this tree's coordinator cannot "
-             "reshard yet", "n/a"],
+            ["reshard time and bytes moved (no threshold set)",
+             "; ".join(f"{r[1]}: {r[3]} in {r[4]}" for r in r_rows) or "no reshard seen",
+             "report"],
             ["torchft HSDP beside ours", tft, "n/a"],
         ],
     )  # fmt: skip
@@ -967,7 +1047,7 @@ def main() -> int:
         f"total benchmark runtime {runtime:.0f} s",
     ]
     load.stop()
-    text = "\n\n".join([targets, t_steady, t_blocks, t_rss, t_rec, t_join])
+    text = "\n\n".join([targets, t_steady, t_blocks, t_rss, t_rec, t_join, t_reshard])
     print()
     print(text)
     print()
@@ -1006,6 +1086,10 @@ def main() -> int:
             t_rec,
             "",
             t_join,
+            "",
+            "Regroups in memory (reshard run):",
+            "",
+            t_reshard,
             "",
             "Per kill (seconds; t0 from job start):",
             "",

@@ -255,8 +255,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_full_disk_fails_the_save_loudly_and_training_goes_on(
     run_job, reference, small_disk: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    # One checkpoint of this job takes about 100 KiB of the disk's 150: the first
-    # fits, the next ones do not (so retention, which keeps 3, deletes nothing).
+    # One checkpoint of this job takes about 60 KiB of the disk's 150 (two shards of
+    # ~28 KiB): once one is committed, the next ones do not fit, or fit only now and
+    # then after a failed one is cleaned up. Which step is the first to fail is up to
+    # the writers' timing: a member whose writer is a whole interval ahead of its
+    # twin's can take the space the older step needed (each member writes its shard
+    # asynchronously). So the test asserts what holds in every order.
     job = run_job(steps=STEPS, workers=WORKERS, checkpoint_every=EVERY)
     assert job.result.status == "done", job.result.message
     a, b = loss_curve(reference.events), loss_curve(job.events)
@@ -268,17 +272,18 @@ def test_full_disk_fails_the_save_loudly_and_training_goes_on(
     assert all(e["errno_name"] == "ENOSPC" and "No space left" in e["error"] for e in writes)
     assert "No space left on device" in job.log("w0") + job.log("w1")
     failed = {e["step"] for e in job.of("checkpoint_failed")}
-    first_fail = min(failed)
-    # Rank 0 gave up on every step whose shard failed, and cleaned up after it.
-    assert {e["step"] for e in writes} <= {
-        e["step"] for e in job.of("checkpoint_failed", phase="commit")
-    }
-    # No failed step claims to be complete; every committed checkpoint verifies,
-    # including the last good one from before the disk filled up.
+    # Rank 0 gave up on every step whose shard failed, and cleaned up after it: no
+    # half-written step is left to fill the disk.
+    given_up = {e["step"] for e in job.of("checkpoint_failed", phase="commit")}
+    assert {e["step"] for e in writes} <= given_up
+    on_disk = {s for s, _ in list_steps(small_disk)}
+    assert not given_up & on_disk, (given_up, on_disk)
+    # No failed step claims to be complete; every committed checkpoint verifies, and
+    # the cleanup of failed ones never removed a committed one (retention keeps 3).
+    announced = sorted({e["step"] for e in job.of("checkpoint_committed")})
     committed = committed_steps(small_disk)
-    assert committed and not failed & set(committed), (committed, failed)
-    before = [s for s in committed if s < first_fail]
-    assert before, "the first checkpoint should have fitted"
+    assert announced and not failed & set(announced), (announced, failed)
+    assert committed == announced[-3:], (committed, announced)
     for s in committed:
         _verify(step_dir(small_disk, s), verify_checksums=True)
     newest = latest_verified(small_disk)

@@ -955,12 +955,12 @@ def main() -> int:
     # ---- 3b. a reshard in memory and back -------------------------------------------------
     log(f"reshard run: kill@{args.kill_step}:w1 with its replacement held 20 s, "
         "--reshard-after 2: 2x2 -> 1x3 in memory, then back to 2x2")  # fmt: skip
-    rs = measure_reshard(shape, args.kill_step, base / "reshard", timeout_s=300 if q else 420)
-    log(f"reshard run {'came back to 2x2' if rs['back'] else 'did not come back'} "
-        f"(status {rs['status']}) in {rs['wall_s']:.1f} s ({rs['dir']})")  # fmt: skip
-    if not rs["back"]:
-        anomalies.append(f"reshard run never came back to 2x2 ({rs['dir']})")
-    r_rows = reshard_rows(rs, sizes["full"])
+    rsh = measure_reshard(shape, args.kill_step, base / "reshard", timeout_s=300 if q else 420)
+    log(f"reshard run {'came back to 2x2' if rsh['back'] else 'did not come back'} "
+        f"(status {rsh['status']}) in {rsh['wall_s']:.1f} s ({rsh['dir']})")  # fmt: skip
+    if not rsh["back"]:
+        anomalies.append(f"reshard run never came back to 2x2 ({rsh['dir']})")
+    r_rows = reshard_rows(rsh, sizes["full"])
     t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
 
     # ---- 4. torchft ------------------------------------------------------------------------

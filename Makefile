@@ -33,7 +33,7 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 test: lint browser
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

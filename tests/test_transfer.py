@@ -52,6 +52,7 @@ from elastrain.transfer.manifest import (
 )
 from elastrain.transfer.seal import (
     SEAL_BYTES,
+    STRIPE_SEAL_BYTES,
     check_seal,
     open_manifest,
     seal_manifest,
@@ -297,7 +298,7 @@ def test_stripe_seal_is_keyed_and_bound_to_heal_sender_and_range() -> None:
     heal_seal = bytes(range(SEAL_BYTES))
     st = Stripe(4, 1000, 100)
     seal = seal_stripe(KEY, heal_seal, st, [data])
-    assert len(seal) == SEAL_BYTES
+    assert len(seal) == STRIPE_SEAL_BYTES
     assert seal_stripe(KEY, heal_seal, st, [data[:30], data[30:]]) == seal  # chained
     check_seal(seal, seal, st)
     others = [
@@ -470,7 +471,7 @@ def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(
 ) -> None:
     # Senders seal through striped.seal_stripe, receivers through StripeSeal, so
     # corrupting the former fakes damage in flight.
-    monkeypatch.setattr(striped, "seal_stripe", lambda *args: bytes(SEAL_BYTES))
+    monkeypatch.setattr(striped, "seal_stripe", lambda *args: bytes(STRIPE_SEAL_BYTES))
     states = [trained(), trained(), fresh()]
     before = state_hash(*states[2])
     weight_before = states[2][0].fc1.weight.clone()

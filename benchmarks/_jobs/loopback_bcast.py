@@ -7,8 +7,11 @@ Two processes (RANK 0 sends, RANK 1 receives) join the parent's TCPStore with
 one float32 tensor of NBYTES (rounded down to whole floats) from rank 0: one
 untimed warm-up, then REPS timed broadcasts, each after a barrier so that both
 ranks start it together. No sealing, no manifest, no striping: the bare
-transport a heal runs over. Rank 1 writes the per-broadcast seconds and the
-bytes to OUT_JSON.
+transport a heal runs over. Then REPS more into a freshly allocated tensor on
+rank 1 each time, as a heal's receiver lands its state in memory it has not
+touched yet (the first-touch page faults cost the receiver about as much as
+the copy). Rank 1 writes the per-broadcast seconds of both and the bytes to
+OUT_JSON.
 """
 
 from __future__ import annotations
@@ -43,9 +46,17 @@ def main() -> None:
         t0 = time.monotonic()
         dist.broadcast(t, src=0)
         seconds.append(time.monotonic() - t0)
+    fresh = []
+    for _ in range(reps):
+        u = t if rank == 0 else torch.empty(n)
+        dist.barrier()
+        t0 = time.monotonic()
+        dist.broadcast(u, src=0)
+        fresh.append(time.monotonic() - t0)
+        del u
     if rank == 1:
         with open(out, "w") as f:
-            json.dump({"bytes": n * 4, "seconds": seconds}, f)
+            json.dump({"bytes": n * 4, "seconds": seconds, "fresh_seconds": fresh}, f)
     dist.barrier()
     dist.destroy_process_group()
 

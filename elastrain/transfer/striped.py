@@ -82,6 +82,7 @@ from elastrain.transfer.manifest import (
 )
 from elastrain.transfer.seal import (
     SEAL_BYTES,
+    STRIPE_SEAL_BYTES,
     StripeSeal,
     check_seal,
     open_manifest,
@@ -414,7 +415,7 @@ def _post_range(
         tag = data_tag(tag_id, i)
         work = dl.call(lambda b=buf, s=s, t=tag: pg.recv([b], s.sender_rank, t), what)
         items.append((chunk, buf, work))
-    seal = torch.zeros(SEAL_BYTES, dtype=torch.uint8)
+    seal = torch.zeros(STRIPE_SEAL_BYTES, dtype=torch.uint8)
     tag = seal_tag(tag_id)
     seal_work = dl.call(lambda c=seal, s=s, t=tag: pg.recv([c], s.sender_rank, t), what)
     return _Posted(j, s, items, seal, seal_work)

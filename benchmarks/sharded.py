@@ -687,11 +687,11 @@ def rss_table(rss: dict[str, list[dict[str, Any]]], sizes: dict[str, Any]) -> tu
         ["peak - after the imports, median (MB)"] + [mb(above[k]) for k in keys],
         ["(peak - after the imports) / full training state"]
         + [fmt(above[k] / full, 2) for k in keys],
-        # Whether anything still references the full model's parameters at the end
+        # How much of the full model's parameters anything still holds at the end
         # (the job script drops its own references): a sharded member needs only its
         # rows; the replicated trainer trains those very parameters.
-        ["full model's parameters still alive at the end (ranks)"]
-        + [f"{sum(bool(r.get('full_params_alive')) for r in rss[k])} of {len(rss[k])}"
+        ["full model's parameter bytes still held at the end, max over ranks (MB)"]
+        + [mb(max((r.get("full_params_bytes", 0) for r in rss[k]), default=0))
            if k in ("E", "R") else "" for k in keys],
     ]  # fmt: skip
     head = ["resident size per rank"] + [RSS_LABELS[k] for k in keys]
@@ -913,11 +913,11 @@ def main() -> int:
         )
     rss = {**st["rss"], "R": rep["rss"]}
     t_rss, rs = rss_table(rss, sizes)
-    held = sum(bool(r.get("full_params_alive")) for r in rss["E"])
+    held = sum(r.get("full_params_bytes", 0) > 0 for r in rss["E"])
     held_note = (
-        f"{held} of {len(rss['E'])} elastrain 2x2 ranks still held the full model's parameters "
-        f"({mb(sizes['params_bytes'])} MB) at their end, after the job script dropped its own "
-        "references: something in the trainer keeps them beside the shard"
+        f"{held} of {len(rss['E'])} elastrain 2x2 ranks still held storage of the full model's "
+        f"parameters ({mb(sizes['params_bytes'])} MB in all) at their end, after the job "
+        "script dropped its own references: something in the trainer keeps it beside the shard"
         if held
         else "no elastrain 2x2 rank held the full model's parameters at its end"
     )

@@ -14,7 +14,10 @@ Environment (all optional):
   BENCH_RSS_DIR  at a clean end, write <member>.json there: resident size
                  after the imports, after building the full model, and the
                  process's peak (VmHWM), in kB (common.proc_status_kb), and
-                 whether the full model's parameters are still alive.
+                 the bytes of the full model's parameters still held (the
+                 storage of every parameter the script built that is still
+                 alive: a sharded member keeps the Parameter objects but
+                 frees their storage).
 """
 
 from __future__ import annotations
@@ -68,11 +71,11 @@ def main() -> None:
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     # This script's own references would keep the full parameters alive; what
-    # stays resident after this is what the trainer itself holds on to. The probe
-    # tells, at the end, whether anything still holds the full model's first
-    # parameter (a sharded member needs only its shard's rows after its first
+    # stays resident after this is what the trainer itself holds on to. The probes
+    # tell, at the end, how many bytes of the full model's parameters anything
+    # still holds (a sharded member needs only its shard's rows after its first
     # generation).
-    probe = weakref.ref(next(model.parameters()))
+    probes = [weakref.ref(p) for p in model.parameters()]
     del model, opt
     gate = None
     if os.environ.get("BENCH_GATE"):
@@ -96,7 +99,9 @@ def main() -> None:
             "rss_built_kb": rss_built,
             "rss_end_kb": proc_status_kb("VmRSS"),
             "hwm_kb": proc_status_kb("VmHWM"),
-            "full_params_alive": probe() is not None,
+            "full_params_bytes": sum(
+                p.untyped_storage().nbytes() for p in (r() for r in probes) if p is not None
+            ),
         }
         with open(os.path.join(rss_dir, f"{trainer.member}.json"), "w") as f:
             json.dump(out, f)

@@ -25,6 +25,13 @@ group, wraps the model in DistributedDataParallel, or its batch sizes do not fit
 replacing the worker cannot help. The worker prints what to change on stderr and the
 launcher stops the job at once, showing it. (78 is sysexits' EX_CONFIG.)"""
 
+EXIT_STATE_LOST = 79
+"""Part of the job's training state is gone from every member's memory (a sharded
+job with one replica group lost a rank: no twin holds its shard), so no replacement
+can be healed. The worker's message names the newest committed checkpoint; the
+launcher stops the job at once, and running the same command again resumes from
+that checkpoint. (79: after sysexits' range, which 75-78 above borrow from.)"""
+
 # ---- `elastrain run` (the launcher's own exit status) ----------------------------
 
 RUN_DONE = 0

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from elastrain import env
-from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED, EXIT_STATE_LOST
 from elastrain.k8s import cluster
 from elastrain.k8s.config import K8sConfig
 from elastrain.k8s.render import find, render, to_yaml
@@ -281,7 +281,9 @@ def test_single_pod_failure_does_not_restart_other_workers(
     assert spec["podReplacementPolicy"] == "Failed"
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     rules = spec["podFailurePolicy"]["rules"]
-    assert all(r["action"] != "FailJob" for r in rules)  # no single pod fails the Job
+    # No single pod fails the Job, but one whose job has lost state from memory.
+    fail_job = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"]["values"] for r in fail_job] == [[EXIT_STATE_LOST]]
 
     for index in range(cfg.workers):
         job = JobModel(spec)
@@ -294,6 +296,19 @@ def test_single_pod_failure_does_not_restart_other_workers(
         else:
             assert job.replaced == [index]  # only the failed one is recreated
             assert job.running == set(range(cfg.workers))
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_a_worker_that_finds_state_lost_fails_the_job_so_it_can_resume(
+    which: str, rendered: dict[str, list[Obj]]
+) -> None:
+    # A sharded job with one replica group that lost a rank: no pod of any index can
+    # be healed, so the whole Job fails at once (the JobSet restarts it, resuming from
+    # the newest checkpoint, while restarts < maxRestarts) instead of replacing pods.
+    cfg = CONFIGS[which]
+    job = JobModel(_workers_job(rendered[which]))
+    killed = job.pod_failed(0, EXIT_STATE_LOST)
+    assert job.failed and killed == set(range(1, cfg.workers))
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))

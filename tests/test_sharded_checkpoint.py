@@ -49,7 +49,7 @@ from elastrain.control.config import CoordinatorConfig
 from elastrain.control.layout import Layout, Slot
 from elastrain.control.server import CoordinatorServer
 from elastrain.data import GlobalOrder
-from elastrain.exitcodes import EXIT_MISCONFIGURED
+from elastrain.exitcodes import EXIT_STATE_LOST
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
@@ -578,7 +578,7 @@ def test_r1_a_dead_rank_is_a_whole_job_resume_from_the_newest_checkpoint(
     tmp_path: Path, reference: Reference
 ) -> None:
     """R = 1 (one replica group of 4): a dead rank's shard has no twin, so nothing in
-    memory restores it. When its replacement arrives every worker ends (exit 78,
+    memory restores it. When its replacement arrives every worker ends (exit 79,
     "shard_lost") naming the newest checkpoint; the job is run again on the same
     run directory and resumes from it (here as 2 x 2), continuing the uninterrupted
     run's loss curve. Measured: kill -> job ended, rerun -> first commit."""
@@ -594,7 +594,8 @@ def test_r1_a_dead_rank_is_a_whole_job_resume_from_the_newest_checkpoint(
     )
     assert first.result.status == "failed"
     # The first worker to see it (often the replacement) ends the job with its message.
-    assert first.of("worker_exited", returncode=EXIT_MISCONFIGURED)
+    assert first.of("worker_exited", returncode=EXIT_STATE_LOST)
+    assert "found part of the job's state lost from memory" in first.result.message
     assert "has no up-to-date holder" in first.result.message
     assert "run the same command again" in first.result.message
     newest = latest_verified(run_dir / "checkpoints")

@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Any
 
 from elastrain import env
-from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED, EXIT_STATE_LOST
 from elastrain.k8s.config import K8sConfig
 from elastrain.k8s.hardening import TOKEN_MODE, harden, network_policies
 from elastrain.quantity import format_quantity, parse_quantity
@@ -306,6 +306,18 @@ def worker_pod_failure_policy() -> Obj:
                     "containerName": "worker",
                     "operator": "In",
                     "values": [EXIT_REFUSED],
+                },
+            },
+            # Part of the state is gone from every member's memory (a sharded job
+            # with one replica group lost a rank): no new pod can be healed. Fail the
+            # workers' Job, so that the JobSet's failurePolicy recreates the whole job,
+            # which resumes from its newest checkpoint.
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": "worker",
+                    "operator": "In",
+                    "values": [EXIT_STATE_LOST],
                 },
             },
             # Anything else (a crash, OOM kill 137, ...) counts against this index's

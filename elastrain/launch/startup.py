@@ -5,7 +5,8 @@ Replacing such a worker only repeats the failure (a typo, a missing file, batch
 sizes that do not fit), so the launcher stops at the second worker that dies
 before committing a step with the same last line (the exception, usually), or
 at the first that exits with EXIT_MISCONFIGURED (the worker already knows it
-is a mistake in the script). The message holds the log's last lines and, for
+is a mistake in the script) or EXIT_STATE_LOST (part of the state is gone from
+memory: only a rerun, resuming from the newest checkpoint, can go on). The message holds the log's last lines and, for
 well-known torch errors, what to change (`elastrain.runtime.preflight.explain`).
 Pure decisions (`signature`, `StartupWatch.on_exit`) over what the logs and
 event files hold.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, EXIT_PREEMPTED
+from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, EXIT_PREEMPTED, EXIT_STATE_LOST
 from elastrain.runtime.preflight import explain
 
 TAIL_LINES = 15
@@ -73,7 +74,9 @@ class StartupWatch:
             return None  # a signal came from outside: not the script's fault
         log = self.run_dir / "logs" / f"{member}.log"
         lines = tail(log)
-        if rc != EXIT_MISCONFIGURED:
+        if rc == EXIT_STATE_LOST:
+            head = f"{member} found part of the job's state lost from memory (exit {rc})"
+        elif rc != EXIT_MISCONFIGURED:
             if self.committed(member, pid):
                 return None
             sig = signature(lines)

@@ -61,7 +61,7 @@ from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
-from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
@@ -580,11 +580,11 @@ class StepEngine:
             )
         except ShardLost as e:
             self.events.emit(
-                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+                EventKind.WORKER_EXIT, reason=m.ExitReason.STATE_LOST, committed=self.committed
             )
             self._shutdown()
             raise WorkerExit(
-                EXIT_MISCONFIGURED, "shard_lost", f"elastrain: {e}; {self._resume_hint()}"
+                EXIT_STATE_LOST, "shard_lost", f"elastrain: {e}; {self._resume_hint()}"
             ) from None
         except (HealError, RuntimeError, ValueError) as e:
             return m.HealFailed(str(e))

@@ -104,6 +104,7 @@ class ExitReason(StrEnum):
     REFUSED = "refused"
     NO_COORDINATOR = "no_coordinator"
     MISCONFIGURED = "misconfigured"
+    STATE_LOST = "state_lost"
 
 
 EXIT_CODES = {

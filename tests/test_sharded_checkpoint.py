@@ -315,7 +315,7 @@ def test_commit_refuses_missing_or_mixed_parts_and_no_marker_means_no_checkpoint
     writer = ShardedWriter(CheckpointConfig(directory=str(tmp_path), fsync=False))
     snap = ShardSnapshot.take(shard_parts(old[0], {}, 0), shard=0, num_shards=2)
     assert writer.save_async(5, snap, generation=1, members=["a", "b"]).wait().ok
-    with pytest.raises(CommitError, match="part 1 of 2 is missing"):
+    with pytest.raises(CommitError, match="shard 1 of 2 is missing"):
         commit_sharded(str(tmp_path), 5, generation=1, members=["a", "b"], num_shards=2)
     assert latest_verified(tmp_path) is None
     snap = ShardSnapshot.take(shard_parts(old[1], {}, 1), shard=1, num_shards=2)

@@ -57,7 +57,6 @@ import os
 import pickle
 import struct
 import sys
-import threading
 import time
 import zipfile
 import zlib
@@ -82,9 +81,11 @@ from elastrain.checkpoint.files import (
     step_dir,
     temp_name,
     write_all,
+    write_atomically,
     write_signed_json,
 )
-from elastrain.checkpoint.store import VerifiedCheckpoint, _check_file
+from elastrain.checkpoint.snapshot import WriterClaim
+from elastrain.checkpoint.store import VerifiedCheckpoint, _check_file, read_part_manifest
 from elastrain.checkpoint.writer import CheckpointWriter
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
 
@@ -208,7 +209,7 @@ def _tensor_list(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> list[list[
     return [[f, d, [int(x) for x in s]] for f, (d, s) in sorted(tensors.items())]
 
 
-class ShardSnapshot:
+class ShardSnapshot(WriterClaim):
     """A host copy of one writer's chunks, plus the JSON meta (`ShardSnapshot.take`).
 
     The sharded counterpart of `elastrain.checkpoint.Snapshot`: hand it to a
@@ -233,8 +234,7 @@ class ShardSnapshot:
         self.meta_json = meta_json
         self.take_s = 0.0
         self._handed = False
-        self._lock = threading.Lock()
-        self._in_use = False
+        super().__init__()
 
     @property
     def nbytes(self) -> int:
@@ -244,17 +244,6 @@ class ShardSnapshot:
     def handed_over(self) -> bool:
         """True once a newer snapshot took this one's staging tensors (``into=``)."""
         return self._handed
-
-    def _acquire(self) -> bool:
-        with self._lock:
-            if self._in_use:
-                return False
-            self._in_use = True
-            return True
-
-    def _release(self) -> None:
-        with self._lock:
-            self._in_use = False
 
     @staticmethod
     def take(
@@ -467,24 +456,6 @@ def _dcp_metadata(tensors: Mapping[str, dict[str, Any]], checkpoint_id: str) -> 
     )
 
 
-def _write_durably(path: Path, data: bytes, *, fsync: bool) -> None:
-    tmp = temp_name(path)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, memoryview(data))
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-
-
 def _index(parts: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The marker's "tensors": fqn -> dtype, shape and every chunk (with its file),
     from the part manifests; ValueError if a chunk names an undeclared tensor or
@@ -544,16 +515,6 @@ def commit_sharded(
         raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
     parts: list[dict[str, Any]] = []
     for k in range(num_shards):
-        mp = d / shard_manifest_name(k, num_shards)
-        if not mp.exists():
-            raise CommitError(
-                f"cannot commit step {step}: part {k} of {num_shards} is missing ({mp} does "
-                "not exist; its writer failed, left, or is still writing). Save a later step."
-            )
-        try:
-            pm = read_signed_json(mp)
-        except CheckpointCorrupt as e:
-            raise CommitError(f"cannot commit step {step}: {e}") from e
         want: dict[str, Any] = {
             "kind": KIND,
             "step": step,
@@ -563,12 +524,8 @@ def commit_sharded(
             "members": list(members),
             "file": data_file_name(k),
         }
-        for key, value in want.items():
-            if pm.get(key) != value:
-                raise CommitError(
-                    f"cannot commit step {step}: {mp} has {key}={pm.get(key)!r}, expected "
-                    f"{value!r} (membership changed during the write?). Save a later step."
-                )
+        pm = read_part_manifest(d, step, k, num_shards, want)
+        mp = d / shard_manifest_name(k, num_shards)
         if parts and pm.get("tensors") != parts[0]["tensors"]:
             raise CommitError(f"cannot commit step {step}: {mp} declares other tensors")
         if pm.get("byteorder") != sys.byteorder:
@@ -583,7 +540,7 @@ def commit_sharded(
         meta_bytes = pickle.dumps(_dcp_metadata(tensors, str(d)))
     except (KeyError, TypeError, ValueError) as e:
         raise CommitError(f"cannot commit step {step}: {e}") from e
-    _write_durably(d / METADATA, meta_bytes, fsync=fsync)
+    write_atomically(d / METADATA, meta_bytes, fsync=fsync)
     files = [{"file": p["file"], "size": int(p["size"]), "crc32": int(p["crc32"])} for p in parts]
     body = {
         "format": FORMAT,

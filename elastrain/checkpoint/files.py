@@ -122,7 +122,14 @@ def write_signed_json(path: Path, obj: dict[str, Any], *, fsync: bool) -> None:
     body = dict(obj)
     body.pop("sha256", None)
     body["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
-    data = json.dumps(body, sort_keys=True, indent=1).encode()
+    write_atomically(path, json.dumps(body, sort_keys=True, indent=1).encode(), fsync=fsync)
+
+
+def write_atomically(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` atomically: a temp file beside it, fsync-ed (with
+    ``fsync``), ``os.replace``-d onto ``path``, then the directory fsync-ed. A crash
+    leaves the old file or the new one, never a torn one; on any error the temp file
+    is removed and the error propagates (OSError with its errno, e.g. ENOSPC)."""
     tmp = temp_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -21,7 +21,33 @@ from elastrain.transfer.dtypes import byte_view
 log = logging.getLogger(__name__)
 
 
-class Snapshot:
+class WriterClaim:
+    """The claim a writer thread holds on a snapshot while it reads its buffers, so
+    that a newer snapshot does not reuse them (``into=``) under it. One writer at a
+    time: `_acquire` is False while another holds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_use = False
+
+    @property
+    def in_use(self) -> bool:
+        """True while a writer is reading the buffer; the buffer must not be reused then."""
+        return self._in_use
+
+    def _acquire(self) -> bool:
+        with self._lock:
+            if self._in_use:
+                return False
+            self._in_use = True
+            return True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_use = False
+
+
+class Snapshot(WriterClaim):
     """A host-memory copy of the payload bytes one shard owns, plus the JSON meta.
 
     Build it with `Snapshot.take`; hand it to `CheckpointWriter.save_async`.
@@ -52,8 +78,7 @@ class Snapshot:
         self.meta_json = meta_json
         self.take_s = 0.0
         self._cuda_events = events
-        self._lock = threading.Lock()
-        self._in_use = False
+        super().__init__()
 
     @property
     def nbytes(self) -> int:
@@ -71,11 +96,6 @@ class Snapshot:
         out: dict[str, Any] = json.loads(self.meta_json)
         return out
 
-    @property
-    def in_use(self) -> bool:
-        """True while a writer is reading the buffer; the buffer must not be reused then."""
-        return self._in_use
-
     def pieces(self) -> list[Piece]:
         """The tensor slices inside this shard's range."""
         return self.layout.pieces(self.lo, self.hi)
@@ -87,17 +107,6 @@ class Snapshot:
         """
         for ev in self._cuda_events:
             ev.synchronize()
-
-    def _acquire(self) -> bool:
-        with self._lock:
-            if self._in_use:
-                return False
-            self._in_use = True
-            return True
-
-    def _release(self) -> None:
-        with self._lock:
-            self._in_use = False
 
     @staticmethod
     def take(

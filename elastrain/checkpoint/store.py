@@ -124,6 +124,32 @@ def _verify(d: Path, verify_checksums: bool) -> VerifiedCheckpoint:
     )
 
 
+def read_part_manifest(
+    d: Path, step: int, k: int, num_shards: int, want: dict[str, Any]
+) -> dict[str, Any]:
+    """Part `k` of `num_shards`'s manifest of step `step` in its directory `d`, whose
+    keys must hold `want`'s values. CommitError, saying to save a later step, if it is
+    missing (its writer failed, left or is still writing), does not verify, or was
+    written for another step, generation, layout or membership."""
+    mp = d / shard_manifest_name(k, num_shards)
+    if not mp.exists():
+        raise CommitError(
+            f"cannot commit step {step}: shard {k} of {num_shards} is missing ({mp} does not "
+            "exist; its writer failed, left, or is still writing). Save a later step."
+        )
+    try:
+        m = read_signed_json(mp)
+    except CheckpointCorrupt as e:
+        raise CommitError(f"cannot commit step {step}: {e}") from e
+    for key, value in want.items():
+        if m.get(key) != value:
+            raise CommitError(
+                f"cannot commit step {step}: {mp} has {key}={m.get(key)!r}, expected "
+                f"{value!r} (membership changed during the write?). Save a later step."
+            )
+    return m
+
+
 def commit(
     directory: str | os.PathLike[str],
     step: int,
@@ -166,29 +192,10 @@ def commit(
         raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
     manifests: list[dict[str, Any]] = []
     for i in range(num_shards):
-        mp = d / shard_manifest_name(i, num_shards)
-        if not mp.exists():
-            raise CommitError(
-                f"cannot commit step {step}: shard {i} of {num_shards} is missing ({mp} does "
-                "not exist; its member failed, left, or is still writing). Save a later step."
-            )
-        try:
-            sm = read_signed_json(mp)
-        except CheckpointCorrupt as e:
-            raise CommitError(f"cannot commit step {step}: {e}") from e
         want = {"step": step, "generation": generation, "num_shards": num_shards, "shard": i}
-        for key, value in want.items():
-            if sm.get(key) != value:
-                raise CommitError(
-                    f"cannot commit step {step}: {mp} has {key}={sm.get(key)!r}, expected "
-                    f"{value!r} (membership changed during the write?). Save a later step."
-                )
-        if sm.get("members") != list(members):
-            raise CommitError(
-                f"cannot commit step {step}: {mp} was written by members {sm.get('members')!r}, "
-                f"not {list(members)!r}. Save a later step."
-            )
+        sm = read_part_manifest(d, step, i, num_shards, {**want, "members": list(members)})
         if manifests and sm.get("layout_sha256") != manifests[0]["layout_sha256"]:
+            mp = d / shard_manifest_name(i, num_shards)
             raise CommitError(f"cannot commit step {step}: {mp} has a different state layout")
         manifests.append(sm)
     try:

@@ -902,8 +902,7 @@ def measure_tft_recovery(
                 proc.wait()
         lh.kill()
         lh.wait()
-    return {
-        "recs": read_jsonl(sorted(out_dir.glob("g*r*.jsonl"))),
+    run = {
         "kill": kill,
         "spawns": spawns,
         "downs": downs,
@@ -912,8 +911,10 @@ def measure_tft_recovery(
         "wall_s": time.monotonic() - t0,
         "heartbeat_ms": heartbeat_ms,
         "replace_delay_s": replace_delay_s,
-        "dir": out_dir,
     }
+    # What only this loop knows, beside the ranks' records (tft_recovery_figures reads both).
+    (out_dir / "run.json").write_text(json.dumps(run, indent=1))
+    return {**run, "recs": read_jsonl(sorted(out_dir.glob("g*r*.jsonl"))), "dir": out_dir}
 
 
 def tft_recovery_figures(rc: dict[str, Any]) -> dict[str, Any]:
@@ -965,6 +966,8 @@ def tft_recovery_figures(rc: dict[str, Any]) -> dict[str, Any]:
                 firsts.setdefault(r["rank"], r["t"])
         return max(firsts.values()) - sp["t"] if len(firsts) == SHARDS else None
 
+    out["imported_s"] = last_of("imported")
+    out["built_s"] = last_of("built")
     out["ready_s"] = last_of("ready")
     out["heal_recv_s"] = last_of("heal_recv")
     out["healed_s"] = last_of("healed")
@@ -1010,7 +1013,11 @@ def tft_recovery_table(
         ["kill -> the victim's group stopped by its agent (s)", "",
          fmt(tf.get("group_stopped_s"))],
         ["kill -> replacement spawned (s)", fmt(e.get("spawn_s")), fmt(tf.get("spawn_s"))],
-        ["replacement: spawn -> ready (imports, model, FSDP2, group / manager) (s)",
+        ["replacement: spawn -> imports done (torch, torchft) (s)", "",
+         fmt(tf.get("imported_s"))],
+        ["replacement: spawn -> its group's gloo world, model and FSDP2 shards built (s)", "",
+         fmt(tf.get("built_s"))],
+        ["replacement: spawn -> ready (elastrain: group built; torchft: manager built) (s)",
          fmt(e.get("group_s")), fmt(tf.get("ready_s"))],
         ["replacement: spawn -> heal received (s)", fmt(e.get("healed_s")),
          fmt(tf.get("heal_recv_s"))],
@@ -1489,12 +1496,12 @@ def main() -> int:
     # ---- 3b. a reshard in memory and back -------------------------------------------------
     log(f"reshard run: kill@{args.kill_step}:w1 with its replacement held 20 s, "
         "--reshard-after 2: 2x2 -> 1x3 in memory, then back to 2x2")  # fmt: skip
-    rs = measure_reshard(shape, args.kill_step, base / "reshard", timeout_s=300 if q else 420)
-    log(f"reshard run {'came back to 2x2' if rs['back'] else 'did not come back'} "
-        f"(status {rs['status']}) in {rs['wall_s']:.1f} s ({rs['dir']})")  # fmt: skip
-    if not rs["back"]:
-        anomalies.append(f"reshard run never came back to 2x2 ({rs['dir']})")
-    r_rows = reshard_rows(rs, sizes["full"])
+    rsh = measure_reshard(shape, args.kill_step, base / "reshard", timeout_s=300 if q else 420)
+    log(f"reshard run {'came back to 2x2' if rsh['back'] else 'did not come back'} "
+        f"(status {rsh['status']}) in {rsh['wall_s']:.1f} s ({rsh['dir']})")  # fmt: skip
+    if not rsh["back"]:
+        anomalies.append(f"reshard run never came back to 2x2 ({rsh['dir']})")
+    r_rows = reshard_rows(rsh, sizes["full"])
     t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
 
     # ---- 3c. torchft's recovery ------------------------------------------------------------

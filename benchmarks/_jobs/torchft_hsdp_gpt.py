@@ -1,6 +1,6 @@
 """The torchft side ("T") of benchmarks/sharded.py: torchft's HSDP with FSDP2, one rank.
 
-    TORCH... python torchft_hsdp_gpt.py GROUP RANK --groups R --shard-size S --port STORE_PORT
+    python torchft_hsdp_gpt.py GROUP RANK --groups R --shard-size S --port STORE_PORT
         --log LOG_JSONL --incarnation N --lighthouse URL [--join] [--pg-timeout 5]
         [--out OUT_JSON --warmup-steps W --block-steps B --blocks N] [shape args]
 
@@ -40,7 +40,9 @@ With --blocks it takes turns with the other sides (common.Gate, side "T") and
 writes OUT_JSON at the end (the H side's fields: step_s, local_loss,
 last_microbatch_s, opt_s, RSS); without, it trains until killed (the recovery
 run). Always appends JSON lines to LOG_JSONL: `start` (before `import torch`),
-`ready` (group, FSDP2 and manager built), `heal_recv` (a heal's payload
+`imported` (torch, torchft and the rest imported), `built` (the group's gloo world,
+the model and its FSDP2 shards built), `ready` (the manager built; for the first
+ranks, after the start barrier), `heal_recv` (a heal's payload
 received: tensor bytes, seconds, by the transport), `healed` (the received
 state applied), `commit` / `abort` per step (step, step_s, participating,
 participants, quorum id, local loss). The first ranks wait for all R * S at a
@@ -117,6 +119,7 @@ class TimedHTTPTransport(HTTPTransport):  # type: ignore[type-arg]
 
 
 def main() -> None:
+    t_imported = time.time()
     rss_imports = proc_status_kb("VmRSS")
     ap = argparse.ArgumentParser()
     ap.add_argument("group", type=int)
@@ -145,6 +148,7 @@ def main() -> None:
     G, R, S = a.group, a.rank, a.shard_size
     log = EventLog(a.log, proc=f"g{G}r{R}", group=G, rank=R, inc=a.incarnation)
     log.emit("start", T_START, join=a.join)
+    log.emit("imported", t_imported)
     torch.set_num_threads(1)
     shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
     B, W = shape.global_batch, a.groups * S
@@ -178,6 +182,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.01)
     rss_sharded = proc_status_kb("VmRSS")
+    log.emit("built", time.time())
     named = list(model.named_parameters())
 
     def state_dict() -> dict[str, Any]:

@@ -3,6 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/sharded.py [--dim 256 --layers 8] [--quick] [--no-record]
+        [--no-torchft] [--tft-heartbeat-ms 5000]
 
 Four processes as 2 replica groups x 2 shards, the demo GPT (dim 256, 8
 layers, 4 heads, context 64 by default: 6.47M parameters, 77.6 MB of
@@ -70,7 +71,7 @@ one thread per process, gloo over loopback. In order:
    after the same seeded mid-step offset elastrain's fault schedule draws with
    seed 0). Each replica group is restarted as a whole, the way torchft runs
    one (torchrun --max-restarts per group in its torchx component): this
-   benchmark plays that agent, noticing a dead rank within 20 ms, SIGKILLing
+   benchmark plays that agent, polling its ranks every 20 ms, SIGKILLing
    the group's other rank and starting both again after 1 s (elastrain's
    replace_delay_s); the restarted group skips the start barrier and heals from
    the survivors over torchft's HTTP transport. Stopped once the restarted
@@ -106,8 +107,11 @@ members can start from a meta-device model and a sharded checkpoint.
 
 --quick is a smoke run (a tiny model, a few steps: no number in it means
 anything) and is marked as such in RESULTS.md; it took 1.5-2.5 minutes at load
-averages of 5-14 on this 2-core machine. The default size has not been run yet;
-its steady state, recovery and reference runs should take some 5-10 minutes.
+averages of 5-14 on this 2-core machine before the reshard run and the torchft
+side were added, 4.5 minutes with them (load average 8-13). The default size
+has not been run yet; its steady state, recovery and reference runs should take
+some 5-10 minutes, the torchft side adding a quarter to the steady state and a
+recovery run of about a minute.
 Run directories are kept under benchmarks/runs/sharded-<stamp>/ (git-ignored).
 """
 

@@ -3,6 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/sharded.py [--dim 256 --layers 8] [--quick] [--no-record]
+        [--no-torchft] [--tft-heartbeat-ms 5000]
 
 Four processes as 2 replica groups x 2 shards, the demo GPT (dim 256, 8
 layers, 4 heads, context 64 by default: 6.47M parameters, 77.6 MB of
@@ -27,9 +28,25 @@ one thread per process, gloo over loopback. In order:
       group after every micro-batch, one float64 all-reduce across the groups
       per step (`set_requires_all_reduce` on the last micro-batch only). The
       gap between H and F is about the price of that exactness, the gap
-      between F and E elastrain's own machinery.
+      between F and E elastrain's own machinery;
+   T  torchft's HSDP (where torchft 0.2.0 is installed: pyproject's `bench`
+      extra), _jobs/torchft_hsdp_gpt.py: 2 replica groups of 2 ranks, each
+      group its own gloo world with `fully_shard` on its 1-D shard mesh (plain
+      FSDP2, as on H), the replicate dimension torchft's: a lighthouse
+      (`torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100
+      --join_timeout_ms 10000 --heartbeat_timeout_ms 5000`), one
+      `torchft.Manager` per rank (torchft.ProcessGroupGloo across the groups,
+      gloo timeout 5 s: versus.py's default torchft setting), every FSDP
+      module's all-reduce hook averaging its gradient shard over
+      `ManagedProcessGroup(manager)`, `torchft.Optimizer` around AdamW. torchft
+      0.2.0 no longer has `ft_init_device_mesh`; this is the recipe of its own
+      FSDP test and of torchtitan's torchft integration. Gradient
+      accumulation and float32 reduction as on H; a quorum and a should_commit
+      every step. Alive and gated with the others (order H E F T | T F E H).
    Same model, initial weights, data order, micro-batches and per-micro-batch
-   RNG on every side. Target: median step_s of E <= 1.05 x H's.
+   RNG on every side. Target: median step_s of E <= 1.05 x H's; T's row is
+   reported beside it (no target). A side T that fails is dropped from the
+   rotation and its error reported; the other sides go on.
 2. Peak RSS per rank (/proc VmHWM, written by each worker at its end) of E, H
    and F, and of a short replicated elastrain run (the same script, shard size
    1) for reference, against the full training state (params + AdamW's two
@@ -52,8 +69,25 @@ one thread per process, gloo over loopback. In order:
    allocated memory each time is shown beside it: a heal's receiver lands its
    state in pages it has not touched yet, and their first-touch faults cost
    about as much as the copy (warm 2.0-3.1 GB/s, fresh 1.1 GB/s measured here).
-4. torchft: whether it is importable here (its HSDP would get a row beside
-   ours; nothing is installed by this benchmark).
+3c. torchft recovery: one T run (no gate) where rank 1 of replica group 1 is
+   SIGKILLed at the same step as 3 (kill@K: once the job committed K steps,
+   after the same seeded mid-step offset elastrain's fault schedule draws with
+   seed 0). Each replica group is restarted as a whole, the way torchft runs
+   one (torchrun --max-restarts per group in its torchx component): this
+   benchmark plays that agent, polling its ranks every 20 ms, SIGKILLing
+   the group's other rank and starting both again after 1 s (elastrain's
+   replace_delay_s); the restarted group skips the start barrier and heals from
+   the survivors over torchft's HTTP transport. Stopped once the restarted
+   group committed --settle steps taking part. Lighthouse heartbeat timeout 5 s
+   (its default, versus.py's default rows; --tft-heartbeat-ms), which the
+   survivors' stall is expected to equal (shared/PEERS.md). Measured from the
+   ranks' JSON lines: kill -> the surviving group's next committed step, the
+   steps it aborted meanwhile; the restarted group's spawn -> ready -> heal
+   received -> first committed step taking part; the bytes each rank healed
+   (tensor bytes of the state torchft's transport received, counted by the job
+   script: torchft does not report them) against state / S and the full state.
+4. torchft: if it is not importable, T is left out of 1 and 3c and the report
+   says so (nothing is installed by this benchmark).
 5. Prints the tables and appends them, with date, machine, load, command and
    commit, to benchmarks/RESULTS.md (unless --no-record).
 
@@ -76,8 +110,11 @@ members can start from a meta-device model and a sharded checkpoint.
 
 --quick is a smoke run (a tiny model, a few steps: no number in it means
 anything) and is marked as such in RESULTS.md; it took 1.5-2.5 minutes at load
-averages of 5-14 on this 2-core machine. The default size has not been run yet;
-its steady state, recovery and reference runs should take some 5-10 minutes.
+averages of 5-14 on this 2-core machine before the reshard run and the torchft
+side were added, 4.5 minutes with them (load average 8-13). The default size
+has not been run yet; its steady state, recovery and reference runs should take
+some 5-10 minutes, the torchft side adding a quarter to the steady state and a
+recovery run of about a minute.
 Run directories are kept under benchmarks/runs/sharded-<stamp>/ (git-ignored).
 """
 
@@ -90,6 +127,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -145,8 +183,22 @@ BASELINES = {
 }
 """The plain FSDP2 HSDP sides (no elastrain) and their hsdp_gpt.py flags. The
 overhead target is judged against H, the way FSDP2 users accumulate gradients."""
-LABELS = {"E": "elastrain 2x2", **{k: v[0] for k, v in BASELINES.items()}}
+TFT = "T"
+"""The torchft HSDP side (_jobs/torchft_hsdp_gpt.py), where torchft is installed."""
+TFT_HEARTBEAT_MS = 5000
+"""The lighthouse's heartbeat timeout: its default, and versus.py's default torchft rows."""
+TFT_PG_TIMEOUT_S = 5.0
+"""torchft's gloo timeout across the groups (versus.py's, as torchft's train_ddp.py example)."""
+TFT_VICTIM = (1, 1)
+"""(replica group, rank in it) SIGKILLed in the torchft recovery run."""
+TFT_INSTALL = (
+    "pip install --no-deps torchft==0.2.0 opentelemetry-api opentelemetry-sdk "
+    "opentelemetry-exporter-otlp-proto-http (pyproject's bench extra)"
+)
+LABELS = {"E": "elastrain 2x2", **{k: v[0] for k, v in BASELINES.items()}, TFT: "torchft HSDP"}
 RSS_LABELS = {**LABELS, "R": "elastrain replicated"}
+PROC_KEYS = [*BASELINES, TFT]
+"""The sides run as plain processes writing the same per-rank JSON (not elastrain)."""
 
 QUICK_SHAPE = Shape(dim=64, layers=2, heads=2, block=32, global_batch=8, micro_batch=1)
 FULL_SHAPE = Shape(dim=256, layers=8, heads=4, block=64, global_batch=8, micro_batch=1)
@@ -264,48 +316,154 @@ class ProcSide:
         return "done" if rcs and all(rc == 0 for rc in rcs) else f"exit {rcs}"
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return int(sk.getsockname()[1])
+
+
+def lighthouse_argv(port: int, heartbeat_ms: int) -> list[str]:
+    """torchft's lighthouse as versus.py runs it: a quorum of one group is enough
+    (min_replicas 1), checked every 100 ms, stragglers awaited 10 s."""
+    return [
+        str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+        "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+        "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+
+
+def tft_argv(
+    shape: Shape, port: int, lighthouse: str, group: int, rank: int, log: Path, inc: int,
+    extra: list[str],
+) -> list[str]:  # fmt: skip
+    """One rank of the torchft HSDP job (_jobs/torchft_hsdp_gpt.py)."""
+    return [
+        sys.executable, str(JOBS / "torchft_hsdp_gpt.py"), str(group), str(rank),
+        "--groups", str(WORKERS // SHARDS), "--shard-size", str(SHARDS), "--port", str(port),
+        "--log", str(log), "--incarnation", str(inc), "--lighthouse", lighthouse,
+        "--pg-timeout", f"{TFT_PG_TIMEOUT_S:g}", *shape_args(shape), *extra,
+    ]  # fmt: skip
+
+
+class TorchftSide(ProcSide):
+    """The torchft HSDP side: its lighthouse, then `WORKERS` ranks (rank r is rank
+    r % SHARDS of replica group r // SHARDS)."""
+
+    def __init__(
+        self, key: str, argv: Callable[[int, str], list[str]], log_dir: Path, heartbeat_ms: int
+    ) -> None:
+        self.lh_port = free_port()
+        self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.heartbeat_ms = heartbeat_ms
+        url = f"http://127.0.0.1:{self.lh_port}"
+        super().__init__(key, lambda r: argv(r, url), log_dir)
+
+    def start(self) -> None:
+        with open(self._log_dir / f"{self.key}-lighthouse.log", "wb") as logf:
+            self.lighthouse = subprocess.Popen(
+                lighthouse_argv(self.lh_port, self.heartbeat_ms), stdout=logf,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        super().start()
+
+    def pids(self) -> list[int]:
+        return super().pids() + ([self.lighthouse.pid] if self.lighthouse else [])
+
+    def abort(self) -> None:
+        super().abort()
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+    def error(self) -> str:
+        """What the ranks printed last (the exception of a failed one), for the report."""
+        out = []
+        for r, proc in enumerate(self.procs):
+            if proc.returncode not in (None, 0):
+                last = log_tail(self._log_dir / f"{self.key}-r{r}.log")
+                out.append(f"rank {r} exit {proc.returncode}: {last}")
+        return "; ".join(out) or self.status
+
+
+def log_tail(path: Path, lines: int = 3, width: int = 400) -> str:
+    """The last non-empty lines of a log, joined (the exception that ended a process)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = [x.strip() for x in text.splitlines() if x.strip()][-lines:]
+    return " | ".join(tail)[-width:]
+
+
 Side = LauncherSide | ProcSide
 
 
 def interleave(
-    store: Any, sides: list[Side], blocks: int, deadline: float, where: Path
-) -> list[dict[str, Any]]:
+    store: Any,
+    sides: list[Side],
+    blocks: int,
+    deadline: float,
+    where: Path,
+    optional: frozenset[str] = frozenset(),
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Let the sides (all started, all gated the same way: common.Gate) run their
     blocks one side at a time, in the order of `sides` and mirrored every other
     block; the others wait idle between steps. Returns one record per block: its
     side, wall times from the go to the last worker's report, the CPU the side's
-    processes used, and the CPU each idle side used meanwhile."""
+    processes used, and the CPU each idle side used meanwhile; and the keys of the
+    `optional` sides that died and were dropped from the rotation (a side not
+    optional that dies ends the comparison: RuntimeError)."""
+    live = list(sides)
+    dropped: list[str] = []
 
-    def wait_key(key: str) -> float:
+    def drop_dead() -> None:
+        for x in list(live):
+            if x.failed() and not store.check([f"{x.key}/ready_all/{blocks}"]):
+                if x.key not in optional:
+                    raise RuntimeError(f"steady state: side {x.key} died; see {where}")
+                live.remove(x)
+                dropped.append(x.key)
+                x.abort()
+
+    def wait_key(side: Side, key: str) -> float | None:
+        """The wall time the side's workers stored under `key`; None if it died."""
         # Poll (store.wait with a timeout logs a C++ warning each time it expires).
         while not store.check([key]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"steady state: no {key} in time ({where})")
-            if any(s.failed() and not store.check([f"{s.key}/ready_all/{blocks}"]) for s in sides):
-                raise RuntimeError(f"steady state: a side died before {key}; see {where}")
+            drop_dead()
+            if side not in live:
+                return None
             time.sleep(0.02)
         return float(store.get(key))
 
     for s in sides:
-        wait_key(f"{s.key}/ready_all/0")
+        wait_key(s, f"{s.key}/ready_all/0")
     out: list[dict[str, Any]] = []
     for k in range(blocks):
-        order = sides if k % 2 == 0 else sides[::-1]
+        order = [x for x in (sides if k % 2 == 0 else sides[::-1]) if x in live]
         for j, side in enumerate(order):
+            if side not in live:
+                continue
             # The sides idle during this block that still have blocks to run (a side
             # that is done is exiting, and its CPU is not "idle waiting").
-            idle = [x for x in sides if x is not side and (k < blocks - 1 or x in order[j + 1 :])]
+            idle = [x for x in live if x is not side and (k < blocks - 1 or x in order[j + 1 :])]
             c0 = {x.key: cpu_seconds(x.pids()) for x in idle}
             a0 = cpu_seconds(side.pids())
             t_go = time.time()
             store.set(f"{side.key}/go/{k}", repr(t_go))
-            t_done = wait_key(f"{side.key}/ready_all/{k + 1}")
+            t_done = wait_key(side, f"{side.key}/ready_all/{k + 1}")
+            if t_done is None:
+                continue
             out.append(
                 {"k": k, "side": side.key, "t0": t_go, "t1": t_done,
                  "cpu_s": cpu_seconds(side.pids()) - a0,
-                 "idle_cpu_s": {x.key: cpu_seconds(x.pids()) - c0[x.key] for x in idle}}
+                 "idle_cpu_s": {x.key: cpu_seconds(x.pids()) - c0[x.key]
+                                for x in idle if x in live}}
             )  # fmt: skip
-    return out
+    return out, dropped
 
 
 def elastrain_config(
@@ -333,20 +491,29 @@ def read_rss(rss_dir: Path) -> list[dict[str, Any]]:
 
 
 def measure_steady(
-    shape: Shape, warmup: int, block: int, blocks: int, out_dir: Path, timeout_s: float
+    shape: Shape,
+    warmup: int,
+    block: int,
+    blocks: int,
+    out_dir: Path,
+    timeout_s: float,
+    tft_heartbeat_ms: int | None = None,
 ) -> dict[str, Any]:
-    """Elastrain 2 x 2 and the HSDP baselines, alive at once, taking turns in blocks
-    (see the module docstring). Returns per-side step samples (the first step of
-    each block left out on every side), losses, block records and RSS per rank."""
+    """Elastrain 2 x 2 and the HSDP baselines (and torchft's HSDP, unless
+    `tft_heartbeat_ms` is None), alive at once, taking turns in blocks (see the
+    module docstring). Returns per-side step samples (the first step of each block
+    left out on every side), losses, block records and RSS per rank; `keys`, the
+    sides that ran to the end, and `tft_error`, why T did not (None if it did)."""
     import torch.distributed as dist
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_proc = WORKERS * (1 + len(BASELINES))
+    n_proc = WORKERS * (2 + len(BASELINES))
     store = dist.TCPStore(
         "127.0.0.1", 0, n_proc + 1, is_master=True, timeout=dt.timedelta(seconds=900),
         wait_for_workers=False,
     )  # fmt: skip
     gate = f"127.0.0.1:{store.port},{warmup},{block},{blocks}"
+    gate_args = ["--warmup-steps", str(warmup), "--block-steps", str(block), "--blocks", str(blocks)]  # fmt: skip
     steps = warmup + block * blocks
     e_dir = out_dir / "elastrain"
     rss_dir = out_dir / "rss-elastrain"
@@ -364,26 +531,43 @@ def measure_steady(
         return lambda r: [
             sys.executable, str(JOBS / "hsdp_gpt.py"), str(r), str(WORKERS), str(store.port),
             str(out_dir / f"{key}-r{r}.json"), "--side", key, "--shard-size", str(SHARDS),
-            "--warmup-steps", str(warmup), "--block-steps", str(block), "--blocks", str(blocks),
-            *shape_args(shape), *flags,
+            *gate_args, *shape_args(shape), *flags,
         ]  # fmt: skip
 
     base_sides = [ProcSide(k, hsdp_argv(k, flags), out_dir) for k, (_, flags) in BASELINES.items()]
-    # H first: the order is H E F | F E H | ..., elastrain always in the middle.
+    # H first: the order is H E F (T) | (T) F E H | ..., elastrain always in the middle.
     sides: list[Side] = [base_sides[0], e_side, *base_sides[1:]]
+    t_side: TorchftSide | None = None
+    if tft_heartbeat_ms is not None:
+        t_side = TorchftSide(
+            TFT,
+            lambda r, url: tft_argv(
+                shape, store.port, url, r // SHARDS, r % SHARDS, out_dir / f"{TFT}-r{r}.jsonl", 0,
+                ["--out", str(out_dir / f"{TFT}-r{r}.json"), *gate_args],
+            ),
+            out_dir,
+            tft_heartbeat_ms,
+        )  # fmt: skip
+        sides.append(t_side)
     deadline = time.monotonic() + timeout_s
     try:
         for s in sides:
             s.start()
-        blocks_out = interleave(store, sides, blocks, deadline, out_dir)
+        blocks_out, dropped = interleave(
+            store, sides, blocks, deadline, out_dir, optional=frozenset({TFT})
+        )
         for s in sides:
-            s.wait(deadline)
+            if s.key not in dropped:
+                s.wait(deadline)
     finally:
         for s in sides:
             s.abort()
     for s in base_sides:
         if s.status != "done":
             raise RuntimeError(f"HSDP baseline {s.key} failed ({s.status}); see {out_dir}")
+    tft_error = None
+    if t_side is not None and t_side.status != "done":
+        tft_error = f"torchft HSDP side failed: {t_side.error()} (logs {out_dir}/{TFT}-r*.log)"
 
     def measured(step: int) -> bool:  # in a block, and not the block's first step
         return step >= warmup and (step - warmup) % block != 0
@@ -392,21 +576,24 @@ def measure_steady(
     commits = [e for e in events if e["kind"] == "step_commit"]
     ready = {e["gen"]: e.get("members", []) for e in events if e["kind"] == "generation_ready"}
     gens = sorted({e["gen"] for e in commits if e["step"] >= warmup})
+    keys = ["E", *BASELINES] + ([TFT] if t_side is not None and tft_error is None else [])
     out: dict[str, Any] = {
         "step_s": {"E": [e["step_s"] for e in commits if measured(e["step"])]},
         "E_compute_s": [e["compute_s"] for e in commits if measured(e["step"])],
         "E_allreduce_s": [e["allreduce_s"] for e in commits if measured(e["step"])],
         "loss": {"E": {e["step"]: e["loss"] for e in commits}},
         "rss": {"E": read_rss(rss_dir)},
-        "blocks": blocks_out,
+        "blocks": [b for b in blocks_out if b["side"] in keys],
         "e_status": e_side.status,
         "e_gens": gens,
         "e_sizes": {g: len(ready.get(g, [])) for g in gens},
         "e_aborts": sum(1 for e in events if e["kind"] == "step_abort"),
         "dir": out_dir,
         "steps": steps,
+        "keys": keys,
+        "tft_error": tft_error,
     }
-    for key in BASELINES:
+    for key in keys[1:]:
         ranks = [json.loads((out_dir / f"{key}-r{r}.json").read_text()) for r in range(WORKERS)]
         out["step_s"][key] = [x for r in ranks for s, x in enumerate(r["step_s"]) if measured(s)]
         out[f"{key}_last_s"] = [
@@ -418,6 +605,9 @@ def measure_steady(
             for i in range(len(ranks[0]["local_loss"]))
         }
         out["rss"][key] = ranks
+    if TFT in keys:
+        recs = read_jsonl(sorted(out_dir.glob(f"{TFT}-r*.jsonl")))
+        out["T_aborts"] = [r for r in recs if r["kind"] == "abort"]
     return out
 
 
@@ -553,6 +743,309 @@ def reshard_rows(rs: dict[str, Any], full_bytes: int) -> list[list[str]]:
     return rows
 
 
+# ---- 3c. torchft's recovery -------------------------------------------------------------
+
+
+def read_jsonl(paths: list[Path]) -> list[dict[str, Any]]:
+    """The records of JSON-lines files, by time; a torn last line is skipped."""
+    out = []
+    for path in paths:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return sorted(out, key=lambda r: r["t"])
+
+
+def tail_jsonl(paths: list[Path], state: dict[Path, tuple[int, str]]) -> list[dict[str, Any]]:
+    """The records appended to `paths` since the last call (`state`: per file, the
+    offset read so far and a partial last line)."""
+    out = []
+    for path in paths:
+        off, part = state.get(path, (0, ""))
+        try:
+            with open(path) as f:
+                f.seek(off)
+                chunk = f.read()
+                off = f.tell()
+        except OSError:
+            continue
+        *lines, part = (part + chunk).split("\n")
+        state[path] = (off, part)
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def recent_step_s(commit_t: dict[int, float]) -> float:
+    """The median interval between the last ~10 consecutive commits (0.2 s if none)."""
+    ks = sorted(commit_t)[-11:]
+    d = [commit_t[b] - commit_t[a] for a, b in zip(ks, ks[1:], strict=False) if b == a + 1]
+    return statistics.median(d) if d else 0.2
+
+
+def measure_tft_recovery(
+    shape: Shape,
+    kill_step: int,
+    settle: int,
+    out_dir: Path,
+    timeout_s: float,
+    heartbeat_ms: int,
+    replace_delay_s: float = 1.0,
+) -> dict[str, Any]:
+    """One torchft HSDP run (2 groups x 2 ranks, no gate), one SIGKILL of rank
+    TFT_VICTIM[1] of group TFT_VICTIM[0] once `kill_step` steps are committed (plus
+    elastrain's seeded mid-step offset); this loop restarts a group with a dead rank
+    as a whole, `replace_delay_s` after it stopped the group's other ranks (what
+    torchrun --max-restarts does per group in torchft's setup). Stopped once the
+    restarted group committed `settle` steps taking part. Returns every rank's
+    records, the kill, the group stops and spawns, and unexpected deaths."""
+    import torch.distributed as dist
+
+    from elastrain.chaos.schedule import FaultSchedule
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, is_master=True, timeout=dt.timedelta(seconds=300),
+        wait_for_workers=False,
+    )  # fmt: skip
+    lh_port = free_port()
+    url = f"http://127.0.0.1:{lh_port}"
+    groups = WORKERS // SHARDS
+    procs: dict[tuple[int, int], subprocess.Popen[bytes]] = {}
+    all_procs: list[subprocess.Popen[bytes]] = []
+    inc = dict.fromkeys(range(groups), 0)
+    spawns: list[dict[str, Any]] = []
+    downs: list[dict[str, Any]] = []
+    deaths: list[str] = []
+    with open(out_dir / "lighthouse.log", "wb") as logf:
+        lh = subprocess.Popen(
+            lighthouse_argv(lh_port, heartbeat_ms), stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def spawn(g: int, join: bool) -> None:
+        for r in range(SHARDS):
+            argv = tft_argv(
+                shape, store.port, url, g, r, out_dir / f"g{g}r{r}.jsonl", inc[g],
+                ["--join"] if join else [],
+            )  # fmt: skip
+            with open(out_dir / f"g{g}r{r}-i{inc[g]}.log", "wb") as logf:
+                procs[(g, r)] = subprocess.Popen(
+                    argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            all_procs.append(procs[(g, r)])
+        spawns.append({"group": g, "inc": inc[g], "t": time.time(), "join": join})
+
+    # The same first draw as elastrain's recovery run (its fault schedule, seed 0).
+    sched = FaultSchedule([parse_fault(f"kill@{kill_step}:w1")], seed=0)
+    kill: dict[str, Any] = {}
+    due: float | None = None
+    respawn_at: dict[int, float] = {}
+    commit_t: dict[int, float] = {}
+    tails: dict[Path, tuple[int, str]] = {}
+    took: set[int] = set()
+    done = False
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    try:
+        for g in range(groups):
+            spawn(g, join=False)
+        while time.monotonic() < deadline and not done:
+            now = time.monotonic()
+            for r in tail_jsonl(sorted(out_dir.glob("g*r*.jsonl")), tails):
+                if r["kind"] != "commit":
+                    continue
+                commit_t.setdefault(int(r["step"]), float(r["t"]))
+                if kill and r["group"] == TFT_VICTIM[0] and r["inc"] > 0 and r["participating"]:
+                    took.add(int(r["step"]))
+            committed = max(commit_t) + 1 if commit_t else 0
+            if not kill and committed >= kill_step:
+                if due is None:
+                    due = now + sched.offset(recent_step_s(commit_t))
+                elif now >= due:
+                    victim = procs[TFT_VICTIM]
+                    kill = {"t": time.time(), "pid": victim.pid, "committed": committed}
+                    os.kill(victim.pid, signal.SIGKILL)
+            for g in range(groups):
+                if g in respawn_at:
+                    continue
+                exits = {r: procs[(g, r)].poll() for r in range(SHARDS)}
+                if all(rc is None for rc in exits.values()):
+                    continue
+                # A rank is gone: stop the rest of its group, start the group again.
+                for r in range(SHARDS):
+                    if procs[(g, r)].poll() is None:
+                        procs[(g, r)].kill()
+                        procs[(g, r)].wait()
+                dead = {procs[(g, r)].pid: rc for r, rc in exits.items() if rc is not None}
+                downs.append({"group": g, "inc": inc[g], "t": time.time(), "exits": exits})
+                if not kill or kill["pid"] not in dead:
+                    deaths.append(
+                        f"group {g} (incarnation {inc[g]}): ranks exited {exits}: "
+                        + "; ".join(log_tail(out_dir / f"g{g}r{r}-i{inc[g]}.log")
+                                    for r, rc in exits.items() if rc is not None)
+                    )  # fmt: skip
+                respawn_at[g] = now + replace_delay_s
+            for g, at in list(respawn_at.items()):
+                if now >= at:
+                    del respawn_at[g]
+                    inc[g] += 1
+                    spawn(g, join=True)
+            done = len(took) >= settle
+            time.sleep(0.02)  # also how soon a dead rank's group is stopped
+    finally:
+        for proc in all_procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lh.kill()
+        lh.wait()
+    run = {
+        "kill": kill,
+        "spawns": spawns,
+        "downs": downs,
+        "deaths": deaths,
+        "done": done,
+        "wall_s": time.monotonic() - t0,
+        "heartbeat_ms": heartbeat_ms,
+        "replace_delay_s": replace_delay_s,
+    }
+    # What only this loop knows, beside the ranks' records (tft_recovery_figures reads both).
+    (out_dir / "run.json").write_text(json.dumps(run, indent=1))
+    return {**run, "recs": read_jsonl(sorted(out_dir.glob("g*r*.jsonl"))), "dir": out_dir}
+
+
+def tft_recovery_figures(rc: dict[str, Any]) -> dict[str, Any]:
+    """The torchft recovery run's figures from its records (seconds; None where the
+    run did not get there): the survivors' stall, the victim group's restart and
+    heal. A group's step is committed when its last rank logged the commit."""
+    recs, kill = rc["recs"], rc["kill"]
+    gv = TFT_VICTIM[0]
+    out: dict[str, Any] = {"killed": bool(kill)}
+    if not kill:
+        return out
+    tk = float(kill["t"])
+    commits = [r for r in recs if r["kind"] == "commit"]
+    out["step_s_before"] = med([r["step_s"] for r in commits if r["t"] < tk])
+
+    def group_commits(pred: Callable[[dict[str, Any]], bool]) -> list[tuple[float, dict]]:
+        """(time the group committed it, a record) per step, for the records `pred` keeps."""
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for r in commits:
+            if pred(r):
+                by_step.setdefault(int(r["step"]), []).append(r)
+        return sorted((max(x["t"] for x in xs), xs[0]) for xs in by_step.values())
+
+    # The quorum the kill landed in: the newest one any survivor committed in before it.
+    surv = [r for r in commits if r["group"] != gv]
+    q_kill = max((r["quorum"] for r in surv if r["t"] < tk), default=-1)
+    after = group_commits(lambda r: r["group"] != gv and r["t"] > tk)
+    out["next_commit_s"] = after[0][0] - tk if after else None
+    out["next_commit_participants"] = after[0][1]["participants"] if after else None
+    new_q = [(t, r) for t, r in after if r["quorum"] > q_kill]
+    out["new_quorum_s"] = new_q[0][0] - tk if new_q else None
+    t_newq = new_q[0][0] if new_q else math.inf
+    out["survivor_aborts"] = len(
+        {r["step"] for r in recs if r["kind"] == "abort" and r["group"] != gv and tk < r["t"] <= t_newq}
+    )  # fmt: skip
+    downs = [d for d in rc["downs"] if d["group"] == gv and d["t"] >= tk]
+    out["group_stopped_s"] = downs[0]["t"] - tk if downs else None
+    sp = next((s for s in rc["spawns"] if s["group"] == gv and s["join"]), None)
+    out["spawn_s"] = sp["t"] - tk if sp else None
+    if sp is None:
+        return out
+    mine = [r for r in recs if r["group"] == gv and r["inc"] == sp["inc"]]
+
+    def last_of(kind: str) -> float | None:
+        """When the last rank of the restarted group logged its first `kind`."""
+        firsts = {}
+        for r in mine:
+            if r["kind"] == kind:
+                firsts.setdefault(r["rank"], r["t"])
+        return max(firsts.values()) - sp["t"] if len(firsts) == SHARDS else None
+
+    out["imported_s"] = last_of("imported")
+    out["built_s"] = last_of("built")
+    out["ready_s"] = last_of("ready")
+    out["heal_recv_s"] = last_of("heal_recv")
+    out["healed_s"] = last_of("healed")
+    joined = group_commits(
+        lambda r: r["group"] == gv and r["inc"] == sp["inc"] and r["participating"]
+    )
+    out["first_step_s"] = joined[0][0] - sp["t"] if joined else None
+    out["kill_to_trains_s"] = joined[0][0] - tk if joined else None
+    heals = {r["rank"]: r for r in mine if r["kind"] == "heal_recv"}
+    out["heal_bytes"] = {k: int(v["bytes"]) for k, v in sorted(heals.items())}
+    out["heal_seconds"] = {k: v["t"] - v["t0"] for k, v in sorted(heals.items())}
+    out["heal_src"] = {k: v.get("src") for k, v in sorted(heals.items())}
+    # Steps the survivors committed alone: the victim group's share of each was not trained on.
+    t_back = joined[0][0] if joined else math.inf
+    out["alone_steps"] = len(
+        [1 for t, r in after if t < t_back and r["participants"] < WORKERS // SHARDS]
+    )
+    return out
+
+
+def tft_recovery_table(
+    tf: dict[str, Any], rc: dict[str, Any], sizes: dict[str, Any], e: dict[str, Any]
+) -> str:
+    """torchft's recovery beside elastrain's (`e`: kill -> next commit, the
+    replacement's spawn -> first step and kill -> first step, heal bytes and seconds)."""
+    g, r = TFT_VICTIM
+    hb = rc["heartbeat_ms"] / 1000
+
+    def per_rank(d: dict[int, float], f: Callable[[float], str]) -> str:
+        return ", ".join(f"r{k} {f(v)}" for k, v in d.items()) if d else "n/a"
+
+    rows = [
+        ["lighthouse heartbeat timeout / torchft gloo timeout (s)", "",
+         f"{hb:g} / {TFT_PG_TIMEOUT_S:g}"],
+        ["torchft: step_s in this run before the kill (median, all ranks)", "",
+         fmt(tf.get("step_s_before"))],
+        ["kill -> survivors' next committed step (s)", fmt(e.get("total_s")),
+         fmt(tf.get("next_commit_s"))],
+        ["kill -> survivors' first commit in a new quorum, without the victim (s)", "",
+         fmt(tf.get("new_quorum_s"))],
+        ["survivors' steps aborted (not committed) meanwhile", "",
+         str(tf.get("survivor_aborts", "n/a"))],
+        ["kill -> the victim's group stopped by its agent (s)", "",
+         fmt(tf.get("group_stopped_s"))],
+        ["kill -> replacement spawned (s)", fmt(e.get("spawn_s")), fmt(tf.get("spawn_s"))],
+        ["replacement: spawn -> imports done (torch, torchft) (s)", "",
+         fmt(tf.get("imported_s"))],
+        ["replacement: spawn -> its group's gloo world, model and FSDP2 shards built (s)", "",
+         fmt(tf.get("built_s"))],
+        ["replacement: spawn -> ready (elastrain: group built; torchft: manager built) (s)",
+         fmt(e.get("group_s")), fmt(tf.get("ready_s"))],
+        ["replacement: spawn -> heal received (s)", fmt(e.get("healed_s")),
+         fmt(tf.get("heal_recv_s"))],
+        ["replacement: spawn -> first committed step it takes part in (s)",
+         fmt(e.get("first_step_s")), fmt(tf.get("first_step_s"))],
+        ["kill -> the replacement trains (s)", fmt(e.get("kill_to_trains_s")),
+         fmt(tf.get("kill_to_trains_s"))],
+        ["heal: bytes received per replacement rank (MB)", mb(e.get("heal_bytes"), 2),
+         per_rank(tf.get("heal_bytes", {}), lambda v: mb(v, 2))],
+        [f"heal: a shard's state, state / {SHARDS} / full state (MB)",
+         f"{mb(max(sizes['shard']), 2)} / {mb(sizes['full'], 2)}", ""],
+        ["heal: seconds (receiver)", fmt(e.get("heal_s")),
+         per_rank(tf.get("heal_seconds", {}), fmt)],
+        ["survivors' steps committed without the victim group's share of the batch",
+         "none (the resumed step computes all)", str(tf.get("alone_steps", "n/a"))],
+    ]  # fmt: skip
+    return table(
+        [f"recovery: 1 SIGKILL (torchft: rank {r} of group {g})", LABELS["E"], LABELS[TFT]], rows
+    )
+
+
 def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) -> dict[str, Any]:
     """A plain gloo broadcast of `nbytes` between two processes over loopback, `reps`
     times (_jobs/loopback_bcast.py): MB/s per broadcast."""
@@ -589,17 +1082,20 @@ def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) ->
     return {"bytes": got["bytes"], "rates": rates, "seconds": got["seconds"], "fresh": fresh}
 
 
-def torchft_status() -> str:
-    """Whether torchft can be imported here (this benchmark installs nothing)."""
+def torchft_status() -> tuple[bool, str]:
+    """Whether torchft and its lighthouse are installed here (this benchmark installs
+    nothing), and a line saying so."""
     if importlib.util.find_spec("torchft") is None:
-        return "not installed here"
+        return False, f"torchft is not installed here ({TFT_INSTALL})"
+    if not Path(lighthouse_argv(0, 0)[0]).exists():
+        return False, f"torchft is importable but {lighthouse_argv(0, 0)[0]} is missing"
     try:
         from importlib.metadata import version
 
         v = version("torchft")
     except Exception:
         v = "?"
-    return f"torchft {v} is importable, but no torchft side is built in this benchmark yet"
+    return True, f"torchft {v}"
 
 
 # ---- report tables -----------------------------------------------------------------------
@@ -615,8 +1111,10 @@ def mb(nbytes: float | None, nd: int = 1) -> str:
 
 def steady_table(st: dict[str, Any], block: int, blocks: int) -> tuple[str, str, dict]:
     """The steady-state comparison and its per-block detail. Returns the two tables
-    and the derived numbers the targets use."""
-    keys = ["E", *BASELINES]
+    and the derived numbers the targets use. Each baseline's column is followed by
+    elastrain's difference to it; torchft's by its own difference to plain HSDP."""
+    keys = st.get("keys", ["E", *BASELINES])
+    others = keys[1:]
     meds = {k: med(st["step_s"][k]) for k in keys}
     bl = st["blocks"]
     bw = {k: med([(b["t1"] - b["t0"]) / block for b in bl if b["side"] == k]) for k in keys}
@@ -632,13 +1130,17 @@ def steady_table(st: dict[str, Any], block: int, blocks: int) -> tuple[str, str,
         dur = sum(b["t1"] - b["t0"] for b in bl if k in b["idle_cpu_s"])
         idle_share[k] = cpu / dur if dur > 0 else math.nan
     header = ["steady state (4 ranks, interleaved)", LABELS["E"]]
-    for k in BASELINES:
-        header += [LABELS[k], f"elastrain vs {LABELS[k]}"]
+    for k in others:
+        header += [LABELS[k], f"{'elastrain' if k in BASELINES else 'torchft'} vs "
+                   f"{LABELS[k] if k in BASELINES else LABELS['H']}"]  # fmt: skip
 
     def row(name: str, vals: dict[str, float]) -> list[str]:
         r = [name, fmt(vals["E"])]
-        for k in BASELINES:
-            r += [fmt(vals[k]), pct(vals["E"], vals[k])]
+        for k in others:
+            r += [
+                fmt(vals[k]),
+                pct(vals["E"], vals[k]) if k in BASELINES else pct(vals[k], vals["H"]),
+            ]
         return r
 
     rows = [
@@ -646,15 +1148,16 @@ def steady_table(st: dict[str, Any], block: int, blocks: int) -> tuple[str, str,
         row("wall per step, median over blocks (s)", bw),
         row("CPU s per step, all processes of the side (median over blocks)", cps),
         ["step_s samples (ranks x steps)", str(len(st["step_s"]["E"]))]
-        + [x for k in BASELINES for x in (str(len(st["step_s"][k])), "")],
+        + [x for k in others for x in (str(len(st["step_s"][k])), "")],
         ["elastrain compute_s / twins' all-reduce_s (median)",
          f"{fmt(med(st['E_compute_s']))} / {fmt(med(st['E_allreduce_s']))}"]
-        + ["", ""] * len(BASELINES),
-        ["HSDP last micro-batch (fwd+bwd+reduce) / optimizer (median)", ""]
-        + [x for k in BASELINES
+        + ["", ""] * len(others),
+        ["HSDP last micro-batch (fwd+bwd+reduce) / optimizer (torchft: with should_commit) "
+         "(median)", ""]
+        + [x for k in others
            for x in (f"{fmt(med(st[f'{k}_last_s']))} / {fmt(med(st[f'{k}_opt_s']))}", "")],
         ["CPU used while idle, waiting its turn (% of a core)", fmt(idle_share["E"] * 100, 1)]
-        + [x for k in BASELINES for x in (fmt(idle_share[k] * 100, 1), "")],
+        + [x for k in others for x in (fmt(idle_share[k] * 100, 1), "")],
     ]  # fmt: skip
     per_block = table(
         ["block", "side", "wall per step (s)", "CPU s per step", "load avg (1 min)"],
@@ -680,7 +1183,7 @@ def rss_table(rss: dict[str, list[dict[str, Any]]], sizes: dict[str, Any]) -> tu
         ["after the imports, before the model (MB)"] + [mb(kb(k, "rss_imports_kb")) for k in keys],
         ["after building the full model (MB)"] + [mb(kb(k, "rss_built_kb")) for k in keys],
         ["HSDP: after fully_shard (AdamW's moments come at the first step) (MB)"]
-        + [mb(kb(k, "rss_sharded_kb")) if k in BASELINES else "" for k in keys],
+        + [mb(kb(k, "rss_sharded_kb")) if k in PROC_KEYS else "" for k in keys],
         ["at the end (MB)"] + [mb(kb(k, "rss_end_kb")) for k in keys],
         ["peak, VmHWM: median over ranks (MB)"] + [mb(kb(k, "hwm_kb")) for k in keys],
         ["peak, VmHWM: max over ranks (MB)"] + [mb(kb(k, "hwm_kb", max)) for k in keys],
@@ -764,6 +1267,15 @@ def recovery_tables(
         "lb_fresh": lb_fresh,
         "healed": h is not None,
         "committed": j is not None and j.first_step_s is not None,
+        # For the torchft table: the replacement's timeline from the kill and its spawn.
+        "spawn_s": j.spawned_t - r.t0 if j and r else None,
+        "group_s": j.group_s if j else None,
+        "healed_s": j.healed_s if j else None,
+        "first_step_s": j.first_step_s if j else None,
+        "kill_to_trains_s": (
+            j.spawned_t - r.t0 + j.first_step_s if j and r and j.first_step_s is not None else None
+        ),
+        "heal_s": float(h["seconds"]) if h else None,
     }
     return t1, t2, derived
 
@@ -790,6 +1302,11 @@ def main() -> int:
         "--settle", type=int, default=3, help="steps the replacement's generation commits (3)"
     )
     ap.add_argument("--bcast-reps", type=int, default=None, help="loopback broadcasts (10; 3)")
+    ap.add_argument(
+        "--tft-heartbeat-ms", type=int, default=TFT_HEARTBEAT_MS,
+        help=f"torchft lighthouse heartbeat timeout ({TFT_HEARTBEAT_MS}: its default)",
+    )  # fmt: skip
+    ap.add_argument("--no-torchft", action="store_true", help="leave torchft's side out")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
     q = args.quick
@@ -837,6 +1354,10 @@ def main() -> int:
     )
     import torch
 
+    tft_ok, tft_line = torchft_status()
+    if args.no_torchft:
+        tft_ok, tft_line = False, f"{tft_line}; left out (--no-torchft)"
+    log(f"torchft: {tft_line}" + ("" if tft_ok else ": no torchft side"))
     sizes = state_bytes(shape, SHARDS)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = HERE / "runs" / f"sharded-{stamp}"
@@ -851,13 +1372,15 @@ def main() -> int:
     anomalies: list[str] = []
 
     # ---- 1. steady state -----------------------------------------------------------------
-    log(f"steady state: {', '.join(LABELS[k] for k in ('H', 'E', *list(BASELINES)[1:]))} "
+    side_keys = ["H", "E", *list(BASELINES)[1:]] + ([TFT] if tft_ok else [])
+    log(f"steady state: {', '.join(LABELS[k] for k in side_keys)} "
         f"together, {warmup} warm-up steps, then {blocks} blocks of {block} steps each")  # fmt: skip
     t = time.monotonic()
     try:
         st = measure_steady(
-            shape, warmup, block, blocks, base / "steady", timeout_s=300 if q else 900
-        )
+            shape, warmup, block, blocks, base / "steady", timeout_s=300 if q else 900,
+            tft_heartbeat_ms=args.tft_heartbeat_ms if tft_ok else None,
+        )  # fmt: skip
     except (RuntimeError, TimeoutError) as err:
         print(f"\nFATAL: steady-state comparison failed: {err}; nothing recorded.")
         load.stop()
@@ -876,7 +1399,14 @@ def main() -> int:
             f"{st['e_gens']}, sizes {st['e_sizes']}, aborts {st['e_aborts']} ({st['dir']})"
         )
     n_meas = WORKERS * blocks * (block - 1)
-    for k in ["E", *BASELINES]:
+    if st["tft_error"]:
+        anomalies.append(st["tft_error"])
+    if st.get("T_aborts"):
+        anomalies.append(
+            f"torchft HSDP: {len(st['T_aborts'])} step(s) not committed in the failure-free "
+            f"steady state, e.g. {st['T_aborts'][0].get('error')} ({st['dir']})"
+        )
+    for k in st["keys"]:
         if len(st["step_s"][k]) != n_meas:
             anomalies.append(f"{LABELS[k]}: {len(st['step_s'][k])} step_s samples, not {n_meas}")
         if len(st["rss"][k]) != WORKERS:
@@ -895,12 +1425,27 @@ def main() -> int:
             f"elastrain and HSDP losses differ by {loss_dev:.1e} (relative) within the first "
             f"{agree} steps: the sides do not train the same thing ({st['dir']})"
         )
+    tft_loss_dev = (
+        max(
+            abs(st["loss"][TFT].get(i, math.nan) - st["loss"]["H"].get(i, math.nan))
+            / abs(st["loss"]["H"].get(i, math.nan))
+            for i in range(agree)
+        )
+        if TFT in st["keys"]
+        else None
+    )
+    if tft_loss_dev is not None and not tft_loss_dev <= 1e-4:
+        anomalies.append(
+            f"torchft HSDP and HSDP losses differ by {tft_loss_dev:.1e} (relative) within "
+            f"the first {agree} steps: they do not train the same thing ({st['dir']})"
+        )
     t_steady, t_blocks, sd = steady_table(st, block, blocks)
     meds = sd["meds"]
     overhead = meds["E"] / meds["H"] - 1 if meds["H"] > 0 else math.nan
     log(f"steady state done in {steady_wall:.0f} s: median step_s "
         + ", ".join(f"{LABELS[k]} {fmt(v)}" for k, v in meds.items())
-        + f"; elastrain vs HSDP {overhead * 100:+.1f}%")  # fmt: skip
+        + f"; elastrain vs HSDP {overhead * 100:+.1f}%"
+        + (f"; torchft HSDP vs HSDP {pct(meds[TFT], meds['H'])}" if TFT in meds else ""))  # fmt: skip
 
     # ---- 2. the replicated job's RSS, for reference -----------------------------------------
     rep_steps = 2 if q else 4
@@ -972,8 +1517,43 @@ def main() -> int:
     r_rows = reshard_rows(rsh, sizes["full"])
     t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
 
-    # ---- 4. torchft ------------------------------------------------------------------------
-    tft = torchft_status()
+    # ---- 3c. torchft's recovery ------------------------------------------------------------
+    tf: dict[str, Any] = {}
+    t_tft = ""
+    tft_rec_line = "not run: " + tft_line
+    if tft_ok:
+        log(f"torchft recovery run: SIGKILL of rank {TFT_VICTIM[1]} of replica group "
+            f"{TFT_VICTIM[0]} at step {args.kill_step}, lighthouse heartbeat timeout "
+            f"{args.tft_heartbeat_ms} ms, the group restarted 1 s after it stopped")  # fmt: skip
+        try:
+            rt = measure_tft_recovery(
+                shape, args.kill_step, args.settle, base / "tft-kill",
+                timeout_s=300 if q else 420, heartbeat_ms=args.tft_heartbeat_ms,
+            )  # fmt: skip
+        except Exception as err:  # torchft's failure is a result to report, not a crash
+            anomalies.append(f"torchft recovery run failed: {type(err).__name__}: {err}")
+            rt = None
+        if rt is not None:
+            tf = tft_recovery_figures(rt)
+            log(f"torchft recovery run {'done' if rt['done'] else 'did NOT finish'} in "
+                f"{rt['wall_s']:.1f} s ({rt['dir']})")  # fmt: skip
+            anomalies += [f"torchft recovery run: {d}" for d in rt["deaths"]]
+            if not rt["kill"]:
+                anomalies.append(f"torchft recovery run: the kill was not injected ({rt['dir']})")
+            elif not rt["done"]:
+                anomalies.append(
+                    f"torchft recovery run: the restarted group did not commit {args.settle} "
+                    f"steps in time ({rt['dir']})"
+                )
+            t_tft = tft_recovery_table(tf, rt, sizes, {**rd, "step_s": meds["E"]})
+            tft_rec_line = (
+                f"kill -> survivors' next commit {fmt(tf.get('next_commit_s'))} s (new quorum "
+                f"{fmt(tf.get('new_quorum_s'))} s) at a {args.tft_heartbeat_ms / 1000:g} s "
+                f"heartbeat timeout; restarted group trains {fmt(tf.get('kill_to_trains_s'))} s "
+                f"after the kill, healed "
+                + (", ".join(mb(v, 2) for v in tf.get("heal_bytes", {}).values()) or "n/a")
+                + " MB per rank"
+            )
     runtime = time.monotonic() - t_start
 
     # ---- report ------------------------------------------------------------------------------
@@ -1008,7 +1588,12 @@ def main() -> int:
             ["reshard time and bytes moved (no threshold set)",
              "; ".join(f"{r[1]}: {r[3]} in {r[4]}" for r in r_rows) or "no reshard seen",
              "report"],
-            ["torchft HSDP beside ours", tft, "n/a"],
+            ["torchft HSDP beside ours (no threshold set)",
+             (f"step_s {fmt(meds[TFT])} s ({pct(meds[TFT], meds['H'])} vs HSDP; elastrain "
+              f"{pct(meds['E'], meds[TFT])} vs torchft); " if TFT in meds
+              else f"steady state: {st['tft_error'] or 'not run: ' + tft_line}; ")
+             + "recovery: " + tft_rec_line,
+             "report"],
         ],
     )  # fmt: skip
     notes = [
@@ -1026,7 +1611,8 @@ def main() -> int:
         "(float64 reduce-scatter after every micro-batch, one float64 all-reduce across "
         "the groups per step) alive together, taking turns: "
         f"{warmup} warm-up steps each (excluded), then {blocks} blocks of {block} steps per "
-        "side in the order H E F | F E H | ...; an idle side waits between steps. step_s "
+        f"side in the order {' '.join(side_keys)} | {' '.join(side_keys[::-1])} | ...; an "
+        "idle side waits between steps. step_s "
         "medians leave out the first step of every block on every side. The overhead target "
         "is judged against plain HSDP. Same computation on every side: the per-step losses "
         f"agree within {loss_dev:.0e} (relative) over the first {agree} steps. "
@@ -1050,14 +1636,42 @@ def main() -> int:
         f"state size broadcast between 2 processes over gloo, {reps} times after a warm-up, "
         "right after the recovery run; the heal rate is the receiver's heal_end rate (payload "
         "bytes / the whole heal call: manifest, seals, verdicts)",
-        f"torchft: {tft}",
+        f"torchft: {tft_line}. "
+        + (
+            "T (torchft HSDP): _jobs/torchft_hsdp_gpt.py, 2 replica groups x 2 ranks; each "
+            "group a gloo world of its own with fully_shard on its 1-D shard mesh; across the "
+            "groups a torchft lighthouse (min_replicas 1, quorum tick 100 ms, join timeout "
+            f"10 s, heartbeat timeout {args.tft_heartbeat_ms} ms), a torchft.Manager per rank "
+            f"(ProcessGroupGloo, timeout {TFT_PG_TIMEOUT_S:g} s; manager timeout 30 s), each "
+            "FSDP module's all-reduce hook averaging over ManagedProcessGroup(manager), "
+            "torchft.Optimizer around AdamW, init_sync off (same seeded weights), HTTP "
+            "healing. Gated and interleaved with the other sides. "
+            + (
+                f"Its losses agree with HSDP's within {tft_loss_dev:.0e} (relative) over the "
+                f"first {agree} steps. "
+                if tft_loss_dev is not None
+                else ""
+            )
+            + f"Recovery run: rank {TFT_VICTIM[1]} of group {TFT_VICTIM[0]} SIGKILLed at "
+            f"kill@{args.kill_step} (elastrain's seeded mid-step offset); the benchmark, as the "
+            "group's agent (torchrun --max-restarts per group in torchft's own setup), stops "
+            "the group's other rank within ~20 ms and starts the group again 1 s later; it "
+            "heals from the other group (rank r from rank r). Heal bytes: tensor bytes of "
+            "the state torchft's HTTP transport delivered, counted by the job script. "
+            "Survivors commit steps over their own share of the batch while alone (torchft's "
+            "DYNAMIC world size): the rest of those steps' samples are not trained on"
+            if tft_ok
+            else "no torchft side"
+        ),
         f"machine load (1-min load average, {cores} cores): {load0:.1f} at the start, "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark, "
         f"{load.mean(t_kill0, t_kill0 + rc['wall_s']):.1f} during the recovery run",
         f"total benchmark runtime {runtime:.0f} s",
     ]
     load.stop()
-    text = "\n\n".join([targets, t_steady, t_blocks, t_rss, t_rec, t_join, t_reshard])
+    text = "\n\n".join(
+        [targets, t_steady, t_blocks, t_rss, t_rec, t_join, t_reshard] + ([t_tft] if t_tft else [])
+    )
     print()
     print(text)
     print()
@@ -1101,6 +1715,7 @@ def main() -> int:
             "",
             t_reshard,
             "",
+            *(["torchft HSDP's recovery beside elastrain's:", "", t_tft, ""] if t_tft else []),
             "Per kill (seconds; t0 from job start):",
             "",
             "```",

@@ -1,0 +1,314 @@
+"""Evaluation that fits the step protocol (issue 17): the pure parts in-process
+(the split, the exact reduction, the protocol's EVALUATE phase, the waits), and
+one job with a member killed in the middle of an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastrain.control import protocol as p
+from elastrain.observe.ledger import check_same_state
+from elastrain.runtime import member as m
+from elastrain.runtime.evaluate import (
+    SAMPLES,
+    EvalProblem,
+    EvalResult,
+    EvalTable,
+    eval_batches,
+    eval_due,
+    eval_wait_timeout,
+    hand_over,
+    metric_values,
+    my_batches,
+    pause_timeout,
+)
+from elastrain.runtime.group import build_group
+
+from .conftest import Job
+from .test_loop import LOOP, LOOP_ARGS, STEPS, _agree, _records, _same_curve
+from .test_protocol import G, joined, ready
+
+# ---------------------------------------------------------------- the split
+
+
+def test_batches_are_fixed_by_the_set_and_cover_it_once() -> None:
+    batches = eval_batches(203, 16)
+    assert [len(b) for b in batches] == [16] * 12 + [11]
+    assert [i for b in batches for i in b] == list(range(203))
+    for members in (1, 2, 3, 5, 13, 20):
+        blocks = [my_batches(len(batches), members, r) for r in range(members)]
+        assert sorted(b for blk in blocks for b in blk) == list(range(len(batches)))
+        assert all(blk == list(range(blk[0], blk[-1] + 1)) for blk in blocks if blk)
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+
+
+def test_evaluations_are_due_every_k_steps_and_after_the_last() -> None:
+    assert [n for n in range(0, 26) if eval_due(n, 10, 25)] == [10, 20, 25]
+    assert not any(eval_due(n, 0, 25) for n in range(26))
+    assert [n for n in range(0, 21) if eval_due(n, 10, 20)] == [10, 20]
+
+
+# ---------------------------------------------------------------- the reduction
+
+# Per-batch values chosen so that the order of float additions matters: summed in
+# another grouping (each member's partial sum first, then across members) they give
+# other bits; the evaluation's result must not.
+VALUES = [1e16, 1.0, -1e16, 3.0, 0.1, 2.5e-8, 7.0, -0.3, 1e-300, 5.0, 1e15, -1e15, 0.7]
+
+
+def _evaluate_with(members: int) -> tuple[dict[str, float], int]:
+    """What `members` members get: each fills its block's rows, the all-reduce adds
+    the tables (in rank order, like any order), each reduces."""
+    batches = eval_batches(len(VALUES) * 4, 4)
+    tables = []
+    for r in range(members):
+        t = EvalTable(("err", "hits"), batches)
+        for b in my_batches(len(batches), members, r):
+            t.fill(b, {"hits": float(b % 3), "err": VALUES[b]})
+        tables.append(t)
+    summed = tables[0].table.clone()
+    for t in tables[1:]:
+        summed += t.table
+    results = []
+    for t in tables:
+        t.table.copy_(summed)
+        got = t.reduce()
+        assert not isinstance(got, str), got
+        results.append(got)
+    assert all(json.dumps(r) == json.dumps(results[0]) for r in results)
+    return results[0]
+
+
+def test_the_result_does_not_depend_on_the_membership() -> None:
+    one = _evaluate_with(1)
+    for members in (2, 3, 5, 13):
+        assert json.dumps(_evaluate_with(members)) == json.dumps(one)
+    sums, samples = one
+    assert samples == len(VALUES) * 4
+    assert sums["err"] == math.fsum(VALUES) and sums["hits"] == sum(b % 3 for b in range(13))
+
+    # The same values summed per member first and then across (what a reduction of
+    # each member's own totals would do) give another answer for some membership:
+    # the test above would catch a reduction that did that.
+    def per_member(members: int) -> float:
+        parts = [
+            sum(VALUES[b] for b in my_batches(len(VALUES), members, r)) for r in range(members)
+        ]
+        return sum(parts)
+
+    assert len({per_member(k) for k in (1, 2, 3, 5)}) > 1
+
+
+def test_a_batch_computed_twice_or_never_is_not_a_result() -> None:
+    batches = eval_batches(8, 4)
+    a, b = EvalTable(("x",), batches), EvalTable(("x",), batches)
+    a.fill(0, {"x": 1.0})
+    b.fill(0, {"x": 1.0})  # both think they own batch 0; nobody computed batch 1
+    a.table += b.table
+    problem = a.reduce()
+    assert isinstance(problem, str) and "batch 0 counted 8 samples, expected 4" in problem
+
+
+def test_members_with_other_metric_names_is_an_error_not_a_sum() -> None:
+    batches = eval_batches(8, 4)
+    a, b = EvalTable(("loss",), batches), EvalTable(("lost",), batches)
+    a.fill(0, {"loss": 1.0})
+    b.fill(1, {"lost": 2.0})
+    a.table += b.table
+    with pytest.raises(EvalProblem, match="different metric names"):
+        a.reduce()
+    with pytest.raises(EvalProblem, match="same names for every batch"):
+        a.fill(1, {"loss": 1.0, "extra": 2.0})
+
+
+def test_metric_values_are_float64_numbers_with_clear_errors() -> None:
+    got = metric_values(
+        {"a": torch.tensor(0.1, dtype=torch.float32), "b": 3, "c": torch.tensor([2.5])}
+    )
+    assert got == {"a": float(torch.tensor(0.1, dtype=torch.float32)), "b": 3.0, "c": 2.5}
+    with pytest.raises(EvalProblem, match="3 elements"):
+        metric_values({"a": torch.ones(3)})
+    with pytest.raises(EvalProblem, match="own count"):
+        metric_values({SAMPLES: 1.0})
+    with pytest.raises(EvalProblem, match="non-empty dict"):
+        metric_values(torch.tensor(1.0))
+    with pytest.raises(EvalProblem, match="is a str"):
+        metric_values({"a": "1.0"})
+
+
+def test_a_result_travels_as_json_bit_for_bit() -> None:
+    r = EvalResult(30, {"a": 0.1 + 0.2, "b": 5e-324, "c": math.inf, "d": -0.0}, 200)
+    back = EvalResult.from_json(json.loads(json.dumps(r.to_json())))
+    assert back is not None
+    assert {k: v.hex() for k, v in back.sums.items()} == {k: v.hex() for k, v in r.sums.items()}
+    assert back.step == 30 and back.samples == 200 and back.means["a"] == r.sums["a"] / 200
+    assert EvalResult.from_json(None) is None
+
+
+# ---------------------------------------------------------------- the hand-over
+
+
+def _on_group(size: int, body: Callable[[Any, int], Any]) -> list[Any]:
+    """``body(pg, rank)`` on each rank of a real gloo group of `size` threads."""
+    store = dist.HashStore()
+    out: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            pg = build_group(
+                store, "ev", rank, size, host="127.0.0.1", connect_timeout_s=20, op_timeout_s=20
+            )
+            out[rank] = body(pg, rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test
+            errors.append(e)
+
+    ts = [threading.Thread(target=member, args=(r,)) for r in range(size)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def _run(pg: Any) -> Callable[..., None]:
+    def run(tensors: list[torch.Tensor], post: Any) -> None:
+        (post(tensors) if post is not None else pg.allreduce(tensors)).wait()
+
+    return run
+
+
+def test_a_result_some_member_holds_is_handed_to_all() -> None:
+    r = EvalResult(10, {"sq": 0.1 + 0.2, "n_big": 3.0, "tiny": 5e-324}, 200)
+    # Ranks 1 and 2 completed the table's all-reduce before their peer lost the
+    # generation (or were healed with the result); rank 0 did not.
+    held = [None, r, r]
+    got = _on_group(3, lambda pg, rank: hand_over(pg, _run(pg), held[rank], 10, rank, 3))
+    assert all(g is not None for g in got)
+    assert {json.dumps(g.to_json()) for g in got} == {json.dumps(r.to_json())}
+    # Nobody holds it: every member computes (None everywhere, no broadcast).
+    got = _on_group(2, lambda pg, rank: hand_over(pg, _run(pg), None, 10, rank, 2))
+    assert got == [None, None]
+
+
+# ---------------------------------------------------------------- the waits
+
+
+def test_the_waits_between_steps_are_not_the_step_watchdog() -> None:
+    # A 10-minute evaluation share: the wait allows a peer 8x slower than this member,
+    # on top of the step timeout; a short one still detects a hang in seconds.
+    assert eval_wait_timeout(600.0, 3.0, 8.0) == 3.0 + 4800.0
+    assert eval_wait_timeout(0.1, 3.0, 8.0) == pytest.approx(3.8)
+    # A pause where only the leader works: the others waited ~0 s themselves.
+    assert pause_timeout(0.0, 3.0, 8.0, 60.0) == 60.0
+    assert pause_timeout(100.0, 3.0, 8.0, 60.0) == 803.0
+
+
+# ---------------------------------------------------------------- the protocol
+
+
+def _commit(proto: m.MemberProtocol) -> m.Action:
+    proto.advance(m.Computed())
+    proto.advance(m.VerdictSeen(p.Verdict.PROCEED, 1, 1))
+    proto.advance(m.Reduced(G))
+    return proto.advance(m.Applied(proto.committed + 1, 0.0))
+
+
+def test_the_evaluation_follows_the_commit_that_reaches_its_count() -> None:
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    proto.eval_every = 2
+    joined(proto)
+    assert _commit(proto).do is m.Do.COMPUTE
+    a = _commit(proto)
+    assert a.do is m.Do.EVALUATE and a.step == 2 and a.members == ("a", "b") and a.rank == 0
+    assert proto.advance(m.Evaluated()).do is m.Do.COMPUTE
+    assert _commit(proto).do is m.Do.COMPUTE  # count 3
+    assert _commit(proto).do is m.Do.EVALUATE  # count 4
+    assert proto.advance(m.Evaluated()).do is m.Do.COMPUTE
+    a = _commit(proto)
+    assert a.do is m.Do.EVALUATE and a.step == 5  # the last step
+    assert proto.advance(m.Evaluated()).do is m.Do.FINISH
+
+
+def test_a_failed_evaluation_is_redone_by_the_next_generation() -> None:
+    proto = m.MemberProtocol("a", total_steps=10, global_batch_size=G)
+    proto.eval_every = 1
+    joined(proto)
+    a = _commit(proto)
+    assert a.do is m.Do.EVALUATE
+    a = proto.advance(m.EvalAborted(m.AbortPhase.EVAL, "connection closed"))
+    assert a.do is m.Do.ABANDON and a.phase is m.AbortPhase.EVAL and a.step == 1
+    assert proto.advance(m.Abandoned()).do is m.Do.RENDEZVOUS
+    # The new generation: a replacement "c" is healed to count 1, then all evaluate.
+    proto.advance(ready(2, ("a", "c"), {"a": 1, "c": 0}))
+    a = proto.advance(m.Connected())
+    assert a.do is m.Do.HEAL and a.receivers == (1,)
+    a = proto.advance(m.Healed(1))
+    assert a.do is m.Do.EVALUATE and a.gen == 2 and a.members == ("a", "c") and a.step == 1
+
+
+def test_no_evaluation_when_preempted_or_not_asked() -> None:
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    joined(proto)
+    assert _commit(proto).do is m.Do.COMPUTE  # eval_every 0
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    proto.eval_every = 1
+    joined(proto)
+    proto.advance(m.Computed())
+    proto.advance(m.VerdictSeen(p.Verdict.PROCEED, 1, 1, preempt_s=30.0))
+    proto.advance(m.Reduced(G))
+    assert proto.advance(m.Applied(1, 30.0)).do is m.Do.EMERGENCY_CHECKPOINT
+    with pytest.raises(m.ProtocolError):
+        proto.advance(m.Evaluated())
+
+
+# ---------------------------------------------------------------- a job
+
+
+def test_an_evaluation_with_a_member_killed_in_it_equals_the_failure_free_one(
+    run_job: Callable[..., Job], loop_reference: Job
+) -> None:
+    # 2 workers; w1 dies after its first batch of the evaluation after step index 9
+    # (count 10). --min 2: the survivor waits for the replacement w2, which is healed
+    # and evaluates with it. The reference ran 3 workers without a failure.
+    job = run_job(
+        script=LOOP,
+        script_args=LOOP_ARGS,
+        steps=STEPS,
+        workers=2,
+        min_workers=2,
+        name="evalkill",
+        points=[{"member": "w1", "step": 9, "phase": "eval", "action": "kill"}],
+    )
+    assert job.result.status == "done", job.result.message
+    assert check_same_state(job.events) == []
+    assert job.of("fault_injected", proc="w1", phase="eval")
+    recs = _records(job)
+    ref = _agree(_records(loop_reference), STEPS)
+    got = _agree(recs, STEPS)
+    evals = {s: r["eval"] for s, r in got.items() if "eval" in r}
+    assert sorted(evals) == [9, 19, 29]
+    assert evals == {s: ref[s]["eval"] for s in evals}
+    # Everything else the loop logged (learning rate, state hash, grad norm) too.
+    assert json.dumps(got) == json.dumps(ref)
+    _same_curve(loop_reference, job)
+    # w0 evaluated count 10 in two generations: the first lost w1, the second (with
+    # the healed replacement) computed it and both ended it.
+    begun = {e["gen"] for e in job.of("eval_begin", proc="w0", step=10)}
+    assert len(begun) == 2
+    assert job.of("step_abort", proc="w0", step=10)
+    ends = job.of("eval_end", step=10)
+    assert {e["proc"] for e in ends} == {"w0", "w2"}
+    assert {e["gen"] for e in ends} == {max(begun)} and all(e["computed"] for e in ends)
+    assert 9 in recs["w0"] and min(recs["w2"]) >= 10
+    assert not job.of("watchdog_fired")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +18,11 @@ import torch
 import torch.distributed as dist
 
 from elastrain.control import protocol as p
+from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_same_state
 from elastrain.runtime import member as m
+from elastrain.runtime.config import TrainerConfig, WorkerEnv
+from elastrain.runtime.engine import StepEngine
 from elastrain.runtime.evaluate import (
     SAMPLES,
     EvalProblem,
@@ -35,7 +40,7 @@ from elastrain.runtime.group import build_group
 
 from .conftest import Job
 from .test_loop import LOOP, LOOP_ARGS, STEPS, _agree, _records, _same_curve
-from .test_protocol import G, joined, ready
+from .test_protocol import FakeBackend, FakeCoordinator, G, joined, ready
 
 # ---------------------------------------------------------------- the split
 
@@ -214,6 +219,81 @@ def test_the_waits_between_steps_are_not_the_step_watchdog() -> None:
     assert pause_timeout(100.0, 3.0, 8.0, 60.0) == 803.0
 
 
+# ---------------------------------------------------------------- pauses
+
+
+def _paused_engines(tmp: Path) -> list[StepEngine]:
+    """Two members' engines in generation 1 at count 5, on a real gloo group, with a
+    step watchdog of 0.5 s (what a peer's pause would otherwise run into)."""
+    cfg = TrainerConfig(
+        global_batch_size=G,
+        micro_batch_size=2,
+        total_steps=10,
+        hang_timeout_floor_s=0.5,
+        initial_hang_timeout_s=0.5,
+    )
+    groups = _on_group(2, lambda pg, rank: pg)
+    engines = []
+    for rank, who in enumerate(("a", "b")):
+        e = StepEngine(
+            FakeBackend(),  # type: ignore[arg-type]
+            list(range(64)),
+            lambda xs: xs,
+            cfg,
+            WorkerEnv(member=who, run_dir=str(tmp / who), token="t"),
+            client=FakeCoordinator(who, []),  # type: ignore[arg-type]
+        )
+        e._pg = groups[rank]
+        e.proto.gen, e.proto.members, e.proto.rank = 1, ("a", "b"), rank
+        e.proto.committed, e.proto.in_group = 5, True
+        engines.append(e)
+    assert engines[0].hang.timeout_s == 0.5
+    return engines
+
+
+def _both(engines: list[StepEngine], work: Callable[[int], None]) -> None:
+    def member(rank: int) -> None:
+        with_pause = time.monotonic()
+        work(rank)
+        engines[rank].pause_barrier(with_pause, None)
+
+    ts = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+
+
+def test_a_pause_longer_than_the_step_watchdog_keeps_the_generation(tmp_path: Path) -> None:
+    engines = _paused_engines(tmp_path)
+    t0 = time.monotonic()
+    # Only the leader works (1.5 s, three times the step watchdog's timeout); the other
+    # member's pause is empty and it waits at the end of it.
+    _both(engines, lambda rank: time.sleep(1.5) if rank == 1 else None)
+    assert time.monotonic() - t0 >= 1.5
+    assert [e._broken for e in engines] == [None, None]
+    for who in ("a", "b"):
+        assert not [e for e in read_events(tmp_path / who) if e["kind"] == "watchdog_fired"]
+    # Entered after different steps (a pause decided by the rank would pair with a
+    # step's all-reduce; here both pause, one step apart): the next step regroups.
+    engines[1].proto.committed = 6
+    _both(engines, lambda rank: None)
+    assert all(e._broken and "after the same step" in e._broken for e in engines)
+    # A peer that never ends its pause (hung, heartbeat alive) is found at the bound.
+    engines[1].proto.committed = 5
+    for e in engines:
+        e._broken = None
+    engines[0].pause_barrier(time.monotonic(), 0.3)
+    assert engines[0]._broken and "did not finish in 0.30s" in engines[0]._broken
+    fired = [e for e in read_events(tmp_path / "a") if e["kind"] == "watchdog_fired"]
+    assert [e["during"] for e in fired] == ["pause"]
+    engines[1].pause_barrier(time.monotonic(), 5.0)  # ends rank 0's abandoned all-reduce
+    for e in engines:
+        for t in e.waiter.blocked():
+            t.join(10)
+        e.events.close()
+
+
 # ---------------------------------------------------------------- the protocol
 
 
@@ -257,6 +337,19 @@ def test_a_failed_evaluation_is_redone_by_the_next_generation() -> None:
     assert a.do is m.Do.EVALUATE and a.gen == 2 and a.members == ("a", "c") and a.step == 1
 
 
+def test_a_failed_evaluation_after_the_last_step_is_redone_before_finishing() -> None:
+    proto = m.MemberProtocol("a", total_steps=1, global_batch_size=G)
+    proto.eval_every = 5
+    joined(proto)
+    assert _commit(proto).do is m.Do.EVALUATE
+    proto.advance(m.EvalAborted(m.AbortPhase.SUPERSEDED, "b died"))
+    assert proto.advance(m.Abandoned()).do is m.Do.RENDEZVOUS
+    proto.advance(ready(2, ("a",), {"a": 1}))
+    assert proto.advance(m.Connected()).do is m.Do.HEAL
+    assert proto.advance(m.Healed(1)).do is m.Do.EVALUATE
+    assert proto.advance(m.Evaluated()).do is m.Do.FINISH
+
+
 def test_no_evaluation_when_preempted_or_not_asked() -> None:
     proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
     joined(proto)
@@ -297,18 +390,23 @@ def test_an_evaluation_with_a_member_killed_in_it_equals_the_failure_free_one(
     ref = _agree(_records(loop_reference), STEPS)
     got = _agree(recs, STEPS)
     evals = {s: r["eval"] for s, r in got.items() if "eval" in r}
-    assert sorted(evals) == [9, 19, 29]
+    assert sorted(evals) == [10, 20] and all(e["step"] == s for s, e in evals.items())
     assert evals == {s: ref[s]["eval"] for s in evals}
+    finals = {f.name: f.read_text() for f in (job.run_dir / "final").glob("*.eval.json")}
+    ref_final = (loop_reference.run_dir / "final" / "w0.eval.json").read_text()
+    assert sorted(finals) == ["w0.eval.json", "w2.eval.json"]
+    assert set(finals.values()) == {ref_final} and json.loads(ref_final)["step"] == STEPS
     # Everything else the loop logged (learning rate, state hash, grad norm) too.
     assert json.dumps(got) == json.dumps(ref)
     _same_curve(loop_reference, job)
     # w0 evaluated count 10 in two generations: the first lost w1, the second (with
-    # the healed replacement) computed it and both ended it.
+    # the healed replacement) computed it and both ended it; the step that followed
+    # carried it on both.
     begun = {e["gen"] for e in job.of("eval_begin", proc="w0", step=10)}
     assert len(begun) == 2
     assert job.of("step_abort", proc="w0", step=10)
     ends = job.of("eval_end", step=10)
     assert {e["proc"] for e in ends} == {"w0", "w2"}
     assert {e["gen"] for e in ends} == {max(begun)} and all(e["computed"] for e in ends)
-    assert 9 in recs["w0"] and min(recs["w2"]) >= 10
+    assert min(recs["w2"]) == 10 and recs["w2"][10]["eval"] == recs["w0"][10]["eval"]
     assert not job.of("watchdog_fired")

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -150,8 +150,10 @@ class StepResult:
     skipped: SkipReason | None = None
     """Not None: the step committed without updating the state (and why)."""
     evaluation: EvalResult | None = None
-    """The evaluation of the model after this step, when one was due
-    (`ElasticTrainer.evaluate_every`); the same on every member."""
+    """The evaluation of the model this step started from (after `step` committed
+    steps and the loop's code for the last of them), when one was due there
+    (`ElasticTrainer.evaluate_every`): ``evaluation.step == step``. The same on every
+    member. The one after the last step: `last_evaluation`."""
 
 
 def dist_errors() -> type[BaseException]:
@@ -175,10 +177,6 @@ class GroupFactory(Protocol):
 
 
 HealFn = Callable[..., tuple[dict[str, Any], Any]]
-
-_HANDOVER = frozenset({m.Do.COMPUTE, m.Do.FINISH, m.Do.EMERGENCY_CHECKPOINT})
-"""The actions that move past a step boundary: a committed step's result is handed
-to the caller just before them (after the evaluation due there, if any)."""
 
 
 class _Aborted(Exception):
@@ -298,13 +296,13 @@ class StepEngine:
         self._ready: p.RendezvousResponse | None = None
         self._step: _Step | None = None
         self._result: StepResult | None = None
-        self._unyielded: StepResult | None = None
-        """The committed step's result, until it is handed to the caller (`_HANDOVER`)."""
         self._after_commit: Callable[[], None] | None = None
         self.evaluation: Evaluation | None = None
         """The evaluation the script asked for (`set_evaluation`), if any."""
         self.eval_result: EvalResult | None = None
         """The newest evaluation's result; travels with the state (heal, checkpoint)."""
+        self._fresh_eval: EvalResult | None = None
+        """The evaluation ended at this boundary, for the next step's `StepResult`."""
         self._broken: str | None = None
         """Why the generation must be abandoned at the next step (a failed pause)."""
         self.started = False
@@ -380,14 +378,6 @@ class StepEngine:
             del first
             action = self.proto.advance(m.Started())
             while True:
-                if self._unyielded is not None and action.do in _HANDOVER:
-                    # After the step's evaluation, if one was due (even one redone
-                    # in a later generation), before anything of the next step.
-                    result, self._unyielded = self._unyielded, None
-                    yield result
-                    if self._after_commit is not None:
-                        self._after_commit()
-                        self._after_commit = None
                 if action.do is m.Do.FINISH:
                     self._finish()
                     return
@@ -395,6 +385,12 @@ class StepEngine:
                     self._exit(action)
                 obs = self._perform[action.do](action)
                 action = self.proto.advance(obs, self._flags())
+                if isinstance(obs, m.Applied):
+                    assert self._result is not None
+                    yield self._result
+                    if self._after_commit is not None:
+                        self._after_commit()
+                        self._after_commit = None
         finally:
             self._shutdown()
 
@@ -893,23 +889,18 @@ class StepEngine:
             t_end - st.t0,
             norm,
             update.skipped,
+            # The evaluation of the model this step started from, if one ended at
+            # that boundary (the same on every member that ran the step).
+            fresh if (fresh := self._fresh_eval) is not None and fresh.step == s else None,
         )
+        self._fresh_eval = None
         self._step = None
-        self._unyielded = self._result
         if a.grace_s <= 0:
-            gen = a.gen
+            members, rank = list(self.proto.members), self.proto.rank
 
             def after_commit() -> None:
                 # Once the caller's own work on this result is done (`steps`).
-                members, rank = list(self.proto.members), self.proto.rank
-                state, role = self._save_args(n)
-                if self.proto.gen != gen:
-                    # The generation changed during the step's evaluation: its members
-                    # (a joiner did not commit this step) cannot write this checkpoint
-                    # together. Keep the schedule's bookkeeping, write nothing.
-                    log.info("%s: checkpoint %d not taken: generation changed", self.member, n)
-                    role = SaveRole(None, 1, False)
-                self.ckpt.after_commit(n, gen, members, rank, state, role)
+                self.ckpt.after_commit(n, a.gen, members, rank, *self._save_args(n))
                 self._hook(s, hooks.StepPoint.COMMIT)
 
             self._after_commit = after_commit
@@ -969,9 +960,7 @@ class StepEngine:
                 result = EvalResult(n, *reduced)
         except _Aborted as e:
             return m.EvalAborted(e.phase, e.message)
-        self.eval_result = result
-        if self._unyielded is not None and self._unyielded.step + 1 == n:
-            self._unyielded = replace(self._unyielded, evaluation=result)
+        self.eval_result = self._fresh_eval = result
         seconds = time.monotonic() - t0
         self.events.emit(
             EventKind.EVAL_END,

@@ -215,13 +215,13 @@ class EvalTable:
         rows = self.table.tolist()
         check = names_check(self.names)
         for b, row in enumerate(rows):
+            if row[k] != len(self.batches[b]):
+                return f"evaluation batch {b} counted {row[k]:g} samples, expected {len(self.batches[b])}"
             if row[k + 1] != check:
                 raise EvalProblem(
                     f"evaluation batch {b}: the members returned different metric names "
                     f"(this member: {list(self.names)}): return the same names on every member"
                 )
-            if row[k] != len(self.batches[b]):
-                return f"evaluation batch {b} counted {row[k]:g} samples, expected {len(self.batches[b])}"
         sums = {n: math.fsum(row[j] for row in rows) for j, n in enumerate(self.names)}
         return sums, sum(len(r) for r in self.batches)
 

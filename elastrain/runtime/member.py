@@ -33,10 +33,12 @@ The rules (docs/design.md argues each):
 - A preemption notice rides on a "proceed" verdict: after committing that
   step, one emergency checkpoint, then exit.
 - An evaluation due at a committed count (`eval_every`, `evaluate.eval_due`)
-  runs after the commit that reaches it and again after any heal that starts a
-  generation at it (a member that already has the result hands it over, so it
-  is not computed twice); a failed evaluation abandons the generation like a
-  failed step. A preempted member does not evaluate.
+  runs after the commit that reaches it (and after the loop's code for that
+  step: the engine yields the step's result first) and again after any heal
+  that starts a generation at it (a member that already has the result hands
+  it over, so it is not computed twice); a failed evaluation abandons the
+  generation like a failed step, and is redone even after the last step. A
+  preempted member does not evaluate.
 """
 
 from __future__ import annotations
@@ -398,6 +400,9 @@ class MemberProtocol:
         self.eval_every = 0
         """Evaluate after every this many committed steps (0: never; the trainer's
         `evaluate_every` sets it before the loop)."""
+        self._eval_pending = False
+        """The evaluation due at the committed count has not ended (a failure during
+        the one after the last step must not finish the member without it)."""
 
     # ---- the transition function ------------------------------------------------
 
@@ -422,7 +427,7 @@ class MemberProtocol:
         self.in_group = False
         if flags.leaving:
             return self._exit(ExitReason.LEFT)
-        if self.committed >= self.total_steps:
+        if self.committed >= self.total_steps and not self._eval_pending:
             return self._finish()
         if flags.expelled:
             self.phase = Phase.REJOIN
@@ -453,6 +458,7 @@ class MemberProtocol:
         (every member reaches the same boundary in the same generation), else on."""
         if eval_due(self.committed, self.eval_every, self.total_steps):
             self.phase = Phase.EVALUATE
+            self._eval_pending = True
             return Action(
                 Do.EVALUATE,
                 step=self.committed,
@@ -536,6 +542,7 @@ class MemberProtocol:
             # count may be the same, its state is not).
             self.committed = obs.committed
             self.commit_gen = self._lineage
+            self._eval_pending = False
         return self._evaluate_or_go_on()
 
     def _on_heal_failed(self, obs: HealFailed, flags: Flags) -> Action:
@@ -635,6 +642,7 @@ class MemberProtocol:
         return self._evaluate_or_go_on()
 
     def _on_evaluated(self, obs: Evaluated, flags: Flags) -> Action:
+        self._eval_pending = False
         return self._start_or_finish()
 
     def _on_eval_aborted(self, obs: EvalAborted, flags: Flags) -> Action:

@@ -11,8 +11,9 @@ address, the job token and a member id in the environment):
     trainer.evaluate_every(100, eval_fn, val_set, batch_size=64)   # eval_fn(model, batch) -> sums
     for result in trainer.steps():
         sched.step()                       # after each committed step, as in any loop
-        if result.evaluation is not None:  # every 100 steps, the same on every member
-            print(result.evaluation.means)
+        if result.evaluation is not None:  # the model after 100, 200, ... steps, on every member
+            print(result.evaluation.step, result.evaluation.means)
+    print(trainer.last_evaluation)         # the model after the last step
 
 This is the PyTorch face of the step engine (`elastrain.runtime.engine`, the
 protocol for every framework) over a `TorchBackend` (the model, its optimizer
@@ -178,7 +179,12 @@ class ElasticTrainer(EngineTrainer):
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         """Evaluate the model on ``dataset`` after every ``every`` committed steps and
-        after the last one; the result is `StepResult.evaluation` of that step.
+        after the last one. The evaluation runs once the loop's code for the step
+        that reached the count is done (the state a heal or checkpoint sees as
+        "after the step"), before the next step; its result comes with the next
+        step's result (`StepResult.evaluation`, whose ``step`` equals that
+        result's ``step``: the count of steps the model had) and is
+        `last_evaluation` (the one after the last step: only there).
 
         ``eval_fn(model, batch) -> {name: sum over the batch}`` (`EvalFn`) runs under
         ``torch.no_grad()`` with the model in eval mode and the RNG seeded by

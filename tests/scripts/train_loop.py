@@ -11,7 +11,8 @@ After each committed step every member appends what decides the next step to
 and optimizer's tensors alone, grad_norm, skipped, the GradScaler's scale. On completion each member writes its final parameters
 to <run_dir>/final/<member>.npy (numpy, no pickle). With --eval-every K the
 model is evaluated (`trainer.evaluate_every`) on a held-out set after every K
-steps, and the record of each such step carries the evaluation's sums.
+steps: the record of the step that follows carries the evaluation's sums, and
+the one after the last step goes to <run_dir>/final/<member>.eval.json.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Regression(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         g = torch.Generator().manual_seed(1234)
         self.x = torch.randn(n, 16, generator=g)
         w = torch.randn(16, 1, generator=g)
-        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(N, 1, generator=g)
+        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(n, 1, generator=g)
         if poison is not None:
             self.x[poison] = poison_value
 
@@ -151,6 +152,10 @@ def main() -> None:
     if run_dir and trainer.holds_final_state:
         out = Path(run_dir) / "final"
         out.mkdir(exist_ok=True)
+        if trainer.last_evaluation is not None:
+            # The evaluation after the last step (no step result carries it).
+            last = json.dumps(trainer.last_evaluation.to_json())
+            (out / f"{trainer.member}.eval.json").write_text(last)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         np.save(out / f"{trainer.member}.npy", flat, allow_pickle=False)
 

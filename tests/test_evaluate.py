@@ -371,15 +371,16 @@ def test_no_evaluation_when_preempted_or_not_asked() -> None:
 def test_an_evaluation_with_a_member_killed_in_it_equals_the_failure_free_one(
     run_job: Callable[..., Job], loop_reference: Job
 ) -> None:
-    # 2 workers; w1 dies after its first batch of the evaluation after step index 9
-    # (count 10). --min 2: the survivor waits for the replacement w2, which is healed
-    # and evaluates with it. The reference ran 3 workers without a failure.
+    # 2 workers; w1 dies after its first batch of the evaluation of count 10 (the one
+    # after step index 9). No replacement (its start-up, ~10 s on a loaded machine,
+    # would dominate): w0 regroups alone at once and evaluates every batch itself.
+    # The reference ran 3 workers without a failure.
     job = run_job(
         script=LOOP,
         script_args=LOOP_ARGS,
         steps=STEPS,
         workers=2,
-        min_workers=2,
+        replace=False,
         name="evalkill",
         points=[{"member": "w1", "step": 9, "phase": "eval", "action": "kill"}],
     )
@@ -389,24 +390,23 @@ def test_an_evaluation_with_a_member_killed_in_it_equals_the_failure_free_one(
     recs = _records(job)
     ref = _agree(_records(loop_reference), STEPS)
     got = _agree(recs, STEPS)
+    # The step after each evaluated count carries its result, 3 members' or 1's alike.
     evals = {s: r["eval"] for s, r in got.items() if "eval" in r}
     assert sorted(evals) == [10, 20] and all(e["step"] == s for s, e in evals.items())
     assert evals == {s: ref[s]["eval"] for s in evals}
-    finals = {f.name: f.read_text() for f in (job.run_dir / "final").glob("*.eval.json")}
     ref_final = (loop_reference.run_dir / "final" / "w0.eval.json").read_text()
-    assert sorted(finals) == ["w0.eval.json", "w2.eval.json"]
-    assert set(finals.values()) == {ref_final} and json.loads(ref_final)["step"] == STEPS
+    assert (job.run_dir / "final" / "w0.eval.json").read_text() == ref_final
+    assert json.loads(ref_final)["step"] == STEPS
     # Everything else the loop logged (learning rate, state hash, grad norm) too.
     assert json.dumps(got) == json.dumps(ref)
     _same_curve(loop_reference, job)
-    # w0 evaluated count 10 in two generations: the first lost w1, the second (with
-    # the healed replacement) computed it and both ended it; the step that followed
-    # carried it on both.
-    begun = {e["gen"] for e in job.of("eval_begin", proc="w0", step=10)}
-    assert len(begun) == 2
-    assert job.of("step_abort", proc="w0", step=10)
+    # w0 began count 10 with w1 in generation 1, lost it (the table's all-reduce
+    # failed or the generation broke), and computed it alone in the next one.
+    begun = [e["gen"] for e in job.of("eval_begin", proc="w0", step=10)]
+    assert len(set(begun)) == 2
+    assert job.of("step_abort", proc="w0", step=10, gen=min(begun))
     ends = job.of("eval_end", step=10)
-    assert {e["proc"] for e in ends} == {"w0", "w2"}
-    assert {e["gen"] for e in ends} == {max(begun)} and all(e["computed"] for e in ends)
-    assert min(recs["w2"]) == 10 and recs["w2"][10]["eval"] == recs["w0"][10]["eval"]
+    assert [(e["proc"], e["gen"], e["computed"], e["batches"]) for e in ends] == [
+        ("w0", max(begun), True, 13)
+    ]
     assert not job.of("watchdog_fired")

@@ -285,7 +285,7 @@ def hand_over(
 
     holder = torch.tensor([float(rank if held is not None else size)], dtype=torch.float64)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
     run([holder], lambda t: pg.allreduce(t, opts))
     root = int(holder.item())
     if root >= size:

@@ -410,3 +410,58 @@ def test_an_evaluation_with_a_member_killed_in_it_equals_the_failure_free_one(
         ("w0", max(begun), True, 13)
     ]
     assert not job.of("watchdog_fired")
+
+
+# ---------------------------------------------------------------- the torch face
+
+
+def test_evaluate_every_runs_the_users_function_the_evaluation_way() -> None:
+    from torch import nn
+
+    from elastrain.runtime.trainer import ElasticTrainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    cfg = TrainerConfig(global_batch_size=4, micro_batch_size=2, total_steps=2, seed=3)
+    trainer = ElasticTrainer(
+        model,
+        opt,
+        data,
+        lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+        cfg,
+        coordinator="127.0.0.1:9",
+        token="t",
+        member_id="m",
+    )
+    seen: list[tuple[bool, bool]] = []
+
+    def eval_fn(m: nn.Module, batch: Any) -> dict[str, Any]:
+        seen.append((m.training, torch.is_grad_enabled()))
+        x, y = batch
+        return {"sq": (m(x) - y).square().sum(), "draw": torch.rand(()).item()}
+
+    with pytest.raises(ValueError, match="at least 1"):
+        trainer.evaluate_every(0, eval_fn, data, batch_size=4)
+    with pytest.raises(ValueError, match="batch_size"):
+        trainer.evaluate_every(5, eval_fn, data, batch_size=0)
+    with pytest.raises(TypeError, match="callable"):
+        trainer.evaluate_every(5, "eval", data, batch_size=4)  # type: ignore[arg-type]
+    trainer.evaluate_every(5, eval_fn, data, batch_size=6)
+    with pytest.raises(ValueError, match="one per trainer"):
+        trainer.evaluate_every(5, eval_fn, data, batch_size=6)
+    ev = trainer.engine.evaluation
+    assert ev is not None and [len(b) for b in ev.batches()] == [6, 6, 4]
+    assert trainer.engine.proto.eval_every == 5
+    before = torch.random.get_rng_state()
+    first = ev.compute(5, 1, ev.load(ev.batches()[1]))
+    again = ev.compute(5, 1, ev.load(ev.batches()[1]))
+    other = ev.compute(5, 2, ev.load(ev.batches()[2]))
+    # Eval mode (dropout off), no autograd, the model back in training mode after;
+    # the batch's RNG is seeded by (seed, count, batch) and the global one untouched.
+    assert seen == [(False, False)] * 3 and model.training
+    assert first["draw"] == again["draw"] != other["draw"]
+    assert float(first["sq"]) == float(again["sq"])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    trainer.engine.events.close()

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Decision",
     "ElasticTrainer",
+    "EvalResult",
     "SkipReason",
     "StepGrads",
     "StepResult",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from elastrain.runtime.trainer import (
         Decision,
         ElasticTrainer,
+        EvalResult,
         SkipReason,
         StepGrads,
         StepResult,
@@ -44,6 +46,7 @@ def __getattr__(name: str) -> Any:
         "StepGrads",
         "Decision",
         "SkipReason",
+        "EvalResult",
     ):
         from elastrain.runtime import trainer
 

@@ -92,6 +92,15 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
             assert la.coordinator.poll() is not None, "coordinator outlived its job"
 
 
+@pytest.fixture(scope="session")
+def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """tests/scripts/train_loop.py's failure-free run, once per session (test_loop.py
+    and test_evaluate.py compare their jobs with it)."""
+    from .test_loop import reference_job
+
+    return reference_job(tmp_path_factory)
+
+
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Any:
     """A 1 MiB tmpfs mounted at tmp_path/small (needs root and mount permission)."""

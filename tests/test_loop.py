@@ -353,12 +353,23 @@ def _agree(recs: dict[str, dict[int, dict[str, Any]]], steps: int) -> dict[int, 
 
 
 STEPS, POISON = 30, 12
-LOOP_ARGS = ["--clip", "0.5", "--sched", "cosine", "--poison-step", str(POISON)]
+# With an evaluation every 10 steps (tests/test_evaluate.py compares its results).
+LOOP_ARGS = [
+    "--clip",
+    "0.5",
+    "--sched",
+    "cosine",
+    "--poison-step",
+    str(POISON),
+    "--eval-every",
+    "10",
+]
 AMP_ARGS = ["--amp", "--sched", "cosine", "--min-step-s", "0.1"]
 
 
-@pytest.fixture(scope="module")
-def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free run of LOOP with LOOP_ARGS on 3 workers (the session's
+    `loop_reference` fixture, shared with tests/test_evaluate.py)."""
     from elastrain.launch.launcher import LaunchConfig, Launcher
 
     d = tmp_path_factory.mktemp("loopref")

@@ -9,7 +9,8 @@ point; a matching fault fires once per process.
     [{"member": "w1", "step": 5, "phase": "allreduce", "action": "kill"}]
 
 phases: "compute" (between micro-batches), "allreduce" (collective issued, not
-finished), "commit" (after the optimizer step). actions: "kill" (SIGKILL),
+finished), "commit" (after the optimizer step), "eval" (after this member's
+first batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
 "hang" (SIGSTOP: someone else must SIGCONT or kill it), "term" (SIGTERM:
 graceful leave).
 
@@ -36,7 +37,7 @@ from elastrain.observe.events import EventKind
 
 log = logging.getLogger("elastrain.chaos")
 
-PHASES = ("compute", "allreduce", "commit")
+PHASES = ("compute", "allreduce", "commit", "eval")
 ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
 
 

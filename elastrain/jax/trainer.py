@@ -69,6 +69,15 @@ class JaxElasticTrainer(EngineTrainer):
 
     # ---- JAX state -------------------------------------------------------------
 
+    def evaluate_every(self, every: int, eval_fn: Any, dataset: MapDataset, **_: Any) -> None:
+        """Not built for JAX yet: raises NotImplementedError (see the message)."""
+        raise NotImplementedError(
+            "evaluate_every is not available for JAX yet (the evaluation phase is built for the "
+            "replicated PyTorch trainer). Evaluate between steps inside `with trainer.pause():` "
+            "(every member, after the same step) on `trainer.params`: the step watchdog will not "
+            "see it, but a failure during it is not redone"
+        )
+
     @property
     def params(self) -> Tree:
         return self.backend.params

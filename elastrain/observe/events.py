@@ -69,6 +69,9 @@ class EventKind(StrEnum):
     STEP_ABORT = "step_abort"
     WATCHDOG_FIRED = "watchdog_fired"
     WORKER_EXIT = "worker_exit"
+    # worker: evaluation (elastrain.runtime.evaluate)
+    EVAL_BEGIN = "eval_begin"
+    EVAL_END = "eval_end"
     # worker: durable checkpoints
     CHECKPOINT_SAVED = "checkpoint_saved"
     CHECKPOINT_FAILED = "checkpoint_failed"
@@ -142,6 +145,10 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.STEP_ABORT: frozenset(["error", "gen", "phase", "step"]),
     EventKind.WATCHDOG_FIRED: frozenset(["gen", "step", "timeout_s"]),
     EventKind.WORKER_EXIT: frozenset(["committed", "reason"]),
+    EventKind.EVAL_BEGIN: frozenset(["batches", "gen", "members", "step"]),
+    EventKind.EVAL_END: frozenset(
+        ["batches", "computed", "gen", "samples", "seconds", "step", "sums", "wait_s"]
+    ),
     EventKind.CHECKPOINT_SAVED: frozenset(["step"]),
     EventKind.CHECKPOINT_FAILED: frozenset(["step"]),
     EventKind.CHECKPOINT_SKIPPED: frozenset(["step"]),

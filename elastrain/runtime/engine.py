@@ -41,6 +41,8 @@ Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import datetime
 import functools
 import logging
 import math
@@ -70,6 +72,18 @@ from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.durable import Checkpointing, PartsFn, SaveRole, StateFn
+from elastrain.runtime.evaluate import (
+    EvalResult,
+    EvalTable,
+    Evaluation,
+    HandoverFailed,
+    Post,
+    eval_wait_timeout,
+    hand_over,
+    metric_values,
+    my_batches,
+    pause_timeout,
+)
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
@@ -135,6 +149,11 @@ class StepResult:
     not measure it); the same on every member."""
     skipped: SkipReason | None = None
     """Not None: the step committed without updating the state (and why)."""
+    evaluation: EvalResult | None = None
+    """The evaluation of the model this step started from (after `step` committed
+    steps and the loop's code for the last of them), when one was due there
+    (`ElasticTrainer.evaluate_every`): ``evaluation.step == step``. The same on every
+    member. The one after the last step: `last_evaluation`."""
 
 
 def dist_errors() -> type[BaseException]:
@@ -158,6 +177,15 @@ class GroupFactory(Protocol):
 
 
 HealFn = Callable[..., tuple[dict[str, Any], Any]]
+
+
+class _Aborted(Exception):
+    """A collective between steps (an evaluation's, a pause's) was given up."""
+
+    def __init__(self, phase: m.AbortPhase, message: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.message = message
 
 
 @dataclass
@@ -269,6 +297,14 @@ class StepEngine:
         self._step: _Step | None = None
         self._result: StepResult | None = None
         self._after_commit: Callable[[], None] | None = None
+        self.evaluation: Evaluation | None = None
+        """The evaluation the script asked for (`set_evaluation`), if any."""
+        self.eval_result: EvalResult | None = None
+        """The newest evaluation's result; travels with the state (heal, checkpoint)."""
+        self._fresh_eval: EvalResult | None = None
+        """The evaluation ended at this boundary, for the next step's `StepResult`."""
+        self._broken: str | None = None
+        """Why the generation must be abandoned at the next step (a failed pause)."""
         self.started = False
         """`steps()` began: the state's layout (registered objects) is fixed."""
         self.skipped_steps = 0
@@ -289,6 +325,7 @@ class StepEngine:
             m.Do.ASK_AGAIN: self._ask_again,
             m.Do.REDUCE: self._reduce,
             m.Do.APPLY: self._apply,
+            m.Do.EVALUATE: self._evaluate,
             m.Do.EMERGENCY_CHECKPOINT: self._emergency,
             m.Do.ABANDON: self._abandon,
         }
@@ -628,6 +665,7 @@ class StepEngine:
             "last_loss": self.last_loss,
             "skipped_steps": self.skipped_steps,
             "ckpt": self.ckpt.schedule.to_json(),
+            "evaluation": self.eval_result.to_json() if self.eval_result is not None else None,
             **self.backend.meta(),
         }
 
@@ -639,11 +677,15 @@ class StepEngine:
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.backend.load_meta(meta)
         self.ckpt.schedule.load_json(meta.get("ckpt"))
+        self.eval_result = EvalResult.from_json(meta.get("evaluation"))
         return committed
 
     # ---- one step --------------------------------------------------------------------
 
     def _compute(self, a: m.Action) -> m.Observation:
+        if self._broken is not None:
+            why, self._broken = self._broken, None
+            return m.ComputeFailed(why)
         cfg = self.config
         s = a.step
         inc = self.session.incarnation
@@ -847,7 +889,11 @@ class StepEngine:
             t_end - st.t0,
             norm,
             update.skipped,
+            # The evaluation of the model this step started from, if one ended at
+            # that boundary (the same on every member that ran the step).
+            fresh if (fresh := self._fresh_eval) is not None and fresh.step == s else None,
         )
+        self._fresh_eval = None
         self._step = None
         if a.grace_s <= 0:
             members, rank = list(self.proto.members), self.proto.rank
@@ -864,6 +910,177 @@ class StepEngine:
         for h in self.hooks:
             h.at(step, point)
 
+    # ---- between steps: evaluation and pauses --------------------------------------------
+
+    def set_evaluation(self, evaluation: Evaluation) -> None:
+        """Evaluate with ``evaluation`` at the counts it names; before `steps()` only."""
+        if self.started:
+            raise RuntimeError("evaluate_every() after steps() began: set it up before the loop")
+        if self.evaluation is not None:
+            raise ValueError("an evaluation is set up already (one per trainer)")
+        self.evaluation = evaluation
+        self.proto.eval_every = evaluation.every
+
+    def _evaluate(self, a: m.Action) -> m.Observation:
+        """Evaluate the model after ``a.step`` committed steps with this generation.
+
+        Every member of the generation is here at the same count: the protocol
+        enters EVALUATE after the commit that reaches it, or after the heal that
+        starts a generation at it. One small collective first asks who already
+        holds this count's result (a member whose table all-reduce completed
+        before a peer died, or one healed or resumed with it); if one does, it
+        hands it over and nobody computes. Otherwise each member computes its
+        block of batches (`evaluate.my_batches`) and the table is all-reduced
+        (`EvalTable`). A failure aborts like a failed step; the next generation
+        evaluates again. The wait for the peers is bounded by this member's own
+        time (`eval_wait_timeout`), never by the step watchdog's timeout."""
+        ev = self.evaluation
+        assert ev is not None
+        n, gen, size, rank = a.step, a.gen, len(a.members), a.rank
+        batches = ev.batches()
+        mine = my_batches(len(batches), size, rank)
+        t0 = time.monotonic()
+        self.events.emit(EventKind.EVAL_BEGIN, step=n, gen=gen, members=size, batches=len(mine))
+        held = self.eval_result if self.eval_result and self.eval_result.step == n else None
+        wait_s = 0.0
+        try:
+            result = self._eval_handover(held, n, gen, size, rank)
+            computed = result is None
+            if result is None:
+                table = self._eval_compute(ev, n, gen, batches, mine)
+                t_wait = time.monotonic()
+                timeout = eval_wait_timeout(
+                    t_wait - t0, self.hang.timeout_s, self.config.watchdog.multiplier
+                )
+                self._between_steps([table.table], n, gen, timeout, "eval")
+                wait_s = time.monotonic() - t_wait
+                reduced = table.reduce()
+                if isinstance(reduced, str):
+                    return m.EvalAborted(m.AbortPhase.EVAL, reduced)
+                result = EvalResult(n, *reduced)
+        except _Aborted as e:
+            return m.EvalAborted(e.phase, e.message)
+        self.eval_result = self._fresh_eval = result
+        seconds = time.monotonic() - t0
+        self.events.emit(
+            EventKind.EVAL_END,
+            step=n,
+            gen=gen,
+            seconds=seconds,
+            wait_s=wait_s,
+            batches=len(mine) if computed else 0,
+            samples=result.samples,
+            sums=result.sums,
+            computed=computed,
+        )
+        log.info("%s: evaluation after %d steps in %.2f s: %s", self.member, n, seconds,
+                 result.means)  # fmt: skip
+        return m.Evaluated()
+
+    def _eval_handover(
+        self, held: EvalResult | None, n: int, gen: int, size: int, rank: int
+    ) -> EvalResult | None:
+        """`evaluate.hand_over` over this generation's group, each collective waited
+        for like the evaluation's (the step timeout: everyone arrives together)."""
+        if size == 1:
+            return held
+
+        def run(tensors: list[torch.Tensor], post: Post | None) -> None:
+            self._between_steps(tensors, n, gen, self.hang.timeout_s, "eval", post)
+
+        try:
+            return hand_over(self._pg, run, held, n, rank, size)
+        except HandoverFailed as e:
+            raise _Aborted(m.AbortPhase.EVAL, f"eval: {e}") from None
+
+    def _eval_compute(
+        self, ev: Evaluation, n: int, gen: int, batches: list[range], mine: list[int]
+    ) -> EvalTable:
+        """This member's rows of the table: its block of batches, in order."""
+        table: EvalTable | None = None
+        for k, b in enumerate(mine):
+            if self.session.gen_broken(gen):
+                raise _Aborted(m.AbortPhase.SUPERSEDED, "generation changed during the evaluation")
+            values = metric_values(ev.compute(n, b, ev.load(batches[b])))
+            if table is None:
+                table = EvalTable(tuple(sorted(values)), batches)
+            table.fill(b, values)
+            if k == 0:
+                self._hook(n - 1, hooks.StepPoint.EVAL)
+        if table is None:
+            # More members than batches: this one has none, and learns the metrics'
+            # names from batch 0 (another member's) to shape its all-zero rows.
+            values = metric_values(ev.compute(n, 0, ev.load(batches[0])))
+            table = EvalTable(tuple(sorted(values)), batches)
+        return table
+
+    def pause_barrier(self, began: float, timeout_s: float | None) -> None:
+        """The end of `trainer.pause()`: wait until every member of the generation
+        has ended its own (one small all-reduce of [1, committed count]).
+
+        Bounded by ``timeout_s``, or by default by `pause_timeout`: work that one
+        member does for all (the leader writing samples) leaves the others with no
+        time of their own to scale, so the default is at least the watchdog's
+        ceiling. A failed or timed-out barrier
+        (a peer died or hung in its pause, or entered none) abandons the generation
+        at the next step; the caller's code is not run again."""
+        if self._pg is None or not self.proto.in_group:
+            return
+        gen, n, size = self.proto.gen, self.proto.committed, len(self.proto.members)
+        own = time.monotonic() - began
+        wd = self.config.watchdog
+        timeout = timeout_s
+        if timeout is None:
+            timeout = pause_timeout(own, self.hang.timeout_s, wd.multiplier, wd.ceiling_s)
+        t = torch.tensor([1.0, float(n)], dtype=torch.float64)
+        try:
+            self._between_steps([t], n, gen, timeout, "pause")
+        except _Aborted as e:
+            log.warning("%s: %s", self.member, e.message)
+            self._broken = e.message
+            return
+        if t.tolist() != [float(size), float(size * n)]:
+            self._broken = (
+                "pause: not every member was in trainer.pause() after the same step "
+                "(enter it on every member, deciding from the step, never from the rank)"
+            )
+            log.warning("%s: %s", self.member, self._broken)
+
+    def _between_steps(
+        self,
+        tensors: list[torch.Tensor],
+        step: int,
+        gen: int,
+        timeout_s: float,
+        during: str,
+        post: Post | None = None,
+    ) -> None:
+        """One collective on ``tensors`` (default: SUM all-reduce) over the
+        generation's group, waited for at most ``timeout_s`` (gloo's own operation
+        timeout is raised to match for it) or until the generation breaks; raises
+        `_Aborted`."""
+        pg = self._pg
+        assert pg is not None
+        set_timeout = getattr(pg, "set_timeout", None)
+        if set_timeout is not None:
+            set_timeout(datetime.timedelta(seconds=timeout_s + 5.0))
+        work = post(tensors) if post is not None else pg.allreduce(tensors)
+        self._inflight = [work]
+        try:
+            self.waiter.wait(self._inflight, timeout_s, lambda: self.session.gen_broken(gen))
+        except CollectiveAborted as e:
+            if e.reason == "watchdog":
+                self.events.emit(
+                    EventKind.WATCHDOG_FIRED, step=step, gen=gen, timeout_s=timeout_s, during=during
+                )
+            raise _Aborted(m.AbortPhase(e.reason), f"{during}: {e}") from None
+        except RuntimeError as e:
+            self._inflight = []
+            raise _Aborted(m.AbortPhase.EVAL, f"{during}: {str(e)[:300]}") from None
+        self._inflight = []
+        if set_timeout is not None:
+            set_timeout(datetime.timedelta(seconds=self.config.watchdog.ceiling_s))
+
     def _abandon(self, a: m.Action) -> m.Observation:
         """Drop the current group (parking it if work is in flight) and forget the generation."""
         assert a.phase is not None
@@ -877,6 +1094,7 @@ class StepEngine:
         self._drop_shard_groups()
         self._inflight = []
         self._step = None
+        self._broken = None
         # An abandoned all-reduce may still complete later and write into its
         # buffer: never reuse it.
         self.backend.discard()
@@ -1180,9 +1398,43 @@ class EngineTrainer:
         joiner that arrived after the job had finished: its model is untrained)."""
         return self.engine.committed >= self.engine.config.total_steps
 
+    @property
+    def last_evaluation(self) -> EvalResult | None:
+        """The newest evaluation's result (`evaluate_every`), on every member alike:
+        also on a member that joined after it (it travels with the state)."""
+        return self.engine.eval_result
+
     def request_leave(self) -> None:
         """Leave the job at the next step boundary (what SIGTERM does)."""
         self.engine.request_leave()
+
+    @contextlib.contextmanager
+    def pause(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Work of the script's own between two steps, which every member does.
+
+        Contract: inside ``for r in trainer.steps():``, every member enters it
+        after the same step, deciding from the step alone (``if r.step % 100 ==
+        99:``), never from the rank; work only one member should do goes inside
+        (``if trainer.is_leader: save_samples()``). On leaving it, each member
+        waits for the others (one small all-reduce), so nobody starts the next
+        step's all-reduce while a peer is still in its pause, and the step
+        watchdog never sees the pause. The wait is bounded by ``timeout_s``, or
+        by default by ``hang_timeout_ceiling_s`` (60 s) or, if longer, this
+        member's own time in the pause times ``hang_timeout_multiplier`` (pass
+        ``timeout_s`` for work that one member does for minutes). A peer that dies or hangs
+        meanwhile (the coordinator's lease, or that bound) makes the generation
+        regroup at the next step; the code in the pause is not run again. An
+        exception inside skips the wait and ends the loop as usual.
+
+            for r in trainer.steps():
+                if r.step % 500 == 499:
+                    with trainer.pause():
+                        if trainer.is_leader:
+                            write_samples(trainer.model)
+        """
+        began = time.monotonic()
+        yield
+        self.engine.pause_barrier(began, timeout_s)
 
     def steps(self) -> Iterator[StepResult]:
         """Train until `total_steps` are committed, yielding after each commit.

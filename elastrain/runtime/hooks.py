@@ -23,6 +23,9 @@ class StepPoint(StrEnum):
     """Right after the step's all-reduce was posted."""
     COMMIT = "commit"
     """After the step was applied (and any due checkpoint snapshot taken)."""
+    EVAL = "eval"
+    """After this member's first batch of the evaluation of the model after step
+    `step` (the step's index: the evaluation sees `step` + 1 committed steps)."""
 
 
 class StepHook(Protocol):

@@ -15,6 +15,10 @@ against scripted observations (tests/test_protocol.py).
                           EXIT (left / preempted / refused / no coordinator) ◀───┘
                           FINISH (total steps committed, or the job finished)
 
+    After APPLY or HEAL, when an evaluation is due at the committed count:
+    EVALUATE ─▶ COMPUTE (or FINISH); a failed one ─▶ ABANDON, and the next
+    generation's HEAL leads to EVALUATE again.
+
 The rules (docs/design.md argues each):
 - A leave requested (SIGTERM) takes effect at a step boundary: before
   rendezvous, or when the verdict is not "proceed" or cannot be had.
@@ -28,6 +32,13 @@ The rules (docs/design.md argues each):
   batch; anything else abandons the generation and retries the same step.
 - A preemption notice rides on a "proceed" verdict: after committing that
   step, one emergency checkpoint, then exit.
+- An evaluation due at a committed count (`eval_every`, `evaluate.eval_due`)
+  runs after the commit that reaches it (and after the loop's code for that
+  step: the engine yields the step's result first) and again after any heal
+  that starts a generation at it (a member that already has the result hands
+  it over, so it is not computed twice); a failed evaluation abandons the
+  generation like a failed step, and is redone even after the last step. A
+  preempted member does not evaluate.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from typing import Any
 
 from elastrain.control.protocol import RendezvousStatus, Verdict
 from elastrain.exitcodes import EXIT_LEFT, EXIT_NO_COORDINATOR, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.runtime.evaluate import eval_due
 
 
 class Phase(StrEnum):
@@ -55,6 +67,7 @@ class Phase(StrEnum):
     REASK = "reask"
     REDUCE = "reduce"
     APPLY = "apply"
+    EVALUATE = "evaluate"
     EMERGENCY = "emergency"
     ABANDON = "abandon"
     DONE = "done"
@@ -85,6 +98,9 @@ class Do(StrEnum):
     """All-reduce the contribution and wait for it (watchdog, supersession)."""
     APPLY = "apply"
     """Apply the reduced step: commit it."""
+    EVALUATE = "evaluate"
+    """Evaluate the model after `Action.step` committed steps with the generation
+    (`Action.gen`, `.members`, `.rank`): every member at the same count."""
     EMERGENCY_CHECKPOINT = "emergency_checkpoint"
     """Write an emergency checkpoint of the committed state within `Action.grace_s`."""
     ABANDON = "abandon"
@@ -125,6 +141,8 @@ class AbortPhase(StrEnum):
     WATCHDOG = "watchdog"
     ALLREDUCE = "allreduce"
     COMPUTE = "compute"
+    EVAL = "eval"
+    """The evaluation's collective failed, or its batches were not each computed once."""
 
 
 @dataclass(frozen=True)
@@ -270,6 +288,20 @@ class Applied:
 
 
 @dataclass(frozen=True)
+class Evaluated:
+    """The evaluation due at this count ended; every member of the generation holds its result."""
+
+
+@dataclass(frozen=True)
+class EvalAborted:
+    """The evaluation was given up (`reason`: superseded, watchdog, eval): redo it in
+    the next generation."""
+
+    reason: AbortPhase
+    error: str
+
+
+@dataclass(frozen=True)
 class CheckpointWritten:
     """The emergency checkpoint ended (durable or not)."""
 
@@ -308,6 +340,8 @@ Observation = (
     | Reduced
     | ReduceAborted
     | Applied
+    | Evaluated
+    | EvalAborted
     | CheckpointWritten
     | Abandoned
 )
@@ -364,6 +398,12 @@ class MemberProtocol:
         self._preempt_s = 0.0
         self._ready = RendezvousAnswer(RendezvousStatus.PENDING)
         self._lineage = 0
+        self.eval_every = 0
+        """Evaluate after every this many committed steps (0: never; the trainer's
+        `evaluate_every` sets it before the loop)."""
+        self._eval_pending = False
+        """The evaluation due at the committed count has not ended (a failure during
+        the one after the last step must not finish the member without it)."""
 
     # ---- the transition function ------------------------------------------------
 
@@ -388,7 +428,7 @@ class MemberProtocol:
         self.in_group = False
         if flags.leaving:
             return self._exit(ExitReason.LEFT)
-        if self.committed >= self.total_steps:
+        if self.committed >= self.total_steps and not self._eval_pending:
             return self._finish()
         if flags.expelled:
             self.phase = Phase.REJOIN
@@ -413,6 +453,21 @@ class MemberProtocol:
 
     def _start_or_finish(self) -> Action:
         return self._finish() if self.committed >= self.total_steps else self._compute()
+
+    def _evaluate_or_go_on(self) -> Action:
+        """At a step boundary inside a generation: the evaluation due at this count
+        (every member reaches the same boundary in the same generation), else on."""
+        if eval_due(self.committed, self.eval_every, self.total_steps):
+            self.phase = Phase.EVALUATE
+            self._eval_pending = True
+            return Action(
+                Do.EVALUATE,
+                step=self.committed,
+                gen=self.gen,
+                members=self.members,
+                rank=self.rank,
+            )
+        return self._start_or_finish()
 
     # ---- handlers, one per (phase, observation) -----------------------------------
 
@@ -488,7 +543,8 @@ class MemberProtocol:
             # count may be the same, its state is not).
             self.committed = obs.committed
             self.commit_gen = self._lineage
-        return self._start_or_finish()
+            self._eval_pending = False
+        return self._evaluate_or_go_on()
 
     def _on_heal_failed(self, obs: HealFailed, flags: Flags) -> Action:
         return self._abandon(AbortPhase.HEAL, obs.error)
@@ -584,7 +640,14 @@ class MemberProtocol:
             return Action(
                 Do.EMERGENCY_CHECKPOINT, step=self.committed, gen=self.gen, grace_s=obs.preempt_s
             )
+        return self._evaluate_or_go_on()
+
+    def _on_evaluated(self, obs: Evaluated, flags: Flags) -> Action:
+        self._eval_pending = False
         return self._start_or_finish()
+
+    def _on_eval_aborted(self, obs: EvalAborted, flags: Flags) -> Action:
+        return self._abandon(obs.reason, obs.error)
 
     def _on_emergency(self, obs: CheckpointWritten, flags: Flags) -> Action:
         return self._exit(ExitReason.PREEMPTED)
@@ -629,6 +692,8 @@ def _table() -> dict[tuple[Phase, type], _Handler]:
         (P.REDUCE, Reduced): M._on_reduced,
         (P.REDUCE, ReduceAborted): M._on_reduce_aborted,
         (P.APPLY, Applied): M._on_applied,
+        (P.EVALUATE, Evaluated): M._on_evaluated,
+        (P.EVALUATE, EvalAborted): M._on_eval_aborted,
         (P.EMERGENCY, CheckpointWritten): M._on_emergency,
         (P.ABANDON, Abandoned): M._on_abandoned,
     }

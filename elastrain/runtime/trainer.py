@@ -8,8 +8,12 @@ address, the job token and a member id in the environment):
                                            max_grad_norm=1.0))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
     trainer.register("sched", sched)       # heal, checkpoints and the state hash carry it
+    trainer.evaluate_every(100, eval_fn, val_set, batch_size=64)   # eval_fn(model, batch) -> sums
     for result in trainer.steps():
         sched.step()                       # after each committed step, as in any loop
+        if result.evaluation is not None:  # the model after 100, 200, ... steps, on every member
+            print(result.evaluation.step, result.evaluation.means)
+    print(trainer.last_evaluation)         # the model after the last step
 
 This is the PyTorch face of the step engine (`elastrain.runtime.engine`, the
 protocol for every framework) over a `TorchBackend` (the model, its optimizer
@@ -27,6 +31,7 @@ from torch.utils.data import default_collate
 from elastrain.runtime.backend import Backend, SkipReason
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import EngineTrainer, MapDataset, StepResult
+from elastrain.runtime.evaluate import EvalFn, EvalResult, Evaluation, eval_seed
 from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
 from elastrain.runtime.update import BeforeStep, Decision, StepGrads
@@ -36,6 +41,8 @@ __all__ = [
     "BeforeStep",
     "Decision",
     "ElasticTrainer",
+    "EvalFn",
+    "EvalResult",
     "LossFn",
     "MapDataset",
     "SkipReason",
@@ -161,6 +168,68 @@ class ElasticTrainer(EngineTrainer):
         if not isinstance(self.backend, TorchBackend):
             raise ValueError("registered state is not carried for sharded models yet")
         self.backend.register(name, obj)
+
+    def evaluate_every(
+        self,
+        every: int,
+        eval_fn: EvalFn,
+        dataset: MapDataset,
+        *,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        """Evaluate the model on ``dataset`` after every ``every`` committed steps and
+        after the last one. The evaluation runs once the loop's code for the step
+        that reached the count is done (the state a heal or checkpoint sees as
+        "after the step"), before the next step; its result comes with the next
+        step's result (`StepResult.evaluation`, whose ``step`` equals that
+        result's ``step``: the count of steps the model had) and is
+        `last_evaluation` (the one after the last step: only there).
+
+        ``eval_fn(model, batch) -> {name: sum over the batch}`` (`EvalFn`) runs under
+        ``torch.no_grad()`` with the model in eval mode and the RNG seeded by
+        (seed, step, batch). Contract: every member sets up the same evaluation
+        before `steps()`. The evaluation is a phase of the step protocol, not code
+        between steps: every member of the generation runs it after the same step,
+        each on its block of the fixed batches (``batch_size`` samples, the
+        dataset's order), and the per-batch sums are reduced exactly (float64,
+        `math.fsum`), so the result is the same with any number of members. If a
+        member dies or hangs during it, the survivors (and any replacement) evaluate
+        again in the next generation; the step watchdog never times it. Replicated
+        models only: sharded models and JAX raise.
+        """
+        if self.engine.started:
+            raise RuntimeError("evaluate_every() after steps() began: set it up before the loop")
+        if not isinstance(self.backend, TorchBackend):
+            raise ValueError(
+                "evaluate_every: not available for sharded models yet (TrainerConfig.shard_size "
+                "> 1: a member's forward needs its replica group and shadows compute nothing); "
+                "evaluate inside `with trainer.pause():` on trainer.model instead"
+            )
+        if not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
+        model, seed = self._model, self.config.seed
+        collate = collate_fn or self.collate_fn
+
+        def compute(committed: int, batch_index: int, batch: Any) -> Any:
+            was = model.training
+            model.eval()
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(eval_seed(seed, committed, batch_index))
+                    return eval_fn(model, batch)
+            finally:
+                model.train(was)
+
+        self.engine.set_evaluation(
+            Evaluation(
+                every=every,
+                batch_size=batch_size,
+                size=len(dataset),
+                load=lambda r: collate([dataset[i] for i in r]),
+                compute=compute,
+            )
+        )
 
     @property
     def model(self) -> torch.nn.Module | None:

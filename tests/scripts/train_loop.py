@@ -9,7 +9,10 @@ with a GradScaler, and optionally one poisoned sample (inf features; with
 After each committed step every member appends what decides the next step to
 <run_dir>/loop/<member>.jsonl: step, lr, the state hash, a hash of the model's
 and optimizer's tensors alone, grad_norm, skipped, the GradScaler's scale. On completion each member writes its final parameters
-to <run_dir>/final/<member>.npy (numpy, no pickle).
+to <run_dir>/final/<member>.npy (numpy, no pickle). With --eval-every K the
+model is evaluated (`trainer.evaluate_every`) on a held-out set after every K
+steps: the record of the step that follows carries the evaluation's sums, and
+the one after the last step goes to <run_dir>/final/<member>.eval.json.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,14 +35,15 @@ from elastrain.transfer.dtypes import cpu_bytes
 from elastrain.transfer.flatten import flatten_state
 
 B, MB, SEED, N = 24, 4, 7, 2048
+EVAL_N, EVAL_B = 200, 16
 
 
 class Regression(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, poison: int | None, poison_value: float) -> None:
+    def __init__(self, poison: int | None, poison_value: float, n: int = N) -> None:
         g = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(N, 16, generator=g)
+        self.x = torch.randn(n, 16, generator=g)
         w = torch.randn(16, 1, generator=g)
-        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(N, 1, generator=g)
+        self.y = torch.tanh(self.x @ w) + 0.05 * torch.randn(n, 1, generator=g)
         if poison is not None:
             self.x[poison] = poison_value
 
@@ -70,6 +75,7 @@ def main() -> None:
     ap.add_argument(
         "--min-step-s", type=float, default=0.0, help="pace: at least this long per step"
     )
+    ap.add_argument("--eval-every", type=int, default=0, help="evaluate after every K steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -96,6 +102,22 @@ def main() -> None:
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.amp else None
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg, grad_scaler=scaler)
+    if args.eval_every:
+        # Held-out samples (the tail of a longer draw), in batches of EVAL_B (the last
+        # one shorter).
+        held_out = Regression(None, 0.0, N + EVAL_N)
+        held_out.x, held_out.y = held_out.x[N:], held_out.y[N:]
+
+        def eval_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+            x, y = batch
+            err = m(x) - y
+            return {
+                "sq": err.square().sum(),
+                "abs": err.abs().sum(),
+                "n_big": (err.abs() > 0.5).sum(),
+            }
+
+        trainer.evaluate_every(args.eval_every, eval_fn, held_out, batch_size=EVAL_B)
     sched = None
     if args.sched == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
@@ -120,6 +142,8 @@ def main() -> None:
                 "skipped": result.skipped,
                 "scale": scaler.get_scale() if scaler is not None else None,
             }
+            if result.evaluation is not None:
+                rec["eval"] = result.evaluation.to_json()
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if args.min_step_s > 0:
@@ -128,6 +152,10 @@ def main() -> None:
     if run_dir and trainer.holds_final_state:
         out = Path(run_dir) / "final"
         out.mkdir(exist_ok=True)
+        if trainer.last_evaluation is not None:
+            # The evaluation after the last step (no step result carries it).
+            last = json.dumps(trainer.last_evaluation.to_json())
+            (out / f"{trainer.member}.eval.json").write_text(last)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         np.save(out / f"{trainer.member}.npy", flat, allow_pickle=False)
 

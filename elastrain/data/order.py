@@ -170,7 +170,7 @@ class GlobalOrder:
         if self.kind is OrderKind.RANDPERM:
             return self._perm(epoch)[i : i + take]
         positions = np.arange(i, i + take, dtype=np.uint64)
-        return self._bijection(epoch).apply(positions).tolist()  # type: ignore[no-any-return]
+        return self._bijection(epoch).apply(positions).tolist()
 
     def ids(self, start: int, stop: int) -> list[int]:
         """Sample ids at global positions [start, stop)."""

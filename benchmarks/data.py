@@ -3,7 +3,7 @@ plain DDP with a DataLoader, side by side.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/data.py [--world 1] [--num-workers 1] [--steps 60]
+    .venv/bin/python benchmarks/data.py [--world 1] [--num-workers 1] [--steps 100]
         [--repeats 2] [--quick] [--no-record]
 
 The job (benchmarks/_jobs/decode.py): an MLP (dim 128, 3 layers of 1024,
@@ -36,8 +36,9 @@ The defaults fit a 2-core machine: one member (or rank) and one data worker
 use both cores, so prefetch can hide the decode behind the compute (up to 2x
 over inline loading). Decode is CPU work wherever it runs: with more members
 than cores / (1 + workers), every side is CPU-bound and prefetch gains
-nothing; on a bigger machine use e.g. --world 4 --num-workers 2. About 5
-minutes with the defaults (6 runs of about 40 s plus start-up).
+nothing; on a bigger machine use e.g. --world 4 --num-workers 2. About 4
+minutes with the defaults (6 runs: 100 steps of 45-90 ms plus 10-20 s of
+start-up each).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=1, help="members (elastrain) / ranks (DDP)")
     ap.add_argument("--num-workers", type=int, default=1, help="data workers per member/rank")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check it works")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")

@@ -23,7 +23,7 @@ class Settings:
     dim: int = 128
     hidden: int = 1024
     layers: int = 3
-    decode_iters: int = 2500
+    decode_iters: int = 1000
     """Python loop iterations per sample (a few hundred microseconds on one core:
     decoding a step's samples costs about what computing them does)."""
     samples: int = 1 << 20

@@ -57,6 +57,9 @@ PARENT_POLL_S = 1.0
 WORKER_COMM = "el-data"
 """The process name (/proc/<pid>/comm) of a data worker process."""
 
+LIVENESS_POLL_S = 0.2
+"""How often `get`, waiting for a batch, checks that the worker processes are alive."""
+
 PR_SET_PDEATHSIG = 1
 
 WORKER_STOP_S = 5.0
@@ -284,7 +287,7 @@ class BatchLoader:
                 t = None
             else:
                 while not t.done:
-                    self._cv.wait(PARENT_POLL_S)
+                    self._cv.wait(LIVENESS_POLL_S)
                     if not t.done:
                         self._check_workers()
                 self._forget(key)

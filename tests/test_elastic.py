@@ -212,6 +212,40 @@ def test_sigterm_is_a_graceful_leave(run_job) -> None:  # type: ignore[no-untype
         assert aborted == [], aborted
 
 
+def test_data_workers_and_prefetch_keep_exactly_once_under_a_kill(run_job) -> None:  # type: ignore[no-untyped-def]
+    """Each member loads its micro-batches in 2 worker processes, 2 steps ahead; w1 is
+    SIGKILLed mid-step with batches prefetched. Every sample is consumed exactly once,
+    and no data worker outlives its member (the killed one's exit on their own)."""
+    steps = 12
+    job = run_job(
+        steps=steps,
+        workers=2,
+        replace=False,
+        name="prefetch",
+        script_args=["--num-workers", "2", "--prefetch-steps", "2"],
+        points=[{"member": "w1", "step": 5, "phase": "compute", "action": "kill"}],
+    )
+    assert_invariants(job, steps)
+    assert job.of("worker_exited", member="w1", returncode=-9)
+    # w0 computed half of each step, then all of it: its plan changed under it.
+    assert {e["size"] for e in job.of("group_built", proc="w0")} == {2, 1}
+    pids = [p for e in job.of("worker_start") for p in e["data_workers"]]
+    assert len(pids) == 2 * 2
+    deadline = time.monotonic() + 10.0
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert not [p for p in pids if _running(p)], "data workers outlived their members"
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job, reference) -> None:  # type: ignore[no-untyped-def]
     steps = 200
     job = run_job(

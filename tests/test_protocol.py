@@ -22,9 +22,16 @@ import torch
 from elastrain.checkpoint import latest_verified, load
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorRefused, CoordinatorUnavailable
-from elastrain.data import GlobalOrder, step_microbatches
-from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED, WorkerExit
+from elastrain.data import GlobalOrder, OrderKind, step_microbatches
+from elastrain.exitcodes import (
+    EXIT_LEFT,
+    EXIT_MISCONFIGURED,
+    EXIT_PREEMPTED,
+    EXIT_REFUSED,
+    WorkerExit,
+)
 from elastrain.observe.events import read_events
+from elastrain.runtime import engine as engine_module
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
@@ -434,6 +441,8 @@ class Harness:
         *,
         total_steps: int = 6,
         heal: Callable[..., tuple[dict[str, Any], HealStats]] | None = None,
+        dataset: Any = None,
+        **config: Any,
     ) -> None:
         self.coord = FakeCoordinator("a", generations)
         self.backend = FakeBackend()
@@ -444,13 +453,14 @@ class Harness:
         self.tmp = tmp
         self.engine = StepEngine(
             self.backend,  # type: ignore[arg-type]
-            list(range(DATA)),
+            list(range(DATA)) if dataset is None else dataset,
             lambda xs: xs,
             TrainerConfig(
                 global_batch_size=G,
                 micro_batch_size=MB,
                 total_steps=total_steps,
                 initial_hang_timeout_s=10.0,
+                **config,
             ),
             WorkerEnv(member="a", run_dir=str(tmp), token="secret"),
             client=self.coord,  # type: ignore[arg-type]
@@ -534,6 +544,107 @@ def test_a_peer_killed_during_compute_supersedes_the_generation(tmp_path: Path) 
     assert [r.gen for r in results] == [1, 1, 2, 2, 2, 2]
     assert [e["phase"] for e in h.events("step_abort")] == ["superseded"]
     assert float(h.backend.w[0]) == truth(6)
+
+
+def test_prefetched_batches_are_replanned_when_membership_changes(tmp_path: Path) -> None:
+    """Two steps prefetched on a background thread. Generation 1 (a, b) breaks in
+    step 2; in generation 2 (c, a) `a` is rank 1: what it prefetched as rank 0
+    is dropped, and every step it commits holds exactly its micro-batches' ids."""
+    h = Harness(tmp_path, [gen_of(TWO, 0), gen_of(("c", "a"), 2, a=1, c=1)], prefetch_steps=2)
+    orig = h.backend.compute
+    fed: list[tuple[int, int, int, list[int]]] = []
+
+    def compute(step: int, mb: int, batch: Any, samples: int) -> float:
+        if step == 2 and h.coord.gen == 1:
+            h.coord.break_gen(1)
+            wait_until(lambda: h.engine.session.gen_broken(1))
+        fed.append((h.coord.gen, step, mb, list(batch)))
+        return orig(step, mb, batch, samples)
+
+    h.backend.compute = compute  # type: ignore[method-assign]
+    results = h.run()
+    assert [r.gen for r in results] == [1, 1, 2, 2, 2, 2]
+    order = h.engine.order
+    for gen, step, mb, batch in fed:
+        pos = step_microbatches(step, G, MB)[mb]
+        assert batch == order.ids(pos.start, pos.stop)
+        assert mb in ([0, 1] if gen == 1 else [2, 3])
+    contribs = {(e["gen"], e["step"]): e["samples"] for e in h.events("step_contrib")}
+    for r in results:
+        mine = [0, 1] if r.gen == 1 else [2, 3]
+        want = [
+            i for mb in mine for i in order.ids(r.step * G + mb * MB, r.step * G + (mb + 1) * MB)
+        ]
+        assert contribs[(r.gen, r.step)] == want
+    assert h.engine.loader.dropped >= 2  # rank 0's micro-batches of steps 3 and 4
+    assert float(h.backend.w[0]) == truth(6)
+    assert not [t for t in threading.enumerate() if t.name.startswith("elastrain-data")]
+
+
+class Positions:
+    """A replayable stream whose sample at position k is k."""
+
+    def iter_from(self, position: int) -> Iterator[int]:
+        return iter(range(position, 10**9))
+
+
+def test_a_stream_is_consumed_by_position_once_across_a_membership_change(
+    tmp_path: Path,
+) -> None:
+    h = Harness(
+        tmp_path,
+        [gen_of(TWO, 0), gen_of(("c", "a"), 2, a=1, c=1)],
+        dataset=Positions(),
+        prefetch_steps=1,
+    )
+    h.reduce_modes[(1, 2)] = "error"
+    results = h.run()
+    assert [r.step for r in results] == list(range(6))
+    contribs = {(e["gen"], e["step"]): e["samples"] for e in h.events("step_contrib")}
+    for r in results:
+        # Rank 0 of gen 1 computes positions [0, 4) of the step's window, rank 1 of
+        # gen 2 positions [4, 8): the stream's own order, no shuffle.
+        lo = r.step * G + (0 if r.gen == 1 else G // 2)
+        assert contribs[(r.gen, r.step)] == list(range(lo, lo + G // 2))
+
+
+def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -> None:
+    first = Harness(tmp_path, [gen_of(("a",), 0)])
+    first.coord.verdicts[(1, 2)] = p.QuorumResponse(p.Verdict.PROCEED, 1, preempt_s=20.0)
+    with pytest.raises(WorkerExit):
+        first.run()
+    ckpt = latest_verified(tmp_path / "checkpoints")
+    assert ckpt is not None and ckpt.step == 3
+    assert load(ckpt)[1]["data"] == {"order": "feistel", "position": [3, 3 * G]}
+    # The fake state has no manifest to check: install the checkpoint's tensor as is.
+    monkeypatch.setattr(
+        engine_module,
+        "install_checkpoint",
+        lambda state, tensors, section, where: state.backend.w.copy_(tensors["w"]),
+    )
+    # A config that asks for another order is refused, with what to set.
+    other = Harness(tmp_path, [gen_of(("a",), 3)], checkpoint_every=100, sample_order="randperm")
+    with pytest.raises(WorkerExit) as e:
+        other.run()
+    assert e.value.code == EXIT_MISCONFIGURED
+    assert "sample_order='feistel'" in e.value.message
+    # A checkpoint written before orders were recorded resumes on randperm.
+    real = engine_module.load_resume
+
+    def from_before(*args: Any) -> Any:
+        got = real(*args)
+        assert got is not None
+        del got[2]["data"]
+        return got
+
+    monkeypatch.setattr(engine_module, "load_resume", from_before)
+    old = Harness(tmp_path, [gen_of(("a",), 3)], checkpoint_every=100)
+    results = old.run()
+    assert [r.step for r in results] == [3, 4, 5]
+    assert old.engine.order.kind is OrderKind.RANDPERM
+    randperm = GlobalOrder(DATA, 0, kind="randperm")
+    (c,) = [e for e in old.events("step_contrib") if e["step"] == 3 and e["proc"] == "a"]
+    assert c["samples"] == randperm.ids(3 * G, 4 * G)
 
 
 def test_a_peer_killed_during_the_allreduce_abandons_and_retries_the_step(

@@ -27,7 +27,7 @@ import jax
 from elastrain.jax.backend import JaxBackend
 from elastrain.jax.state import LossFn, Tree, stack_collate
 from elastrain.runtime.config import TrainerConfig, worker_setup
-from elastrain.runtime.engine import EngineTrainer, MapDataset
+from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset
 
 
 class JaxElasticTrainer(EngineTrainer):
@@ -45,7 +45,7 @@ class JaxElasticTrainer(EngineTrainer):
         self,
         params: Tree,
         optimizer: Any,
-        dataset: MapDataset,
+        dataset: DataSource,
         loss_fn: LossFn,
         config: TrainerConfig,
         *,

@@ -81,6 +81,29 @@ class TrainerConfig:
     shuffle: bool = True
     """Shuffle the global order (a fresh seeded permutation per epoch)."""
 
+    sample_order: str | None = None
+    """How the global order shuffles each epoch: "feistel" (a seeded bijection,
+    computed per position: O(1) memory and start-up at any dataset size) or
+    "randperm" (`torch.randperm` per epoch, held in memory: the order of jobs
+    before "feistel"). None: a resumed job keeps its checkpoint's order (an old
+    checkpoint that records none: "randperm") and a new job uses "feistel". A
+    value that differs from the checkpoint's is refused at resume: the job
+    would otherwise consume a different sample sequence than it started with.
+    Ignored for a streaming dataset (its own order)."""
+
+    num_workers: int = 0
+    """Data worker processes per member (forked, like a DataLoader's): each runs
+    the dataset and collate function on the micro-batches this member computes
+    next. 0: none (loading happens on the training thread, or, with
+    `prefetch_steps`, on one background thread)."""
+
+    prefetch_steps: int = 0
+    """Steps ahead of the current one whose micro-batches (this member's, under
+    the current membership) are loaded while it computes. A membership change
+    re-plans: prefetched batches nobody will compute here are dropped, never
+    counted (exactly-once holds whatever is prefetched). 0 with workers: the
+    current step's micro-batches load in parallel, nothing ahead."""
+
     hang_timeout_floor_s: float = 3.0
     """The step watchdog never fires sooner than this."""
 
@@ -218,6 +241,16 @@ class TrainerConfig:
             )
         if self.checkpoint_commit_timeout_s <= 0:
             raise ValueError("checkpoint_commit_timeout_s must be > 0")
+        if self.sample_order is not None and self.sample_order not in ("feistel", "randperm"):
+            raise ValueError(
+                f"sample_order must be 'feistel', 'randperm' or None (the checkpoint's, else "
+                f"'feistel'), got {self.sample_order!r}"
+            )
+        if self.num_workers < 0 or self.prefetch_steps < 0:
+            raise ValueError(
+                f"num_workers and prefetch_steps must be >= 0, got {self.num_workers} and "
+                f"{self.prefetch_steps}"
+            )
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
 

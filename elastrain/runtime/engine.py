@@ -62,7 +62,21 @@ from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
-from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches
+from elastrain.data import (
+    DEFAULT_ORDER,
+    BatchLoader,
+    DataPosition,
+    GlobalOrder,
+    LoaderConfig,
+    MapFetch,
+    OrderKind,
+    StreamFetch,
+    StreamingDataset,
+    StreamOrder,
+    assign_microbatches,
+    check_dataset,
+    is_stream,
+)
 from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.worker import WorkerMetering
@@ -127,11 +141,17 @@ RENDEZVOUS_POLL_S = 5.0
 
 
 class MapDataset(Protocol):
-    """A map-style dataset: `len()` and integer indexing (torch Datasets qualify)."""
+    """A map-style dataset: `len()` and integer indexing (torch Datasets qualify).
+    A replayable stream (`elastrain.data.StreamingDataset`, with
+    `iter_from(position)`) is accepted wherever a MapDataset is."""
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Any: ...
+
+
+DataSource = MapDataset | StreamingDataset
+"""What a trainer takes as its data: a map-style dataset or a replayable stream."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +241,7 @@ class StepEngine:
     def __init__(
         self,
         backend: Backend,
-        dataset: MapDataset,
+        dataset: DataSource,
         collate_fn: Callable[[list[Any]], Any],
         config: TrainerConfig,
         where: WorkerEnv,
@@ -240,6 +260,7 @@ class StepEngine:
             raise ValueError(
                 "no job token: set ELASTRAIN_TOKEN or ELASTRAIN_TOKEN_FILE (or pass token=)"
             )
+        check_dataset(dataset)
         self.backend = backend
         self.dataset = dataset
         self.collate_fn = collate_fn
@@ -274,7 +295,16 @@ class StepEngine:
         self._groups = groups or self._gloo_group
         self._heal_fn: HealFn = heal_fn or heal
         self.hooks = hooks.installed()
-        self.order = GlobalOrder(len(dataset), config.seed, shuffle=config.shuffle)
+        self._stream = is_stream(dataset)
+        self.order: GlobalOrder | StreamOrder = self._make_order(None)
+        self.data_pos = DataPosition()
+        """Where each step's window of the order starts (travels with the state)."""
+        self.loader = BatchLoader(
+            StreamFetch(dataset, collate_fn) if self._stream else MapFetch(dataset, collate_fn),  # type: ignore[arg-type]
+            LoaderConfig(config.num_workers, config.prefetch_steps),
+            name=f"data-{self.member}",
+        )
+        """Loads this member's micro-batches, ahead of the step with prefetch."""
         self.hang = HangTimeout(config.watchdog)
         self.graveyard = Graveyard()
         self.proto = m.MemberProtocol(self.member, config.total_steps, config.global_batch_size)
@@ -362,10 +392,14 @@ class StepEngine:
         LR scheduler) belongs to that step: the step's checkpoint is taken, and its
         commit hook called, only when the caller comes back."""
         self.started = True
+        # Data worker processes are forked first, while this process has few threads.
+        self.loader.start()
         self._install_sigterm()
         for h in self.hooks:
             h.attach(self.member, self.events)
-        self.events.emit(EventKind.WORKER_START, member=self.member)
+        self.events.emit(
+            EventKind.WORKER_START, member=self.member, data_workers=self.loader.worker_pids
+        )
         try:
             self._check_setup()
             self._resume()
@@ -412,8 +446,68 @@ class StepEngine:
             exit_misconfigured("; ".join(problems))
 
     def _first_batch(self) -> Any:
-        ids = self.order.ids(0, self.config.micro_batch_size)
-        return self.collate_fn([self.dataset[j] for j in ids])
+        # The next step's first samples (a stream may no longer hold position 0).
+        start = self.data_pos.start(self.committed, self.config.global_batch_size)
+        return self.loader.fetch(self.order.ids(start, start + self.config.micro_batch_size))
+
+    # ---- the data order ---------------------------------------------------------------
+
+    def _make_order(self, kind: str | None) -> GlobalOrder | StreamOrder:
+        """The order of `kind` (None: the config's, else the default) for this dataset."""
+        if self._stream:
+            return StreamOrder()
+        cfg = self.config
+        return GlobalOrder(
+            len(self.dataset),  # type: ignore[arg-type]
+            cfg.seed,
+            shuffle=cfg.shuffle,
+            kind=kind or cfg.sample_order or DEFAULT_ORDER,
+        )
+
+    def _data_meta(self, committed: int) -> dict[str, Any]:
+        """The order's kind and the next step's position, as of `committed`."""
+        pos = self.data_pos.at(committed, self.config.global_batch_size)
+        return {"order": str(self.order.kind), "position": pos.to_json()}
+
+    def _order_problem(self, kind: Any) -> str | None:
+        """Why this job cannot go on with state trained on the order `kind` (None: it can)."""
+        if not isinstance(kind, str) or kind not in {k.value for k in OrderKind}:
+            return f"it records an unknown sample order {kind!r}"
+        if self._stream != (kind == OrderKind.STREAM):
+            have = "a stream" if self._stream else "a map-style dataset"
+            return f"it was trained on a {kind} order and this job's dataset is {have}"
+        wanted = self.config.sample_order
+        if not self._stream and wanted is not None and wanted != kind:
+            return (
+                f"it was trained with sample_order={kind!r} and this config says {wanted!r}: "
+                f"set sample_order={kind!r} (or None: the checkpoint's) to resume it, or start "
+                "in a fresh --run-dir"
+            )
+        return None
+
+    def _adopt_data(self, data: dict[str, Any]) -> None:
+        """Take the order and position of a sender's or a checkpoint's state."""
+        problem = self._order_problem(data.get("order"))
+        if problem is not None:
+            raise ValueError(f"the state's data order does not fit this job: {problem}")
+        if data["order"] != self.order.kind:
+            self.order = self._make_order(data["order"])
+            self.loader.reset()
+        self.data_pos = DataPosition.from_json(data.get("position"))
+
+    def _plan_loads(self, step: int, mine: list[int] | list[int | None]) -> None:
+        """Tell the loader this member's micro-batches of `step` and the next
+        `prefetch_steps` ones (under this generation's assignment)."""
+        if not self.loader.config.background:
+            return
+        cfg = self.config
+        wanted: list[tuple[tuple[int, int], list[int]]] = []
+        for t in range(step, min(cfg.total_steps, step + 1 + cfg.prefetch_steps)):
+            mbs = self.data_pos.microbatches(t, cfg.global_batch_size, cfg.micro_batch_size)
+            wanted.extend(
+                ((t, i), self.order.ids(mbs[i].start, mbs[i].stop)) for i in mine if i is not None
+            )
+        self.loader.plan(wanted)
 
     def _count_flops(self, batch: Any) -> dict[str, Any] | None:
         cfg = self.config
@@ -666,6 +760,7 @@ class StepEngine:
             "skipped_steps": self.skipped_steps,
             "ckpt": self.ckpt.schedule.to_json(),
             "evaluation": self.eval_result.to_json() if self.eval_result is not None else None,
+            "data": self._data_meta(committed),
             **self.backend.meta(),
         }
 
@@ -678,6 +773,8 @@ class StepEngine:
         self.backend.load_meta(meta)
         self.ckpt.schedule.load_json(meta.get("ckpt"))
         self.eval_result = EvalResult.from_json(meta.get("evaluation"))
+        if meta.get("data") is not None:
+            self._adopt_data(meta["data"])
         return committed
 
     # ---- one step --------------------------------------------------------------------
@@ -697,16 +794,17 @@ class StepEngine:
         )
         self._step = st
         self.backend.begin_step(EXTRA_SLOTS)
-        mbs = step_microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
+        mbs = self.data_pos.microbatches(s, cfg.global_batch_size, cfg.micro_batch_size)
         if self.shards is not None:
             return self._compute_shard(s, st, mbs)
         mine = assign_microbatches(len(mbs), len(self.proto.members), self.proto.rank)
+        self._plan_loads(s, mine)
         for k, i in enumerate(mine):
             if self.session.gen_broken(self.proto.gen):
                 return m.Superseded()
             ids = self.order.ids(mbs[i].start, mbs[i].stop)
             t_data = time.monotonic()
-            batch = self.collate_fn([self.dataset[j] for j in ids])
+            batch = self.loader.get((s, i), ids)
             st.data_s += time.monotonic() - t_data
             st.loss_sum += self.backend.compute(s, i, batch, len(ids))
             st.samples.extend(ids)
@@ -735,6 +833,7 @@ class StepEngine:
                 )
             )
             return m.Superseded()
+        self._plan_loads(s, rounds)
         # No "superseded?" check between rounds: a group's members run every round
         # together (FSDP2's collectives), and two members that answered that question
         # differently would leave one waiting in a collective for the other until the
@@ -744,10 +843,10 @@ class StepEngine:
             ids: list[int] = []
             if i is None:
                 # Padding turn: the group's collectives need this member; weight 0.
-                batch = pad = pad if pad is not None else self._load(mbs[0])
+                batch = pad = pad if pad is not None else self._load((s, 0), mbs[0])
             else:
                 ids = self.order.ids(mbs[i].start, mbs[i].stop)
-                batch = pad = self._load(mbs[i])
+                batch = pad = self._load((s, i), mbs[i])
             st.data_s += time.monotonic() - t_data
             try:
                 st.loss_sum += self.backend.compute(s, -1 if i is None else i, batch, len(ids))
@@ -761,9 +860,8 @@ class StepEngine:
         st.t_compute = time.monotonic()
         return m.Computed()
 
-    def _load(self, positions: range) -> Any:
-        ids = self.order.ids(positions.start, positions.stop)
-        return self.collate_fn([self.dataset[j] for j in ids])
+    def _load(self, key: tuple[int, int], positions: range) -> Any:
+        return self.loader.get(key, self.order.ids(positions.start, positions.stop))
 
     def _verdict(self, a: m.Action) -> m.Observation:
         st = self._step
@@ -1184,6 +1282,15 @@ class StepEngine:
                 f"checkpoint {ckpt.path} was written by a {saved} job, this is {self.backend.framework}"
             )
         meta["extra"] = from_ordered_json(meta.get("extra"))
+        if meta.get("data") is None:
+            # Written before the order was recorded: those jobs used randperm from 0.
+            meta["data"] = {"order": OrderKind.RANDPERM.value, "position": None}
+        problem = self._order_problem(meta["data"].get("order"))
+        if problem is not None:
+            self.events.emit(
+                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+            )
+            exit_misconfigured(f"checkpoint {ckpt.path} cannot be resumed: {problem}")
         loaded: int | None = ckpt.total_bytes
         if ckpt.kind == "dcp":
             loaded = self._resume_sharded(ckpt, meta, t0)
@@ -1315,6 +1422,7 @@ class StepEngine:
             return
         self._closed = True
         self._settle_hash()
+        self.loader.close()
         self.ckpt.close()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
@@ -1341,7 +1449,7 @@ class EngineTrainer:
         self,
         backend: Backend,
         optimizer: Any,
-        dataset: MapDataset,
+        dataset: DataSource,
         loss_fn: Any,
         collate_fn: Callable[[list[Any]], Any],
         config: TrainerConfig,

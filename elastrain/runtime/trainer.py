@@ -30,7 +30,7 @@ from torch.utils.data import default_collate
 
 from elastrain.runtime.backend import Backend, SkipReason
 from elastrain.runtime.config import TrainerConfig, worker_setup
-from elastrain.runtime.engine import EngineTrainer, MapDataset, StepResult
+from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset, StepResult
 from elastrain.runtime.evaluate import EvalFn, EvalResult, Evaluation, eval_seed
 from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
@@ -92,7 +92,7 @@ class ElasticTrainer(EngineTrainer):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataset: MapDataset,
+        dataset: DataSource,
         loss_fn: LossFn,
         config: TrainerConfig,
         *,

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument(
         "--mismatch", action="store_true", help="build a different model (must be refused)"
     )
+    ap.add_argument("--num-workers", type=int, default=0, help="TrainerConfig.num_workers")
+    ap.add_argument("--prefetch-steps", type=int, default=0, help="TrainerConfig.prefetch_steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,6 +78,8 @@ def main() -> None:
         seed=7,
         hang_timeout_floor_s=args.hang_floor,
         reduce_dtype=args.reduce_dtype,
+        num_workers=args.num_workers,
+        prefetch_steps=args.prefetch_steps,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
     last = time.monotonic()

@@ -35,17 +35,34 @@ def test_bad_arguments(args: list[str], needle: str, capsys: pytest.CaptureFixtu
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+JAX_KINDS = ["kill", "hang", "term", "kill-all", "corrupt-ckpt"]
+
+
 @pytest.mark.parametrize("job", list(SoakJob))
 def test_short_soak_every_fault_kind_zero_violations(job: SoakJob, tmp_path: Path) -> None:
     if job is SoakJob.JAX:
         pytest.importorskip("jax")
         pytest.importorskip("optax")
-    summary = soak(80.0, job=job, workers=3, every_s=5.5, seed=0, run_dir=tmp_path / "soak")
+    # Both frameworks run the one step engine and protocol, so the JAX soak takes the
+    # faults whose recovery goes through the framework's own state (heal, leave,
+    # abort, whole-job resume, a damaged checkpoint's load) and leaves the
+    # protocol-only ones (slow, cut, coordinator, disk, truncation) to the torch soak:
+    # 45 s instead of 80 s of the suite.
+    kinds = list(KINDS) if job is SoakJob.TORCH else JAX_KINDS
+    summary = soak(
+        80.0 if job is SoakJob.TORCH else 45.0,
+        job=job,
+        workers=3,
+        every_s=5.5,
+        kinds=kinds,
+        seed=0,
+        run_dir=tmp_path / "soak",
+    )
     table = format_table(summary)
     print(table)
     injected = {f["fault"] for f in summary["faults"] if not f["skipped"]}
     # fill-disk mounts a tmpfs and cut builds network namespaces: both need root.
-    expected = set(KINDS) if os.geteuid() == 0 else set(KINDS) - {"fill-disk", "cut"}
+    expected = set(kinds) if os.geteuid() == 0 else set(kinds) - {"fill-disk", "cut"}
     assert injected >= expected, table
     assert summary["violations"] == 0, table
     assert table.splitlines()[-1] == "violations: 0"

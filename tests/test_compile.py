@@ -139,11 +139,21 @@ def test_a_compiled_model_cannot_be_sharded_yet() -> None:
 
 @pytest.fixture(scope="module")
 def compiled() -> tuple[nn.Module, Net, torch.optim.Optimizer]:
-    """(compiled wrapper, its model, optimizer), compiled through the backend's warm-up."""
+    """(compiled wrapper, its model, optimizer), compiled through the backend's warm-up.
+
+    Inductor draws dropout masks with its own generator (seeded from torch's, so
+    still a function of the seed), not eager's: compiled with eager's here, so that
+    the step can be compared with the eager model's."""
     model, opt = _net(7)
     wrapped = torch.compile(model, backend=BACKEND)
     be = _backend(wrapped, opt)
-    be.warm_up(_batch())
+    if BACKEND == "inductor":
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(fallback_random=True):
+            be.warm_up(_batch())
+    else:
+        be.warm_up(_batch())
     return wrapped, model, opt
 
 
@@ -187,11 +197,20 @@ def test_a_compiled_step_accumulates_into_the_flat_buffers(
         be.compute(0, 0, _batch(), 8)
     g, w = got.reduce_buffers()[0], want.reduce_buffers()[0]
     assert g.abs().sum() > 0, "the compiled backward did not write into the step's buffers"
+    # A micro-batch's gradient depends on (seed, step, micro-batch) only, whatever the
+    # RNG did before (the member that computes it does not matter).
+    first = g.clone()
+    torch.rand(100)
+    got.begin_step(EXTRA_SLOTS)
+    got.compute(0, 0, _batch(), 8)
+    assert got.reduce_buffers()[0] is g and torch.equal(g, first)
     torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)  # inductor fuses; not bit-equal
-    got.apply()
-    want.apply()
-    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    # (The parameters after AdamW's step are not compared: the bias before the batch
+    # norm has a gradient of rounding noise, which Adam scales up to +-lr.)
+    before = [p.detach().clone() for p in model.parameters()]
+    u, v = got.apply(), want.apply()
+    assert u.skipped is None and u.grad_norm == pytest.approx(v.grad_norm, rel=1e-4)
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     # FLOPs are counted on a compiled model too (it runs eagerly for the count).
     flops = got.count_flops(_batch(), 8, 8)["flops_per_step"]
     assert flops == want.count_flops(_batch(), 8, 8)["flops_per_step"] > 0

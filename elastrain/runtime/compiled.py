@@ -1,7 +1,8 @@
 """torch.compile in an elastic job: finding a compiled model, compiling it before the first step.
 
 A compiled model compiles on its first forward and its first backward, which
-takes seconds (tens with inductor on a busy CPU). A replacement that did this
+takes seconds (inductor took ~100 s for a small MLP with a cold cache on a
+busy 2-core machine; docs/design.md, "torch.compile"). A replacement that did this
 inside its first step would keep its peers waiting in the all-reduce long
 enough for their watchdog to call it a hang; so the torch backend runs one
 micro-batch through a compiled model before the member registers

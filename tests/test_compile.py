@@ -25,6 +25,7 @@ from elastrain.observe.ledger import check_same_state
 from elastrain.runtime.compiled import compile_now, is_compiled
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.engine import EXTRA_SLOTS
+from elastrain.runtime.preflight import DDP_WRAPPED, model_problems
 from elastrain.runtime.torch_backend import TorchBackend
 from elastrain.runtime.trainer import ElasticTrainer
 from elastrain.transfer import HealStats, TorchState, heal, model_signature, state_digest
@@ -115,6 +116,15 @@ def test_a_name_that_collides_without_the_wrapper_is_refused() -> None:
     model._orig_mod.w = nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="both named 'w'"):
         model_signature(model)
+
+
+def test_a_compiled_ddp_model_is_still_refused() -> None:
+    class DistributedDataParallel(nn.Module):  # what preflight recognises, by its name
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert DDP_WRAPPED in model_problems(torch.compile(DistributedDataParallel(), backend=BACKEND))
+    assert model_problems(torch.compile(nn.Linear(2, 2), backend=BACKEND)) == []
 
 
 def test_a_compiled_model_cannot_be_sharded_yet() -> None:

@@ -1,7 +1,8 @@
 # The two newcomer commands:  `make demo`  and  `make test`.
 # Both create .venv and install everything on first use (torch==2.13.0 CPU first,
 # so that the `torch>=2.6` dependency is already satisfied and no CUDA build is pulled;
-# then the dev and jax extras: JAX CPU + optax, for tests/test_jax.py).
+# then the dev, jax and hf extras: JAX CPU + optax, for tests/test_jax.py; transformers
+# (~20 MB with its dependencies, no torch of its own), for tests/test_examples.py).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,jax]'
+	$(BIN)/pip install -q -e '.[dev,jax,hf]'
 	$(BIN)/python -c "import torch; v = torch.__version__; assert v.split('+')[0] == '2.13.0', v"
 	touch $(STAMP)
 

@@ -263,6 +263,10 @@ def test_a_sharded_checkpoint_resumes_into_the_replicated_trainer(tmp_path: Path
     model, opt = _fresh(1)
     state = TorchState(model, opt)
     tensors, section = replicated_state(ShardedReader(ckpt), ckpt.meta["schema"], state)
+    # A compiled model asks for the same tensors (its names lose torch.compile's _orig_mod.).
+    compiled = TorchState(torch.compile(model, backend="eager"), opt)
+    again, _ = replicated_state(ShardedReader(ckpt), ckpt.meta["schema"], compiled)
+    assert list(again) == list(tensors)
     install_checkpoint(state, tensors, section, str(ckpt.path))
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), whole[model_key(name)])

@@ -68,7 +68,9 @@ def explain(error: BaseException | str) -> str | None:
 def model_problems(model: Any) -> list[str]:
     """The model is wrapped in DDP, or the script already made a process group."""
     out = []
-    if any(c.__name__ == "DistributedDataParallel" for c in type(model).__mro__):
+    # torch.compile(DDP(model)) is DDP too: look inside the compile wrapper.
+    inner = getattr(model, "_orig_mod", model)
+    if any(c.__name__ == "DistributedDataParallel" for c in type(inner).__mro__):
         out.append(DDP_WRAPPED)
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist

@@ -36,6 +36,7 @@ from elastrain.runtime.sharded import ResumedShard, ShardedBackend, shard_rows
 from elastrain.transfer import TorchState
 from elastrain.transfer.flatten import MODEL_PREFIX, OPTIM_PREFIX
 from elastrain.transfer.manifest import TENSOR_REF
+from elastrain.transfer.names import model_state, named_parameters
 
 
 class ResumeMismatch(ValueError):
@@ -147,12 +148,12 @@ def replicated_state(
     the model and optimizer). Reads every tensor whole. ResumeMismatch when the
     checkpoint lacks a tensor of the model or a parameter of the optimizer."""
     tensors: dict[str, torch.Tensor] = {}
-    for key in state.model.state_dict():
+    for key in model_state(state.model):  # a compiled model's too: no _orig_mod. prefix
         fqn = model_key(key)
         if not reader.has(fqn):
             raise ResumeMismatch(f"it has no tensor {key!r} of this model")
         tensors[MODEL_PREFIX + key] = reader.read(fqn)
-    names = {id(p): n for n, p in state.model.named_parameters()}
+    names = {id(p): n for n, p in named_parameters(state.model).items()}
     order = [names.get(id(p)) for g in state.optimizer.param_groups for p in g["params"]]
     if None in order:
         raise ResumeMismatch("this optimizer holds tensors that are not the model's parameters")

@@ -11,6 +11,7 @@ which member computed which micro-batch (`TrainerConfig.reduce_dtype`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from elastrain.runtime.backend import SkipReason, Update
+from elastrain.runtime.compiled import compile_now, eager, is_compiled
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.update import (
@@ -31,6 +33,7 @@ from elastrain.runtime.update import (
 )
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 from elastrain.transfer.flatten import Stateful, encode_object
+from elastrain.transfer.names import COMPILE_WRAPPER
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -65,6 +68,10 @@ class TorchBackend:
     autocast in the loss function); it is registered as ``"grad_scaler"``.
     ``before_step``: the script's hook (`elastrain.runtime.update.BeforeStep`);
     ``step_index`` then gives it the index of the step being applied.
+
+    ``model`` may be compiled (``torch.compile(model)``, ``model.compile()``, or
+    compiled submodules): its state travels under the uncompiled model's names
+    (`elastrain.transfer.names`) and it is compiled in `warm_up`.
     """
 
     framework = "torch"
@@ -148,7 +155,11 @@ class TorchBackend:
         from elastrain.observe.efficiency import device_info
         from elastrain.observe.flops import measure_step_flops
 
-        fc = measure_step_flops(self.model, self.loss_fn, batch, micro_batch, global_batch)
+        # FLOPs are counted op by op as the ops run: a compiled model runs eagerly for it
+        # (the module torch.compile wraps, whose calls the counter's module hooks see once).
+        model = getattr(self.model, COMPILE_WRAPPER, self.model)
+        with eager() if is_compiled(model) else contextlib.nullcontext():
+            fc = measure_step_flops(model, self.loss_fn, batch, micro_batch, global_batch)
         return {
             "flops_per_step": fc.flops_per_step,
             "flops_per_microbatch": fc.flops_per_microbatch,
@@ -163,7 +174,12 @@ class TorchBackend:
         return model_problems(self.model) + scheduler_problems(self.optimizer, self.objects)
 
     def warm_up(self, batch: Any) -> None:
-        """Nothing to compile in eager mode."""
+        """Compile a compiled model (`torch.compile(model)` or `model.compile()`) now:
+        one micro-batch's forward and backward that leave no trace
+        (`elastrain.runtime.compiled`), so that a replacement does not compile
+        inside its first step while its peers wait. Nothing to do in eager mode."""
+        if is_compiled(self.model):
+            compile_now(self.model, self.loss_fn, batch)
 
     # ---- one step ------------------------------------------------------------------
 

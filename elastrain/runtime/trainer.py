@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import default_collate
 
 from elastrain.runtime.backend import Backend, SkipReason
+from elastrain.runtime.compiled import is_compiled
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset, StepResult
 from elastrain.runtime.evaluate import EvalFn, EvalResult, Evaluation, eval_seed
@@ -86,6 +87,12 @@ class ElasticTrainer(EngineTrainer):
     registered stops the job at start with what to do. Step it after each
     result `steps()` yields: that is the state a heal, a checkpoint and the
     state hash see as "after the step". Unsharded only for now.
+
+    ``model`` may be compiled: ``torch.compile(model)`` passed in, or
+    ``model.compile()`` (in place, before or after the trainer is built). Its state
+    keeps the uncompiled model's names, so compiled and uncompiled members agree
+    and a replacement heals into a compiled model; it is compiled before the
+    member joins (`TorchBackend.warm_up`). Unsharded only.
     """
 
     def __init__(
@@ -125,6 +132,11 @@ class ElasticTrainer(EngineTrainer):
                 raise ValueError(
                     f"{', '.join(unsupported)}: not available for sharded models yet "
                     "(TrainerConfig.shard_size > 1)"
+                )
+            if is_compiled(model):
+                raise ValueError(
+                    "a compiled model cannot be sharded yet (TrainerConfig.shard_size > 1): "
+                    "pass the uncompiled model"
                 )
             backend = ShardedBackend(
                 model,

@@ -2,7 +2,9 @@
 
 Layout (the same on every rank with the same model and optimizer class):
 
-- ``model/<key>`` for each ``model.state_dict()`` tensor, in state_dict order;
+- ``model/<key>`` for each ``model.state_dict()`` tensor, in state_dict order
+  (the key without torch.compile's ``_orig_mod.`` segments, so a compiled
+  model's state has its uncompiled model's names: `elastrain.transfer.names`);
 - ``optim/<param_idx>/<key>`` for each optimizer state tensor, params in
   ascending index order, keys in the optimizer's order (a tensor nested in a
   list or dict gets ``/<i>`` or ``/<subkey>`` appended);
@@ -30,6 +32,7 @@ import torch
 
 from elastrain.transfer.dtypes import byte_view, cpu_bytes
 from elastrain.transfer.manifest import TENSOR_REF
+from elastrain.transfer.names import model_state
 from elastrain.transfer.signature import model_signature
 from elastrain.transfer.state import FlatState, NamedState
 
@@ -97,7 +100,7 @@ def flatten_state(
     """
     model_signature(model)  # raises TypeError on non-tensor state_dict values
     tensors: list[tuple[str, torch.Tensor]] = [
-        (MODEL_PREFIX + k, v.detach()) for k, v in model.state_dict().items()
+        (MODEL_PREFIX + k, v.detach()) for k, v in model_state(model).items()
     ]
     osd = optimizer.state_dict()
     state: dict[str, Any] = {}

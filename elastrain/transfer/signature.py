@@ -10,9 +10,15 @@ from typing import Any
 
 import torch
 
+from elastrain.transfer.names import model_state
+
 
 def model_signature(model: torch.nn.Module) -> list[list[Any]]:
     """Return ``[[name, shape, dtype], ...]`` for ``model.state_dict()`` in order.
+
+    ``name`` is the state_dict key without torch.compile's ``_orig_mod.`` segments
+    (`elastrain.transfer.names`): a compiled model has the signature of the model
+    it wraps.
 
     ``shape`` is a ``list[int]`` and ``dtype`` is ``str(tensor.dtype)`` (for
     example ``"torch.float32"``), so the result is JSON-able and survives a JSON
@@ -20,7 +26,7 @@ def model_signature(model: torch.nn.Module) -> list[list[Any]]:
     (``get_extra_state``), which elastrain cannot move without pickle.
     """
     out: list[list[Any]] = []
-    for name, value in model.state_dict().items():
+    for name, value in model_state(model).items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor; "

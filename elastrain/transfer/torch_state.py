@@ -37,6 +37,7 @@ from elastrain.transfer.flatten import (
     optimizer_class,
 )
 from elastrain.transfer.manifest import Entry, Manifest, tensor_refs
+from elastrain.transfer.names import model_state
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, manifest_limit
 
@@ -115,7 +116,7 @@ class TorchState:
 
     def manifest_limit(self) -> int:
         return manifest_limit(
-            len(self.model.state_dict())
+            len(model_state(self.model))
             + self._max_optim_entries()
             + len(self._own_object_entries())
             + MAX_GROUP_TENSORS
@@ -126,7 +127,7 @@ class TorchState:
         `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack), plus
         its registered objects' tensor bytes (plus room for a few small ones it does
         not have, which `check` refuses with a clear message)."""
-        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        model_bytes = sum(t.numel() * t.element_size() for t in model_state(self.model).values())
         param_bytes = sum(p.numel() * p.element_size() for p in self._params())
         object_bytes = sum(
             t.numel() * t.element_size() for t in self._own_object_entries().values()
@@ -299,7 +300,7 @@ class TorchState:
         return None
 
     def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
-        model_sd = self.model.state_dict()
+        model_sd = model_state(self.model)
         state = {int(k): decode_refs(v, tensors) for k, v in section["state"].items()}
         groups = decode_refs(section["param_groups"], tensors)
         objects = section.get(OBJECTS_KEY, {})

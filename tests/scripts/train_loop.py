@@ -4,8 +4,10 @@
 
 Clipping (`TrainerConfig.max_grad_norm`), a cosine LR scheduler registered with
 the trainer and stepped after each committed step, optionally fp16 autocast
-with a GradScaler, and optionally one poisoned sample (inf features; with
---amp, 1e5, which overflows fp16) that makes one step's gradient non-finite.
+with a GradScaler, optionally a compiled model (--compile BACKEND, on the
+members --compile-members names), and optionally one poisoned sample (inf
+features; with --amp, 1e5, which overflows fp16) that makes one step's gradient
+non-finite.
 After each committed step every member appends what decides the next step to
 <run_dir>/loop/<member>.jsonl: step, lr, the state hash, a hash of the model's
 and optimizer's tensors alone, grad_norm, skipped, the GradScaler's scale. On completion each member writes its final parameters
@@ -76,6 +78,8 @@ def main() -> None:
         "--min-step-s", type=float, default=0.0, help="pace: at least this long per step"
     )
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate after every K steps")
+    ap.add_argument("--compile", metavar="BACKEND", help="model.compile(backend=BACKEND)")
+    ap.add_argument("--compile-members", help="comma-separated members that compile (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -118,6 +122,11 @@ def main() -> None:
             }
 
         trainer.evaluate_every(args.eval_every, eval_fn, held_out, batch_size=EVAL_B)
+
+    if args.compile and trainer.member in (args.compile_members or trainer.member).split(","):
+        # In place, after the trainer was built: the trainer compiles it before joining.
+        model.compile(backend=args.compile)
+        print(f"{trainer.member}: compiled with {args.compile}", flush=True)
     sched = None
     if args.sched == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)

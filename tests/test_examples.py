@@ -51,18 +51,17 @@ def test_the_porting_guide_shows_the_real_diff_and_its_count() -> None:
     assert stated is not None, "docs/porting.md states no 'Changed lines' count"
     changed, deleted, added = _count(before, after)
     assert tuple(map(int, stated.groups())) == (changed, deleted, added)
-    # Issue 17's target is 20; the guide says why the port takes more (evaluation).
-    assert changed <= 26, f"porting the DDP script takes {changed} changed lines (was 26)"
+    assert changed <= 20, f"porting the DDP script takes {changed} changed lines (target: 20)"
 
 
 def test_the_ported_script_trains(run_job: Callable[..., Job]) -> None:
     # One worker: what is tested is the script (a kill is tested everywhere else).
-    job = run_job(script=str(PORTING / "elastic_train.py"), steps=21, workers=1)
+    job = run_job(script=str(PORTING / "elastic_train.py"), steps=3, workers=1)
     assert job.result.status == "done", job.result.message
-    # The evaluation after 20 steps comes with step 20's result: rank 0 printed it.
+    # Step 0 is an evaluation step: rank 0 printed its validation loss.
     log = job.log("w0")
-    assert re.search(r"step 20 loss \d+\.\d+ val loss \d+\.\d+", log), log[-2000:]
-    assert {e["step"] for e in job.of("step_commit")} == set(range(21))
+    assert re.search(r"step 0 loss \d+\.\d+ val loss \d+\.\d+", log), log[-2000:]
+    assert {e["step"] for e in job.of("step_commit")} == {0, 1, 2}
 
 
 # ---------------------------------------------------------------- Hugging Face

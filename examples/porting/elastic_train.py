@@ -13,8 +13,12 @@ def loss_fn(model, batch):  # mean loss of a batch
     return nn.functional.mse_loss(model(x), y)
 
 
-def evaluate(model, batch):  # summed loss over a batch of the held-out set
-    return {"loss": loss_fn(model, batch) * len(batch[0])}
+def evaluate(model, data):  # mean loss over the held-out set
+    model.eval()
+    with torch.no_grad():
+        loss = loss_fn(model, data.tensors).item()
+    model.train()
+    return loss
 
 
 torch.manual_seed(0)  # same initial weights and data everywhere
@@ -30,9 +34,10 @@ cfg = TrainerConfig(
 )
 trainer = ElasticTrainer(model, opt, train, loss_fn, cfg)
 trainer.register("sched", sched)  # a replacement gets the survivors' learning rate
-trainer.evaluate_every(EVAL_EVERY, evaluate, val, batch_size=128)  # split over all members
 
 for r in trainer.steps():  # yields after each committed step
     sched.step()
-    if r.evaluation is not None and r.rank == 0:
-        print(f"step {r.step} loss {r.loss:.4f} val loss {r.evaluation.means['loss']:.4f}")
+    if r.step % EVAL_EVERY == 0:
+        with trainer.pause():  # every member waits here, the hang watchdog too
+            if r.rank == 0:
+                print(f"step {r.step} loss {r.loss:.4f} val loss {evaluate(model, val):.4f}")

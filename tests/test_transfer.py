@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -372,14 +373,23 @@ def watch_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+_GROUPS = itertools.count(1)
+"""Numbers each `run_threads` group's store prefix."""
+
+
 def run_threads(store: TCPStore, world: int, fn: Callable[[int, Any], Any]) -> list[Any]:
-    """Run fn(rank, pg) on `world` threads sharing one gloo group; results or exceptions."""
+    """Run fn(rank, pg) on `world` threads sharing one gloo group; results or exceptions.
+
+    Each call's group rendezvous under its own store prefix: a second group under
+    the prefix of a first one on the same store would read the first one's keys
+    and connect to its closed listeners (a hang, depending on timing)."""
     results: list[Any] = [None] * world
+    prefix = f"gen{next(_GROUPS)}"
 
     def body(rank: int) -> None:
         try:
             client = TCPStore("127.0.0.1", store.port, is_master=False)
-            pg = ProcessGroupGloo(PrefixStore("gen1", client), rank, world, GROUP_TIMEOUT)
+            pg = ProcessGroupGloo(PrefixStore(prefix, client), rank, world, GROUP_TIMEOUT)
             results[rank] = fn(rank, pg)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e

@@ -216,16 +216,23 @@ def elastrain_run(
     launcher = Launcher(cfg, on_status=pacer)
     if pacer is not None:
         pacer.launcher = launcher
-    # Guard: a stuck job must not stall the benchmark forever.
+    result, _ = run_bounded(launcher, timeout_s)
+    events = read_events(run_dir)
+    return result.status, events, launcher
+
+
+def run_bounded(launcher: Launcher, timeout_s: float) -> tuple[Any, float]:
+    """Run the job, stopping it after `timeout_s` (a stuck job must not stall the
+    benchmark forever); returns its RunResult and its wall seconds."""
     timer = threading.Timer(timeout_s, launcher.stop)
     timer.daemon = True
     timer.start()
+    t0 = time.monotonic()
     try:
         result = launcher.run()
     finally:
         timer.cancel()
-    events = read_events(run_dir)
-    return result.status, events, launcher
+    return result, time.monotonic() - t0
 
 
 def cpu_seconds(pids: list[int]) -> float:

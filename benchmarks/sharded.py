@@ -152,6 +152,7 @@ from recovery import (  # noqa: E402
     fmt,
     log,
     med,
+    run_bounded,
     shape_args,
     table,
 )
@@ -617,14 +618,7 @@ def measure_replicated_rss(shape: Shape, steps: int, out_dir: Path, timeout_s: f
     rss_dir = out_dir / "rss"
     rss_dir.mkdir(parents=True, exist_ok=True)
     cfg = elastrain_config(shape, out_dir, steps, 1, extra_env={"BENCH_RSS_DIR": str(rss_dir)})
-    launcher = Launcher(cfg)
-    timer = threading.Timer(timeout_s, launcher.stop)
-    timer.daemon = True
-    timer.start()
-    try:
-        result = launcher.run()
-    finally:
-        timer.cancel()
+    result, _ = run_bounded(Launcher(cfg), timeout_s)
     return {"status": result.status, "rss": read_rss(rss_dir), "dir": out_dir}
 
 
@@ -642,14 +636,7 @@ def measure_recovery(
     pacer = KillPacer(1, kill_step, settle)
     launcher = Launcher(cfg, on_status=pacer)
     pacer.launcher = launcher
-    timer = threading.Timer(timeout_s, launcher.stop)
-    timer.daemon = True
-    timer.start()
-    t0 = time.monotonic()
-    try:
-        result = launcher.run()
-    finally:
-        timer.cancel()
+    result, wall_s = run_bounded(launcher, timeout_s)
     events = read_events(out_dir)
     recs = [r for r in recoveries(events) if r.fault == "kill"]
     js = joins(events)
@@ -662,7 +649,7 @@ def measure_recovery(
     heal_ends = [e for e in events if e["kind"] == "heal_end"]
     return {
         "status": result.status,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": wall_s,
         "events": events,
         "recs": recs,
         "joins": js,
@@ -704,18 +691,11 @@ def measure_reshard(
             launcher.stop()
 
     launcher = Launcher(cfg, on_status=on_status)
-    timer = threading.Timer(timeout_s, launcher.stop)
-    timer.daemon = True
-    timer.start()
-    t0 = time.monotonic()
-    try:
-        result = launcher.run()
-    finally:
-        timer.cancel()
+    result, wall_s = run_bounded(launcher, timeout_s)
     events = read_events(out_dir)
     return {
         "status": result.status,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": wall_s,
         "back": "step" in back,
         "reshards": [e for e in events if e["kind"] == "reshard_end"],
         "dir": out_dir,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from elastrain.chaos.schedule import parse_fault
 from elastrain.data import GlobalOrder
 from elastrain.exitcodes import EXIT_LEFT, RUN_INTERRUPTED
 from elastrain.launch.launcher import LaunchConfig, Launcher
@@ -395,10 +396,38 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         stop_processes(proc, pids)
 
 
+class AfterRecovery:
+    """Adds each next fault to the launcher's schedule only once the coordinator
+    killed by the previous one is back and its generation has all `workers` ready
+    again, `gap` steps later: a fixed step number would land while the previous
+    restart is still under way whenever the restart (mostly `import torch`, 3 s
+    quiet, 14 s on a loaded machine) outlasts the steps between the two. Runs on
+    the launcher's thread (its `on_status`)."""
+
+    def __init__(self, then: list[str], workers: int, gap: int = 20) -> None:
+        self.then, self.workers, self.gap = list(then), workers, gap
+        self.fired = 1
+        """Faults that must have fired before the next is added (the first is the job's)."""
+
+    def __call__(self, launcher: Launcher, st: dict[str, Any]) -> None:
+        log = launcher.fault_log
+        if not self.then or len(log) < self.fired or log[-1]["fault"] != "kill-coordinator":
+            return
+        coordinator = launcher.coordinator
+        if coordinator is None or coordinator.pid == log[-1]["pid"]:
+            return  # the status came before the kill took effect
+        if len(st.get("members") or []) != self.workers or not st.get("ready"):
+            return
+        step = int(st.get("step", 0))
+        launcher.schedule.pending.append(parse_fault(self.then.pop(0).format(step=step + self.gap)))
+        self.fired += 1
+
+
 def test_coordinator_killed_twice_training_goes_on_and_nothing_is_lost(run_job, reference) -> None:  # type: ignore[no-untyped-def]
-    # Steps take ~30 ms here; the coordinator needs ~3 s to start again, so the
-    # faults are far enough apart that each one lands after the previous recovery.
-    steps = 900
+    # Steps take ~30 ms here; each fault after the first waits for the previous
+    # recovery (AfterRecovery), so 1200 steps leave room for two restarts of up to
+    # ~15 s each (a heavily loaded machine) before the job ends.
+    steps = 1200
     job = run_job(
         steps=steps,
         workers=3,
@@ -407,7 +436,8 @@ def test_coordinator_killed_twice_training_goes_on_and_nothing_is_lost(run_job, 
         min_workers=3,
         name="coordkill",
         replace_delay_s=0.5,
-        faults=["kill-coordinator@10", "kill-coordinator@350", "kill@650:w1"],
+        faults=["kill-coordinator@10"],
+        on_status=AfterRecovery(["kill-coordinator@{step}", "kill@{step}:w1"], workers=3),
     )
     assert_invariants(job, steps)
     kills = job.of("fault_injected", fault="kill-coordinator")

@@ -1,11 +1,16 @@
 """The PyTorch backend of the step engine: one model replica, its optimizer, flat gradients.
 
-Every parameter's `.grad` is a view into one flat buffer per dtype, so
-backward accumulates in place and the all-reduce sums a few large tensors.
 With reduce_dtype "float64" (the default) each micro-batch's gradient is
-added into one float64 buffer and cleared, so the sum over the global batch
-is exact and its rounding back to the parameters' dtype does not depend on
-which member computed which micro-batch (`TrainerConfig.reduce_dtype`).
+added into one float64 buffer, so the sum over the global batch is exact and
+its rounding back to the parameters' dtype does not depend on which member
+computed which micro-batch (`TrainerConfig.reduce_dtype`). Each parameter's
+gradient is added as soon as backward has finished accumulating it (a
+post-accumulate-grad hook, `_GradCapture`), while it is still in cache, and
+then dropped, so the next micro-batch's backward hands over a fresh gradient
+instead of adding into a cleared one. With "native", every parameter's
+`.grad` is a view into one flat buffer per dtype: backward accumulates in
+place and the all-reduce sums those few large tensors. Either way, `apply`
+leaves the mean gradient in `.grad` as views of flat buffers.
 """
 
 from __future__ import annotations
@@ -59,7 +64,67 @@ def load_torch_meta(
 
 
 WIDEN_CHUNK = 1 << 20
-"""Elements of a micro-batch's gradient converted to float64 at a time (`_widen`)."""
+"""Elements of a micro-batch's gradient converted to float64 at a time (`widen_into`)."""
+
+KEEP_GRAD_BYTES = 16 << 20
+"""Gradients at least this large are kept and cleared after each micro-batch
+rather than dropped: glibc serves allocations above its mmap threshold (at most
+32 MiB) with fresh pages, which a dropped-and-reallocated gradient would fault
+in again on every micro-batch."""
+
+
+def widen_into(wide: torch.Tensor, grad: torch.Tensor, work: torch.Tensor) -> None:
+    """``wide += grad`` (float64 += the gradient's dtype), exactly.
+
+    Converted a chunk at a time into ``work`` (float64, at least `WIDEN_CHUNK`
+    elements), then added: torch's mixed-dtype ``add_`` takes a slower,
+    element-by-element casting path (about 1.5x the time of these two
+    vectorised passes)."""
+    flat = grad.reshape(-1)
+    for a in range(0, flat.numel(), WIDEN_CHUNK):
+        part = flat[a : a + WIDEN_CHUNK]
+        x = work[: part.numel()]
+        x.copy_(part)
+        wide[a : a + part.numel()].add_(x)
+
+
+class _GradCapture:
+    """Adds one parameter's micro-batch gradient into its slice of the float64
+    sum (reduce_dtype "float64").
+
+    Registered as the parameter's post-accumulate-grad hook, so it runs on the
+    thread running backward, once per backward, after every path into the
+    parameter has been accumulated. It acts only while `armed` (inside
+    `TorchBackend.compute`): other backward passes (the compile warm-up, FLOP
+    counting) leave the gradients alone."""
+
+    def __init__(
+        self, param: torch.nn.Parameter, view: torch.Tensor, wide: torch.Tensor, backend: Any
+    ) -> None:
+        self.param, self.view, self.wide, self.backend = param, view, wide, backend
+        self.keep = param.numel() * param.element_size() >= KEEP_GRAD_BYTES
+        self.handle = param.register_post_accumulate_grad_hook(self.on_grad)
+
+    def prepare(self) -> None:
+        """Before a step's first backward: no gradient (backward then hands over
+        its own), or for a kept one its cleared view."""
+        if self.keep:
+            self.view.zero_()
+            self.param.grad = self.view
+        else:
+            self.param.grad = None
+
+    def on_grad(self, param: torch.Tensor) -> None:
+        g = param.grad
+        if not self.backend.armed or g is None:
+            return
+        if g.layout != torch.strided:
+            g = g.to_dense()
+        widen_into(self.wide, g, self.backend.work(WIDEN_CHUNK))
+        if self.keep and g is self.view:
+            g.zero_()
+        else:
+            param.grad = None
 
 
 def seed_step(seed: int) -> None:
@@ -131,6 +196,10 @@ class TorchBackend:
         self._scratch = torch.empty(0, dtype=torch.float64)
         """Float64 work space, reused every step (a fresh buffer per step would be
         page-faulted in every time): the widening's conversions and the norm's sums."""
+        self._captures: list[_GradCapture] = []
+        self._param_ids: list[int] = []
+        self.armed = False
+        """True while `compute` runs backward: the `_GradCapture` hooks act."""
 
     # ---- state -------------------------------------------------------------------
 
@@ -203,8 +272,13 @@ class TorchBackend:
 
     def begin_step(self, extra_slots: int) -> None:
         grads, bufs = self._ensure_grad_views(extra_slots)
-        for f in grads if bufs is grads else (*grads, *bufs):
-            f.zero_()
+        if self.native:
+            for f in grads:
+                f.zero_()
+        else:
+            bufs[0].zero_()
+            for c in self._captures:
+                c.prepare()
         self.model.train()
         if self.grad_scaler is not None:
             # The scaler makes its scale tensor at its first use: a member that computes
@@ -219,9 +293,11 @@ class TorchBackend:
             total = loss * samples
             if self.grad_scaler is not None:
                 total = self.grad_scaler.scale(total)
-            total.backward()
-        if self._reduce is not self._flats:
-            self._widen(self._flats, self._reduce[0])
+            self.armed = True
+            try:
+                total.backward()
+            finally:
+                self.armed = False
         return float(loss.detach()) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:
@@ -234,12 +310,15 @@ class TorchBackend:
         """The mean gradient into ``.grad``, unscaled; its norm; clipping; the
         non-finite skip; the hook; then the optimizer step unless skipped (see
         `elastrain.runtime.update` for why every member decides alike)."""
+        if not self.native:
+            for q, v in self._views:
+                q.grad = v
         self._narrow(self._flats, self._reduce)
         scaler = self.grad_scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         grads = self._grads()
-        norm = grad_norm(grads, self._work(NORM_CHUNK))
+        norm = grad_norm(grads, self.work(NORM_CHUNK))
         # A finite norm means finite grads; an infinite one may be a float64 overflow.
         finite = not math.isnan(norm) and (not math.isinf(norm) or all_finite(grads))
         skipped = None if finite else SkipReason.NONFINITE
@@ -272,28 +351,41 @@ class TorchBackend:
         return list(self._flats)
 
     def discard(self) -> None:
+        self._release_captures()
         self._flats, self._views, self._reduce = [], [], []
+
+    def _release_captures(self) -> None:
+        for c in self._captures:
+            c.handle.remove()
+        self._captures, self._param_ids = [], []
 
     # ---- flat gradient buffers -------------------------------------------------------
 
     def _ensure_grad_views(self, extra: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(grads, reduce): point every parameter's .grad at a slice of one flat
-        buffer per dtype (`grads`), so backward accumulates in place; `reduce` are
-        the buffers the all-reduce sums, the extras riding at the end of the
-        first. With reduce_dtype "native" they are the grad buffers themselves
-        (no copy); with "float64" one float64 buffer that every micro-batch's
-        gradient is added into."""
+        """(grads, reduce): a flat buffer per dtype with a view per parameter
+        (`grads`: the mean gradient lands there in `apply`) and the buffers the
+        all-reduce sums (`reduce`), the extras riding at the end of the first.
+        With reduce_dtype "native" they are the grad buffers themselves (no copy)
+        and every .grad is its view, so backward accumulates in place; with
+        "float64" one float64 buffer that a `_GradCapture` per parameter adds each
+        micro-batch's gradient into. Rebuilt when the trainable parameters or the
+        extras change (or, native, when something replaced a .grad)."""
+        params = [q for q in self.model.parameters() if q.requires_grad]
         if (
             self._flats
             and extra == self._extra_slots
-            and all(
-                prm.grad is not None and prm.grad.data_ptr() == v.data_ptr()
-                for prm, v in self._views
+            and (
+                all(
+                    prm.grad is not None and prm.grad.data_ptr() == v.data_ptr()
+                    for prm, v in self._views
+                )
+                if self.native
+                else self._param_ids == [id(q) for q in params]
             )
         ):
             return self._flats, self._reduce
+        self._release_captures()
         self._extra_slots = extra
-        params = [q for q in self.model.parameters() if q.requires_grad]
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for q in params:
             by_dtype.setdefault(q.dtype, []).append(q)
@@ -314,32 +406,20 @@ class TorchBackend:
             self._reduce = flats
         else:
             n = sum(f.numel() for f in flats)
-            self._reduce = [torch.zeros(n + extra, dtype=torch.float64)]
+            wide = torch.zeros(n + extra, dtype=torch.float64)
+            self._reduce = [wide]
+            off = 0
+            for q, v in views:
+                self._captures.append(_GradCapture(q, v, wide[off : off + q.numel()], self))
+                off += q.numel()
+            self._param_ids = [id(q) for q in params]
         return self._flats, self._reduce
 
-    def _work(self, n: int) -> torch.Tensor:
+    def work(self, n: int) -> torch.Tensor:
         """The scratch buffer, at least ``n`` elements (grown once, kept)."""
         if self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=torch.float64)
         return self._scratch
-
-    def _widen(self, grads: list[torch.Tensor], wide: torch.Tensor) -> None:
-        """Add one micro-batch's gradient into the float64 sum and clear it.
-
-        Converted to float64 a chunk at a time into the scratch buffer, then added:
-        torch's mixed-dtype ``add_`` takes a slower, element-by-element casting path
-        (about 1.5x the time of the two vectorised passes here)."""
-        work = self._work(WIDEN_CHUNK)
-        off = 0
-        for g in grads:
-            flat = g.reshape(-1)
-            for a in range(0, flat.numel(), WIDEN_CHUNK):
-                part = flat[a : a + WIDEN_CHUNK]
-                x = work[: part.numel()]
-                x.copy_(part)
-                wide[off + a : off + a + part.numel()].add_(x)
-            g.zero_()
-            off += g.numel()
 
     def _narrow(self, grads: list[torch.Tensor], reduce: list[torch.Tensor]) -> None:
         """The summed gradient over the global batch, into the parameters' .grad."""

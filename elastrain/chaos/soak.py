@@ -13,7 +13,9 @@ so that each kind in `--kinds` comes up (each damaged checkpoint comes right
 after a kill of every worker and before their replacements start, so the
 resume path must notice the damage). The last quarter of the duration is
 quiet so every fault has time to recover; the clock starts at the job's first
-committed step. Then the job is ended with a preemption notice, and the same job runs failure-free, as one member, for as many steps:
+committed step. At the end of the duration the soak waits, while any fault has
+neither recovered nor used up its bound (a loaded machine recovers slower), so
+that every fault is judged. Then the job is ended with a preemption notice, and the same job runs failure-free, as one member, for as many steps:
 the reference. Checks, each a count of violations:
 
 - same state: all members hash-identical at every generation start;
@@ -192,6 +194,16 @@ def startup_p90(events: list[dict[str, Any]]) -> float:
     return took[int(0.9 * (len(took) - 1))] if took else 0.0
 
 
+def unjudged(recs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+    """The recoveries (`recoveries`) that cannot be judged yet at `now`: no progress
+    after the fault so far, and its bound is not up."""
+    return [
+        r
+        for r in recs
+        if not r["skipped"] and r["recovery_s"] is None and now - r["t"] < r["bound_s"]
+    ]
+
+
 def judge_recoveries(recs: list[dict[str, Any]], end_t: float) -> tuple[list[str], list[str]]:
     """(violations, notes) of the recoveries (`recoveries`) of a soak whose events end
     at `end_t`: a fault the job did not recover from within its bound is a
@@ -200,11 +212,12 @@ def judge_recoveries(recs: list[dict[str, Any]], end_t: float) -> tuple[list[str
     t0 = recs[0]["t"] if recs else 0.0
     late: list[str] = []
     notes: list[str] = []
+    waiting = {id(r) for r in unjudged(recs, end_t)}
     for r in recs:
         if r["skipped"]:
             continue
         at = f"{r['fault']} at {r['t'] - t0:.0f} s"
-        if r["recovery_s"] is None and end_t - r["t"] < r["bound_s"]:
+        if id(r) in waiting:
             notes.append(
                 f"{at}: no progress before the soak ended {end_t - r['t']:.0f} s later, "
                 f"within its bound ({r['bound_s']:g} s): not judged"
@@ -345,8 +358,17 @@ def soak(
         while not stop_clock.wait(0.2):
             if int(la.status.get("step", 0)) >= 1:
                 break
-        if not stop_clock.wait(duration_s):
-            la.preempt()
+        if stop_clock.wait(duration_s):
+            return
+        said = False
+        while waiting := unjudged(recoveries(read_events(run_dir / "faulty")), time.time()):
+            if not said:
+                log(f"soak: {len(waiting)} fault(s) not recovered yet; waiting for them "
+                    f"(at most {max(r['bound_s'] for r in waiting):g} s each)")  # fmt: skip
+                said = True
+            if stop_clock.wait(1.0):
+                return
+        la.preempt()
 
     def started(la: Any) -> None:
         nonlocal timer

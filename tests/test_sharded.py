@@ -494,3 +494,98 @@ def test_the_reshard_plan_stripes_over_twins_and_says_when_rows_are_lost() -> No
     with pytest.raises(ShardLost, match="old shard 1 of 2"):
         plan_reshard([8], {"a": (2, 0), "c": (2, 0)}, {"a": Slot(0, 0), "c": Slot(0, 1)}, 2,
                      ["a", "c"])  # fmt: skip
+
+
+# ---- native reductions (TrainerConfig.reduce_dtype "native") --------------------------
+
+
+class _Mlp(torch.nn.Module):
+    """Two FSDP2 units and no dropout: its gradient does not depend on the RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+
+def _mlp_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> None:
+    """reduce_dtype "native", a one-member replica group (in this process): no
+    reduction before the step's last planned round, then one, in float32, of the
+    gradient autograd summed over the rounds, the very bits a plain model
+    accumulates; the update is plain SGD's on that sum / the global batch. A
+    round that was not planned is refused."""
+    import copy
+
+    import torch.distributed as dist
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+
+    torch.manual_seed(0)
+    model = _Mlp()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
+    cfg = TrainerConfig(
+        global_batch_size=12, micro_batch_size=4, total_steps=1, reduce_dtype="native"
+    )
+    sb = ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _mlp_loss, cfg)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    sb.place(0, 1)
+    try:
+        sb.form_group(
+            ("a",),
+            lambda: open_replica_group(store, "r0", 0, 1, connect_timeout_s=30, op_timeout_s=30),
+        )
+        sb.begin_step(2)
+        with pytest.raises(RuntimeError, match="plan_rounds"):
+            sb.compute(0, 0, batches[0], 4)
+        sb.plan_rounds(3)
+        (grad,) = sb.reduce_buffers()
+        assert grad.dtype == torch.float32
+        for i, batch in enumerate(batches):
+            sb.compute(0, i, batch, 4)
+            if i < 2:
+                assert not grad.any(), f"reduced before the last round (round {i})"
+        for batch in batches:
+            (_mlp_loss(ref, batch) * 4).backward()
+        want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+        assert torch.equal(grad, want)
+        sb.apply()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * (p.grad / 12)  # type: ignore[operator]
+        for (n, p), q in zip(sb.local.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.detach(), q.detach()), n
+    finally:
+        sb.leave_group()
+
+
+def test_native_with_mixed_parameter_dtypes_is_a_clear_error() -> None:
+    """One gradient buffer in one dtype: a sharded model whose trainable parameters
+    mix dtypes is refused for "native" with what to do, and accepted for float64."""
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend
+
+    def build(reduce_dtype: str) -> ShardedBackend:
+        model = _Mlp()
+        model.blocks[1].double()
+        cfg = TrainerConfig(
+            global_batch_size=4,
+            micro_batch_size=2,
+            total_steps=1,
+            shard_size=2,
+            reduce_dtype=reduce_dtype,
+        )
+        return ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _mlp_loss, cfg)
+
+    with pytest.raises(ValueError, match=r"one dtype.*float32.*float64.*reduce_dtype 'float64'"):
+        build("native")
+    assert build("float64").reduce_buffers()[0].dtype == torch.float64

@@ -192,15 +192,22 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return job
 
 
-def _assert_job(job: Job, ref: Job, steps: int = STEPS) -> None:
+def _assert_job(job: Job, ref: Job, steps: int = STEPS, tol: float | None = None) -> float:
+    """The job finished, twins started every generation bit-identical, every sample
+    was used once, and its loss curve is `ref`'s: bit for bit, or (`tol`) within
+    that max abs difference. Returns the max abs difference."""
     assert job.result.status == "done", job.result.message
     assert check_same_state(job.events) == []
     led = check_exactly_once(job.events, expected_ids)
     assert led.violations == [] and led.committed_steps == steps
     a, b = loss_curve(ref.events), loss_curve(job.events)
-    assert list(b) == list(range(steps))
-    for s in range(steps):
-        assert a[s] == b[s], f"step {s}: replicated {a[s]!r}, sharded {b[s]!r}"
+    assert list(a) == list(b) == list(range(steps))
+    if tol is None:
+        for s in range(steps):
+            assert a[s] == b[s], f"step {s}: reference {a[s]!r}, sharded {b[s]!r}"
+    diff = max(abs(a[s] - b[s]) for s in range(steps))
+    assert diff <= (tol or 0.0), f"losses differ by up to {diff:.3g} (allowed {tol})"
+    return diff
 
 
 def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replicated: Job) -> None:
@@ -224,6 +231,7 @@ def _run_held(
     *,
     act: Any = None,
     args: tuple[str, ...] = (),
+    steps: int = STEPS,
     **kw: Any,
 ) -> Job:
     """Run a 2 x 2 job whose steps are held at HOLD seconds until `released(events)`
@@ -246,7 +254,7 @@ def _run_held(
         script=SHARDED,
         script_args=["--pace-file", str(pace), *args],
         workers=4,
-        steps=STEPS,
+        steps=steps,
         shard_size=2,
         run_dir=str(run_dir),
         progress=False,
@@ -589,3 +597,49 @@ def test_native_with_mixed_parameter_dtypes_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"one dtype.*float32.*float64.*reduce_dtype 'float64'"):
         build("native")
     assert build("float64").reduce_buffers()[0].dtype == torch.float64
+
+
+NATIVE = ("--reduce-dtype", "native")
+NATIVE_STEPS = 100
+NATIVE_TOL = 1e-6
+"""Issue 16's bound on a native job's loss curve with failures against the
+failure-free one (the sums' last bits depend on who computed what)."""
+
+
+@pytest.fixture(scope="module")
+def native_ref(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free native 2 x 2 run the native runs with failures are held to."""
+    job = _run(
+        tmp_path_factory.mktemp("native"), "ref", 2, script_args=list(NATIVE), steps=NATIVE_STEPS
+    )
+    led = check_exactly_once(job.events, expected_ids)
+    assert job.result.status == "done" and led.committed_steps == NATIVE_STEPS, job.result.message
+    assert check_same_state(job.events) == []
+    return job
+
+
+def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
+    tmp_path: Path, native_ref: Job
+) -> None:
+    """reduce_dtype "native": kill one rank of a 2 x 2 job at step 6; its group-mate
+    is a shadow while the other group computes every micro-batch, then the
+    replacement heals from its twin. Twins start every generation bit-identical
+    (they all-reduce the same bytes), every sample is used once, and over 100
+    steps the loss curve stays within 1e-6 (max abs) of the failure-free native
+    run's (measured: 7.3e-08 on a loaded 2-core machine; not bit-exact: the float32 sums' order
+    changes with the layout)."""
+    job = _run_held(
+        tmp_path,
+        "native-kill",
+        _received,
+        faults=[parse_fault("kill@6:w1")],
+        args=NATIVE,
+        steps=NATIVE_STEPS,
+    )
+    diff = _assert_job(job, native_ref, NATIVE_STEPS, tol=NATIVE_TOL)
+    print(f"native 2x2 with a kill vs failure-free: max abs loss difference {diff:.3g}")
+    assert len(_received(job.events)) == 1
+    # The shadow generation ran: one group computed every micro-batch.
+    assert any("-" in e.get("layout", "") for e in job.of("generation_ready")), (
+        "no generation with a vacancy"
+    )

@@ -643,6 +643,9 @@ class ShardedBackend:
             if group is None:
                 continue
             u.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+            # A plain SUM: for float32 FSDP2 would turn the factor into PREMUL_SUM,
+            # which gloo lacks (float64 gets a SUM either way).
+            u.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
             u.set_all_reduce_hook(  # type: ignore[operator]
                 self._accumulator(
                     [names[id(fp.sharded_param)] for fp in group.fsdp_params],

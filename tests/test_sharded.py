@@ -8,8 +8,11 @@ with and without a killed rank.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import multiprocessing as mp
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -523,26 +526,18 @@ def _mlp_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> None:
-    """reduce_dtype "native", a one-member replica group (in this process): no
-    reduction before the step's last planned round, then one, in float32, of the
-    gradient autograd summed over the rounds, the very bits a plain model
-    accumulates; the update is plain SGD's on that sum / the global batch. A
-    round that was not planned is refused."""
-    import copy
-
+@contextlib.contextmanager
+def _alone_in_a_group(model: torch.nn.Module, reduce_dtype: str) -> Iterator[Any]:
+    """A ShardedBackend (SGD, lr 0.1, global batch 12) over `model` as the only
+    member of a replica group of 1, in this process (gloo, port 0); the group is
+    destroyed on the way out."""
     import torch.distributed as dist
 
     from elastrain.runtime.config import TrainerConfig
     from elastrain.runtime.sharded import ShardedBackend, open_replica_group
 
-    torch.manual_seed(0)
-    model = _Mlp()
-    ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
     cfg = TrainerConfig(
-        global_batch_size=12, micro_batch_size=4, total_steps=1, reduce_dtype="native"
+        global_batch_size=12, micro_batch_size=4, total_steps=1, reduce_dtype=reduce_dtype
     )
     sb = ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _mlp_loss, cfg)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
@@ -552,6 +547,27 @@ def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> Non
             ("a",),
             lambda: open_replica_group(store, "r0", 0, 1, connect_timeout_s=30, op_timeout_s=30),
         )
+        yield sb
+    finally:
+        sb.leave_group()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
+
+
+def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> None:
+    """reduce_dtype "native", a one-member replica group (in this process): no
+    reduction before the step's last planned round, then one, in float32, of the
+    gradient autograd summed over the rounds, the very bits a plain model
+    accumulates; the update is plain SGD's on that sum / the global batch. A
+    round that was not planned is refused. About 2 s."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    with _alone_in_a_group(model, "native") as sb:
         sb.begin_step(2)
         with pytest.raises(RuntimeError, match="plan_rounds"):
             sb.compute(0, 0, batches[0], 4)
@@ -572,8 +588,43 @@ def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> Non
                 p -= 0.1 * (p.grad / 12)  # type: ignore[operator]
         for (n, p), q in zip(sb.local.named_parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.detach(), q.detach()), n
-    finally:
-        sb.leave_group()
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float64", "native"])
+def test_frozen_and_unused_parameters_leave_every_gradient_in_its_place(
+    reduce_dtype: str,
+) -> None:
+    """A unit holding a frozen parameter (no gradient: FSDP2 leaves it out of its
+    reduce-scatter) and a trainable one unused in forward (reduce-scattered as
+    zeros, so that every member's reduce-scatter has the same layout): each
+    trainable parameter's gradient lands on its own rows of the buffer. About 1 s
+    each."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    model.blocks[0].weight.requires_grad_(False)
+    model.blocks[1].register_parameter("spare", torch.nn.Parameter(torch.ones(2)))
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    with _alone_in_a_group(model, reduce_dtype) as sb:
+        sb.begin_step(2)
+        sb.plan_rounds(3)
+        for i, batch in enumerate(batches):
+            sb.compute(0, i, batch, 4)
+        (grad,) = sb.reduce_buffers()
+    wide = reduce_dtype == "float64"
+    want: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        ref.zero_grad(set_to_none=True)
+        (_mlp_loss(ref, batch) * 4).backward()
+        for n, p in ref.named_parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            g = g.double() if wide else g
+            want[n] = want[n] + g if n in want else g
+    got = dict(zip(want, grad.split([p.numel() for p in ref.parameters()]), strict=True))
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(got[n].view(p.shape), want[n]), n
+    assert not got["blocks.0.weight"].any() and not got["blocks.1.spare"].any()
 
 
 def test_native_with_mixed_parameter_dtypes_is_a_clear_error() -> None:

@@ -646,11 +646,13 @@ class ShardedBackend:
             # A plain SUM: for float32 FSDP2 would turn the factor into PREMUL_SUM,
             # which gloo lacks (float64 gets a SUM either way).
             u.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            # A trainable parameter without a gradient in a backward (unused in that
+            # forward) is reduce-scattered as zeros: every member's reduce-scatter has
+            # the same layout, and the hook's spans below hold every time.
+            u.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
+            trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
             u.set_all_reduce_hook(  # type: ignore[operator]
-                self._accumulator(
-                    [names[id(fp.sharded_param)] for fp in group.fsdp_params],
-                    [fp for fp in group.fsdp_params],
-                )
+                self._accumulator([names[id(fp.sharded_param)] for fp in trainable], trainable)
             )
         return model
 
@@ -667,8 +669,9 @@ class ShardedBackend:
                     lp.data = mine
 
     def _accumulator(self, names: list[str], params: list[Any]) -> Callable[[torch.Tensor], None]:
-        """The reduce-scatter hook of one FSDP2 unit: add its output (the unit's
-        parameters' padded shards, concatenated, in the buffer's dtype) into the
+        """The reduce-scatter hook of one FSDP2 unit: add its output (the padded
+        shards of the unit's trainable parameters, `params`, concatenated, in the
+        buffer's dtype; frozen ones have no gradient and are not in it) into the
         shard buffer."""
         spans = []
         off = 0

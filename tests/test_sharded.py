@@ -562,7 +562,8 @@ def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> Non
     reduction before the step's last planned round, then one, in float32, of the
     gradient autograd summed over the rounds, the very bits a plain model
     accumulates; the update is plain SGD's on that sum / the global batch. A
-    round that was not planned is refused. About 2 s."""
+    round that was not planned is refused; after `discard` the next step reduces
+    into a new buffer of the same dtype. 2-9 s (machine load)."""
     torch.manual_seed(0)
     model = _Mlp()
     ref = copy.deepcopy(model)
@@ -588,6 +589,16 @@ def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> Non
                 p -= 0.1 * (p.grad / 12)  # type: ignore[operator]
         for (n, p), q in zip(sb.local.named_parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.detach(), q.detach()), n
+        # After an abandoned step (its all-reduce may still write into the buffer) the
+        # next step reduces into a new buffer of the same dtype, not the old one.
+        was = grad.clone()
+        sb.discard()
+        sb.begin_step(2)
+        sb.plan_rounds(1)
+        sb.compute(1, 0, batches[0], 4)
+        (fresh,) = sb.reduce_buffers()
+        assert fresh is not grad and fresh.dtype == torch.float32 and fresh.any()
+        assert torch.equal(grad, was)
 
 
 @pytest.mark.parametrize("reduce_dtype", ["float64", "native"])

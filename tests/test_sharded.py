@@ -12,6 +12,7 @@ import contextlib
 import copy
 import datetime
 import multiprocessing as mp
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -688,9 +689,9 @@ def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
     replacement heals from its twin. Twins start every generation bit-identical
     (they all-reduce the same bytes), every sample is used once, and over 100
     steps the loss curve stays within 1e-6 (max abs) of the failure-free native
-    run's. Measured: 6.9e-08 and 7.3e-08 in two runs (loaded 2-core machine;
+    run's. Measured: 6.4e-08 to 7.3e-08 in three runs (loaded 2-core machine;
     the kill lands elsewhere in the step each time). Not bit-exact: the float32
-    sums' order changes with the layout. 95-125 s with its fixture (load)."""
+    sums' order changes with the layout. 85-125 s with its fixture (load)."""
     job = _run_held(
         tmp_path,
         "native-kill",
@@ -702,7 +703,11 @@ def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
     diff = _assert_job(job, native_ref, NATIVE_STEPS, tol=NATIVE_TOL)
     print(f"native 2x2 with a kill vs failure-free: max abs loss difference {diff:.3g}")
     assert len(_received(job.events)) == 1
-    # The shadow generation ran: one group computed every micro-batch.
-    assert any("-" in e.get("layout", "") for e in job.of("generation_ready")), (
-        "no generation with a vacancy"
-    )
+    # Steps committed with a shadow: one group computed every micro-batch (another
+    # order of the float32 sums than the failure-free run's).
+    vacant = {
+        e["gen"]
+        for e in job.of("generation_ready")
+        if re.search(r"[\[,]-[\],]", e.get("layout", ""))
+    }
+    assert any(e["gen"] in vacant for e in job.of("step_commit")), "no step with a shadow"

@@ -8,8 +8,12 @@ with and without a killed rank.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import multiprocessing as mp
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,15 +196,22 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> Job:
     return job
 
 
-def _assert_job(job: Job, ref: Job, steps: int = STEPS) -> None:
+def _assert_job(job: Job, ref: Job, steps: int = STEPS, tol: float | None = None) -> float:
+    """The job finished, twins started every generation bit-identical, every sample
+    was used once, and its loss curve is `ref`'s: bit for bit, or (`tol`) within
+    that max abs difference. Returns the max abs difference."""
     assert job.result.status == "done", job.result.message
     assert check_same_state(job.events) == []
     led = check_exactly_once(job.events, expected_ids)
     assert led.violations == [] and led.committed_steps == steps
     a, b = loss_curve(ref.events), loss_curve(job.events)
-    assert list(b) == list(range(steps))
-    for s in range(steps):
-        assert a[s] == b[s], f"step {s}: replicated {a[s]!r}, sharded {b[s]!r}"
+    assert list(a) == list(b) == list(range(steps))
+    if tol is None:
+        for s in range(steps):
+            assert a[s] == b[s], f"step {s}: reference {a[s]!r}, sharded {b[s]!r}"
+    diff = max(abs(a[s] - b[s]) for s in range(steps))
+    assert diff <= (tol or 0.0), f"losses differ by up to {diff:.3g} (allowed {tol})"
+    return diff
 
 
 def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replicated: Job) -> None:
@@ -224,6 +235,7 @@ def _run_held(
     *,
     act: Any = None,
     args: tuple[str, ...] = (),
+    steps: int = STEPS,
     **kw: Any,
 ) -> Job:
     """Run a 2 x 2 job whose steps are held at HOLD seconds until `released(events)`
@@ -246,7 +258,7 @@ def _run_held(
         script=SHARDED,
         script_args=["--pace-file", str(pace), *args],
         workers=4,
-        steps=STEPS,
+        steps=steps,
         shard_size=2,
         run_dir=str(run_dir),
         progress=False,
@@ -494,3 +506,208 @@ def test_the_reshard_plan_stripes_over_twins_and_says_when_rows_are_lost() -> No
     with pytest.raises(ShardLost, match="old shard 1 of 2"):
         plan_reshard([8], {"a": (2, 0), "c": (2, 0)}, {"a": Slot(0, 0), "c": Slot(0, 1)}, 2,
                      ["a", "c"])  # fmt: skip
+
+
+# ---- native reductions (TrainerConfig.reduce_dtype "native") --------------------------
+
+
+class _Mlp(torch.nn.Module):
+    """Two FSDP2 units and no dropout: its gradient does not depend on the RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+
+def _mlp_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@contextlib.contextmanager
+def _alone_in_a_group(model: torch.nn.Module, reduce_dtype: str) -> Iterator[Any]:
+    """A ShardedBackend (SGD, lr 0.1, global batch 12) over `model` as the only
+    member of a replica group of 1, in this process (gloo, port 0); the group is
+    destroyed on the way out."""
+    import torch.distributed as dist
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+
+    cfg = TrainerConfig(
+        global_batch_size=12, micro_batch_size=4, total_steps=1, reduce_dtype=reduce_dtype
+    )
+    sb = ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _mlp_loss, cfg)
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    sb.place(0, 1)
+    try:
+        sb.form_group(
+            ("a",),
+            lambda: open_replica_group(store, "r0", 0, 1, connect_timeout_s=30, op_timeout_s=30),
+        )
+        yield sb
+    finally:
+        sb.leave_group()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
+
+
+def test_native_reduces_once_per_step_the_gradient_autograd_accumulated() -> None:
+    """reduce_dtype "native", a one-member replica group (in this process): no
+    reduction before the step's last planned round, then one, in float32, of the
+    gradient autograd summed over the rounds, the very bits a plain model
+    accumulates; the update is plain SGD's on that sum / the global batch. A
+    round that was not planned is refused; after `discard` the next step reduces
+    into a new buffer of the same dtype. 2-9 s (machine load)."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    with _alone_in_a_group(model, "native") as sb:
+        sb.begin_step(2)
+        with pytest.raises(RuntimeError, match="plan_rounds"):
+            sb.compute(0, 0, batches[0], 4)
+        sb.plan_rounds(3)
+        (grad,) = sb.reduce_buffers()
+        assert grad.dtype == torch.float32
+        for i, batch in enumerate(batches):
+            sb.compute(0, i, batch, 4)
+            if i < 2:
+                assert not grad.any(), f"reduced before the last round (round {i})"
+        for batch in batches:
+            (_mlp_loss(ref, batch) * 4).backward()
+        want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])  # type: ignore[union-attr]
+        assert torch.equal(grad, want)
+        sb.apply()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * (p.grad / 12)  # type: ignore[operator]
+        for (n, p), q in zip(sb.local.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.detach(), q.detach()), n
+        # After an abandoned step (its all-reduce may still write into the buffer) the
+        # next step reduces into a new buffer of the same dtype, not the old one.
+        was = grad.clone()
+        sb.discard()
+        sb.begin_step(2)
+        sb.plan_rounds(1)
+        sb.compute(1, 0, batches[0], 4)
+        (fresh,) = sb.reduce_buffers()
+        assert fresh is not grad and fresh.dtype == torch.float32 and fresh.any()
+        assert torch.equal(grad, was)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float64", "native"])
+def test_frozen_and_unused_parameters_leave_every_gradient_in_its_place(
+    reduce_dtype: str,
+) -> None:
+    """A unit holding a frozen parameter (no gradient: FSDP2 leaves it out of its
+    reduce-scatter) and a trainable one unused in forward (reduce-scattered as
+    zeros, so that every member's reduce-scatter has the same layout): each
+    trainable parameter's gradient lands on its own rows of the buffer. About 1 s
+    each."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    model.blocks[0].weight.requires_grad_(False)
+    model.blocks[1].register_parameter("spare", torch.nn.Parameter(torch.ones(2)))
+    ref = copy.deepcopy(model)
+    batches = _batches()
+    with _alone_in_a_group(model, reduce_dtype) as sb:
+        sb.begin_step(2)
+        sb.plan_rounds(3)
+        for i, batch in enumerate(batches):
+            sb.compute(0, i, batch, 4)
+        (grad,) = sb.reduce_buffers()
+    wide = reduce_dtype == "float64"
+    want: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        ref.zero_grad(set_to_none=True)
+        (_mlp_loss(ref, batch) * 4).backward()
+        for n, p in ref.named_parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            g = g.double() if wide else g
+            want[n] = want[n] + g if n in want else g
+    got = dict(zip(want, grad.split([p.numel() for p in ref.parameters()]), strict=True))
+    for n, p in ref.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(got[n].view(p.shape), want[n]), n
+    assert not got["blocks.0.weight"].any() and not got["blocks.1.spare"].any()
+
+
+def test_native_with_mixed_parameter_dtypes_is_a_clear_error() -> None:
+    """One gradient buffer in one dtype: a sharded model whose trainable parameters
+    mix dtypes is refused for "native" with what to do, and accepted for float64."""
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend
+
+    def build(reduce_dtype: str) -> ShardedBackend:
+        model = _Mlp()
+        model.blocks[1].double()
+        cfg = TrainerConfig(
+            global_batch_size=4,
+            micro_batch_size=2,
+            total_steps=1,
+            shard_size=2,
+            reduce_dtype=reduce_dtype,
+        )
+        return ShardedBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _mlp_loss, cfg)
+
+    with pytest.raises(ValueError, match=r"one dtype.*float32.*float64.*reduce_dtype 'float64'"):
+        build("native")
+    assert build("float64").reduce_buffers()[0].dtype == torch.float64
+
+
+NATIVE = ("--reduce-dtype", "native")
+NATIVE_STEPS = 100
+NATIVE_TOL = 1e-6
+"""Issue 16's bound on a native job's loss curve with failures against the
+failure-free one (the sums' last bits depend on who computed what)."""
+
+
+@pytest.fixture(scope="module")
+def native_ref(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The failure-free native 2 x 2 run the native runs with failures are held to."""
+    job = _run(
+        tmp_path_factory.mktemp("native"), "ref", 2, script_args=list(NATIVE), steps=NATIVE_STEPS
+    )
+    led = check_exactly_once(job.events, expected_ids)
+    assert job.result.status == "done" and led.committed_steps == NATIVE_STEPS, job.result.message
+    assert check_same_state(job.events) == []
+    return job
+
+
+def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
+    tmp_path: Path, native_ref: Job
+) -> None:
+    """reduce_dtype "native": kill one rank of a 2 x 2 job at step 6; its group-mate
+    is a shadow while the other group computes every micro-batch, then the
+    replacement heals from its twin. Twins start every generation bit-identical
+    (they all-reduce the same bytes), every sample is used once, and over 100
+    steps the loss curve stays within 1e-6 (max abs) of the failure-free native
+    run's. Measured: 6.4e-08 to 7.3e-08 in three runs (loaded 2-core machine;
+    the kill lands elsewhere in the step each time). Not bit-exact: the float32
+    sums' order changes with the layout. 85-125 s with its fixture (load)."""
+    job = _run_held(
+        tmp_path,
+        "native-kill",
+        _received,
+        faults=[parse_fault("kill@6:w1")],
+        args=NATIVE,
+        steps=NATIVE_STEPS,
+    )
+    diff = _assert_job(job, native_ref, NATIVE_STEPS, tol=NATIVE_TOL)
+    print(f"native 2x2 with a kill vs failure-free: max abs loss difference {diff:.3g}")
+    assert len(_received(job.events)) == 1
+    # Steps committed with a shadow: one group computed every micro-batch (another
+    # order of the float32 sums than the failure-free run's).
+    vacant = {
+        e["gen"]
+        for e in job.of("generation_ready")
+        if re.search(r"[\[,]-[\],]", e.get("layout", ""))
+    }
+    assert any(e["gen"] in vacant for e in job.of("step_commit")), "no step with a shadow"

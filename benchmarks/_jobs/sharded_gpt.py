@@ -9,7 +9,7 @@ the same ones.
 Environment (all optional):
   BENCH_GATE     "host:port,warmup,block,blocks": pause between blocks of steps
                  so that the benchmark can interleave this job with the
-                 baselines (common.Gate); BENCH_SIDE names this side (E),
+                 baselines (common.Gate); BENCH_SIDE names this side (E, N),
                  BENCH_WORLD the workers that report to the gate (4).
   BENCH_RSS_DIR  at a clean end, write <member>.json there: resident size
                  after the imports, after building the full model, and the
@@ -48,6 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--shard-size", type=int, default=1, help="TrainerConfig.shard_size")
+    ap.add_argument(
+        "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
+    )
     ap.add_argument("--dim", type=int, default=Shape.dim)
     ap.add_argument("--layers", type=int, default=Shape.layers)
     ap.add_argument("--heads", type=int, default=Shape.heads)
@@ -68,6 +71,7 @@ def main() -> None:
         total_steps=a.steps,
         seed=shape.seed,
         shard_size=a.shard_size,
+        reduce_dtype=a.reduce_dtype,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     # This script's own references would keep the full parameters alive; what

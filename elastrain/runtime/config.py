@@ -136,7 +136,15 @@ class TrainerConfig:
     then equals the failure-free run's bit for bit, not just to float32 noise
     that grows over thousands of steps. Costs a float64 copy of the gradients
     and twice the all-reduce bytes. "native": sum in the parameters' dtype (half
-    the bytes; the result depends on membership in the last bits)."""
+    the bytes; the result depends on membership in the last bits).
+    Sharded (`shard_size` > 1): "float64" reduce-scatters every micro-batch's
+    gradient in float64 inside the replica group (exact, as above; at 2
+    micro-batches per member per step 4x the bytes of plain FSDP2 HSDP);
+    "native" accumulates the unsharded gradient across the step's micro-batches
+    and reduce-scatters it once, in the parameters' dtype (plain HSDP's
+    reductions, and its memory: the unsharded gradient lives across
+    micro-batches), then the twins all-reduce it in that dtype. A sharded
+    "native" model needs its trainable parameters in one dtype."""
 
     max_grad_norm: float | None = None
     """Clip the mean gradient to this global L2 norm before the optimizer step
@@ -192,9 +200,12 @@ class TrainerConfig:
     sharded, one shard per member; across groups the members holding the same
     shard reduce its gradients. 1: unsharded (every member a whole replica).
     Must equal the coordinator's (its ready answer says it); the launcher's
-    --shard-size overrides it and sets the coordinator's. Sharded, the gradient
-    is always summed in float64 (`reduce_dtype` does not apply), so the loss
-    curve equals the replicated job's bit for bit (docs/design.md)."""
+    --shard-size overrides it and sets the coordinator's. With `reduce_dtype`
+    "float64" (the default) the gradient is the exact float64 sum, so the loss
+    curve equals the replicated job's bit for bit; "native" reduces as FSDP2's
+    HSDP does, once per step in the parameters' dtype: faster, and its curve
+    with failures differs from the failure-free one in the last bits
+    (docs/design.md, "Sharded replica groups")."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:

@@ -321,7 +321,9 @@ class ShardedMember:
 
     def rounds(self, num_microbatches: int, watchdog_s: float) -> list[int | None]:
         """This member's micro-batch per round of its replica group (None: a padding
-        turn); [] for a shadow. Bounds the group's collectives by `watchdog_s`."""
+        turn); [] for a shadow. Bounds the group's collectives by `watchdog_s` and
+        tells the backend how many rounds the step has (native reductions run in
+        the last)."""
         layout = self.layout
         assert layout is not None
         slot = layout.slots[self.member]
@@ -334,13 +336,15 @@ class ShardedMember:
         if slot.replica not in complete:
             return []
         self.backend.set_collective_timeout(watchdog_s)
-        return assign_rounds(
+        turns = assign_rounds(
             num_microbatches,
             len(complete),
             complete.index(slot.replica),
             layout.shard_size,
             slot.shard,
         )
+        self.backend.plan_rounds(len(turns))
+        return turns
 
     def reduce(self, world_pg: Any, extras: torch.Tensor) -> list[Any]:
         """Start the step's all-reduces: the gradient over the twins, the extras over

@@ -12,20 +12,33 @@ Who does what in a step:
 
 - A member of a *complete* replica group runs forward and backward through an
   FSDP2 wrapper of the model built on its replica group's process group: the
-  wrapper all-gathers the parameters from the group and reduce-scatters each
-  micro-batch's gradient back to the shards. With ``reduce_dtype=float64`` and
-  a divide factor of 1 the reduce-scatter output is the exact float64 sum of
-  the group's float32 micro-batch gradients; a hook adds it into this member's
-  float64 shard buffer (FSDP2's own float32 ``.grad`` is ignored).
+  wrapper all-gathers the parameters from the group and reduce-scatters the
+  gradient back to the shards, with a divide factor of 1; a hook adds each
+  reduce-scatter's output into this member's shard buffer (FSDP2's own
+  ``.grad`` is ignored). `TrainerConfig.reduce_dtype` picks how:
+
+  - "float64" (the default, exact): every micro-batch's gradient is
+    reduce-scattered in float64, so the buffer (float64) holds the exact sum
+    of the group's float32 micro-batch gradients;
+  - "native": FSDP2's own gradient accumulation. Autograd sums this member's
+    micro-batch gradients into the unsharded gradient (no communication), and
+    only the step's last round reduce-scatters it, once, in the parameters'
+    dtype, into a buffer of that dtype. With float32 parameters that is a
+    quarter of the reduce-scatter bytes at 2 rounds per step (one reduction
+    instead of two, half as wide) and half the twins' all-reduce bytes, at the
+    price of a sum whose last bits depend on who computed which micro-batch,
+    and of the unsharded gradient held across rounds (as with HSDP's no-sync
+    accumulation).
 - A *shadow* (its replica group lost a member) computes nothing: its buffer
   stays zero. It keeps its process and its shard and applies every update, so
   that a replacement needs only the dead member's shard, from its twins.
 - The engine all-reduces the shard buffer over the shard's twins (every member
   with the same shard index, complete or shadow) and the step's extras over
-  the whole generation. `apply` divides the exact sum by the global batch,
-  rounds it once to the parameters' dtype and steps the optimizer over the
-  shard tensors: the same bits as the replicated trainer's update of the same
-  rows, whichever members computed which micro-batches.
+  the whole generation (in float64 in both modes). `apply` divides the sum by
+  the global batch and steps the optimizer over the shard tensors. With
+  float64 it rounds the exact sum once to the parameters' dtype: the same bits
+  as the replicated trainer's update of the same rows, whichever members
+  computed which micro-batches.
 
 What FSDP2 cannot do, and this module does instead: keep a member's shard
 alive across process groups. FSDP2 binds a wrapper to its mesh for good, so a
@@ -97,6 +110,26 @@ def default_shard_policy(model: nn.Module) -> list[nn.Module]:
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
+def grad_dtype(named: list[tuple[str, nn.Parameter]], *, native: bool) -> torch.dtype:
+    """The dtype of a sharded member's gradient buffer: float64, or with native
+    reductions the trainable parameters' one dtype (one buffer, one all-reduce).
+    ValueError if they have several: say what to do instead."""
+    if not native:
+        return torch.float64
+    dtypes: dict[torch.dtype, str] = {}
+    for n, q in named:
+        if q.requires_grad:
+            dtypes.setdefault(q.dtype, n)
+    if len(dtypes) > 1:
+        seen = ", ".join(f"{str(d).removeprefix('torch.')} ({n}, ...)" for d, n in dtypes.items())
+        raise ValueError(
+            f"reduce_dtype 'native' with a sharded model needs every trainable parameter in "
+            f"one dtype (its gradient is summed in that dtype), got {seen}: cast the model to "
+            "one dtype, or use reduce_dtype 'float64' (any mix)"
+        )
+    return next(iter(dtypes), torch.float32)
+
+
 def _local_name(name: str) -> str:
     # nn.Module attribute names may not contain ".".
     return name.replace(".", "/")
@@ -153,6 +186,10 @@ class ShardedBackend:
         self._names = [n for n, _ in named]
         self._shapes = {n: tuple(p.shape) if p.dim() else (1,) for n, p in named}
         self._requires_grad = {n: p.requires_grad for n, p in named}
+        self.native = config.reduce_dtype == "native"
+        """FSDP2's own accumulation, one reduction per step in the parameters' dtype
+        (`TrainerConfig.reduce_dtype` "native"); else float64 per micro-batch."""
+        self._grad_dtype = grad_dtype(named, native=self.native)
         by_id = {id(p): n for n, p in named}
         self._opt_class = type(optimizer)
         self._opt_defaults = dict(optimizer.defaults)
@@ -181,7 +218,11 @@ class ShardedBackend:
             n: b.detach().clone() for n, b in model.named_buffers()
         }
         self._offsets: dict[str, tuple[int, int]] = {}
-        self._grad64 = torch.zeros(0, dtype=torch.float64)
+        self._grad = torch.zeros(0, dtype=self._grad_dtype)
+        """The shard's gradient sum of the step (float64, or native: the parameters'
+        dtype), laid out as `_offsets` say; what the twins all-reduce."""
+        self._rounds_left: int | None = None
+        """Native: the rounds of this step not computed yet (`plan_rounds`)."""
         self._extras = torch.zeros(0, dtype=torch.float64)
         self._resume_source: Callable[[int, int], ResumedShard] | None = None
 
@@ -319,7 +360,7 @@ class ShardedBackend:
         self.local, self.optimizer = local, opt
         self.shard_size, self.shard = size, shard
         self._offsets = offsets
-        self._grad64 = torch.zeros(off, dtype=torch.float64)
+        self._grad = torch.zeros(off, dtype=self._grad_dtype)
         if self._full is not None:
             # The script (and its optimizer) may still hold the full model: free its
             # tensors, or every member would keep the whole model beside its shard.
@@ -576,7 +617,8 @@ class ShardedBackend:
         assert self._template is not None
         mesh = DeviceMesh.from_group(pg, "cpu", mesh_dim_names=("shard",))
         model = copy.deepcopy(self._template)
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float64)
+        # Native: reduce in the gradients' own dtype (None), the way FSDP2 does by default.
+        policy = MixedPrecisionPolicy(reduce_dtype=None if self.native else torch.float64)
         units = [*self._policy(model), model]
         for u in units:
             fully_shard(u, mesh=mesh, mp_policy=policy)
@@ -601,11 +643,16 @@ class ShardedBackend:
             if group is None:
                 continue
             u.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+            # A plain SUM: for float32 FSDP2 would turn the factor into PREMUL_SUM,
+            # which gloo lacks (float64 gets a SUM either way).
+            u.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+            # A trainable parameter without a gradient in a backward (unused in that
+            # forward) is reduce-scattered as zeros: every member's reduce-scatter has
+            # the same layout, and the hook's spans below hold every time.
+            u.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
+            trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
             u.set_all_reduce_hook(  # type: ignore[operator]
-                self._accumulator(
-                    [names[id(fp.sharded_param)] for fp in group.fsdp_params],
-                    [fp for fp in group.fsdp_params],
-                )
+                self._accumulator([names[id(fp.sharded_param)] for fp in trainable], trainable)
             )
         return model
 
@@ -622,8 +669,10 @@ class ShardedBackend:
                     lp.data = mine
 
     def _accumulator(self, names: list[str], params: list[Any]) -> Callable[[torch.Tensor], None]:
-        """The reduce-scatter hook of one FSDP2 unit: add its float64 output (the
-        unit's parameters' padded shards, concatenated) into the shard buffer."""
+        """The reduce-scatter hook of one FSDP2 unit: add its output (the padded
+        shards of the unit's trainable parameters, `params`, concatenated, in the
+        buffer's dtype; frozen ones have no gradient and are not in it) into the
+        shard buffer."""
         spans = []
         off = 0
         for n, fp in zip(names, params, strict=True):
@@ -633,7 +682,7 @@ class ShardedBackend:
 
         def add(out: torch.Tensor) -> None:
             for at, numel, (lo, hi) in spans:
-                self._grad64[lo:hi].add_(out[at : at + numel])
+                self._grad[lo:hi].add_(out[at : at + numel])
 
         return add
 
@@ -676,7 +725,8 @@ class ShardedBackend:
     # ---- one step ------------------------------------------------------------------
 
     def begin_step(self, extra_slots: int) -> None:
-        self._grad64.zero_()
+        self._grad.zero_()
+        self._rounds_left = None
         if self._extras.numel() != extra_slots:
             self._extras = torch.zeros(extra_slots, dtype=torch.float64)
         if self.model is not None:
@@ -685,11 +735,32 @@ class ShardedBackend:
             for p in self.model.parameters():
                 p.grad = None
 
+    def plan_rounds(self, rounds: int) -> None:
+        """This step's number of rounds in the replica group, padding included: the
+        same on every member of the group. Native reductions reduce-scatter in the
+        last one only, so every member must know which one that is before the first
+        (float64: nothing to plan, every round reduces)."""
+        if rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {rounds}")
+        self._rounds_left = rounds
+
     def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
         """One round of the replica group: every member of it calls this together
-        (FSDP2's collectives), `samples` 0 for a padding round (its gradient is zero)."""
+        (FSDP2's collectives), `samples` 0 for a padding round (its gradient is zero).
+        Native: `plan_rounds` first; the gradient stays unsharded (accumulated by
+        autograd) until the last planned round, which reduce-scatters it."""
         if self.model is None:
             raise RuntimeError("a shadow does not compute")
+        if self.native:
+            if not self._rounds_left:
+                raise RuntimeError(
+                    "reduce_dtype 'native': compute() without a planned round left "
+                    "(plan_rounds() first, with the group's rounds of this step)"
+                )
+            self._rounds_left -= 1
+            # Every group member runs the same rounds, so all toggle alike, and the
+            # last round's reduce-scatter meets all of them.
+            self.model.set_requires_gradient_sync(self._rounds_left == 0)  # type: ignore[operator]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(
                 (self.seed * 0x9E3779B1 + step * 1_000_003 + microbatch) & 0x7FFF_FFFF_FFFF
@@ -699,8 +770,9 @@ class ShardedBackend:
         return float(loss.detach()) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:
-        """The shard's gradient sum: all-reduced over the shard's twins."""
-        return [self._grad64]
+        """The shard's gradient sum (float64, or native: the parameters' dtype):
+        all-reduced over the shard's twins."""
+        return [self._grad]
 
     def extras(self) -> torch.Tensor:
         """The step's extras: all-reduced over the whole generation."""
@@ -709,14 +781,15 @@ class ShardedBackend:
     def apply(self) -> None:
         assert self.optimizer is not None
         b = self.global_batch_size
-        g64 = self._grad64
+        g = self._grad
         for name in self._names:
             lp = self.local.get_parameter(_local_name(name))
             if not lp.requires_grad:
                 continue
             lo, hi = self._offsets[name]
-            # One rounding, from the exact float64 mean: same bits on every twin.
-            lp.grad = g64[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
+            # Twins divide the same all-reduced bytes: the same bits on every twin.
+            # Float64: one rounding, from the exact mean; native: a view, no copy.
+            lp.grad = g[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
         self.optimizer.step()
         if self.model is not None:
             for p in self.model.parameters():
@@ -724,7 +797,7 @@ class ShardedBackend:
 
     def discard(self) -> None:
         # An abandoned all-reduce may still write into the buffers: new ones.
-        self._grad64 = torch.zeros_like(self._grad64)
+        self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
 
 

@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=0, help="TrainerConfig.checkpoint_every")
     ap.add_argument("--hang-floor", type=float, default=3.0, help="watchdog floor (s)")
     ap.add_argument(
+        "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
+    )
+    ap.add_argument(
         "--pace-file",
         default=None,
         help="a file holding a minimum step time in seconds, read every step (a test slows "
@@ -92,6 +95,7 @@ def main() -> None:
         shard_size=args.shard_size,
         checkpoint_every=args.ckpt_every,
         hang_timeout_floor_s=args.hang_floor,
+        reduce_dtype=args.reduce_dtype,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
     last = time.monotonic()

@@ -69,7 +69,7 @@ from torch import nn
 from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.preflight import model_problems
-from elastrain.runtime.torch_backend import load_torch_meta, torch_meta
+from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 
 log = logging.getLogger("elastrain.sharded")
@@ -762,9 +762,7 @@ class ShardedBackend:
             # last round's reduce-scatter meets all of them.
             self.model.set_requires_gradient_sync(self._rounds_left == 0)  # type: ignore[operator]
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(
-                (self.seed * 0x9E3779B1 + step * 1_000_003 + microbatch) & 0x7FFF_FFFF_FFFF
-            )
+            seed_micro_batch(self.seed, step, microbatch)
             loss = self.loss_fn(self.model, batch)
             (loss * samples).backward()
         return float(loss.detach()) * samples

@@ -72,7 +72,7 @@ def test_short_soak_every_fault_kind_zero_violations(job: SoakJob, tmp_path: Pat
 
 
 def test_a_fault_too_close_to_the_end_is_not_judged_but_a_late_one_is() -> None:
-    from elastrain.chaos.soak import judge_recoveries, unjudged
+    from elastrain.chaos.soak import judge_recoveries, pending_recoveries
 
     def rec(t: float, recovery_s: float | None) -> dict[str, object]:
         return {"fault": "kill", "t": t, "recovery_s": recovery_s, "bound_s": 60.0,
@@ -86,8 +86,8 @@ def test_a_fault_too_close_to_the_end_is_not_judged_but_a_late_one_is() -> None:
     assert len(notes) == 1 and notes[0].startswith("kill at 50 s: no progress before")
     # What the soak waits for at the end of its duration before it ends the job: only
     # the fault at 50 s (no progress yet, bound not up); at 110 s nothing is left.
-    assert [r["t"] for r in unjudged(recs, 80)] == [50]
-    assert unjudged(recs, 110) == []
+    assert [r["t"] for r in pending_recoveries(recs, 80)] == [50]
+    assert pending_recoveries(recs, 110) == []
 
 
 def test_threads_waiting_out_abandoned_collectives_are_not_counted_as_leaks() -> None:

@@ -194,7 +194,7 @@ def startup_p90(events: list[dict[str, Any]]) -> float:
     return took[int(0.9 * (len(took) - 1))] if took else 0.0
 
 
-def unjudged(recs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
+def pending_recoveries(recs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
     """The recoveries (`recoveries`) that cannot be judged yet at `now`: no progress
     after the fault so far, and its bound is not up."""
     return [
@@ -212,7 +212,7 @@ def judge_recoveries(recs: list[dict[str, Any]], end_t: float) -> tuple[list[str
     t0 = recs[0]["t"] if recs else 0.0
     late: list[str] = []
     notes: list[str] = []
-    waiting = {id(r) for r in unjudged(recs, end_t)}
+    waiting = {id(r) for r in pending_recoveries(recs, end_t)}
     for r in recs:
         if r["skipped"]:
             continue
@@ -361,13 +361,18 @@ def soak(
         if stop_clock.wait(duration_s):
             return
         said = False
-        while waiting := unjudged(recoveries(read_events(run_dir / "faulty")), time.time()):
-            if not said:
-                log(f"soak: {len(waiting)} fault(s) not recovered yet; waiting for them "
-                    f"(at most {max(r['bound_s'] for r in waiting):g} s each)")  # fmt: skip
-                said = True
-            if stop_clock.wait(1.0):
-                return
+        try:
+            while waiting := pending_recoveries(
+                recoveries(read_events(run_dir / "faulty")), time.time()
+            ):
+                if not said:
+                    log(f"soak: {len(waiting)} fault(s) not recovered yet; waiting for them "
+                        f"(at most {max(r['bound_s'] for r in waiting):g} s each)")  # fmt: skip
+                    said = True
+                if stop_clock.wait(1.0):
+                    return
+        except Exception as e:  # noqa: BLE001 - the job must end even if this thread fails
+            log(f"soak: could not tell which faults recovered ({e!r}); ending the job now")
         la.preempt()
 
     def started(la: Any) -> None:

@@ -276,3 +276,37 @@ def test_jax_job_killed_entirely_resumes_from_its_checkpoint(run_job) -> None:  
     np.testing.assert_allclose(
         np.load(ref.run_dir / "final" / "w0.npy"), np.load(finals[0]), rtol=1e-5
     )
+
+
+def test_a_sharded_jax_job_is_refused_clearly(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sharded replica groups are FSDP2's: a JAX job asked for them, by its config or by
+    `elastrain run --shard-size` (the launcher's environment), stops with a message
+    saying so instead of training whole replicas under a sharded coordinator."""
+    from elastrain import env
+    from elastrain.jax import JaxElasticTrainer
+    from elastrain.runtime.config import TrainerConfig
+
+    params = {"w": jnp.zeros((2,))}
+    where = {
+        "coordinator": "127.0.0.1:1",
+        "token": "t",
+        "member_id": "w0",
+        "run_dir": str(tmp_path),
+    }
+    base = {"global_batch_size": 4, "micro_batch_size": 2, "total_steps": 1}
+    with pytest.raises(ValueError, match="shard_size 2: .*FSDP2.*drop --shard-size"):
+        JaxElasticTrainer(
+            params,
+            optax.sgd(0.1),
+            [],
+            lambda p, b: 0.0,
+            TrainerConfig(**base, shard_size=2),
+            **where,
+        )
+    monkeypatch.setenv(env.SHARD_SIZE, "2")
+    with pytest.raises(ValueError, match="shard_size 2"):
+        JaxElasticTrainer(
+            params, optax.sgd(0.1), [], lambda p, b: 0.0, TrainerConfig(**base), **where
+        )

@@ -63,6 +63,13 @@ class JaxElasticTrainer(EngineTrainer):
                 f"optax.clip_by_global_norm({config.max_grad_norm}) before the optimizer"
             )
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
+        if config.shard_size > 1:
+            # Checked after the launcher's overrides: `elastrain run --shard-size` sets it too.
+            raise ValueError(
+                f"shard_size {config.shard_size}: sharded replica groups are built on "
+                "PyTorch's FSDP2; a JAX job trains whole replicas (shard_size 1; drop "
+                "--shard-size)"
+            )
         backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
         self.backend: JaxBackend = backend

@@ -131,7 +131,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,19 +142,21 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
-from common import Shape, build, param_count  # noqa: E402
-from recovery import (  # noqa: E402
-    KillPacer,
+from _steady import (  # noqa: E402
+    LauncherSide,
     LoadSampler,
-    cpu_seconds,
-    first_step_breakdown,
+    ProcSide,
+    Side,
     fmt,
+    interleave,
     log,
     med,
-    run_bounded,
+    pct,
     shape_args,
     table,
 )
+from common import Shape, build, param_count  # noqa: E402
+from recovery import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
@@ -237,86 +238,6 @@ def state_bytes(shape: Shape, shards: int) -> dict[str, Any]:
 # ---- the sides of the steady-state comparison -----------------------------------------
 
 
-class LauncherSide:
-    """An elastrain job (the Launcher on a thread of this process) as one side."""
-
-    def __init__(self, key: str, cfg: LaunchConfig) -> None:
-        self.key = key
-        self.run_dir = Path(cfg.run_dir or ".")
-        self.launcher = Launcher(cfg)
-        self.result: dict[str, Any] = {}
-        self.thread = threading.Thread(
-            target=lambda: self.result.update(r=self.launcher.run()), daemon=True
-        )
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def pids(self) -> list[int]:
-        lc = self.launcher
-        coord = [lc.coordinator.pid] if lc.coordinator else []
-        return [w.proc.pid for w in lc.workers.values()] + coord
-
-    def failed(self) -> bool:
-        return not self.thread.is_alive()
-
-    def wait(self, deadline: float) -> None:
-        self.thread.join(timeout=max(1.0, deadline - time.monotonic()))
-
-    def abort(self) -> None:
-        if self.thread.is_alive():
-            self.launcher.stop()
-            self.thread.join(timeout=30)
-
-    @property
-    def status(self) -> str:
-        return self.result["r"].status if "r" in self.result else "?"
-
-
-class ProcSide:
-    """A baseline of `WORKERS` plain processes (one per rank) as one side."""
-
-    def __init__(self, key: str, argv: Callable[[int], list[str]], log_dir: Path) -> None:
-        self.key = key
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._argv = argv
-        self._log_dir = log_dir
-
-    def start(self) -> None:
-        for r in range(WORKERS):
-            with open(self._log_dir / f"{self.key}-r{r}.log", "wb") as logf:
-                self.procs.append(
-                    subprocess.Popen(
-                        self._argv(r), stdout=logf, stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )  # fmt: skip
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def failed(self) -> bool:
-        return any(p.poll() not in (None, 0) for p in self.procs)
-
-    def wait(self, deadline: float) -> None:
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-
-    def abort(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    @property
-    def status(self) -> str:
-        rcs = [p.returncode for p in self.procs]
-        return "done" if rcs and all(rc == 0 for rc in rcs) else f"exit {rcs}"
-
-
 def free_port() -> int:
     import socket
 
@@ -359,7 +280,7 @@ class TorchftSide(ProcSide):
         self.lighthouse: subprocess.Popen[bytes] | None = None
         self.heartbeat_ms = heartbeat_ms
         url = f"http://127.0.0.1:{self.lh_port}"
-        super().__init__(key, lambda r: argv(r, url), log_dir)
+        super().__init__(key, lambda r: argv(r, url), log_dir, WORKERS)
 
     def start(self) -> None:
         with open(self._log_dir / f"{self.key}-lighthouse.log", "wb") as logf:
@@ -396,75 +317,6 @@ def log_tail(path: Path, lines: int = 3, width: int = 400) -> str:
         return "(no log)"
     tail = [x.strip() for x in text.splitlines() if x.strip()][-lines:]
     return " | ".join(tail)[-width:]
-
-
-Side = LauncherSide | ProcSide
-
-
-def interleave(
-    store: Any,
-    sides: list[Side],
-    blocks: int,
-    deadline: float,
-    where: Path,
-    optional: frozenset[str] = frozenset(),
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Let the sides (all started, all gated the same way: common.Gate) run their
-    blocks one side at a time, in the order of `sides` and mirrored every other
-    block; the others wait idle between steps. Returns one record per block: its
-    side, wall times from the go to the last worker's report, the CPU the side's
-    processes used, and the CPU each idle side used meanwhile; and the keys of the
-    `optional` sides that died and were dropped from the rotation (a side not
-    optional that dies ends the comparison: RuntimeError)."""
-    live = list(sides)
-    dropped: list[str] = []
-
-    def drop_dead() -> None:
-        for x in list(live):
-            if x.failed() and not store.check([f"{x.key}/ready_all/{blocks}"]):
-                if x.key not in optional:
-                    raise RuntimeError(f"steady state: side {x.key} died; see {where}")
-                live.remove(x)
-                dropped.append(x.key)
-                x.abort()
-
-    def wait_key(side: Side, key: str) -> float | None:
-        """The wall time the side's workers stored under `key`; None if it died."""
-        # Poll (store.wait with a timeout logs a C++ warning each time it expires).
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"steady state: no {key} in time ({where})")
-            drop_dead()
-            if side not in live:
-                return None
-            time.sleep(0.02)
-        return float(store.get(key))
-
-    for s in sides:
-        wait_key(s, f"{s.key}/ready_all/0")
-    out: list[dict[str, Any]] = []
-    for k in range(blocks):
-        order = [x for x in (sides if k % 2 == 0 else sides[::-1]) if x in live]
-        for j, side in enumerate(order):
-            if side not in live:
-                continue
-            # The sides idle during this block that still have blocks to run (a side
-            # that is done is exiting, and its CPU is not "idle waiting").
-            idle = [x for x in live if x is not side and (k < blocks - 1 or x in order[j + 1 :])]
-            c0 = {x.key: cpu_seconds(x.pids()) for x in idle}
-            a0 = cpu_seconds(side.pids())
-            t_go = time.time()
-            store.set(f"{side.key}/go/{k}", repr(t_go))
-            t_done = wait_key(side, f"{side.key}/ready_all/{k + 1}")
-            if t_done is None:
-                continue
-            out.append(
-                {"k": k, "side": side.key, "t0": t_go, "t1": t_done,
-                 "cpu_s": cpu_seconds(side.pids()) - a0,
-                 "idle_cpu_s": {x.key: cpu_seconds(x.pids()) - c0[x.key]
-                                for x in idle if x in live}}
-            )  # fmt: skip
-    return out, dropped
 
 
 def elastrain_config(
@@ -535,7 +387,9 @@ def measure_steady(
             *gate_args, *shape_args(shape), *flags,
         ]  # fmt: skip
 
-    base_sides = [ProcSide(k, hsdp_argv(k, flags), out_dir) for k, (_, flags) in BASELINES.items()]
+    base_sides = [
+        ProcSide(k, hsdp_argv(k, flags), out_dir, WORKERS) for k, (_, flags) in BASELINES.items()
+    ]
     # H first: the order is H E F (T) | (T) F E H | ..., elastrain always in the middle.
     sides: list[Side] = [base_sides[0], e_side, *base_sides[1:]]
     t_side: TorchftSide | None = None
@@ -1079,10 +933,6 @@ def torchft_status() -> tuple[bool, str]:
 
 
 # ---- report tables -----------------------------------------------------------------------
-
-
-def pct(x: float, y: float) -> str:
-    return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
 
 
 def mb(nbytes: float | None, nd: int = 1) -> str:

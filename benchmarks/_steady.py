@@ -342,12 +342,18 @@ def baseline_steady(
 
 
 def elastic_config(
-    shape: Shape, run_dir: Path, steps: int, workers: int, **kw: Any
+    shape: Shape,
+    run_dir: Path,
+    steps: int,
+    workers: int,
+    job_args: tuple[str, ...] = (),
+    **kw: Any,
 ) -> LaunchConfig:
-    """The failure-tolerant elastrain job of the replicated benchmarks (_jobs/elastic_gpt.py)."""
+    """The failure-tolerant elastrain job of the replicated benchmarks
+    (_jobs/elastic_gpt.py); `job_args` go to the script after the shape's."""
     return LaunchConfig(
         script=str(JOBS / "elastic_gpt.py"),
-        script_args=shape_args(shape),
+        script_args=[*shape_args(shape), *job_args],
         workers=workers,
         min_workers=1,
         replace_delay_s=1.0,
@@ -367,10 +373,11 @@ def steady_elastrain_vs(
     blocks: int,
     out_dir: Path,
     timeout_s: float,
+    job_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """A failure-free elastrain job ("E") and DDP baselines (_jobs/ddp_gpt.py, one side
-    per entry of `baselines`: its key and extra flags), `workers` processes each,
-    alive at once, taking turns in blocks.
+    """A failure-free elastrain job ("E"; `job_args`: more arguments for its script) and
+    DDP baselines (_jobs/ddp_gpt.py, one side per entry of `baselines`: its key and
+    extra flags), `workers` processes each, alive at once, taking turns in blocks.
 
     Every side starts together and runs `warmup` steps (excluded), then `blocks`
     blocks of `block` steps each, one side at a time, elastrain second (D E T | T E D
@@ -386,7 +393,7 @@ def steady_elastrain_vs(
     e_side = LauncherSide(
         "E",
         elastic_config(
-            shape, e_dir, warmup + block * blocks, workers,
+            shape, e_dir, warmup + block * blocks, workers, job_args,
             extra_env={"BENCH_GATE": f"127.0.0.1:{store.port},{warmup},{block},{blocks}",
                        "BENCH_WORLD": str(workers)},
         ),

@@ -3,6 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/step_cost.py [--quick] [--no-record] [--sizes 20ms,1s]
+        [--reduce-dtype float64|native]
 
 A fixed cost per step (the coordinator's verdict, event lines, the engine's own
 Python) hides in a 1 s step and dominates a 20 ms one. For each size this runs a
@@ -212,10 +213,12 @@ BREAKDOWN_HEADER = [
 # ---- one size --------------------------------------------------------------------------
 
 
-def measure(size: Size, warmup: int, block: int, blocks: int, out_dir: Path) -> dict[str, Any]:
+def measure(
+    size: Size, warmup: int, block: int, blocks: int, out_dir: Path, job_args: tuple[str, ...]
+) -> dict[str, Any]:
     """Run one size's comparison and reduce it to the figures of the tables."""
     st = steady_elastrain_vs(
-        size.shape, WORKERS, {"D": []}, warmup, block, blocks, out_dir, timeout_s=480
+        size.shape, WORKERS, {"D": []}, warmup, block, blocks, out_dir, 480, job_args
     )
     measured = measured_step(warmup, block)
     ev = st["E"]
@@ -249,6 +252,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: a few blocks, no record")
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"which sizes ({','.join(SIZES)})")
+    ap.add_argument(
+        "--reduce-dtype", choices=("float64", "native"), default="float64",
+        help="elastrain's TrainerConfig.reduce_dtype (float64, its default; native: a "
+        "diagnostic, the float64 widening left out)",
+    )  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
     names = [x for x in args.sizes.split(",") if x]
@@ -299,7 +307,9 @@ def main() -> int:
         t = time.monotonic()
         t_w = time.time()
         try:
-            res[name] = measure(size, warmup, block, blocks, base / name)
+            res[name] = measure(
+                size, warmup, block, blocks, base / name, ("--reduce-dtype", args.reduce_dtype)
+            )
         except (RuntimeError, TimeoutError) as err:
             print(f"\nFATAL: the {name} comparison failed: {err}; nothing recorded.")
             load.stop()
@@ -327,6 +337,8 @@ def main() -> int:
          for name, r in res.items() for b in r["blocks"]],
     )  # fmt: skip
     notes += [
+        f"elastrain's reduce_dtype: {args.reduce_dtype}"
+        + (" (its default)" if args.reduce_dtype == "float64" else " (a diagnostic run)"),
         f"{WORKERS} workers per side, torch.set_num_threads(1) in every process, gloo over "
         "loopback; sides alive together, taking turns in blocks (D E | E D | ...). Cycle: "
         "per rank, end of one step to end of the next within a block (the first step of "

@@ -147,6 +147,7 @@ from _steady import (  # noqa: E402
     LoadSampler,
     ProcSide,
     Side,
+    block_stats,
     fmt,
     interleave,
     log,
@@ -947,18 +948,8 @@ def steady_table(st: dict[str, Any], block: int, blocks: int) -> tuple[str, str,
     others = keys[1:]
     meds = {k: med(st["step_s"][k]) for k in keys}
     bl = st["blocks"]
-    bw = {k: med([(b["t1"] - b["t0"]) / block for b in bl if b["side"] == k]) for k in keys}
-    # CPU seconds per step of all of a side's processes: less sensitive than wall time to
-    # other work on a shared machine. A side's last block is left out (it starts exiting).
-    cps = {
-        k: med([b["cpu_s"] / block for b in bl if b["side"] == k and b["k"] < blocks - 1])
-        for k in keys
-    }
-    idle_share = {}
-    for k in keys:
-        cpu = sum(b["idle_cpu_s"][k] for b in bl if k in b["idle_cpu_s"])
-        dur = sum(b["t1"] - b["t0"] for b in bl if k in b["idle_cpu_s"])
-        idle_share[k] = cpu / dur if dur > 0 else math.nan
+    bs = block_stats(bl, keys, block, blocks)
+    bw, cps, idle_share = bs["wall"], bs["cpu"], bs["idle"]
     header = ["steady state (4 ranks, interleaved)", LABELS["E"]]
     for k in others:
         header += [LABELS[k], f"{'elastrain' if k in BASELINES else 'torchft'} vs "

@@ -117,12 +117,26 @@ def cycle_times(ends: list[dict[int, float]], measured: Callable[[int], bool]) -
     return [t - r[s - 1] for r in ends for s, t in sorted(r.items()) if measured(s) and s - 1 in r]
 
 
-def elastrain_ends(commits: list[dict[str, Any]]) -> list[dict[int, float]]:
-    """Per member, step -> the wall time of its `step_commit` (from every commit of
-    the run, so that a measured step's predecessor is there)."""
+def between_steps(
+    ends: list[dict[int, float]], step_s: list[dict[int, float]], measured: Callable[[int], bool]
+) -> list[float]:
+    """Per rank, for every step `cycle_times` counts: its cycle less its own step time
+    (`step_s`: step -> seconds, same ranks as `ends`), i.e. what the loop does between
+    the end of one step and the start of the next."""
+    return [
+        t - r[s - 1] - st[s]
+        for r, st in zip(ends, step_s, strict=True)
+        for s, t in sorted(r.items())
+        if measured(s) and s - 1 in r
+    ]
+
+
+def elastrain_ends(commits: list[dict[str, Any]], field: str = "t") -> list[dict[int, float]]:
+    """Per member, step -> `field` of its `step_commit` (default the wall time; from
+    every commit of the run, so that a measured step's predecessor is there)."""
     by: dict[str, dict[int, float]] = {}
     for e in commits:
-        by.setdefault(e["proc"], {})[int(e["step"])] = float(e["t"])
+        by.setdefault(e["proc"], {})[int(e["step"])] = float(e[field])
     return [by[k] for k in sorted(by)]
 
 
@@ -222,9 +236,13 @@ def measure(
     )
     measured = measured_step(warmup, block)
     ev = st["E"]
-    e_cycles = cycle_times(elastrain_ends(ev["all_commits"]), measured)
+    e_ends = elastrain_ends(ev["all_commits"])
+    e_cycles = cycle_times(e_ends, measured)
+    e_between = between_steps(e_ends, elastrain_ends(ev["all_commits"], "step_s"), measured)
     d_ends = [dict(enumerate(r["end_t"])) for r in st["D"]["ranks"]]
     d_cycles = cycle_times(d_ends, measured)
+    d_steps = [dict(enumerate(r["step_s"])) for r in st["D"]["ranks"]]
+    d_between = between_steps(d_ends, d_steps, measured)
     e_step = [e["step_s"] for e in ev["commits"]]
     bs = block_stats(st["blocks"], ["E", "D"], block, blocks)
     cycle = {"E": med(e_cycles), "D": med(d_cycles)}
@@ -232,7 +250,7 @@ def measure(
     return {
         "cycle": cycle,
         "step_s": step_s,
-        "between": {x: cycle[x] - step_s[x] for x in cycle},
+        "between": {"E": med(e_between), "D": med(d_between)},
         "cpu": bs["cpu"],
         "wall": bs["wall"],
         "n": {"E": len(e_cycles), "D": len(d_cycles)},
@@ -344,9 +362,9 @@ def main() -> int:
         "per rank, end of one step to end of the next within a block (the first step of "
         "each block left out); step_s: elastrain's step_commit.step_s, DDP's step start "
         "to after optimizer.step(). Breakdown: medians of each part over every member's "
-        "measured steps (they need not add up to the median step_s); E between steps = "
-        "median cycle - median step_s (the loop outside step_s: the trainer's yield, the "
-        "commit hook, the protocol's next action).",
+        "measured steps (they need not add up to the median step_s); between steps: the "
+        "median over steps of cycle - step_s (elastrain: the loop outside step_s, i.e. the "
+        "trainer's yield, the commit hook, the protocol's next action).",
         f"machine load (1-min load average, {cores} cores): "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
         f"total benchmark runtime {time.monotonic() - t_start:.0f} s",

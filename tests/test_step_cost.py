@@ -47,8 +47,16 @@ def test_cycle_times_count_only_measured_steps_whose_predecessor_the_rank_finish
 
 
 def test_elastrain_ends_group_commits_by_member(sc) -> None:  # type: ignore[no-untyped-def]
-    ends = sc.elastrain_ends([commit("w1", 0, 5.0), commit("w0", 0, 4.0), commit("w0", 1, 4.5)])
-    assert ends == [{0: 4.0, 1: 4.5}, {0: 5.0}]
+    commits = [commit("w1", 0, 5.0), commit("w0", 0, 4.0), commit("w0", 1, 4.5, step_s=0.4)]
+    assert sc.elastrain_ends(commits) == [{0: 4.0, 1: 4.5}, {0: 5.0}]
+    assert sc.elastrain_ends(commits, "step_s") == [{0: 0.02, 1: 0.4}, {0: 0.02}]
+
+
+def test_between_steps_is_each_cycle_less_its_own_step(sc) -> None:  # type: ignore[no-untyped-def]
+    measured = sc.measured_step(1, 3)  # steps 2, 3, 5, 6 count
+    ends = [{s: 1.0 * s for s in range(7)}]
+    steps = [{s: 0.9 if s != 5 else 0.7 for s in range(7)}]
+    assert sc.between_steps(ends, steps, measured) == pytest.approx([0.1, 0.1, 0.3, 0.1])
 
 
 def test_breakdown_parts_add_up_to_step_s_and_the_rest_is_the_engines(sc) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ between steps: _steady.interleave), and compares:
 
 Sizes (the demo GPT; one intra-op thread per process): "20ms" is dim 128, 2
 layers, context 64, global batch 4 in micro-batches of 1; "1s" is dim 320, 8
-layers, context 64, global batch 12 in micro-batches of 1. Two workers per side:
+layers, context 64, global batch 16 in micro-batches of 1. Two workers per side:
 on this 2-core machine the running side has a core per worker (4 workers, as in
 recovery.py, would put two busy processes on each core and time the scheduler);
 the idle side sleeps in a TCPStore wait.
@@ -99,7 +99,7 @@ SIZES = {
         warmup=10, block=20, blocks=12,
     ),
     "1s": Size(
-        "1s", Shape(dim=320, layers=8, heads=5, block=64, global_batch=12, micro_batch=1),
+        "1s", Shape(dim=320, layers=8, heads=5, block=64, global_batch=16, micro_batch=1),
         warmup=3, block=4, blocks=10,
     ),
 }  # fmt: skip

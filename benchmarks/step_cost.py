@@ -37,8 +37,9 @@ the idle side sleeps in a TCPStore wait.
 Prints the tables and appends them to benchmarks/RESULTS.md with date, machine,
 load, command and commit (unless --no-record). --quick is a smoke run (a few
 blocks, no number in it means anything) and never records. Run directories are
-kept under benchmarks/runs/step-cost-<stamp>/ (git-ignored). Takes about 4
-minutes on the busy 2-core machine (--quick: about 1).
+kept under benchmarks/runs/step-cost-<stamp>/ (git-ignored). Takes about 5
+minutes on the 2-core machine at load average 6 (the 20 ms size 1-1.5, the 1 s
+size 3-4; --quick: about 1.5).
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def measure(
 ) -> dict[str, Any]:
     """Run one size's comparison and reduce it to the figures of the tables."""
     st = steady_elastrain_vs(
-        size.shape, WORKERS, {"D": []}, warmup, block, blocks, out_dir, 480, job_args
+        size.shape, WORKERS, {"D": []}, warmup, block, blocks, out_dir, 900, job_args
     )
     measured = measured_step(warmup, block)
     ev = st["E"]

@@ -40,11 +40,9 @@ Takes about 5 minutes on a busy 2-core machine (--quick: about 2.5).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import threading
@@ -58,10 +56,23 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
+from _steady import (  # noqa: E402
+    LoadSampler,
+    block_stats,
+    elastic_config,
+    fmt,
+    log,
+    loss_deviation,
+    med,
+    pct,
+    steady_anomalies,
+    steady_elastrain_vs,
+    table,
+)
 from common import Shape, build, param_count  # noqa: E402
 
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
-from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
+from elastrain.launch.launcher import Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
 from elastrain.observe.recovery import (  # noqa: E402
     PHASES,
@@ -78,61 +89,6 @@ DDP_SIDES = {"D": [], "T": ["--grad-as-bucket-view", "--bucket-cap-mb", "1000"]}
 """The baselines: D is plain DistributedDataParallel (defaults: 25 MB buckets overlapped
 with backward); T is DDP tuned like elastrain's reduction (gradients as views of one
 bucket, reduced once after backward). The target is judged against D."""
-
-
-# ---- small helpers ---------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return statistics.median(xs) if xs else math.nan
-
-
-def fmt(x: float | None, nd: int = 3) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
-    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
-    return "\n".join(out)
-
-
-def shape_args(shape: Shape) -> list[str]:
-    return [
-        "--dim", str(shape.dim), "--layers", str(shape.layers), "--heads", str(shape.heads),
-        "--block", str(shape.block), "--batch", str(shape.global_batch),
-        "--micro", str(shape.micro_batch),
-    ]  # fmt: skip
-
-
-class LoadSampler:
-    """Samples the 1-minute load average every 2 s, so each measured window can be
-    reported with the machine load it ran under (the machine is shared)."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="loadavg").start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), os.getloadavg()[0]))
-            self._stop.wait(2.0)
-
-    def mean(self, t0: float, t1: float) -> float:
-        xs = [v for t, v in self.samples if t0 <= t <= t1]
-        return statistics.fmean(xs) if xs else math.nan
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ---- elastrain runs --------------------------------------------------------------------
@@ -189,21 +145,6 @@ class KillPacer:
             lc.stop()
 
 
-def elastic_config(shape: Any, run_dir: Path, steps: int, **kw: Any) -> LaunchConfig:
-    """The elastrain job both the recovery run and the steady-state run use."""
-    return LaunchConfig(
-        script=str(JOBS / "elastic_gpt.py"),
-        script_args=shape_args(shape),
-        workers=WORKERS,
-        min_workers=1,
-        replace_delay_s=1.0,
-        run_dir=str(run_dir),
-        steps=steps,
-        progress=False,
-        **kw,
-    )
-
-
 def elastrain_run(
     shape: Shape,
     steps: int,
@@ -212,7 +153,9 @@ def elastrain_run(
     timeout_s: float,
     pacer: KillPacer | None = None,
 ) -> tuple[str, list[dict[str, Any]], Launcher]:
-    cfg = elastic_config(shape, run_dir, steps, faults=[parse_fault(f) for f in faults], seed=0)
+    cfg = elastic_config(
+        shape, run_dir, steps, WORKERS, faults=[parse_fault(f) for f in faults], seed=0
+    )
     launcher = Launcher(cfg, on_status=pacer)
     if pacer is not None:
         pacer.launcher = launcher
@@ -233,171 +176,6 @@ def run_bounded(launcher: Launcher, timeout_s: float) -> tuple[Any, float]:
     finally:
         timer.cancel()
     return result, time.monotonic() - t0
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of the given live processes (Linux /proc), in seconds."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
-def steady_interleaved(
-    shape: Shape, warmup: int, block: int, blocks: int, out_dir: Path, timeout_s: float
-) -> dict[str, Any]:
-    """Failure-free elastrain job and DDP baseline, alive at once, taking turns in blocks.
-
-    Both sides start together and run `warmup` steps (excluded), then the benchmark
-    lets them run `blocks` blocks of `block` steps each, one side at a time, in the
-    order D E | E D | D E ...; the side not running waits idle between steps (see
-    _jobs/common.Gate), so both sides see the same machine load at nearly the same
-    time. Returns per-side step_s samples (the first step of each block excluded on
-    both sides), block wall times, and the CPU the idle side burned meanwhile.
-    """
-    import datetime as dt
-
-    import torch.distributed as dist
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, 2 * WORKERS + 1, is_master=True, timeout=dt.timedelta(seconds=900),
-        wait_for_workers=False,
-    )  # fmt: skip
-    gate = f"127.0.0.1:{store.port}"
-    steps = warmup + block * blocks
-    e_dir = out_dir / "elastrain"
-    cfg = elastic_config(
-        shape,
-        e_dir,
-        steps,
-        extra_env={"BENCH_GATE": f"{gate},{warmup},{block},{blocks}", "BENCH_WORLD": str(WORKERS)},
-    )
-    launcher = Launcher(cfg)
-    result: dict[str, Any] = {}
-    th = threading.Thread(target=lambda: result.update(r=launcher.run()), daemon=True)
-    th.start()
-    side_procs: dict[str, list[subprocess.Popen[bytes]]] = {}
-    for side, extra in DDP_SIDES.items():
-        side_procs[side] = []
-        for r in range(WORKERS):
-            logf = open(out_dir / f"ddp{side}-r{r}.log", "wb")  # noqa: SIM115
-            side_procs[side].append(
-                subprocess.Popen(
-                    [sys.executable, str(JOBS / "ddp_gpt.py"), str(r), str(WORKERS),
-                     str(store.port), str(out_dir / f"ddp{side}-r{r}.json"),
-                     "--side", side, "--warmup-steps", str(warmup), "--block-steps", str(block),
-                     "--blocks", str(blocks), *shape_args(shape), *extra],
-                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-            )  # fmt: skip
-            logf.close()
-    procs = [p for ps in side_procs.values() for p in ps]
-    deadline = time.monotonic() + timeout_s
-
-    def wait_key(key: str) -> float:
-        # Poll (store.wait with a timeout logs a C++ warning each time it expires).
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"steady state: no {key} in {timeout_s:.0f} s ({out_dir})")
-            e_died = not th.is_alive() and not store.check([f"E/ready_all/{blocks}"])
-            if any(p.poll() not in (None, 0) for p in procs) or e_died:
-                raise RuntimeError(f"steady state: a side died before {key}; see {out_dir}")
-            time.sleep(0.02)
-        return float(store.get(key))
-
-    blocks_out: list[dict[str, Any]] = []
-    try:
-        sides = ["E", *DDP_SIDES]
-        for side in sides:
-            wait_key(f"{side}/ready_all/0")
-        coord = [launcher.coordinator.pid] if launcher.coordinator else []
-        for k in range(blocks):
-            # Mirror the order every other block (D E T | T E D | ...) against drift.
-            for j, side in enumerate(sides if k % 2 == 0 else sides[::-1]):
-                # The sides idle during this block that still have blocks to run (a side
-                # that is done is exiting and its CPU is not "idle waiting").
-                later = sides[j + 1 :] if k % 2 == 0 else sides[::-1][j + 1 :]
-                idle_sides = [x for x in sides if x != side and (k < blocks - 1 or x in later)]
-                idle = {
-                    x: [w.proc.pid for w in launcher.workers.values()] + coord
-                    if x == "E" else [p.pid for p in side_procs[x]]
-                    for x in idle_sides
-                }  # fmt: skip
-                active = (
-                    [w.proc.pid for w in launcher.workers.values()] + coord
-                    if side == "E" else [p.pid for p in side_procs[side]]
-                )  # fmt: skip
-                c0 = {x: cpu_seconds(v) for x, v in idle.items()}
-                a0 = cpu_seconds(active)
-                t_go = time.time()
-                store.set(f"{side}/go/{k}", repr(t_go))
-                t_done = wait_key(f"{side}/ready_all/{k + 1}")
-                blocks_out.append(
-                    {"k": k, "side": side, "t0": t_go, "t1": t_done,
-                     "cpu_s": cpu_seconds(active) - a0,
-                     "idle_cpu_s": {x: cpu_seconds(v) - c0[x] for x, v in idle.items()}}
-                )  # fmt: skip
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        th.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        if th.is_alive():
-            launcher.stop()
-            th.join(timeout=30)
-    rcs = [p.returncode for p in procs]
-    if any(rcs):
-        raise RuntimeError(f"DDP baseline failed (exit {rcs}); see {out_dir}/ddp-r*.log")
-    ddp = {
-        side: [json.loads((out_dir / f"ddp{side}-r{r}.json").read_text()) for r in range(WORKERS)]
-        for side in DDP_SIDES
-    }
-    events = read_events(e_dir)
-
-    def measured(step: int) -> bool:  # in a block, and not the block's first step
-        return step >= warmup and (step - warmup) % block != 0
-
-    commits = [e for e in events if e["kind"] == "step_commit"]
-    ready = {e["gen"]: e.get("members", []) for e in events if e["kind"] == "generation_ready"}
-    gens = sorted({e["gen"] for e in commits if e["step"] >= warmup})
-    return {
-        "E_step_s": [e["step_s"] for e in commits if measured(e["step"])],
-        "E_compute_s": [e["compute_s"] for e in commits if measured(e["step"])],
-        "E_allreduce_s": [e["allreduce_s"] for e in commits if measured(e["step"])],
-        **{
-            f"{side}_{key}": [x for r in ddp[side] for s, x in enumerate(r[src]) if measured(s)]
-            for side in DDP_SIDES
-            for key, src in (
-                ("step_s", "step_s"),
-                ("last_s", "last_microbatch_s"),
-                ("opt_s", "opt_s"),
-            )
-        },
-        "loss": {
-            "E": {e["step"]: e["loss"] for e in commits},
-            **{
-                side: {
-                    i: statistics.fmean(r["local_loss"][i] for r in ddp[side])
-                    for i in range(len(ddp[side][0]["local_loss"]))
-                }
-                for side in DDP_SIDES
-            },
-        },  # fmt: skip
-        "blocks": blocks_out,
-        "e_status": result["r"].status if "r" in result else "?",
-        "e_gens": gens,
-        "e_sizes": {g: len(ready.get(g, [])) for g in gens},
-        "e_aborts": sum(1 for e in events if e["kind"] == "step_abort"),
-        "e_dir": e_dir,
-    }
 
 
 def first_step_breakdown(
@@ -612,61 +390,26 @@ def main() -> int:
     t = time.monotonic()
     steady_dir = base / "steady"
     try:
-        st = steady_interleaved(shape, warmup, block, blocks, steady_dir, timeout_s=360)
+        st = steady_elastrain_vs(
+            shape, WORKERS, DDP_SIDES, warmup, block, blocks, steady_dir, timeout_s=360
+        )
     except (RuntimeError, TimeoutError) as err:
         print(f"\nFATAL: steady-state comparison failed: {err}; nothing recorded.")
         load.stop()
         return 1
     steady_wall = time.monotonic() - t
-    if (
-        st["e_status"] != "done"
-        or st["e_aborts"]
-        or len(st["e_gens"]) != 1
-        or any(v != WORKERS for v in st["e_sizes"].values())
-    ):
-        anomalies.append(
-            f"failure-free elastrain job not steady: status {st['e_status']}, gens "
-            f"{st['e_gens']}, sizes {st['e_sizes']}, aborts {st['e_aborts']} ({st['e_dir']})"
-        )
-    n_meas = WORKERS * blocks * (block - 1)
-    names = {"E": "elastrain", "D": "DDP", "T": "DDP tuned"}
-    for side in ("E", *DDP_SIDES):
-        if len(st[f"{side}_step_s"]) != n_meas:
-            anomalies.append(
-                f"{names[side]}: {len(st[f'{side}_step_s'])} step_s samples, expected {n_meas}"
-            )
-    meds = {side: med(st[f"{side}_step_s"]) for side in ("E", *DDP_SIDES)}
+    sides = ["E", *DDP_SIDES]
+    ev = st["E"]
+    anomalies += steady_anomalies(st, WORKERS, blocks * (block - 1), steady_dir)
+    step_s = {"E": [e["step_s"] for e in ev["commits"]]}
+    step_s.update({x: st[x]["step_s"] for x in DDP_SIDES})
+    meds = {side: med(step_s[side]) for side in sides}
     e_med, d_med = meds["E"], meds["D"]
     overhead = e_med / d_med - 1 if d_med > 0 else math.nan
     bl = st["blocks"]
-    bw = {x: med([(b["t1"] - b["t0"]) / block for b in bl if b["side"] == x]) for x in meds}
-    # CPU seconds per step of all the side's processes (elastrain: workers + coordinator):
-    # far less sensitive than wall time to other work on a shared machine. The last block
-    # of a side is left out (its processes start exiting when it ends).
-    cps = {
-        x: med([b["cpu_s"] / block for b in bl if b["side"] == x and b["k"] < blocks - 1])
-        for x in meds
-    }
-    # CPU each side burned while idle (waiting its turn), as a share of one core.
-    idle_share = {}
-    for x in meds:
-        cpu = sum(b["idle_cpu_s"][x] for b in bl if x in b["idle_cpu_s"])
-        dur = sum(b["t1"] - b["t0"] for b in bl if x in b["idle_cpu_s"])
-        idle_share[x] = cpu / dur if dur > 0 else math.nan
-    # Same model, data and math on every side: the losses must agree until float
-    # rounding (different reduction orders) grows through the optimizer (~15 steps here).
-    agree = min(10, warmup + block * blocks)
-    loss_dev = max(
-        abs(st["loss"]["E"].get(i, math.nan) - st["loss"][x].get(i, math.nan))
-        / abs(st["loss"][x].get(i, math.nan))
-        for x in DDP_SIDES
-        for i in range(agree)
-    )
-    if not loss_dev <= 1e-4:
-        anomalies.append(
-            f"elastrain and DDP losses differ by {loss_dev:.1e} (relative) within the first "
-            f"{agree} steps: the sides do not train the same thing ({steady_dir})"
-        )
+    bs = block_stats(bl, sides, block, blocks)
+    bw, cps, idle_share = bs["wall"], bs["cpu"], bs["idle"]
+    loss_dev, agree = loss_deviation(st, list(DDP_SIDES), warmup + block * blocks)
     log(f"steady state done in {steady_wall:.0f} s: median step_s elastrain {fmt(e_med)}, "
         f"DDP {fmt(d_med)} ({overhead * 100:+.1f}%), DDP tuned {fmt(meds['T'])}")  # fmt: skip
     runtime = time.monotonic() - t_start
@@ -678,9 +421,6 @@ def main() -> int:
                summary_rec)  # fmt: skip
     t2 = table([f"replacement join ({len(js)} joins)", "median", "min", "max", "n"], join_rows)
 
-    def pct(x: float, y: float) -> str:
-        return f"{(x / y - 1) * 100:+.1f}%" if y > 0 else "n/a"
-
     t3 = table(
         ["steady state (4 workers, interleaved)", "elastrain", "DDP (plain)",
          "elastrain vs DDP", "DDP tuned", "elastrain vs tuned"],
@@ -691,18 +431,20 @@ def main() -> int:
              pct(bw["E"], bw["D"]), fmt(bw["T"]), pct(bw["E"], bw["T"])],
             ["CPU s per step, all processes of the side (median over blocks)", fmt(cps["E"]),
              fmt(cps["D"]), pct(cps["E"], cps["D"]), fmt(cps["T"]), pct(cps["E"], cps["T"])],
-            ["step_s samples (ranks x steps)", str(len(st["E_step_s"])),
-             str(len(st["D_step_s"])), "", str(len(st["T_step_s"])), ""],
+            ["step_s samples (ranks x steps)", str(len(step_s["E"])),
+             str(len(step_s["D"])), "", str(len(step_s["T"])), ""],
             ["elastrain compute_s / allreduce_s (median)",
-             f"{fmt(med(st['E_compute_s']))} / {fmt(med(st['E_allreduce_s']))}", "", "", "", ""],
+             f"{fmt(med([e['compute_s'] for e in ev['commits']]))} / "
+             f"{fmt(med([e['allreduce_s'] for e in ev['commits']]))}", "", "", "", ""],
             ["DDP last micro-batch (fwd+bwd+reduce) / optimizer", "",
-             f"{fmt(med(st['D_last_s']))} / {fmt(med(st['D_opt_s']))}", "",
-             f"{fmt(med(st['T_last_s']))} / {fmt(med(st['T_opt_s']))}", ""],
+             f"{fmt(med(st['D']['last_s']))} / {fmt(med(st['D']['opt_s']))}", "",
+             f"{fmt(med(st['T']['last_s']))} / {fmt(med(st['T']['opt_s']))}", ""],
             ["CPU used while idle, waiting its turn (% of a core)",
              fmt(idle_share["E"] * 100, 1), fmt(idle_share["D"] * 100, 1), "",
              fmt(idle_share["T"] * 100, 1), ""],
         ],
     )  # fmt: skip
+    names = {"E": "elastrain", "D": "DDP", "T": "DDP tuned"}
     t4 = table(
         ["block", "side", "wall per step (s)", "CPU s per step", "load avg (1 min)"],
         [[str(b["k"]), names[b["side"]], fmt((b["t1"] - b["t0"]) / block),

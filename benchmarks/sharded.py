@@ -135,7 +135,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -147,19 +146,22 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
-from common import Shape, build, param_count  # noqa: E402
-from recovery import (  # noqa: E402
-    KillPacer,
+from _steady import (  # noqa: E402
+    LauncherSide,
     LoadSampler,
-    cpu_seconds,
-    first_step_breakdown,
+    ProcSide,
+    Side,
+    block_stats,
     fmt,
+    interleave,
     log,
     med,
-    run_bounded,
+    pct,
     shape_args,
     table,
 )
+from common import Shape, build, param_count  # noqa: E402
+from recovery import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
@@ -254,86 +256,6 @@ def state_bytes(shape: Shape, shards: int) -> dict[str, Any]:
 # ---- the sides of the steady-state comparison -----------------------------------------
 
 
-class LauncherSide:
-    """An elastrain job (the Launcher on a thread of this process) as one side."""
-
-    def __init__(self, key: str, cfg: LaunchConfig) -> None:
-        self.key = key
-        self.run_dir = Path(cfg.run_dir or ".")
-        self.launcher = Launcher(cfg)
-        self.result: dict[str, Any] = {}
-        self.thread = threading.Thread(
-            target=lambda: self.result.update(r=self.launcher.run()), daemon=True
-        )
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def pids(self) -> list[int]:
-        lc = self.launcher
-        coord = [lc.coordinator.pid] if lc.coordinator else []
-        return [w.proc.pid for w in lc.workers.values()] + coord
-
-    def failed(self) -> bool:
-        return not self.thread.is_alive()
-
-    def wait(self, deadline: float) -> None:
-        self.thread.join(timeout=max(1.0, deadline - time.monotonic()))
-
-    def abort(self) -> None:
-        if self.thread.is_alive():
-            self.launcher.stop()
-            self.thread.join(timeout=30)
-
-    @property
-    def status(self) -> str:
-        return self.result["r"].status if "r" in self.result else "?"
-
-
-class ProcSide:
-    """A baseline of `WORKERS` plain processes (one per rank) as one side."""
-
-    def __init__(self, key: str, argv: Callable[[int], list[str]], log_dir: Path) -> None:
-        self.key = key
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self._argv = argv
-        self._log_dir = log_dir
-
-    def start(self) -> None:
-        for r in range(WORKERS):
-            with open(self._log_dir / f"{self.key}-r{r}.log", "wb") as logf:
-                self.procs.append(
-                    subprocess.Popen(
-                        self._argv(r), stdout=logf, stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )  # fmt: skip
-
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def failed(self) -> bool:
-        return any(p.poll() not in (None, 0) for p in self.procs)
-
-    def wait(self, deadline: float) -> None:
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-
-    def abort(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    @property
-    def status(self) -> str:
-        rcs = [p.returncode for p in self.procs]
-        return "done" if rcs and all(rc == 0 for rc in rcs) else f"exit {rcs}"
-
-
 def free_port() -> int:
     import socket
 
@@ -376,7 +298,7 @@ class TorchftSide(ProcSide):
         self.lighthouse: subprocess.Popen[bytes] | None = None
         self.heartbeat_ms = heartbeat_ms
         url = f"http://127.0.0.1:{self.lh_port}"
-        super().__init__(key, lambda r: argv(r, url), log_dir)
+        super().__init__(key, lambda r: argv(r, url), log_dir, WORKERS)
 
     def start(self) -> None:
         with open(self._log_dir / f"{self.key}-lighthouse.log", "wb") as logf:
@@ -413,75 +335,6 @@ def log_tail(path: Path, lines: int = 3, width: int = 400) -> str:
         return "(no log)"
     tail = [x.strip() for x in text.splitlines() if x.strip()][-lines:]
     return " | ".join(tail)[-width:]
-
-
-Side = LauncherSide | ProcSide
-
-
-def interleave(
-    store: Any,
-    sides: list[Side],
-    blocks: int,
-    deadline: float,
-    where: Path,
-    optional: frozenset[str] = frozenset(),
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Let the sides (all started, all gated the same way: common.Gate) run their
-    blocks one side at a time, in the order of `sides` and mirrored every other
-    block; the others wait idle between steps. Returns one record per block: its
-    side, wall times from the go to the last worker's report, the CPU the side's
-    processes used, and the CPU each idle side used meanwhile; and the keys of the
-    `optional` sides that died and were dropped from the rotation (a side not
-    optional that dies ends the comparison: RuntimeError)."""
-    live = list(sides)
-    dropped: list[str] = []
-
-    def drop_dead() -> None:
-        for x in list(live):
-            if x.failed() and not store.check([f"{x.key}/ready_all/{blocks}"]):
-                if x.key not in optional:
-                    raise RuntimeError(f"steady state: side {x.key} died; see {where}")
-                live.remove(x)
-                dropped.append(x.key)
-                x.abort()
-
-    def wait_key(side: Side, key: str) -> float | None:
-        """The wall time the side's workers stored under `key`; None if it died."""
-        # Poll (store.wait with a timeout logs a C++ warning each time it expires).
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"steady state: no {key} in time ({where})")
-            drop_dead()
-            if side not in live:
-                return None
-            time.sleep(0.02)
-        return float(store.get(key))
-
-    for s in sides:
-        wait_key(s, f"{s.key}/ready_all/0")
-    out: list[dict[str, Any]] = []
-    for k in range(blocks):
-        order = [x for x in (sides if k % 2 == 0 else sides[::-1]) if x in live]
-        for j, side in enumerate(order):
-            if side not in live:
-                continue
-            # The sides idle during this block that still have blocks to run (a side
-            # that is done is exiting, and its CPU is not "idle waiting").
-            idle = [x for x in live if x is not side and (k < blocks - 1 or x in order[j + 1 :])]
-            c0 = {x.key: cpu_seconds(x.pids()) for x in idle}
-            a0 = cpu_seconds(side.pids())
-            t_go = time.time()
-            store.set(f"{side.key}/go/{k}", repr(t_go))
-            t_done = wait_key(side, f"{side.key}/ready_all/{k + 1}")
-            if t_done is None:
-                continue
-            out.append(
-                {"k": k, "side": side.key, "t0": t_go, "t1": t_done,
-                 "cpu_s": cpu_seconds(side.pids()) - a0,
-                 "idle_cpu_s": {x.key: cpu_seconds(x.pids()) - c0[x.key]
-                                for x in idle if x in live}}
-            )  # fmt: skip
-    return out, dropped
 
 
 def elastrain_config(
@@ -558,7 +411,9 @@ def measure_steady(
             *gate_args, *shape_args(shape), *flags,
         ]  # fmt: skip
 
-    base_sides = [ProcSide(k, hsdp_argv(k, flags), out_dir) for k, (_, flags) in BASELINES.items()]
+    base_sides = [
+        ProcSide(k, hsdp_argv(k, flags), out_dir, WORKERS) for k, (_, flags) in BASELINES.items()
+    ]
     # H first: the order is H E N F (T) | (T) F N E H | ..., elastrain always in the middle.
     sides: list[Side] = [base_sides[0], *e_sides.values(), *base_sides[1:]]
     t_side: TorchftSide | None = None
@@ -1116,10 +971,6 @@ def torchft_status() -> tuple[bool, str]:
 # ---- report tables -----------------------------------------------------------------------
 
 
-def pct(x: float, y: float) -> str:
-    return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
-
-
 def mb(nbytes: float | None, nd: int = 1) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 1e6:.{nd}f}"
 
@@ -1133,18 +984,8 @@ def steady_table(st: dict[str, Any], block: int, blocks: int) -> tuple[str, str,
     pairs = [(a, b) for a, b in COMPARED if a in keys and b in keys]
     meds = {k: med(st["step_s"][k]) for k in keys}
     bl = st["blocks"]
-    bw = {k: med([(b["t1"] - b["t0"]) / block for b in bl if b["side"] == k]) for k in keys}
-    # CPU seconds per step of all of a side's processes: less sensitive than wall time to
-    # other work on a shared machine. A side's last block is left out (it starts exiting).
-    cps = {
-        k: med([b["cpu_s"] / block for b in bl if b["side"] == k and b["k"] < blocks - 1])
-        for k in keys
-    }
-    idle_share = {}
-    for k in keys:
-        cpu = sum(b["idle_cpu_s"][k] for b in bl if k in b["idle_cpu_s"])
-        dur = sum(b["t1"] - b["t0"] for b in bl if k in b["idle_cpu_s"])
-        idle_share[k] = cpu / dur if dur > 0 else math.nan
+    bs = block_stats(bl, keys, block, blocks)
+    bw, cps, idle_share = bs["wall"], bs["cpu"], bs["idle"]
     header = ["steady state (4 ranks, interleaved)", *(LABELS[k] for k in keys)]
     header += [f"{LABELS[a]} vs {LABELS[b]}" for a, b in pairs]
 

@@ -3,6 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/step_ab.py --base 2dbd1be [--repeats 3] [--steps 80] [--no-record]
+        [--workers 4] [--job-args "--dim 128 --layers 2 ..."]
 
 A refactor of the worker must not slow the step. Comparing a benchmark run
 against one made minutes earlier mixes the change with the shared machine's
@@ -49,11 +50,13 @@ def step_times(run_dir: Path, first: int) -> list[float]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def run_once(tree: Path, run_dir: Path, steps: int) -> float:
+def run_once(
+    tree: Path, run_dir: Path, steps: int, workers: int = 4, job_args: list[str] = SHAPE
+) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "elastrain.cli", "run", "-n", "4", "--steps", str(steps)]
+    argv = [sys.executable, "-m", "elastrain.cli", "run", "-n", str(workers), "--steps", str(steps)]
     argv += ["--plain", "--run-dir", str(run_dir), str(tree / "benchmarks/_jobs/elastic_gpt.py")]
-    r = subprocess.run([*argv, "--", *SHAPE], env=env, cwd=tree, capture_output=True, text=True)
+    r = subprocess.run([*argv, "--", *job_args], env=env, cwd=tree, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"the job under {tree} failed ({r.returncode}):\n{r.stdout[-2000:]}")
     times = step_times(run_dir, 10)
@@ -67,8 +70,14 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="the commit to compare with")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--workers", type=int, default=4, help="workers of the job (4)")
+    ap.add_argument(
+        "--job-args", default=shlex.join(SHAPE),
+        help=f"the job's arguments, one string (default: {shlex.join(SHAPE)!r})",
+    )  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
+    job_args = shlex.split(args.job_args)
     head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True)
     base = subprocess.check_output(
         ["git", "rev-parse", "--short", args.base], cwd=ROOT, text=True
@@ -85,7 +94,9 @@ def main() -> int:
             for rep in range(args.repeats):
                 for name, tree in (("base", wt), ("this", ROOT)):
                     t0 = time.monotonic()
-                    m = run_once(tree, Path(tmp) / f"{name}-{rep}", args.steps)
+                    m = run_once(
+                        tree, Path(tmp) / f"{name}-{rep}", args.steps, args.workers, job_args
+                    )
                     med[name].append(m)
                     loads.append(os.getloadavg()[0])
                     print(f"[{name} #{rep}] median step {m * 1e3:.1f} ms "
@@ -114,7 +125,7 @@ def main() -> int:
                 f"{os.cpu_count()} cores (shared), load average {load0:.1f} at start, "
                 f"{min(loads):.1f}-{max(loads):.1f} during. Code: commit {head.strip()} "
                 f"against {base}.\n\nCommand: `{cmd}`\n\n"
-                "The versus job (demo GPT, 4 workers, batch 32 / micro 4, no faults), "
+                f"The demo GPT job, {args.workers} workers, `{shlex.join(job_args)}`, no faults, "
                 f"{args.steps} steps, alternating base and this checkout; per run the median "
                 "over steps 10.. of the slowest member's step time.\n\n"
                 f"{table}\n\n{verdict}\n"

@@ -4,6 +4,7 @@ behind exactly-once data."""
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 import tracemalloc
@@ -32,6 +33,7 @@ from elastrain.data import (
     check_dataset,
     step_microbatches,
 )
+from elastrain.data.order import ORDER_BLOCK
 
 KINDS = [OrderKind.FEISTEL, OrderKind.RANDPERM]
 
@@ -83,6 +85,24 @@ def test_feistel_shuffles() -> None:
     # Not the identity, not a rotation: few fixed points, neighbours far apart.
     assert sum(i == x for i, x in enumerate(ids)) < 10
     assert np.median(np.abs(np.diff(np.asarray(ids)))) > 1000
+
+
+def test_ids_kept_in_blocks_are_the_epoch_permutations_ids() -> None:
+    """GlobalOrder maps a step's few positions from blocks of ORDER_BLOCK it keeps: each
+    id must be its position's in the epoch's permutation (`FeistelPermutation.apply` on
+    the asked positions, what `ids` computed before it kept blocks), across block and
+    epoch edges, and with more blocks asked for than are kept."""
+    for size in (5, ORDER_BLOCK, ORDER_BLOCK + 3, 3 * ORDER_BLOCK + 17):
+        o = GlobalOrder(size, seed=11)
+        rng = random.Random(size)
+        for _ in range(60):
+            a = rng.randrange(0, 3 * size)
+            b = a + rng.randrange(0, min(ORDER_BLOCK + 5, 3 * size))
+            want: list[int] = []
+            for e in range(a // size, (b - 1) // size + 1):
+                lo, hi = max(a, e * size) - e * size, min(b, (e + 1) * size) - e * size
+                want += o._bijection(e).apply(np.arange(lo, hi, dtype=np.uint64)).tolist()
+            assert o.ids(a, b) == want, (size, a, b)
 
 
 def test_a_billion_sample_order_costs_nothing_up_front() -> None:

@@ -85,6 +85,43 @@ def test_settle_returns_at_once_when_nothing_is_pending() -> None:
     assert len(graveyard) == 0
 
 
+def test_waits_reuse_one_helper_thread_and_close_ends_it() -> None:
+    """A wait that ended hands its helper thread to the next wait (starting a thread
+    per all-reduce was a fixed cost of every step); an abandoned helper is not
+    reused, and `close` (what an exiting worker does) ends the idle one."""
+
+    class Done:
+        def wait(self) -> bool:
+            return True
+
+    def helpers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "elastrain-collective"]
+
+    before = set(helpers())
+    waiter = Waiter()
+    waiter.wait([Done()], 5.0, lambda: False)
+    first = [t for t in helpers() if t not in before]
+    for _ in range(3):
+        waiter.wait([Done()], 5.0, lambda: False)
+    assert [t for t in helpers() if t not in before] == first and len(first) == 1
+    gate = threading.Event()
+
+    class Pending:
+        def wait(self) -> bool:
+            return gate.wait(5.0)
+
+    with pytest.raises(CollectiveAborted):
+        waiter.wait([Pending()], 5.0, lambda: True)
+    assert waiter.blocked() == first  # abandoned inside the wait: not reused
+    waiter.wait([Done()], 5.0, lambda: False)
+    gate.set()
+    first[0].join(5.0)
+    assert not first[0].is_alive() and waiter.blocked() == []
+    assert len([t for t in helpers() if t not in before]) == 1
+    waiter.close()
+    assert [t for t in helpers() if t not in before] == []
+
+
 @pytest.fixture
 def procs() -> Any:
     started: list[subprocess.Popen[bytes]] = []

@@ -9,13 +9,27 @@ in sharded.py, how the model is sharded).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import default_collate
 
+from elastrain.data import GlobalOrder
 from elastrain.demo.gpt import GPT, ByteBlocks, loss_fn, stdlib_corpus
+from elastrain.runtime.torch_backend import seed_micro_batch
 
-__all__ = ["Shape", "build", "loss_fn", "param_count", "micro_rng_seed", "proc_status_kb"]
+__all__ = [
+    "Shape",
+    "accumulate",
+    "build",
+    "loss_fn",
+    "param_count",
+    "micro_rng_seed",
+    "proc_status_kb",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,42 @@ def proc_status_kb(field: str, pid: int | str = "self") -> int:
 def micro_rng_seed(seed: int, step: int, micro: int) -> int:
     """The per-micro-batch RNG seed ElasticTrainer uses (same cost on both sides)."""
     return (seed * 0x9E3779B1 + step * 1_000_003 + micro) & 0x7FFF_FFFF_FFFF
+
+
+def accumulate(
+    model: torch.nn.Module,
+    data: ByteBlocks,
+    order: GlobalOrder,
+    shape: Shape,
+    step: int,
+    mbs: list[range],
+    mine: list[int],
+    world: int,
+    sync: Callable[[bool], AbstractContextManager[object]],
+) -> tuple[float, float]:
+    """A baseline rank's forward and backward over its micro-batches `mine` (indices
+    into `mbs`, the step's micro-batches) of `step`, as elastrain computes them: each
+    micro-batch's samples from the seeded global `order`, under the RNG reseeded from
+    (seed, step, micro-batch) the way ElasticTrainer does (`seed_micro_batch`: the same cost
+    too), its loss scaled by `len(ids) * world / global batch` so that a mean over the
+    `world` ranks gives elastrain's sum / global batch. `sync(last)` is entered around
+    each micro-batch (`last`: the rank's final one, whose backward must reduce: DDP's
+    `no_sync()` on the others, FSDP2's setters). Returns the sum of the micro-batches'
+    loss x samples and the monotonic time the last micro-batch began."""
+    loss_sum = 0.0
+    t_last = time.monotonic()
+    for k, i in enumerate(mine):
+        ids = order.ids(mbs[i].start, mbs[i].stop)
+        last = k == len(mine) - 1
+        if last:
+            t_last = time.monotonic()
+        with sync(last), torch.random.fork_rng(devices=[]):
+            seed_micro_batch(shape.seed, step, i)
+            batch = default_collate([data[j] for j in ids])
+            loss = loss_fn(model, batch)
+            (loss * (len(ids) * world / shape.global_batch)).backward()
+        loss_sum += float(loss.detach()) * len(ids)
+    return loss_sum, t_last
 
 
 class Gate:

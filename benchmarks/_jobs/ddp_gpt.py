@@ -32,9 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import Gate, Shape, build, loss_fn, micro_rng_seed  # noqa: E402
+from common import Gate, Shape, accumulate, build  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
 
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches  # noqa: E402
 
@@ -87,20 +86,10 @@ def main() -> None:
         mbs = step_microbatches(s, B, shape.micro_batch)
         mine = assign_microbatches(len(mbs), W, a.rank)
         ddp.train()
-        loss_sum = 0.0
-        for k, i in enumerate(mine):
-            ids = order.ids(mbs[i].start, mbs[i].stop)
-            last = k == len(mine) - 1
-            if last:
-                t_last = time.monotonic()
-            ctx = contextlib.nullcontext() if last else ddp.no_sync()
-            with ctx, torch.random.fork_rng(devices=[]):
-                torch.manual_seed(micro_rng_seed(shape.seed, s, i))
-                batch = default_collate([data[j] for j in ids])
-                loss = loss_fn(ddp, batch)
-                # DDP averages over W ranks: scale so the result is sum / global batch.
-                (loss * (len(ids) * W / B)).backward()
-            loss_sum += float(loss.detach()) * len(ids)
+        loss_sum, t_last = accumulate(
+            ddp, data, order, shape, s, mbs, mine, W,
+            lambda last: contextlib.nullcontext() if last else ddp.no_sync(),
+        )  # fmt: skip
         t_opt = time.monotonic()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=Shape.block)
     ap.add_argument("--batch", type=int, default=Shape.global_batch)
     ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    ap.add_argument(
+        "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
@@ -39,6 +42,7 @@ def main() -> None:
         micro_batch_size=shape.micro_batch,
         total_steps=a.steps,
         seed=shape.seed,
+        reduce_dtype=a.reduce_dtype,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     gate = None

@@ -37,6 +37,7 @@ the full model, after sharding, and the peak (VmHWM), in kB.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -47,10 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import Gate, Shape, build, loss_fn, micro_rng_seed, proc_status_kb  # noqa: E402
+from common import Gate, Shape, accumulate, build, proc_status_kb  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
 
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches  # noqa: E402
 
@@ -114,29 +114,22 @@ def main() -> None:
     losses: list[float] = []
     last_s: list[float] = []
     opt_s: list[float] = []
+
+    def sync(last: bool) -> contextlib.nullcontext[None]:
+        # Only the rank's last micro-batch reduce-scatters (or, with
+        # --scatter-every-micro, every one does and only the last all-reduces).
+        if a.scatter_every_micro:
+            model.set_requires_all_reduce(last)  # type: ignore[operator]
+        else:
+            model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
     for s in range(gate.total_steps):
         t0 = time.monotonic()
         mbs = step_microbatches(s, B, shape.micro_batch)
         mine = assign_microbatches(len(mbs), W, a.rank)
         model.train()
-        loss_sum = 0.0
-        t_last = t0
-        for k, i in enumerate(mine):
-            ids = order.ids(mbs[i].start, mbs[i].stop)
-            last = k == len(mine) - 1
-            if last:
-                t_last = time.monotonic()
-            if a.scatter_every_micro:
-                model.set_requires_all_reduce(last)  # type: ignore[operator]
-            else:
-                model.set_requires_gradient_sync(last)  # type: ignore[operator]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(micro_rng_seed(shape.seed, s, i))
-                batch = default_collate([data[j] for j in ids])
-                loss = loss_fn(model, batch)
-                # FSDP2 averages over the W ranks: scale so the result is sum / global batch.
-                (loss * (len(ids) * W / B)).backward()
-            loss_sum += float(loss.detach()) * len(ids)
+        loss_sum, t_last = accumulate(model, data, order, shape, s, mbs, mine, W, sync)
         t_opt = time.monotonic()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -57,6 +57,7 @@ import time
 T_START = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -69,12 +70,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchft  # noqa: E402
-from common import Gate, Shape, build, loss_fn, micro_rng_seed, proc_status_kb  # noqa: E402
+from common import Gate, Shape, accumulate, build, proc_status_kb  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
 from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
 from torchft.process_group import ManagedProcessGroup  # noqa: E402
 
@@ -249,6 +249,11 @@ def main() -> None:
     losses: list[float] = []
     last_s: list[float] = []
     opt_s: list[float] = []
+
+    def sync(last: bool) -> contextlib.nullcontext[None]:
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
     while gate is None or manager.current_step() < gate.total_steps:
         t0 = time.monotonic()
         s = manager.current_step()
@@ -256,22 +261,9 @@ def main() -> None:
         mbs = step_microbatches(s, B, shape.micro_batch)
         mine = assign_microbatches(len(mbs), W, grank)
         model.train()
-        loss_sum = 0.0
-        t_last = t0
-        for k, i in enumerate(mine):
-            ids = order.ids(mbs[i].start, mbs[i].stop)
-            last = k == len(mine) - 1
-            if last:
-                t_last = time.monotonic()
-            model.set_requires_gradient_sync(last)  # type: ignore[operator]
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(micro_rng_seed(shape.seed, s, i))
-                batch = default_collate([data[j] for j in ids])
-                loss = loss_fn(model, batch)
-                # Averaged over the S shards by the reduce-scatter and over the groups
-                # by the hook: scaled so that the result is sum / global batch.
-                (loss * (len(ids) * W / B)).backward()
-            loss_sum += float(loss.detach()) * len(ids)
+        # Averaged over the S shards by the reduce-scatter and over the groups by the
+        # hook: accumulate's scaling makes the result sum / global batch.
+        loss_sum, t_last = accumulate(model, data, order, shape, s, mbs, mine, W, sync)
         t_opt = time.monotonic()
         participating = manager.is_participating()
         participants = manager.num_participants()

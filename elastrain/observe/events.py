@@ -126,6 +126,10 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     ),
     EventKind.GENERATION_START: frozenset(["gen", "members", "rank", "state_hash", "step"]),
     EventKind.STEP_CONTRIB: frozenset(["gen", "samples", "step"]),
+    # step_commit from the engine also carries verdict_s (time blocked on the quorum
+    # verdict after computing) and apply_s (the update: state-hash settle, unscale,
+    # norm, clip, optimizer); step_s less compute_s, verdict_s, allreduce_s and apply_s
+    # is the engine's own cost between them. Older event files lack both.
     EventKind.STEP_COMMIT: frozenset(
         [
             "allreduce_s",

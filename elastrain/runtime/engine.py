@@ -219,6 +219,8 @@ class _Step:
     loss_sum: float = 0.0
     data_s: float = 0.0
     t_compute: float = 0.0
+    verdict_s: float = 0.0
+    """Time blocked on the quorum verdict after computing (it is asked for at the start)."""
     t_reduce: float = 0.0
     t_done: float = 0.0
     extras: tuple[float, ...] = ()
@@ -866,6 +868,7 @@ class StepEngine:
     def _verdict(self, a: m.Action) -> m.Observation:
         st = self._step
         assert st is not None
+        t = time.monotonic()
         try:
             v = st.verdict.result(timeout=self.config.timeouts.coordinator_s)
         except (CoordinatorUnavailable, concurrent.futures.TimeoutError) as e:
@@ -873,6 +876,8 @@ class StepEngine:
             return m.Unreachable("quorum", str(e))
         except CoordinatorError as e:
             return m.VerdictFailed(str(e))
+        finally:
+            st.verdict_s += time.monotonic() - t
         return self._seen(v, st.incarnation)
 
     def _ask_again(self, a: m.Action) -> m.Observation:
@@ -939,6 +944,7 @@ class StepEngine:
         st = self._step
         assert st is not None
         s = a.step
+        t_apply = time.monotonic()
         self._settle_hash()
         update = self.backend.apply() or Update()
         n = s + 1
@@ -971,6 +977,8 @@ class StepEngine:
             compute_s=st.t_compute - st.t0,
             allreduce_s=st.t_done - st.t_reduce,
             data_s=st.data_s,
+            verdict_s=st.verdict_s,
+            apply_s=t_end - t_apply,
             samples=count,
             samples_per_s=count / max(t_end - st.t0, 1e-9),
             grad_norm=shown_norm,

@@ -10,14 +10,16 @@ import ctypes
 import sys
 
 COLLECTIVE_WAIT = "el-collective"
-"""A `Waiter` helper blocked in a collective's wait (`elastrain.runtime.group`)."""
+"""A `Waiter` helper: blocked in a collective's wait, or idle until the next one
+(`elastrain.runtime.group`)."""
 GRAVEYARD = "el-graveyard"
 """A `Graveyard` reaper waiting for a dropped group's work to end."""
 TRANSIENT_THREADS = frozenset({COLLECTIVE_WAIT, GRAVEYARD})
 """Names (``/proc/<pid>/task/<tid>/comm``) of the threads that wait out an abandoned
 collective: each ends when its operation does (at the latest at the group's op
 timeout), so there are never more of them than generations abandoned within that
-time; a leak check counts them apart (elastrain.chaos.soak)."""
+time, plus the one `Waiter` helper kept for the next wait; a leak check counts them
+apart (elastrain.chaos.soak)."""
 
 PR_SET_NAME = 15
 

@@ -115,10 +115,8 @@ members can start from a meta-device model and a sharded checkpoint.
 anything) and is marked as such in RESULTS.md; it took 1.5-2.5 minutes at load
 averages of 5-14 on this 2-core machine before the reshard run and the torchft
 side were added, 4.5 minutes with them (load average 8-13); the N side adds a
-fifth of the steady state. The default size
-has not been run yet; its steady state, recovery and reference runs should take
-some 5-10 minutes, the torchft side adding a quarter to the steady state and a
-recovery run of about a minute.
+fifth of the steady state. The default size took 5.1 minutes at load 0.8-9
+(2026-12-01, four sides) and 8.6 minutes at load 11 (2026-12-02, five sides).
 Run directories are kept under benchmarks/runs/sharded-<stamp>/ (git-ignored).
 """
 

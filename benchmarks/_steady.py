@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 JOBS = HERE / "_jobs"
 if str(JOBS) not in sys.path:
     sys.path.insert(0, str(JOBS))
@@ -479,3 +481,34 @@ def steady_anomalies(
             f"{agree} steps: the sides do not train the same thing ({where})"
         )
     return out
+
+
+def run_context(
+    script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks")
+) -> dict[str, Any]:
+    """What a benchmark's RESULTS.md section states about its run, taken at its start:
+    `date` (UTC), `uname`, `cores`, `command` (as run from the repository root) and
+    `code` (the commit, and how many files under `paths` differ from it; RESULTS.md
+    itself not counted)."""
+    py_abs = os.path.abspath(sys.executable)
+    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
+        ).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip()
+    dirty = [
+        x for x in git("status", "--porcelain", "--", *paths).splitlines()
+        if x.strip() and "RESULTS.md" not in x
+    ]  # fmt: skip
+    where = " or ".join(f"{p}/" for p in paths)
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "uname": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
+        "cores": os.cpu_count() or 0,
+        "command": shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
+        "code": f"commit {head}"
+        + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
+    }

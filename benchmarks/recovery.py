@@ -42,8 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -65,6 +63,7 @@ from _steady import (  # noqa: E402
     loss_deviation,
     med,
     pct,
+    run_context,
     steady_anomalies,
     steady_elastrain_vs,
     table,
@@ -237,21 +236,14 @@ def main() -> int:
     t_start = time.monotonic()
     t_wall0 = time.time()
     load = LoadSampler()
-    date = subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
-    cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/recovery.py", *sys.argv[1:]])
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "elastrain"],
-        capture_output=True, text=True,
-    ).stdout.split("\n")  # fmt: skip
-    n_dirty = sum(1 for x in dirty if x.strip())
-    code = f"commit {head}" + (f" + {n_dirty} uncommitted file(s) in elastrain/" if n_dirty else "")
+    ctx = run_context("recovery.py")
+    date, uname, cores, command, code = (
+        ctx["date"],
+        ctx["uname"],
+        ctx["cores"],
+        ctx["command"],
+        ctx["code"],
+    )
 
     shape = Shape()
     import torch

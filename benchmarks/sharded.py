@@ -128,7 +128,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -155,6 +154,7 @@ from _steady import (  # noqa: E402
     log,
     med,
     pct,
+    run_context,
     shape_args,
     table,
 )
@@ -1184,22 +1184,13 @@ def main() -> int:
     t_wall0 = time.time()
     load0 = os.getloadavg()[0]
     load = LoadSampler()
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
-    cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/sharded.py", *sys.argv[1:]])
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "elastrain", "benchmarks"],
-        capture_output=True, text=True,
-    ).stdout.splitlines()  # fmt: skip
-    n_dirty = sum(1 for x in dirty if x.strip() and "RESULTS.md" not in x)
-    code = f"commit {head}" + (
-        f" + {n_dirty} uncommitted file(s) in elastrain/ or benchmarks/" if n_dirty else ""
+    ctx = run_context("sharded.py")
+    date, uname, cores, command, code = (
+        ctx["date"],
+        ctx["uname"],
+        ctx["cores"],
+        ctx["command"],
+        ctx["code"],
     )
     import torch
 

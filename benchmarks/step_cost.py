@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +67,7 @@ from _steady import (  # noqa: E402
     measured_step,
     med,
     pct,
+    run_context,
     steady_anomalies,
     steady_elastrain_vs,
     table,
@@ -287,21 +286,14 @@ def main() -> int:
     t_start = time.monotonic()
     t_wall0 = time.time()
     load = LoadSampler()
-    date = subprocess.run(["date", "-u"], capture_output=True, text=True).stdout.strip()
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
-    cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/step_cost.py", *sys.argv[1:]])
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "elastrain", "benchmarks"],
-        capture_output=True, text=True,
-    ).stdout.split("\n")  # fmt: skip
-    n_dirty = sum(1 for x in dirty if x.strip())
-    code = f"commit {head}" + (f" + {n_dirty} uncommitted file(s)" if n_dirty else "")
+    ctx = run_context("step_cost.py")
+    date, uname, cores, command, code = (
+        ctx["date"],
+        ctx["uname"],
+        ctx["cores"],
+        ctx["command"],
+        ctx["code"],
+    )
     base = HERE / "runs" / f"step-cost-{time.strftime('%Y%m%d-%H%M%S')}"
     log(f"load average now {os.getloadavg()[0]:.1f} on {cores} cores; run dirs under {base}")
 

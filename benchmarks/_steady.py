@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -483,13 +483,22 @@ def steady_anomalies(
     return out
 
 
-def run_context(
-    script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks")
-) -> dict[str, Any]:
-    """What a benchmark's RESULTS.md section states about its run, taken at its start:
-    `date` (UTC), `uname`, `cores`, `command` (as run from the repository root) and
-    `code` (the commit, and how many files under `paths` differ from it; RESULTS.md
-    itself not counted)."""
+class RunContext(NamedTuple):
+    """What a benchmark's RESULTS.md section states about its run (`run_context`)."""
+
+    date: str
+    """UTC, minutes."""
+    uname: str
+    cores: int
+    command: str
+    """As run from the repository root."""
+    code: str
+    """The commit, and how many files differ from it."""
+
+
+def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks")) -> RunContext:
+    """The run's `RunContext`, taken at its start; `code` counts the files under `paths`
+    that differ from the commit (RESULTS.md itself not counted)."""
     py_abs = os.path.abspath(sys.executable)
     py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
 
@@ -504,11 +513,23 @@ def run_context(
         if x.strip() and "RESULTS.md" not in x
     ]  # fmt: skip
     where = " or ".join(f"{p}/" for p in paths)
-    return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "uname": subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
-        "cores": os.cpu_count() or 0,
-        "command": shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
-        "code": f"commit {head}"
-        + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
-    }
+    return RunContext(
+        dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
+        os.cpu_count() or 0,
+        shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
+        f"commit {head}" + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
+    )
+
+
+def append_section(
+    path: Path, lines: list[str], notes: list[str], anomalies: list[str], log: Callable[[str], None]
+) -> None:
+    """Append a benchmark's section to RESULTS.md: its `lines`, then its notes and any
+    anomalies as bullet lists."""
+    sec = [*lines, *["- " + n for n in notes]]
+    if anomalies:
+        sec += ["", "Anomalies:", ""] + ["- " + a for a in anomalies]
+    with open(path, "a") as f:
+        f.write("\n".join(sec) + "\n")
+    log(f"appended to {path}")

@@ -48,7 +48,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,6 +62,9 @@ from elastrain.observe.recovery import PHASES, format_recoveries, joins, recover
 from tests import netns  # noqa: E402
 from tests.test_multinode import Cluster, set_pace  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _steady import LoadSampler  # noqa: E402
+
 MLP = ROOT / "tests" / "scripts" / "train_mlp.py"
 WORKERS = 4
 STEPS = 1_000_000
@@ -74,27 +76,6 @@ Event = dict[str, Any]
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class LoadSampler:
-    """The 1-minute load average every 2 s (the machine is shared)."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="loadavg").start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), os.getloadavg()[0]))
-            self._stop.wait(2.0)
-
-    def mean(self, t0: float, t1: float) -> float:
-        xs = [v for t, v in self.samples if t0 <= t <= t1]
-        return statistics.fmean(xs) if xs else math.nan
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class Side:

@@ -56,6 +56,7 @@ sys.path.insert(0, str(JOBS))
 
 from _steady import (  # noqa: E402
     LoadSampler,
+    append_section,
     block_stats,
     elastic_config,
     fmt,
@@ -236,14 +237,7 @@ def main() -> int:
     t_start = time.monotonic()
     t_wall0 = time.time()
     load = LoadSampler()
-    ctx = run_context("recovery.py")
-    date, uname, cores, command, code = (
-        ctx["date"],
-        ctx["uname"],
-        ctx["cores"],
-        ctx["command"],
-        ctx["code"],
-    )
+    date, uname, cores, command, code = run_context("recovery.py")
 
     shape = Shape()
     import torch
@@ -547,13 +541,8 @@ def main() -> int:
             detail_join,
             "```",
             "",
-            *["- " + n for n in notes],
         ]
-        if anomalies:
-            sec += ["", "Anomalies:", ""] + ["- " + a for a in anomalies]
-        with open(res, "a") as f:
-            f.write("\n".join(sec) + "\n")
-        log(f"appended to {res}")
+        append_section(res, sec, notes, anomalies, log)
     return 0
 
 

@@ -148,6 +148,7 @@ from _steady import (  # noqa: E402
     LoadSampler,
     ProcSide,
     Side,
+    append_section,
     block_stats,
     fmt,
     interleave,
@@ -1184,14 +1185,7 @@ def main() -> int:
     t_wall0 = time.time()
     load0 = os.getloadavg()[0]
     load = LoadSampler()
-    ctx = run_context("sharded.py")
-    date, uname, cores, command, code = (
-        ctx["date"],
-        ctx["uname"],
-        ctx["cores"],
-        ctx["command"],
-        ctx["code"],
-    )
+    date, uname, cores, command, code = run_context("sharded.py")
     import torch
 
     tft_ok, tft_line = torchft_status()
@@ -1586,13 +1580,8 @@ def main() -> int:
             detail_join,
             "```",
             "",
-            *["- " + n for n in notes],
         ]
-        if anomalies:
-            sec += ["", "Anomalies:", ""] + ["- " + a for a in anomalies]
-        with open(res, "a") as f:
-            f.write("\n".join(sec) + "\n")
-        log(f"appended to {res}")
+        append_section(res, sec, notes, anomalies, log)
     return 0
 
 

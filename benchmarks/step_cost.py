@@ -61,6 +61,7 @@ sys.path.insert(0, str(HERE / "_jobs"))
 
 from _steady import (  # noqa: E402
     LoadSampler,
+    append_section,
     block_stats,
     fmt,
     log,
@@ -286,14 +287,7 @@ def main() -> int:
     t_start = time.monotonic()
     t_wall0 = time.time()
     load = LoadSampler()
-    ctx = run_context("step_cost.py")
-    date, uname, cores, command, code = (
-        ctx["date"],
-        ctx["uname"],
-        ctx["cores"],
-        ctx["command"],
-        ctx["code"],
-    )
+    date, uname, cores, command, code = run_context("step_cost.py")
     base = HERE / "runs" / f"step-cost-{time.strftime('%Y%m%d-%H%M%S')}"
     log(f"load average now {os.getloadavg()[0]:.1f} on {cores} cores; run dirs under {base}")
 
@@ -393,13 +387,8 @@ def main() -> int:
             "",
             t3,
             "",
-            *["- " + n for n in notes],
         ]
-        if anomalies:
-            sec += ["", "Anomalies:", ""] + ["- " + a for a in anomalies]
-        with open(res_md, "a") as f:
-            f.write("\n".join(sec) + "\n")
-        log(f"appended to {res_md}")
+        append_section(res_md, sec, notes, anomalies, log)
     return 0
 
 

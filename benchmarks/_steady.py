@@ -460,16 +460,9 @@ def steady_anomalies(
     differ by more than 1e-4 (relative) over the first steps."""
     out: list[str] = []
     ev = st["E"]
-    if (
-        st["e_status"] != "done"
-        or ev["aborts"]
-        or len(ev["gens"]) != 1
-        or any(v != workers for v in ev["sizes"].values())
-    ):
-        out.append(
-            f"failure-free elastrain job not steady: status {st['e_status']}, gens "
-            f"{ev['gens']}, sizes {ev['sizes']}, aborts {ev['aborts']} ({st['e_dir']})"
-        )
+    why = not_steady(st["e_status"], ev, workers, "elastrain", st["e_dir"])
+    if why:
+        out.append(why)
     baselines = st["baselines"]
     n = workers * measured_steps
     counts = {"E": len(ev["commits"]), **{k: len(st[k]["step_s"]) for k in baselines}}
@@ -519,6 +512,35 @@ def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks"
         os.cpu_count() or 0,
         shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
         f"commit {head}" + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
+    )
+
+
+def print_notes(notes: list[str], anomalies: list[str]) -> None:
+    """A benchmark's notes and anomalies on the console, as bullet lists."""
+    for n in notes:
+        print("- " + n)
+    if anomalies:
+        print("\nANOMALIES:")
+        for a in anomalies:
+            print("- " + a)
+
+
+def not_steady(
+    status: str, run: dict[str, Any], workers: int, label: str, where: Any
+) -> str | None:
+    """Why a failure-free elastrain run cannot be compared (`elastrain_steady`'s
+    `run`): it did not end "done" in one generation of `workers` members without an
+    abort. None if it did."""
+    if (
+        status == "done"
+        and not run["aborts"]
+        and len(run["gens"]) == 1
+        and all(v == workers for v in run["sizes"].values())
+    ):
+        return None
+    return (
+        f"failure-free {label} job not steady: status {status}, gens "
+        f"{run['gens']}, sizes {run['sizes']}, aborts {run['aborts']} ({where})"
     )
 
 

@@ -64,6 +64,7 @@ from _steady import (  # noqa: E402
     loss_deviation,
     med,
     pct,
+    print_notes,
     run_context,
     steady_anomalies,
     steady_elastrain_vs,
@@ -492,12 +493,7 @@ def main() -> int:
     print()
     print(text)
     print()
-    for n in notes:
-        print("- " + n)
-    if anomalies:
-        print("\nANOMALIES:")
-        for a in anomalies:
-            print("- " + a)
+    print_notes(notes, anomalies)
 
     if not args.no_record:
         res = HERE / "RESULTS.md"

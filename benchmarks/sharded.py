@@ -154,7 +154,9 @@ from _steady import (  # noqa: E402
     interleave,
     log,
     med,
+    not_steady,
     pct,
+    print_notes,
     run_context,
     shape_args,
     table,
@@ -1223,16 +1225,8 @@ def main() -> int:
     for b in st["blocks"]:
         b["load"] = load.mean(b["t0"] - 2, b["t1"] + 2)
     for k, el in st["el"].items():
-        if (
-            el["status"] != "done"
-            or el["aborts"]
-            or len(el["gens"]) != 1
-            or any(v != WORKERS for v in el["sizes"].values())
-        ):
-            anomalies.append(
-                f"failure-free {LABELS[k]} job not steady: status {el['status']}, gens "
-                f"{el['gens']}, sizes {el['sizes']}, aborts {el['aborts']} ({el['dir']})"
-            )
+        if why := not_steady(el["status"], el, WORKERS, LABELS[k], el["dir"]):
+            anomalies.append(why)
     n_meas = WORKERS * blocks * (block - 1)
     if st["tft_error"]:
         anomalies.append(st["tft_error"])
@@ -1527,12 +1521,7 @@ def main() -> int:
     print()
     print(text)
     print()
-    for n in notes:
-        print("- " + n)
-    if anomalies:
-        print("\nANOMALIES:")
-        for a in anomalies:
-            print("- " + a)
+    print_notes(notes, anomalies)
 
     if not args.no_record:
         res = HERE / "RESULTS.md"

@@ -68,6 +68,7 @@ from _steady import (  # noqa: E402
     measured_step,
     med,
     pct,
+    print_notes,
     run_context,
     steady_anomalies,
     steady_elastrain_vs,
@@ -360,12 +361,7 @@ def main() -> int:
     print()
     print("\n\n".join([t1, t2, t3]))
     print()
-    for n in notes:
-        print("- " + n)
-    if anomalies:
-        print("\nANOMALIES:")
-        for a in anomalies:
-            print("- " + a)
+    print_notes(notes, anomalies)
     if args.quick:
         print("\n(--quick smoke run: not recorded, and no number in it means anything)")
     if record:

@@ -40,6 +40,8 @@ from .conftest import MLP, ROOT, Job, stop_processes
 STEPS, EVERY, WORKERS = 40, 5, 2
 PACED = ["--min-step-s", "0.2"]
 """Script arguments of a run whose checkpoints must commit before a kill 8 steps later."""
+NOTICE_PACE_S = 1.0
+"""Seconds per step of the job a preemption notice ends (see its test)."""
 B, SEED, DATASET = 32, 7, 4096
 
 
@@ -297,6 +299,7 @@ def test_sigterm_to_the_launcher_takes_an_emergency_checkpoint_then_resume(
 ) -> None:  # type: ignore[no-untyped-def]
     run_dir = tmp_path / "job"
     grace = 30.0
+    assert NOTICE_PACE_S * (STEPS - 5) > grace
     cmd = [
         sys.executable,
         "-m",
@@ -312,6 +315,12 @@ def test_sigterm_to_the_launcher_takes_an_emergency_checkpoint_then_resume(
         "--run-dir",
         str(run_dir),
         MLP,
+        # Paced so that the steps left before the reference's end take longer
+        # than the grace period: the job cannot outrun the notice unless the
+        # notice itself takes longer than the grace (which fails below anyway).
+        # Unpaced, ~40 steps of this job fit in one 0.2 s poll of the events.
+        "--min-step-s",
+        str(NOTICE_PACE_S),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
@@ -401,6 +410,7 @@ def test_sigterm_to_the_coordinator_preempts_the_whole_job(
     la = Launcher(
         LaunchConfig(
             script=MLP,
+            script_args=["--min-step-s", str(NOTICE_PACE_S)],  # see the launcher's test
             workers=WORKERS,
             steps=100_000,  # only the notice ends it
             run_dir=str(tmp_path / "job"),
@@ -446,6 +456,6 @@ def test_sigterm_to_the_coordinator_preempts_the_whole_job(
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     assert latest_verified(la.run_dir / "checkpoints").step == step  # type: ignore[union-attr]
-    if step < STEPS:
-        job = run_job(steps=STEPS, workers=WORKERS)
-        assert_resumed(job, reference, step)
+    assert step < STEPS, step
+    job = run_job(steps=STEPS, workers=WORKERS)
+    assert_resumed(job, reference, step)

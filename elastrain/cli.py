@@ -45,6 +45,16 @@ def _size(text: str) -> int:
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    from elastrain.launch.config_file import CONFIG_FLAG, AppendReplacingDefault
+
+    ap.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        metavar="FILE",
+        help="read flags from a TOML file: every flag is a key (replace-delay = 2, "
+        'fault = ["kill@15"], script = "train.py"); flags given here override it '
+        "(docs/config.md)",
+    )
     ap.add_argument(
         "-n",
         "--workers",
@@ -109,7 +119,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--fault",
-        action="append",
+        action=AppendReplacingDefault,
         default=[],
         metavar="SPEC",
         help="inject a fault: KIND@WHEN[:MEMBER][/ARG], e.g. kill@15, hang@30/6, "
@@ -354,18 +364,42 @@ def cmd_coordinator(argv: list[str]) -> int:
     return main(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "coordinator":
-        return cmd_coordinator(argv[1:])
-    if argv[:2] == ["chaos", "soak"]:
-        from elastrain.chaos.soak import main as soak_main
+def _with_config_file(
+    ap: argparse.ArgumentParser,
+    sub: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    argv: list[str],
+) -> argparse.Namespace:
+    """`elastrain run`'s and `elastrain agent`'s arguments with --config FILE's
+    keys as the defaults that the command line overrides (parsed again with
+    them), then the checks of what the file may have given instead of a flag."""
+    from elastrain.launch.config_file import ConfigFileError, apply_config_file
 
-        return soak_main(argv[2:])
-    if argv[:1] == ["k8s"]:
-        from elastrain.k8s.cli import main as k8s_main
+    if args.config is not None:
+        try:
+            apply_config_file(sub, args.config)
+        except ConfigFileError as e:
+            sub.error(str(e))
+        args = ap.parse_args(argv)
+    if args.script is None:
+        sub.error("no training script: give it after the flags or as `script` in --config FILE")
+    if not Path(args.script).is_file():
+        hint = ""
+        if args.script.startswith("-"):
+            # argparse gave the first script argument the script's place.
+            hint = (
+                " (script arguments on the command line need the script before them: "
+                "`--config FILE train.py -- ARGS`, or `script-args` in the file)"
+            )
+        sub.error(f"training script not found: {args.script}{hint}")
+    if args.cmd == "agent" and not args.coordinator:
+        sub.error("--coordinator HOST:PORT is required (or `coordinator` in --config FILE)")
+    return args
 
-        return k8s_main(argv[1:])
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """elastrain's argument parser and its `run` and `agent` subparsers (the
+    commands that take --config FILE)."""
     ap = argparse.ArgumentParser(
         prog="elastrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -380,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         help="spread the workers over N simulated hosts (network namespaces; root and "
         "iproute2) so that cut faults can partition one, e.g. --hosts 3 --fault cut@30/8",
     )
-    r.add_argument("script", help="the training script")
+    r.add_argument("script", nargs="?", help="the training script (or `script` in --config)")
     r.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)"
     )
@@ -388,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         "agent", help="run this node's workers of a job whose coordinator runs elsewhere"
     )
     _add_run_args(a)
-    a.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    a.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="required")
     a.add_argument(
         "--token-file", default=None, help="file with the job token (or $ELASTRAIN_TOKEN)"
     )
@@ -398,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         help="this node's name, the prefix of its member ids (default: the host name)",
     )
     a.add_argument("--host", default=None, help="the address this node's workers give their peers")
-    a.add_argument("script", help="the training script")
+    a.add_argument("script", nargs="?", help="the training script (or `script` in --config)")
     a.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     d = sub.add_parser(
         "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
@@ -442,17 +476,28 @@ def main(argv: list[str] | None = None) -> int:
         sim_args(s)
     except ImportError:
         pass
+    return ap, {"run": r, "agent": a}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "coordinator":
+        return cmd_coordinator(argv[1:])
+    if argv[:2] == ["chaos", "soak"]:
+        from elastrain.chaos.soak import main as soak_main
+
+        return soak_main(argv[2:])
+    if argv[:1] == ["k8s"]:
+        from elastrain.k8s.cli import main as k8s_main
+
+        return k8s_main(argv[1:])
+    ap, launching = build_parser()
     args = ap.parse_args(argv)
-    if args.cmd == "run":
-        if not Path(args.script).is_file():
-            ap.error(f"training script not found: {args.script}")
-        return cmd_run(args)
+    if args.cmd in ("run", "agent"):
+        args = _with_config_file(ap, launching[args.cmd], args, argv)
+        return cmd_run(args) if args.cmd == "run" else cmd_agent(args)
     if args.cmd == "demo":
         return cmd_demo(args)
-    if args.cmd == "agent":
-        if not Path(args.script).is_file():
-            ap.error(f"training script not found: {args.script}")
-        return cmd_agent(args)
     if args.cmd == "report":
         return cmd_report(args)
     if args.cmd == "sim":

@@ -356,20 +356,13 @@ def test_bad_cli_arguments_are_clear_errors(args: list[str], needle: str) -> Non
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "ctrlc"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastrain.cli",
-        "run",
-        "-n",
-        "2",
-        "--plain",
-        "--steps",
-        "100000",
-        "--run-dir",
-        str(run_dir),
-        MLP,
-    ]
+    # The job comes from a config file (issue 19): its 2 workers and run
+    # directory are checked below; the command line's --steps overrides it.
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'script = "{MLP}"\nworkers = 2\nplain = true\nsteps = 5\nrun_dir = "{run_dir}"\n'
+    )
+    cmd = [sys.executable, "-m", "elastrain.cli", "run", "--config", str(job), "--steps", "100000"]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # A test runner started in the background (`cmd &` in a script) runs

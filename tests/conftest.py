@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.observe.events import read_events
-from elastrain.observe.metrics import FAILURES, parse_samples
+from elastrain.observe.metrics import FAILURES
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "tests" / "scripts" / "train_mlp.py")
@@ -145,9 +147,19 @@ def scrape(host: str, port: int, token: str | None) -> tuple[int, str]:
         c.close()
 
 
+def metric_samples(text: str) -> list[Sample]:
+    """Every sample of a /metrics text, parsed by prometheus_client's own parser."""
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Sample name -> value (labels dropped: the last sample of a name wins)."""
+    return {s.name: s.value for s in metric_samples(text)}
+
+
 def failures_metric(text: str) -> dict[str, float]:
     """kind -> value of every `elastrain_failures_total` sample."""
-    return {lab["kind"]: v for name, lab, v in parse_samples(text) if name == FAILURES}
+    return {s.labels["kind"]: s.value for s in metric_samples(text) if s.name == FAILURES}
 
 
 def pytest_configure(config: pytest.Config) -> None:

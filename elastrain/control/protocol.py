@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar, get_type_hints
 
+from elastrain.observe.tally import MAX_PENDING, Observed
+
 API_VERSION = 1
 PREFIX = f"/v{API_VERSION}/"
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -185,7 +187,28 @@ def _check_shard_size(value: Any, where: str) -> None:
         raise ProtocolError(f"{where}: expected a shard size >= 1, or 0 (not said), got {value}")
 
 
+_OBSERVED = frozenset(map(str, Observed))
+MAX_OBSERVED = MAX_PENDING
+"""Values per kind in `QuorumRequest.observed` (`elastrain.observe.tally.MAX_PENDING`)."""
+
+
+def _check_observed(value: Any, where: str) -> None:
+    """Known kinds only; each a list of at most MAX_OBSERVED finite values >= 0."""
+    for kind, values in value.items():
+        if kind not in _OBSERVED:
+            known = ", ".join(map(str, Observed))
+            raise ProtocolError(f"{where}: unknown kind {_short(kind)} (known: {known})")
+        if len(values) > MAX_OBSERVED:
+            raise ProtocolError(f"{where}.{kind}: more than {MAX_OBSERVED} values")
+        for i, v in enumerate(values):
+            if not (math.isfinite(v) and v >= 0):
+                raise ProtocolError(
+                    f"{where}.{kind}[{i}]: expected a finite number >= 0, got {v!r}"
+                )
+
+
 FIELD_CHECKS: dict[tuple[str, str], Callable[[Any, str], None]] = {
+    ("QuorumRequest", "observed"): _check_observed,
     ("RegisterRequest", "signature"): _check_signature,
     ("RegisterRequest", "gen_slots"): _check_slots,
     ("RegisterRequest", "gen_shard_size"): _check_shard_size,
@@ -344,6 +367,10 @@ class QuorumRequest:
     last_loss: float | None = None
     global_batch: int = 0
     """Samples per step (for throughput in status; 0 if unknown)."""
+    observed: dict[str, list[float]] = field(default_factory=dict)
+    """What this member measured since its last quorum request, for the
+    coordinator's /metrics: kind (`elastrain.observe.tally.Observed`) -> values,
+    seconds or bytes, each finite and >= 0, at most `MAX_OBSERVED` per kind."""
 
 
 @dataclass(frozen=True)

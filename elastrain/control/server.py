@@ -48,7 +48,7 @@ from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.failures import EVIDENCE_KINDS
-from elastrain.observe.metrics import CONTENT_TYPE, failure_counts, prometheus_text
+from elastrain.observe.metrics import CONTENT_TYPE, CoordinatorMetrics, failure_counts
 
 MAX_BODY = 1 << 20
 MAX_WAIT_S = 30.0
@@ -129,6 +129,8 @@ class Coordinator:
         self._counted: tuple[int, dict[str, int]] = (-1, {})
         """(len(_evidence) when counted, failure_counts of them): counted again
         only when new evidence came."""
+        self.metrics = CoordinatorMetrics(self.status)
+        """The Prometheus registry behind /metrics (elastrain.observe.metrics)."""
 
     def _emit(self, kind: EventKind, **fields: Any) -> None:
         """Write an event; keep it when it is evidence of failures. Holds the lock."""
@@ -377,6 +379,9 @@ class Coordinator:
             ):
                 self._commits.append((time.monotonic(), req.step))
                 del self._commits[:-50]
+                self.metrics.count_commit(self._global_batch)
+            if req.observed:
+                self.metrics.observe(req.observed)
             self._flush()
             return p.QuorumResponse(verdict, gen, preempt_s)
 
@@ -520,7 +525,7 @@ def make_handler(coord: Coordinator) -> Callable[[Request], Response | Awaitable
                 # Prometheus text; the bearer token is required like everywhere else.
                 return Response(
                     200,
-                    prometheus_text(coord.status()).encode(),
+                    coord.metrics.exposition(),
                     content_type=CONTENT_TYPE.encode(),
                 )
             if not path.startswith(p.PREFIX):

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -210,6 +210,7 @@ class EventLog:
         self.echo = (
             os.environ.get(env.EVENTS_STDOUT, "") in ("1", "true", "yes") if echo is None else echo
         )
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         if run_dir is not None:
             d = Path(run_dir) / "events"
             d.mkdir(parents=True, exist_ok=True)
@@ -239,7 +240,14 @@ class EventLog:
                 if self.echo:
                     sys.stdout.write(line + "\n")
                     sys.stdout.flush()
+        for listen in self._listeners:
+            listen(rec)
         return rec
+
+    def listen(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Call `fn` with every record emitted from now on, on the emitting
+        thread (a worker's `WorkerTally`); `fn` must be quick and not raise."""
+        self._listeners.append(fn)
 
     def close(self) -> None:
         with self._lock:

@@ -1,30 +1,55 @@
-"""Prometheus text exposition of the coordinator's live status (`GET /metrics`).
+"""The coordinator's Prometheus metrics (`GET /metrics`), kept and served by
+`prometheus_client`: its registry, metric types and text exposition
+(`generate_latest`); nothing here formats or parses the text itself.
 
-The coordinator serves it on its HTTP port at `/metrics`; like every other
+The coordinator serves them on its HTTP port at `/metrics`; like every other
 path it requires the job token (`Authorization: Bearer <token>`; in Prometheus:
 `authorization: {credentials_file: <run_dir>/token}`), so nothing about the job
-leaks to whoever can reach the port. Pure: `prometheus_text(status)` formats
-the dict that `Coordinator.status()` returns.
+leaks to whoever can reach the port. Workers open no port: what only they
+measure (step, heal and recovery seconds, healed bytes) reaches the
+coordinator in their quorum requests (`elastrain.observe.tally`).
 
-`elastrain_failures_total{kind}` counts the failures that
-`elastrain.observe.failures.recognise_failures` recognises in what the
-coordinator itself saw (`failure_counts` over its own events: removals,
-generations, re-registrations, and the exits the launcher reported to it).
+Base units (seconds, bytes), counters end in `_total`:
+
+- counters: `elastrain_failures_total{kind}` (the failures that
+  `elastrain.observe.failures.recognise_failures` recognises in what the
+  coordinator itself saw: `failure_counts` over its own events),
+  `elastrain_recoveries_total`, `elastrain_committed_steps_total`,
+  `elastrain_samples_total`, `elastrain_healed_bytes_total`;
+- histograms: `elastrain_step_seconds`, `elastrain_recovery_seconds{phase}`,
+  `elastrain_heal_seconds`;
+- gauges: the live status (`elastrain_members`, `elastrain_generation`,
+  `elastrain_goodput_ratio`, ... `GAUGES`) and `elastrain_job_info{job_id}`.
+
+A restarted coordinator starts every counter and histogram from zero
+(Prometheus reads it as a counter reset: `rate()` and `increase()` are
+unaffected).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
 from elastrain.observe.failures import FailureKind, recognise_failures
+from elastrain.observe.tally import RECOVERY_KEYS, RECOVERY_PHASES, Observed
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""The Content-Type of `CoordinatorMetrics.exposition()` (prometheus_client's)."""
 
-# name, help, status key (or a function of the status)
-_GAUGES: tuple[tuple[str, str, Any], ...] = (
+GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("elastrain_step", "Committed steps (the next step to run).", "step"),
     ("elastrain_members", "Members of the current generation.", lambda s: len(s.get("members") or [])),
     ("elastrain_target", "Target member count of the job.", "target"),
@@ -42,13 +67,20 @@ _GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("elastrain_preempting", "1 while the job is being preempted.", "preempting"),
     ("elastrain_uptime_seconds", "Seconds since the coordinator started.", "uptime_s"),
 )  # fmt: skip
+"""name, help, status key (or a function of the status): the gauges read from
+`Coordinator.status()` at each scrape; one whose value is unknown (the loss
+before the first step) is left out."""
 
-
+GOODPUT = "elastrain_goodput_ratio"
 FAILURES = "elastrain_failures_total"
 FAILURE_KINDS = tuple(k for k in FailureKind if k is not FailureKind.COORDINATOR)
 """The kinds `elastrain_failures_total` reports. A coordinator cannot see its own
 death: a restarted one starts counting from zero (a counter reset), and the
 run's events (`elastrain report`) count coordinator failures."""
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+HEAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 def failure_counts(events: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -60,10 +92,6 @@ def failure_counts(events: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
-def _label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _num(v: Any) -> float | None:
     if isinstance(v, bool):
         return 1.0 if v else 0.0
@@ -72,52 +100,135 @@ def _num(v: Any) -> float | None:
     return None
 
 
-def prometheus_text(status: Mapping[str, Any]) -> str:
-    """Every gauge with a numeric value, labelled with the job id; a gauge whose
-    value is unknown (e.g. the loss before the first step) is left out. Then
-    `elastrain_failures_total`, one sample per kind of `status["failures"]`."""
-    job = _label(str(status.get("job_id", "")))
-    out: list[str] = []
-    for name, help_, key in _GAUGES:
-        v = _num(key(status) if callable(key) else status.get(key))
-        if v is None:
-            continue
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f'{name}{{job="{job}"}} {v!r}']
-    failures = status.get("failures")
-    if isinstance(failures, Mapping) and failures:
-        out += [
-            f"# HELP {FAILURES} Failures recognised from what the coordinator saw, by kind.",
-            f"# TYPE {FAILURES} counter",
-        ]
-        for kind, n in failures.items():
-            v = _num(n)
+class _StatusCollector(Collector):
+    """The gauges and the failure counter, read from the status at each scrape
+    (prometheus_client's custom-collector way for values kept elsewhere)."""
+
+    def __init__(
+        self, status: Callable[[], Mapping[str, Any]], goodput: Callable[[], float | None]
+    ) -> None:
+        self.status = status
+        self.goodput = goodput
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.status()
+        yield InfoMetricFamily(
+            "elastrain_job",
+            "The job this coordinator runs.",
+            value={"job_id": str(st.get("job_id", ""))},
+        )
+        for name, help_, key in GAUGES:
+            v = _num(key(st) if callable(key) else st.get(key))
             if v is not None:
-                out.append(f'{FAILURES}{{job="{job}",kind="{_label(str(kind))}"}} {v!r}')
-    return "\n".join(out) + "\n"
+                yield GaugeMetricFamily(name, help_, value=v)
+        g = self.goodput()
+        if g is not None:
+            yield GaugeMetricFamily(
+                GOODPUT,
+                "Seconds in committed steps (the leader's step times) over the seconds since "
+                "the first of them began, as this coordinator saw it (elastrain report has "
+                "the member-second ledger).",
+                value=g,
+            )
+        failures = st.get("failures")
+        if isinstance(failures, Mapping) and failures:
+            c = CounterMetricFamily(
+                FAILURES,
+                "Failures recognised from what the coordinator saw, by kind.",
+                labels=["kind"],
+            )
+            for kind, n in failures.items():
+                v = _num(n)
+                if v is not None:
+                    c.add_metric([str(kind)], v)
+            yield c
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """name -> value of each sample line (labels dropped: the last sample of a
-    name wins; `parse_samples` keeps them); for tests and `top`."""
-    return {name: v for name, _labels, v in parse_samples(text)}
+class CoordinatorMetrics:
+    """One per coordinator: its Prometheus registry. The coordinator calls
+    `count_commit` once per step it lets proceed and `observe` with each quorum
+    request's `observed` (under its lock); the HTTP handler serves
+    `exposition()`, which reads `status()` for the gauges."""
 
+    def __init__(
+        self,
+        status: Callable[[], Mapping[str, Any]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.committed_steps = Counter("elastrain_committed_steps", "Steps committed.", registry=r)
+        self.samples = Counter(
+            "elastrain_samples", "Samples in committed steps (steps x global batch).", registry=r
+        )
+        self.recoveries = Counter(
+            "elastrain_recoveries",
+            "Interruptions the job recovered from: a step aborted, then one committed in "
+            "a new generation.",
+            registry=r,
+        )
+        self.healed_bytes = Counter(
+            "elastrain_healed_bytes", "Bytes of state received from peers in heals.", registry=r
+        )
+        self.step_seconds = Histogram(
+            "elastrain_step_seconds",
+            "Seconds of each committed step (the leader's).",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.recovery_seconds = Histogram(
+            "elastrain_recovery_seconds",
+            "Seconds of each recovery phase, from the survivors' abort to the first commit "
+            "(the resumed generation's leader's clock; detect is in elastrain report).",
+            labelnames=["phase"],
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        for phase in RECOVERY_PHASES:
+            self.recovery_seconds.labels(phase=phase)  # every phase exposed, at zero
+        self.heal_seconds = Histogram(
+            "elastrain_heal_seconds",
+            "Seconds of each member's heal (receiving state from peers).",
+            buckets=HEAL_BUCKETS,
+            registry=r,
+        )
+        self._productive_s = 0.0
+        self._first_start: float | None = None
+        r.register(_StatusCollector(status, self.goodput))
 
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_ESCAPE = re.compile(r"\\(.)")
+    def count_commit(self, global_batch: int) -> None:
+        """A step was let proceed (committed): one step, `global_batch` samples."""
+        self.committed_steps.inc()
+        if global_batch > 0:
+            self.samples.inc(global_batch)
 
+    def observe(self, observed: Mapping[str, Sequence[float]]) -> None:
+        """Add one member's observations (`QuorumRequest.observed`, checked by
+        the wire: known kinds, finite values >= 0)."""
+        now = self.clock()
+        for v in observed.get(Observed.STEP_S, ()):
+            self.step_seconds.observe(v)
+            if self._first_start is None:
+                self._first_start = now - v
+            self._productive_s += v
+        for v in observed.get(Observed.HEAL_S, ()):
+            self.heal_seconds.observe(v)
+        for v in observed.get(Observed.HEALED_BYTES, ()):
+            self.healed_bytes.inc(v)
+        for phase in RECOVERY_PHASES:
+            for v in observed.get(RECOVERY_KEYS[phase], ()):
+                self.recovery_seconds.labels(phase=phase).observe(v)
+        self.recoveries.inc(len(observed.get(Observed.RECOVERY_FIRST_STEP_S, ())))
 
-def _unescape(m: re.Match[str]) -> str:
-    return "\n" if m[1] == "n" else m[1]
+    def goodput(self) -> float | None:
+        """Committed steps' seconds over the seconds since the first began (None
+        before any); at most 1."""
+        if self._first_start is None:
+            return None
+        wall = self.clock() - self._first_start
+        return min(1.0, self._productive_s / wall) if wall > 0 else None
 
-
-def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of each sample line, in order (label values unescaped)."""
-    out: list[tuple[str, dict[str, str], float]] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        name, _, labels = sample.partition("{")
-        unescaped = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(labels)}
-        out.append((name, unescaped, float(value)))
-    return out
+    def exposition(self) -> bytes:
+        """The Prometheus text of every metric (`prometheus_client.generate_latest`)."""
+        return _generate_latest(self.registry)

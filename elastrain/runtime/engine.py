@@ -79,6 +79,7 @@ from elastrain.data import (
 )
 from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
+from elastrain.observe.tally import WorkerTally
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
@@ -272,6 +273,10 @@ class StepEngine:
         self.run_dir = where.run_dir
         self.token = where.token or ""
         self.events = EventLog(where.run_dir, self.member)
+        self.tally = WorkerTally()
+        """This worker's numbers for the coordinator's /metrics, from its own
+        events, sent with each quorum request (elastrain.observe.tally)."""
+        self.events.listen(self.tally.see)
         self.ckpt = Checkpointing(
             config.checkpoint,
             resolve_directory(config.checkpoint_dir, where.checkpoint_dir, where.run_dir),
@@ -904,6 +909,7 @@ class StepEngine:
             self.session.leaving,
             self.last_loss,
             self.config.global_batch_size,
+            self.tally.take(),
         )
 
     def _reduce(self, a: m.Action) -> m.Observation:

@@ -269,3 +269,26 @@ def test_metrics_scraped_over_http_show_the_step_moving(run_job: Callable[..., A
     assert last["elastrain_step_seconds_sum"] > 0 and 0 < last["elastrain_goodput_ratio"] <= 1
     # No failure in this run: every kind is exposed, at zero.
     assert failures_metric(texts[-1]) == {str(k): 0.0 for k in FAILURE_KINDS}
+
+
+def test_the_grafana_dashboard_queries_only_exported_metrics() -> None:
+    """docs/grafana-dashboard.json is valid JSON whose every panel queries metrics
+    that /metrics exports (sample names, `_bucket`/`_sum`/`_count` included)."""
+    import json
+    import re
+
+    from tests.conftest import ROOT
+
+    dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    st = {"job_id": "j", "step": 3, "members": ["w0"], "target": 2, "min": 1, "registered": {},
+          "gen": 1, "ready": True, "steps_per_s": 1.0, "samples_per_s": 8.0, "loss": 0.5,
+          "waiting": "", "finished": False, "preempting": False, "uptime_s": 1.0,
+          "failures": failure_counts([])}  # fmt: skip
+    metrics = CoordinatorMetrics(lambda: st)
+    metrics.observe({Observed.STEP_S: [0.1]})
+    exported = {s.name for s in metric_samples(metrics.exposition().decode())}
+    exprs = [t["expr"] for panel in dash["panels"] for t in panel["targets"]]
+    assert len(exprs) >= len(dash["panels"]) >= 8
+    for expr in exprs:
+        names = set(re.findall(r"\belastrain_\w+", expr))
+        assert names and names <= exported, (expr, names - exported)

@@ -52,9 +52,10 @@ def trained(seed: int = 0, steps: int = 2) -> tuple[nn.Module, torch.optim.Optim
 
 
 def state_fn(model: nn.Module, opt: torch.optim.Optimizer, n: int) -> Any:
-    def fn() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def fn() -> tuple[dict[str, torch.Tensor], dict[str, Any], frozenset[str]]:
         flat = flatten_state(model, opt)
-        return dict(flat.tensors), {"committed": n, "optimizer": ordered_json(flat.section)}
+        meta = {"committed": n, "optimizer": ordered_json(flat.section)}
+        return dict(flat.tensors), meta, flat.stable
 
     return fn
 

@@ -235,6 +235,7 @@ def truth(steps: int) -> float:
 class FakeFlat:
     tensors: list[tuple[str, torch.Tensor]]
     section: dict[str, Any]
+    stable: frozenset[str] = frozenset({"w"})  # only apply writes w: copied in the background
 
 
 class FakeState:

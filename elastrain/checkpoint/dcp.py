@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import (
     FORMAT,
     MARKER,
@@ -184,12 +185,16 @@ def tiling_problem(chunks: Sequence[tuple[int, int]], rows: int) -> str | None:
 @dataclass(frozen=True)
 class Chunk:
     """Rows ``[lo, hi)`` of tensor ``fqn`` (0-dim: rows [0, 1)); ``tensor`` holds
-    them (any shape with that many elements; read on the training thread only)."""
+    them (any shape with that many elements). ``defer``: only the optimizer step
+    writes ``tensor`` (in place), so its copy may run on a background thread
+    until the next mutation point (`ShardSnapshot.take`); else it is read on the
+    training thread only."""
 
     fqn: str
     lo: int
     hi: int
     tensor: torch.Tensor
+    defer: bool = False
 
 
 @dataclass
@@ -225,6 +230,7 @@ class ShardSnapshot(WriterClaim):
         chunks: list[tuple[str, int, int]],
         staging: list[torch.Tensor],
         meta_json: str,
+        deferred: DeferredCopy,
     ) -> None:
         self.shard = shard
         self.num_shards = num_shards
@@ -233,6 +239,8 @@ class ShardSnapshot(WriterClaim):
         self.staging = staging
         self.meta_json = meta_json
         self.take_s = 0.0
+        self.deferred = deferred
+        """The copy of the ``defer`` chunks, still running after `take` returned."""
         self._handed = False
         super().__init__()
 
@@ -245,6 +253,11 @@ class ShardSnapshot(WriterClaim):
         """True once a newer snapshot took this one's staging tensors (``into=``)."""
         return self._handed
 
+    def wait_copied(self) -> None:
+        """Block until the deferred copy is done (the writer, before reading the
+        staging tensors); `CopyFailed` if it failed."""
+        self.deferred.wait()
+
     @staticmethod
     def take(
         parts: ShardParts, *, shard: int, num_shards: int, into: ShardSnapshot | None = None
@@ -255,7 +268,9 @@ class ShardSnapshot(WriterClaim):
         ``num_shards`` the number of writers. ``into``: a previous snapshot whose
         save finished; its tensors are reused when the chunks have the same
         shapes (fresh memory page-faults several times slower than a copy).
-        ValueError/TypeError for chunks that do not fit the declared tensors or
+        Chunks with ``defer`` (contiguous ones) are copied by a background thread
+        it starts (``deferred``); the caller must call ``deferred.settle()``
+        before anything writes them. ValueError/TypeError for chunks that do not fit the declared tensors or
         meta that is not JSON; nothing is written anywhere.
         """
         t0 = time.perf_counter()
@@ -285,6 +300,8 @@ class ShardSnapshot(WriterClaim):
             specs.append((c.fqn, c.lo, c.hi))
             shapes.append((c.tensor.dtype, box))
         staging: list[torch.Tensor] | None = None
+        if into is not None:
+            into.deferred.finish()  # its copy must not write into tensors reused here
         if into is not None and into.shard == shard and into._acquire():
             same = [(t.dtype, tuple(t.shape)) for t in into.staging] == shapes
             if same and not into._handed:
@@ -293,10 +310,16 @@ class ShardSnapshot(WriterClaim):
             into._release()
         if staging is None:
             staging = [torch.empty(box, dtype=dt) for dt, box in shapes]
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for c, dst in zip(parts.chunks, staging, strict=True):
-                dst.copy_(c.tensor.detach().reshape(dst.shape))
-        snap = ShardSnapshot(shard, num_shards, tensors, specs, staging, meta_json)
+                if c.defer and c.tensor.is_contiguous() and c.tensor.device.type == "cpu":
+                    later.append((byte_view(dst), byte_view(c.tensor)))
+                else:
+                    dst.copy_(c.tensor.detach().reshape(dst.shape))
+        deferred = DeferredCopy(later)
+        snap = ShardSnapshot(shard, num_shards, tensors, specs, staging, meta_json, deferred)
+        deferred.start()
         snap.take_s = time.perf_counter() - t0
         return snap
 

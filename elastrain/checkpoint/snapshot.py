@@ -2,6 +2,9 @@
 
 Taking a snapshot is the only part of a checkpoint the training loop waits
 for; the `CheckpointWriter` writes it to disk in the background afterwards.
+Tensors that only the optimizer step writes may be copied later, on a
+background thread, until the training thread's next mutation point
+(`elastrain.checkpoint.deferred`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
+from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.layout import Layout, Piece
 from elastrain.transfer.dtypes import byte_view
 
@@ -54,8 +58,9 @@ class Snapshot(WriterClaim):
     Attributes are read-only by convention: ``layout`` (the whole state's
     layout), ``shard``/``num_shards``, ``lo``/``hi`` (the owned payload range),
     ``buffer`` (a uint8 tensor of ``hi - lo`` bytes, pinned when the sources were
-    on CUDA), ``meta_json`` (the canonical JSON of ``meta``) and ``take_s`` (the
-    seconds the training thread was blocked in `take`).
+    on CUDA), ``meta_json`` (the canonical JSON of ``meta``), ``take_s`` (the
+    seconds the training thread was blocked in `take`) and ``deferred`` (the
+    copy of the deferred tensors, still running after `take` returned).
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class Snapshot(WriterClaim):
         buffer: torch.Tensor,
         meta_json: str,
         events: list[torch.cuda.Event],
+        deferred: DeferredCopy,
     ) -> None:
         self.layout = layout
         self.shard = shard
@@ -78,6 +84,7 @@ class Snapshot(WriterClaim):
         self.meta_json = meta_json
         self.take_s = 0.0
         self._cuda_events = events
+        self.deferred = deferred
         super().__init__()
 
     @property
@@ -101,10 +108,11 @@ class Snapshot(WriterClaim):
         return self.layout.pieces(self.lo, self.hi)
 
     def wait_copied(self) -> None:
-        """Block until asynchronous device-to-host copies into ``buffer`` are done.
-
-        Called by the writer thread before it reads the buffer; a no-op for CPU sources.
+        """Block until every copy into ``buffer`` is done: the deferred one, and
+        asynchronous device-to-host ones. Called by the writer thread before it
+        reads the buffer; raises `CopyFailed` if the deferred copy failed.
         """
+        self.deferred.wait()
         for ev in self._cuda_events:
             ev.synchronize()
 
@@ -116,6 +124,7 @@ class Snapshot(WriterClaim):
         shard: int,
         num_shards: int,
         into: Snapshot | None = None,
+        defer: Collection[str] = (),
     ) -> Snapshot:
         """Copy this shard's share of ``tensors`` into host memory; return the snapshot.
 
@@ -133,10 +142,15 @@ class Snapshot(WriterClaim):
         returns shard 0's.
 
         Blocking: for CPU tensors it returns after the copy (a memcpy of about
-        ``total / num_shards`` bytes). For CUDA tensors the copies are queued
-        on each device's current stream into pinned memory and `take` returns
-        at once; later work on that stream (the next optimizer step) is ordered
-        after them, and the writer waits for them before reading.
+        ``total / num_shards`` bytes), except for the tensors named in ``defer``:
+        those are copied by a background thread it starts (``deferred``), and
+        the caller must call ``deferred.settle()`` before anything writes them
+        (``defer`` is for what only the optimizer step writes, in place; a
+        non-contiguous one is copied now). For CUDA tensors the copies are
+        queued on each device's current stream into pinned memory and `take`
+        returns at once (``defer`` is not needed); later work on that stream
+        (the next optimizer step) is ordered after them, and the writer waits
+        for them before reading.
 
         ``into``: a previous snapshot of the same shard whose save has finished;
         its buffer is reused when the size matches, which avoids page-faulting
@@ -162,6 +176,8 @@ class Snapshot(WriterClaim):
         pinned = bool(devices)
 
         buffer: torch.Tensor | None = None
+        if into is not None:
+            into.deferred.finish()  # its copy must not write into a buffer reused here
         if into is not None and into.shard == shard and into._acquire():
             ok = into.buffer.numel() == hi - lo and (into.buffer.is_pinned() or not pinned)
             if ok:
@@ -173,18 +189,24 @@ class Snapshot(WriterClaim):
                 log.debug("snapshot buffer of shard %d not reusable; allocating", shard)
             buffer = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pinned)
 
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for p in pieces:
-                src = byte_view(tensors[p.entry.name])
+                t = tensors[p.entry.name]
                 a = p.start - p.entry.offset
-                buffer[p.start - lo : p.end - lo].copy_(
-                    src[a : a + p.end - p.start], non_blocking=pinned
-                )
+                src = byte_view(t)[a : a + p.end - p.start]
+                dst = buffer[p.start - lo : p.end - lo]
+                if not pinned and p.entry.name in defer and t.is_contiguous():
+                    later.append((dst, src))
+                else:
+                    dst.copy_(src, non_blocking=pinned)
+        deferred = DeferredCopy(later)
         cuda_events = []
         for dev in devices:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(dev))
             cuda_events.append(ev)
-        snap = Snapshot(layout, shard, num_shards, lo, hi, buffer, meta_json, cuda_events)
+        snap = Snapshot(layout, shard, num_shards, lo, hi, buffer, meta_json, cuda_events, deferred)
+        deferred.start()
         snap.take_s = time.perf_counter() - t0
         return snap

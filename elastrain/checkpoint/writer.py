@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from elastrain.checkpoint.config import CheckpointConfig
+from elastrain.checkpoint.deferred import CopyFailed
 from elastrain.checkpoint.files import (
     FORMAT,
     MARKER,
@@ -54,6 +55,8 @@ class SnapshotLike(Protocol):
 
     @property
     def handed_over(self) -> bool: ...
+
+    def wait_copied(self) -> None: ...
 
     def _acquire(self) -> bool: ...
 
@@ -119,7 +122,8 @@ class CheckpointWriter:
     `save_async` from the training thread, and reports the handle's result
     to whoever calls `commit` for the step (rank 0 / the coordinator).
 
-    Per save, in the writer thread: create ``step-XXXXXXXX/``, write the
+    Per save, in the writer thread: wait until the snapshot's copies are done
+    (`Snapshot.wait_copied`), create ``step-XXXXXXXX/``, write the
     shard as a safetensors file to a hidden temp file while a second thread
     computes its CRC-32, fsync it, rename it to ``shard-KKKKK-of-NNNNN.safetensors``,
     fsync the directory, then write the shard's JSON manifest (step,
@@ -127,7 +131,8 @@ class CheckpointWriter:
     appears only after the data is durable, so its presence means "this shard
     is written". Failure (ENOSPC, EIO, anything): the save's files are
     removed, ``events("checkpoint_failed", ...)`` is called and logged at
-    ERROR, the result is failed, and the writer accepts the next save. A
+    ERROR, the result is failed, and the writer accepts the next save (so does
+    a failed deferred snapshot copy: ``phase`` "snapshot" in its event). A
     committed checkpoint is never written into or modified.
 
     ``events`` is called from the writer thread (or from `save_async` for a
@@ -248,6 +253,8 @@ class CheckpointWriter:
             "path": str(final),
         }
         try:
+            # A snapshot's copy may still be running (deferred, or queued on a device).
+            snap.wait_copied()
             size = self._write(d, final, step, snap, generation, members)
         except Exception as e:
             err = getattr(e, "errno", None)
@@ -259,6 +266,8 @@ class CheckpointWriter:
             )
             log.error("checkpoint step %d shard %d failed (%s): %s", step, snap.shard, final, msg)
             fields.update(error=msg, errno=err, errno_name=errno_mod.errorcode.get(err or -1))
+            if isinstance(e, CopyFailed):
+                fields["phase"] = "snapshot"
             self._emit("checkpoint_failed", fields)
         else:
             res = SaveResult(
@@ -320,7 +329,6 @@ class CheckpointWriter:
             "range": f"{snap.lo}:{snap.hi}",
         }
         header = safetensors_header(snap.pieces(), snap.lo, meta)
-        snap.wait_copied()
         data = snap.buffer.numpy().data if snap.nbytes else memoryview(b"")
         crc_box = [zlib.crc32(header)]
         tmp = temp_name(final)

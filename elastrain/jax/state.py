@@ -139,7 +139,9 @@ class JaxState:
 
     def flatten(self) -> FlatState:
         flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
-        return FlatState([(jax.tree_util.keystr(p), _as_tensor(x)) for p, x in flat], {})
+        tensors = [(jax.tree_util.keystr(p), _as_tensor(x)) for p, x in flat]
+        # JAX arrays are immutable (a step makes new ones): nothing writes these bytes.
+        return FlatState(tensors, {}, frozenset(n for n, _ in tensors))
 
     def manifest_limit(self) -> int:
         return manifest_limit(len(self._leaves))

@@ -14,7 +14,11 @@ step protocol. Its distributed contract:
   takes `Snapshot.take(shard=rank, num_shards=len(members))` of the flattened
   state on its training thread (the only part the training loop waits for)
   and hands it to its own `CheckpointWriter`, which writes that stripe in the
-  background. A member whose previous write is still running skips this one
+  background. What only the optimizer step writes (the parameters, the
+  optimizer state) is copied by a background thread during the next step's
+  compute; the trainer calls `Checkpointing.settle` before anything writes the
+  state, which waits for that copy. A member's blocking time (``blocking_s``
+  in the events, the save cost the schedule uses) is the take plus that wait. A member whose previous write is still running skips this one
   (never waiting on the disk); a failed write (ENOSPC, EIO) is an event and a
   log line, and training goes on.
 - **Who commits.** Rank 0 of that generation, in a committer thread: it waits
@@ -81,8 +85,9 @@ log = logging.getLogger("elastrain.checkpoint")
 POLL_S = 0.05
 """How often the committer looks for the shard manifests of a pending checkpoint."""
 
-StateFn = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
-"""Returns the flattened state (names -> live tensors) and its JSON meta."""
+StateFn = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any], frozenset[str]]]
+"""Returns the flattened state (names -> live tensors), its JSON meta and the names
+of the tensors only the optimizer step writes (`FlatState.stable`: copied later)."""
 
 PartsFn = Callable[[], ShardParts]
 """A sharded job's: this writer's chunks (live tensors), the tensor list and the meta."""
@@ -129,7 +134,8 @@ class _CommitJob:
     members: list[str]
     num_shards: int
     total_bytes: int
-    blocking_s: float
+    blocking: Callable[[], float]
+    """This member's blocking time for the checkpoint (known once its copy settled)."""
     deadline: float
     kind: str = "flat"
     submitted: float = field(default_factory=time.monotonic)
@@ -284,7 +290,7 @@ class _Committer:
             num_shards=job.num_shards,
             bytes=job.total_bytes,
             path=str(marker.parent),
-            blocking_s=job.blocking_s,
+            blocking_s=job.blocking(),
             wait_s=t0 - job.submitted,
             commit_s=commit_s,
         )
@@ -312,8 +318,9 @@ class Checkpointing:
     """One worker's part in durable checkpoints (see the module docstring).
 
     Who calls: the trainer's training thread only (`contribution`, `absorb`,
-    `after_commit`, `emergency`, `close`); the writer and committer threads
-    it owns never touch the model. ``directory`` None disables everything
+    `after_commit`, `emergency`, `settle`, `close`); the writer and committer
+    threads it owns never touch the model, and its copier thread only reads
+    the state, until `settle`. ``directory`` None disables everything
     (no run directory and no configured directory).
     """
 
@@ -346,12 +353,17 @@ class Checkpointing:
             writer = ShardedWriter if sharded else CheckpointWriter
             self.writer = writer(self.store, events=self._writer_event)
         self._snap: Snapshot | ShardSnapshot | None = None
+        self._copying: tuple[Snapshot | ShardSnapshot, float] | None = None
+        """The last snapshot while its deferred copy is not settled, and its take time."""
         self._handle: SaveHandle | None = None
         self._pending_cost: float | None = None
+        self._cost_sent = False
+        """`_pending_cost` went into an all-reduce: the next `absorb` clears it."""
         self._last_step_s: float | None = None
         self._last_commit: float | None = None
         self._saw_failure = False
-        self._blocking: dict[int, float] = {}
+        self._blocking: dict[int, tuple[float, Snapshot | ShardSnapshot]] = {}
+        """Step -> (take seconds, snapshot) of the last snapshot taken."""
 
     @property
     def enabled(self) -> bool:
@@ -364,6 +376,7 @@ class Checkpointing:
         """This member's `CONTRIB_SLOTS` values for the coming all-reduce: its save
         cost measured since the last committed step (if any) and its last step time."""
         cost = self._pending_cost
+        self._cost_sent = cost is not None
         step = self._last_step_s
         since = time.monotonic() - self._last_commit if self._last_commit is not None else None
         return [
@@ -390,7 +403,9 @@ class Checkpointing:
 
     def absorb(self, values: list[float]) -> None:
         """After a commit: fold in the all-reduced values (identical on every member)."""
-        self._pending_cost = None
+        if self._cost_sent:
+            # A cost measured after this step's all-reduce (`settle`) waits for the next.
+            self._pending_cost, self._cost_sent = None, False
         self._last_commit = time.monotonic()
         self._saw_failure = False
         self.schedule.absorb(values)
@@ -409,7 +424,8 @@ class Checkpointing:
         """Take this member's shard of checkpoint ``n`` if one is due; returns whether it was due.
 
         Called by every member right after committing the step that made its
-        committed count ``n``. Blocks only for the snapshot copy. ``role``: what
+        committed count ``n``. Blocks only for the snapshot's synchronous copy
+        (the rest runs until `settle`). ``role``: what
         this member writes and whether it commits (default: stripe ``rank`` of
         ``len(members)``, rank 0 commits); sharded, ``state`` is a `PartsFn`.
         """
@@ -491,6 +507,30 @@ class Checkpointing:
         job.done.wait(timeout=max(0.0, deadline - time.monotonic()))
         return job.ok
 
+    def settle(self) -> float:
+        """The state is about to be written (the next optimizer step, a heal, a
+        reshard, an abandoned generation, the end): wait until the last snapshot's
+        deferred copy is done, copying what the copier has not started on this
+        thread. Returns the seconds waited, which count as that checkpoint's
+        blocking time (events, and the save cost the schedule agrees on). Never
+        raises: a failed copy fails its save in the writer. Training thread only."""
+        pending, self._copying = self._copying, None
+        if pending is None:
+            return 0.0
+        snap, take_s = pending
+        waited = snap.deferred.settle()
+        self._pending_cost, self._cost_sent = take_s + waited, False
+        return waited
+
+    def _blocking_of(self, step: int) -> float:
+        """The training thread's blocking time for checkpoint ``step`` (0: none taken):
+        the take, plus its wait in `settle` (any thread; see `DeferredCopy.waited`)."""
+        got = self._blocking.get(step)
+        if got is None:
+            return 0.0
+        take_s, snap = got
+        return take_s + snap.deferred.waited()
+
     def _save(
         self,
         n: int,
@@ -503,6 +543,7 @@ class Checkpointing:
         emergency: bool = False,
     ) -> _CommitJob | None:
         assert self.writer is not None and self.store is not None
+        self.settle()  # never two copies in flight: the new one may reuse the buffers
         blocking, total = 0.0, 0
         if role.shard is not None:
             t0 = time.perf_counter()
@@ -518,13 +559,14 @@ class Checkpointing:
                         into=self._snap if isinstance(self._snap, ShardSnapshot) else None,
                     )
                 else:
-                    tensors, meta = state()  # type: ignore[misc]
+                    tensors, meta, stable = state()  # type: ignore[misc]
                     snap = Snapshot.take(
                         tensors,
                         meta,
                         shard=role.shard,
                         num_shards=role.num_shards,
                         into=self._snap if isinstance(self._snap, Snapshot) else None,
+                        defer=stable,
                     )
             except Exception as e:  # noqa: BLE001 - a checkpoint failure must not stop training
                 log.error("checkpoint step %d: snapshot failed: %s", n, e)
@@ -540,10 +582,11 @@ class Checkpointing:
                 return None
             blocking = time.perf_counter() - t0
             total = snap.layout.total if isinstance(snap, Snapshot) else snap.nbytes
-            self._blocking = {n: blocking}
+            self._blocking = {n: (blocking, snap)}
             self._snap = snap
+            self._copying = (snap, blocking)
+            self._pending_cost, self._cost_sent = blocking, False
             self._handle = self.writer.save_async(n, snap, generation=gen, members=list(members))
-            self._pending_cost = blocking
             if self._handle.done() and self._handle.wait().status == "skipped":
                 return None
         if not role.commits:
@@ -557,7 +600,7 @@ class Checkpointing:
             members=list(members),
             num_shards=role.num_shards,
             total_bytes=total,
-            blocking_s=blocking,
+            blocking=lambda: self._blocking_of(n),
             deadline=limit if deadline is None else min(limit, deadline),
             kind="dcp" if self.sharded else "flat",
         )
@@ -566,10 +609,10 @@ class Checkpointing:
 
     def _writer_event(self, kind: str, fields: dict[str, Any]) -> None:
         extra: dict[str, Any] = {}
-        blocking = self._blocking.get(int(fields.get("step", -1)))
-        if blocking is not None:
-            extra["blocking_s"] = blocking
-        if kind in ("checkpoint_failed", "checkpoint_skipped"):
+        step = int(fields.get("step", -1))
+        if step in self._blocking:
+            extra["blocking_s"] = self._blocking_of(step)
+        if kind in ("checkpoint_failed", "checkpoint_skipped") and "phase" not in fields:
             extra["phase"] = "write"
         self.events.emit(EventKind(kind), **fields, **extra)
         if kind == "checkpoint_failed" and self.store is not None:
@@ -600,6 +643,7 @@ class Checkpointing:
 
     def close(self) -> None:
         """Let the last save and commit finish (bounded by the commit timeout), then stop."""
+        self.settle()
         deadline = time.monotonic() + self.config.commit_timeout_s
         if self._handle is not None:
             try:

@@ -31,8 +31,10 @@ buffers. The step (docs/design.md has the argument):
 
 Invariants kept here: never reuse a buffer with a collective in flight
 (`Backend.discard` on abandon), never apply a step without the full sample
-count (the protocol), settle the state hash before anything writes the
-parameters (`_settle_hash` before apply, heal and shutdown).
+count (the protocol), settle every background reader of the state (the state
+hash, a checkpoint's deferred copy) before anything writes it: the loop calls
+`_settle_readers` before every action not in `READ_ONLY` (apply, heal,
+abandon, an emergency checkpoint, the end...) and at shutdown.
 
 Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
 (`elastrain.worker`) turns it into the process exit status.
@@ -139,6 +141,25 @@ loss sum, sample count, then the checkpoint schedule's measurements."""
 
 RENDEZVOUS_POLL_S = 5.0
 """How long one rendezvous call may wait at the coordinator for the generation."""
+
+READ_ONLY: frozenset[m.Do] = frozenset(
+    {
+        m.Do.REGISTER,
+        m.Do.REGISTER_AGAIN,
+        m.Do.RENDEZVOUS,
+        m.Do.BACK_OFF,
+        m.Do.COMPUTE,
+        m.Do.VERDICT,
+        m.Do.ASK_AGAIN,
+        m.Do.REDUCE,
+        m.Do.EVALUATE,
+    }
+)
+"""The actions that never write the parameters nor the optimizer state (forward
+writes only model buffers, which checkpoints copy at once). Background readers
+of the state (the state hash, a checkpoint's deferred copy) run on through them;
+the loop settles them before any other action, so an action added later is
+treated as a writer unless it is listed here."""
 
 
 class MapDataset(Protocol):
@@ -419,6 +440,8 @@ class StepEngine:
             del first
             action = self.proto.advance(m.Started())
             while True:
+                if action.do not in READ_ONLY:
+                    self._settle_readers()
                 if action.do is m.Do.FINISH:
                     self._finish()
                     return
@@ -736,8 +759,8 @@ class StepEngine:
 
     def _start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:
         """Hash the state off the recovery's critical path: it overlaps the first
-        step's compute, which only reads the parameters; `_settle_hash` joins it
-        before anything writes them (apply, heal, shutdown)."""
+        step's compute, which only reads the parameters; `_settle_readers` joins it
+        before anything writes them (every action not in `READ_ONLY`)."""
 
         def start_event() -> None:
             digest = self.backend.state_hash() if self.config.hash_state else ""
@@ -754,10 +777,14 @@ class StepEngine:
 
         self._hashing = self._hash_pool.submit(start_event)
 
-    def _settle_hash(self) -> None:
+    def _settle_readers(self) -> None:
+        """The state is about to be written: wait for the threads that read it (the
+        state hash, the last checkpoint's deferred copy, whose wait counts as that
+        checkpoint's blocking time)."""
         if self._hashing is not None:
             self._hashing.result()
             self._hashing = None
+        self.ckpt.settle()
 
     def _meta(self, committed: int) -> dict[str, Any]:
         """What travels with the state in a heal or a checkpoint, besides the buffers."""
@@ -951,7 +978,6 @@ class StepEngine:
         assert st is not None
         s = a.step
         t_apply = time.monotonic()
-        self._settle_hash()
         update = self.backend.apply() or Update()
         n = s + 1
         self.session.note_committed(n)
@@ -1199,7 +1225,6 @@ class StepEngine:
         self.events.emit(
             EventKind.STEP_ABORT, step=a.step, gen=a.gen, error=a.error[:300], phase=a.phase
         )
-        self._settle_hash()
         if self._pg is not None:
             self.graveyard.bury(self._pg, self._inflight)
         self._pg = None
@@ -1220,18 +1245,19 @@ class StepEngine:
 
     # ---- checkpoints -------------------------------------------------------------------
 
-    def _state_at(
-        self, committed: int
-    ) -> Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+    def _state_at(self, committed: int) -> StateFn:
         """What a checkpoint snapshot of the state after `committed` steps reads: the
-        flattened state (aliases of the live tensors) and its JSON meta."""
+        flattened state (aliases of the live tensors), its JSON meta and the names
+        of what only the optimizer step writes (copied until `_settle_readers`)."""
         return lambda: self._checkpoint_state(committed)
 
-    def _checkpoint_state(self, committed: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _checkpoint_state(
+        self, committed: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], frozenset[str]]:
         flat = self.backend.state().flatten()
         meta = self._checkpoint_meta(committed)
         meta["optimizer"] = ordered_json(flat.section)
-        return dict(flat.tensors), meta
+        return dict(flat.tensors), meta, flat.stable
 
     def _checkpoint_meta(self, committed: int) -> dict[str, Any]:
         meta = self._meta(committed)
@@ -1435,7 +1461,7 @@ class StepEngine:
         if self._closed:
             return
         self._closed = True
-        self._settle_hash()
+        self._settle_readers()
         self.loader.close()
         self.ckpt.close()
         if self._pg is not None:

@@ -436,8 +436,9 @@ class ShardedBackend:
 
     def checkpoint_chunks(self, schema: dict[str, Any], *, whole: bool) -> list[Chunk]:
         """This member's rows of every parameter and of its row-shaped optimizer state
-        (aliases of the live tensors), as checkpoint chunks; with `whole`, also the
-        tensors that are not sharded (buffers, one-element optimizer state)."""
+        (aliases of the live tensors, ``defer``: only `apply` writes them), as
+        checkpoint chunks; with `whole`, also the tensors that are not sharded
+        (buffers, one-element optimizer state), copied at once."""
         assert self.optimizer is not None and self.shard is not None
         out: list[Chunk] = []
         local = self._local_params()
@@ -446,9 +447,12 @@ class ShardedBackend:
             lo, hi = shard_rows(self._shapes[n][0], self.shard_size, self.shard)
             st = self.optimizer.state.get(p, {})
             if hi > lo:
-                out.append(Chunk(model_key(n), lo, hi, p.detach()))
+                # Only the optimizer step writes these (in place): copied in the background.
+                out.append(Chunk(model_key(n), lo, hi, p.detach(), defer=True))
                 out.extend(
-                    Chunk(optim_key(n, e[0]), lo, hi, st[e[0]]) for e in entries if e[1] == "rows"
+                    Chunk(optim_key(n, e[0]), lo, hi, st[e[0]], defer=True)
+                    for e in entries
+                    if e[1] == "rows"
                 )
             if whole:
                 out.extend(

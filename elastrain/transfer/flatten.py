@@ -32,7 +32,7 @@ import torch
 
 from elastrain.transfer.dtypes import byte_view, cpu_bytes
 from elastrain.transfer.manifest import TENSOR_REF
-from elastrain.transfer.names import model_state
+from elastrain.transfer.names import model_state, named_parameters
 from elastrain.transfer.signature import model_signature
 from elastrain.transfer.state import FlatState, NamedState
 
@@ -95,8 +95,10 @@ def flatten_state(
     """Name every tensor of the model's state_dict, the optimizer's state dict and
     the registered objects' state dicts.
 
-    The returned tensors alias the live state (no copies). Raises TypeError for
-    state that cannot travel as tensors + JSON.
+    The returned tensors alias the live state (no copies). ``stable`` names the
+    parameters the optimizer updates and the optimizer's per-parameter state:
+    only its ``step()`` writes them. Raises TypeError for state that cannot
+    travel as tensors + JSON.
     """
     model_signature(model)  # raises TypeError on non-tensor state_dict values
     tensors: list[tuple[str, torch.Tensor]] = [
@@ -114,7 +116,12 @@ def flatten_state(
         "state": state,
         OBJECTS_KEY: encoded,
     }
-    return FlatState(tensors, section)
+    updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stable = {MODEL_PREFIX + n for n, p in named_parameters(model).items() if id(p) in updated}
+    stable.update(
+        n for n, _ in tensors if n.startswith(OPTIM_PREFIX) and not n.startswith(GROUPS_PREFIX)
+    )
+    return FlatState(tensors, section, frozenset(stable))
 
 
 def copy_bytes_into(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -46,6 +46,11 @@ class FlatState:
 
     tensors: list[tuple[str, torch.Tensor]]
     section: dict[str, Any]
+    stable: frozenset[str] = frozenset()
+    """Names of the tensors nothing but the optimizer step writes (in place), or
+    nothing at all: a checkpoint may copy them in the background until the
+    trainer's next mutation point (`elastrain.checkpoint.deferred`). The rest
+    (what forward writes, such as BatchNorm's running statistics) is copied at once."""
 
 
 def manifest_limit(max_entries: int) -> int:

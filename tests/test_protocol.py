@@ -9,6 +9,7 @@ tests (test_elastic.py, test_chaos.py, ...) check the same paths for real.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from elastrain.checkpoint import latest_verified, load
+from elastrain.checkpoint.deferred import DeferredCopy
+from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorRefused, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, OrderKind, step_microbatches
@@ -646,6 +649,27 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
     randperm = GlobalOrder(DATA, 0, kind="randperm")
     (c,) = [e for e in old.events("step_contrib") if e["step"] == 3 and e["proc"] == "a"]
     assert c["samples"] == randperm.ids(3 * G, 4 * G)
+
+
+def test_a_checkpoint_holds_its_step_though_the_next_one_ran_before_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No copier thread: the deferred copy of w happens only when the engine settles
+    # the state's readers, which it must do before the next step's apply writes w.
+    monkeypatch.setattr(DeferredCopy, "start", lambda self: None)
+    h = Harness(tmp_path, [gen_of(("a",), 0)], checkpoint_every=3, checkpoint_keep_last=5)
+    h.run()
+    d = tmp_path / "checkpoints"
+    steps = [s for s, path in list_steps(d) if (path / MARKER).exists()]
+    assert 3 in steps  # the first is never skipped; 6 may be (3 still writing)
+    for s in reversed(steps):
+        ckpt = latest_verified(d)
+        assert ckpt is not None and ckpt.step == s
+        tensors, meta = load(ckpt)
+        assert meta["committed"] == s and float(tensors["w"][0]) == truth(s)
+        shutil.rmtree(ckpt.path)  # the older one is the newest then
+    saved = h.events("checkpoint_saved")
+    assert saved and all(e["blocking_s"] > 0 for e in saved)
 
 
 def test_a_peer_killed_during_the_allreduce_abandons_and_retries_the_step(

@@ -3,7 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/checkpoint.py [--gib 1] [--shards 4] [--rounds 3] [--dir DIR]
-        [--no-record]
+        [--step-tokens 128] [--no-record]
 
 The state is ``--gib`` GiB of float32 (tensors of 128 MiB plus a few small
 ones) striped over ``--shards`` members that share this host's disk; each
@@ -19,12 +19,26 @@ member is simulated in this process by its own `Snapshot` and
    and its speed drifts; the reference is the median dd time. The first save
    is *cold* (fresh host buffers, page faults included); the others are
    *warm* (buffers reused with ``Snapshot.take(..., into=previous)``, the
-   steady state of a training job). Per save: blocking time = the longest
-   `Snapshot.take` of one member (members take their snapshots in parallel
-   in a real job; here one after another, each timed alone); write time =
-   all members' `save_async` until every shard file and manifest is durable
-   (fsync included); `commit` (reads and CRC-checks every shard) is reported
-   apart. `apply_retention` with keep_last=1 runs after each commit.
+   steady state of a training job). Each save is taken as a trainer takes
+   it: `Snapshot.take` copies at once what forward may write and defers the
+   parameters (``defer=``, every ``model/`` tensor here) to a background
+   copy; then the training thread runs the next step's compute, which does
+   not touch the state (a float32 matmul loop of 6 x N x T FLOPs: N = the
+   state's bytes / 12, parameters of a model trained with Adam, whose state
+   is the float32 parameters and two moments; T = ``--step-tokens`` tokens
+   per member and step, default 128; its duration alone is measured first
+   and printed); then it settles the copy (`DeferredCopy.settle`, what the
+   trainer does before the next optimizer step). Per save: blocking time =
+   the longest take of one member plus the training thread's wait from the
+   end of the compute until every member's copy is settled (members take
+   and settle in parallel in a real job; here takes run one after another,
+   each timed alone); write time = all members' `save_async` until every
+   shard file and manifest is durable (fsync included, and the copy the
+   writers wait for); `commit` (reads and CRC-checks every shard) is reported
+   apart. `apply_retention` with keep_last=1 runs after each commit. For
+   comparison, in the same round, the old synchronous `Snapshot.take` (no
+   ``defer``) of the same state into the same warm buffers is timed (and not
+   written).
 3. Restore: this benchmark's files are dropped from the page cache with
    ``posix_fadvise(DONTNEED)`` (only these files), then `latest_verified`
    (reads and CRC-checks every shard) and `load` (reads them again into new
@@ -47,6 +61,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -114,19 +130,73 @@ def run_dd(d: Path, nbytes: int) -> float:
     return seconds * nbytes / (count * 4 * MIB)  # scaled to exactly nbytes
 
 
+MATMUL_N = 1024
+"""The compute's matmuls are MATMUL_N x MATMUL_N float32 (2 x MATMUL_N^3 FLOPs each)."""
+
+
+def step_compute(state_bytes: int, tokens: int) -> tuple[Callable[[], float], float]:
+    """The next step's compute for a model with ``state_bytes`` of parameters and Adam
+    state: a matmul loop of 6 x N x ``tokens`` FLOPs on tensors of its own (it reads
+    and writes nothing of the state). Returns (run it -> seconds, GFLOP per step)."""
+    params = state_bytes // 12
+    flops = 6 * params * tokens
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    out = torch.empty(MATMUL_N, MATMUL_N)
+    iters = max(1, round(flops / (2 * MATMUL_N**3)))
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b, out=out)
+        return time.perf_counter() - t0
+
+    return run, iters * 2 * MATMUL_N**3 / 1e9
+
+
+@dataclass(frozen=True)
+class SaveTimes:
+    """One round's seconds: the deferred save as a trainer takes it, and the old take."""
+
+    take: float
+    """The longest member's `Snapshot.take` (what it copies at once)."""
+    wait: float
+    """From the end of the next step's compute until every member's copy settled."""
+    compute: float
+    """The next step's compute, overlapping the deferred copy (and the writes)."""
+    write: float
+    """From the first `save_async` until every shard is durable."""
+    commit: float
+    """`commit`: verify every shard, write the marker."""
+    sync: float
+    """The longest member's old synchronous `Snapshot.take` of the same state."""
+
+    @property
+    def blocking(self) -> float:
+        """The training thread's blocking: the take plus its wait at the mutation point."""
+        return self.take + self.wait
+
+
 def one_save(
     d: Path,
     step: int,
     state: dict[str, torch.Tensor],
     shards: int,
     prev: list[Snapshot] | None,
-) -> tuple[float, float, float, list[Snapshot]]:
-    """(blocking s, write s, commit s, snapshots) of one checkpoint by ``shards`` members."""
+    compute: Callable[[], float],
+) -> tuple[SaveTimes, list[Snapshot]]:
+    """One checkpoint by ``shards`` members with the next step's compute overlapping
+    its deferred copy, then the old synchronous take into the same buffers."""
     members = [f"w{i}" for i in range(shards)]
     writers = [CheckpointWriter(CheckpointConfig(directory=str(d))) for _ in range(shards)]
+    stable = frozenset(n for n in state if n.startswith("model/"))  # the parameters
     snaps = [
         Snapshot.take(
-            state, {"step": step}, shard=i, num_shards=shards, into=prev[i] if prev else None
+            state,
+            {"step": step},
+            shard=i,
+            num_shards=shards,
+            into=prev[i] if prev else None,
+            defer=stable,
         )
         for i in range(shards)
     ]
@@ -135,6 +205,11 @@ def one_save(
         w.save_async(step, snap, generation=1, members=members)
         for w, snap in zip(writers, snaps, strict=True)
     ]
+    compute_s = compute()  # the next step's forward and backward
+    t_settle = time.perf_counter()
+    for snap in snaps:  # before the next optimizer step
+        snap.deferred.settle()
+    wait_s = time.perf_counter() - t_settle
     results = [h.wait() for h in handles]
     write_s = time.perf_counter() - t_write
     bad = [r for r in results if not r.ok]
@@ -145,7 +220,14 @@ def one_save(
     commit_s = time.perf_counter() - t0
     for w in writers:
         w.close()
-    return max(s.take_s for s in snaps), write_s, commit_s, snaps
+    # The old way, for comparison: everything copied on the training thread (warm buffers).
+    sync = [
+        Snapshot.take(state, {"step": step}, shard=i, num_shards=shards, into=snaps[i])
+        for i in range(shards)
+    ]
+    take_s = max(s.take_s for s in snaps)
+    times = SaveTimes(take_s, wait_s, compute_s, write_s, commit_s, max(s.take_s for s in sync))
+    return times, sync
 
 
 def main() -> None:
@@ -154,11 +236,14 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4, help="members writing shards (default 4)")
     ap.add_argument("--dir", default=None, help="directory to write in (default under runs/)")
     ap.add_argument("--rounds", type=int, default=3, help="saves, alternating with dd (>= 2)")
+    ap.add_argument("--step-tokens", type=int, default=128,
+                    help="tokens per member and step of the overlapping compute (default 128)")  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
-    if args.rounds < 2 or args.shards < 1 or args.gib <= 0:
+    if args.rounds < 2 or args.shards < 1 or args.gib <= 0 or args.step_tokens < 1:
         raise SystemExit(
-            "need --rounds >= 2 (one cold save, then warm ones), --shards >= 1, --gib > 0"
+            "need --rounds >= 2 (one cold save, then warm ones), --shards >= 1, --gib > 0, "
+            "--step-tokens >= 1"
         )
     uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
     cores = os.cpu_count() or 0
@@ -180,8 +265,16 @@ def main() -> None:
         state = make_state(args.gib)
         total = sum(t.numel() * t.element_size() for t in state.values())
         log(f"state: {len(state)} tensors, {total / MIB:.0f} MiB, {args.shards} shard(s)")
+        compute, gflop = step_compute(total, args.step_tokens)
+        compute()  # warm-up
+        alone = statistics.median(compute() for _ in range(3))
+        step_note = (
+            f"{gflop:.1f} GFLOP = 6 x {total // 12 / 1e6:.1f} M params x {args.step_tokens} "
+            f"tokens; {alone:.3f} s alone ({gflop / alone:.0f} GFLOP/s)"
+        )
+        log(f"next step's compute: {step_note}")
         dds: list[float] = []
-        saves: list[tuple[float, float, float]] = []
+        saves: list[SaveTimes] = []
         snaps: list[Snapshot] | None = None
         keep1 = CheckpointConfig(directory=str(d), keep_last=1)
         for r in range(args.rounds + 1):  # dd, save, dd, save, ..., dd
@@ -190,10 +283,11 @@ def main() -> None:
             if r == args.rounds:
                 break
             step = 100 * (r + 1)
-            block_s, write_s, commit_s, snaps = one_save(d, step, state, args.shards, snaps)
-            saves.append((block_s, write_s, commit_s))
-            log(f"save step {step} ({'cold' if r == 0 else 'warm'}): blocking {block_s:.3f} s, "
-                f"write {write_s:.2f} s, commit {commit_s:.2f} s")  # fmt: skip
+            t, snaps = one_save(d, step, state, args.shards, snaps, compute)
+            saves.append(t)
+            log(f"save step {step} ({'cold' if r == 0 else 'warm'}): blocking {t.blocking:.3f} s "
+                f"(take {t.take:.3f} + wait {t.wait:.3f}; old sync take {t.sync:.3f}), compute "
+                f"{t.compute:.3f} s, write {t.write:.2f} s, commit {t.commit:.2f} s")  # fmt: skip
             deleted = apply_retention(d, keep1, verified_step=step)
             assert [p.name for p in deleted] == ([] if r == 0 else [f"step-{step - 100:08d}"])
         snaps = None  # free the host buffers before restoring
@@ -222,15 +316,25 @@ def main() -> None:
 
     dd_s = med(dds)
     warm = saves[1:] or saves
-    blk, wrt, com = ([x[i] for x in warm] for i in range(3))
+    cold = saves[0]
+    blk, wrt, com = ([x.blocking for x in warm], [x.write for x in warm], [x.commit for x in warm])
+    syn = [x.sync for x in saves]
     rows = [
         (f"dd conv=fsync (median of {len(dds)})", f"{dd_s:.2f} s", f"{mibs / dd_s:.0f} MiB/s", spread(dds)),
-        ("cold save: blocking (Snapshot.take)", f"{saves[0][0]:.3f} s",
-         f"{100 * saves[0][0] / saves[0][1]:.1f}% of write", ""),
-        ("cold save: write (all shards durable)", f"{saves[0][1]:.2f} s",
-         f"{mibs / saves[0][1]:.0f} MiB/s", f"{100 * dd_s / saves[0][1]:.0f}% of dd"),
-        (f"warm save: blocking (median of {len(warm)})", f"{med(blk):.3f} s",
+        ("next step's compute alone", f"{alone:.3f} s", f"{gflop:.1f} GFLOP", ""),
+        ("next step's compute during the copy (median)", f"{med([x.compute for x in saves]):.3f} s",
+         "", spread([x.compute for x in saves])),
+        ("cold save: blocking (take + wait)", f"{cold.blocking:.3f} s",
+         f"{100 * cold.blocking / cold.write:.1f}% of write", ""),
+        ("cold save: write (all shards durable)", f"{cold.write:.2f} s",
+         f"{mibs / cold.write:.0f} MiB/s", f"{100 * dd_s / cold.write:.0f}% of dd"),
+        (f"warm save: blocking (take + wait, median of {len(warm)})", f"{med(blk):.3f} s",
          f"{100 * med(blk) / med(wrt):.1f}% of write", spread(blk)),
+        ("warm save: of which take (median)", f"{med([x.take for x in warm]):.3f} s", "", ""),
+        ("warm save: of which wait after compute (median)", f"{med([x.wait for x in warm]):.3f} s",
+         "", ""),
+        (f"old synchronous take, warm (median of {len(syn)})", f"{med(syn):.3f} s",
+         f"{100 * med(syn) / med(wrt):.1f}% of write", spread(syn)),
         (f"warm save: write (median of {len(warm)})", f"{med(wrt):.2f} s",
          f"{mibs / med(wrt):.0f} MiB/s", f"{100 * dd_s / med(wrt):.0f}% of dd"),
         ("warm save: write range", spread(wrt), "", ""),
@@ -267,7 +371,8 @@ def main() -> None:
             f"Command: `{command}`",
             "",
             f"State: {len(state)} float32 tensors, {mibs:.0f} MiB, striped over "
-            f"{args.shards} member(s) (writer threads in one process) on one disk:",
+            f"{args.shards} member(s) (writer threads in one process) on one disk. "
+            f"Next step's compute overlapping the deferred copy: {step_note}.",
             "",
             "```",
             df,

@@ -44,6 +44,7 @@ from elastrain.checkpoint.dcp import (
     optim_key,
     tiling_problem,
 )
+from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, CheckpointCorrupt, CommitError, step_dir
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.layout import Layout, Slot
@@ -252,6 +253,46 @@ def test_a_member_reads_only_the_blocks_that_hold_its_rows(
         b.resume_from(shard_source(reader, ckpt.meta["schema"]))
         b.place(k, 4)
         assert state / 4 * 0.9 < reader.bytes_read <= state / 4 * 1.1 + 2 * pieces * block
+
+
+def test_a_deferred_shard_copy_holds_its_step_though_the_next_update_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No copier thread: the deferred rows are copied only at the mutation point
+    # (`settle`, which the trainer calls before the next update).
+    monkeypatch.setattr(DeferredCopy, "start", lambda self: None)
+    old = _trained_shards(2, steps=1)
+    want = {k: t.clone() for k, t in _whole(old).items()}
+    snaps = []
+    for k, b in enumerate(old):
+        parts = shard_parts(b, {"committed": 7}, k)
+        # The rows of the parameters and of Adam's moments wait; Adam's one-element
+        # step and the buffers (forward may write them) are copied at once.
+        deferred = {c.fqn for c in parts.chunks if c.defer}
+        assert deferred and not any(
+            f.endswith(".step") or f == model_key("scale") for f in deferred
+        )
+        snaps.append(ShardSnapshot.take(parts, shard=k, num_shards=2))
+    assert any(c.fqn == model_key("scale") for c in shard_parts(old[0], {}, 0).chunks)
+    for snap in snaps:
+        snap.deferred.settle()
+    for b in old:  # the next update writes every row in place
+        assert b.optimizer is not None
+        for q in b.local.parameters():
+            q.grad = torch.ones_like(q)
+        b.optimizer.step()
+    writer = ShardedWriter(CheckpointConfig(directory=str(tmp_path), fsync=False))
+    for snap in snaps:
+        assert writer.save_async(7, snap, generation=3, members=["m0", "m1"]).wait().ok
+    writer.close()
+    commit_sharded(str(tmp_path), 7, generation=3, members=["m0", "m1"], num_shards=2, fsync=False)
+    ckpt = latest_verified(tmp_path)
+    assert ckpt is not None
+    now = _whole(old)
+    with ShardedReader(ckpt) as reader:
+        for fqn, t in want.items():
+            assert torch.equal(reader.read(fqn).reshape(t.shape), t), fqn
+    assert not torch.equal(now[model_key("head.weight")], want[model_key("head.weight")])
 
 
 def test_a_sharded_checkpoint_resumes_into_the_replicated_trainer(tmp_path: Path) -> None:

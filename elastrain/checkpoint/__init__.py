@@ -1,8 +1,9 @@
 """Durable checkpoints: async striped saves, atomic commit, verified resume.
 
 The training loop pays only for `Snapshot.take` (a host-memory copy of this
-member's share of the state); a `CheckpointWriter` writes that share in a
-background thread. The flattened state (tensors back to back) is striped over
+member's share of the state, of which what only the optimizer step writes is
+copied in the background until the next step's update, `deferred`); a
+`CheckpointWriter` writes that share in a background thread. The flattened state (tensors back to back) is striped over
 ``num_shards`` members, so data-parallel replicas write it once between them.
 
 Atomicity strategy: **per-shard temp file + fsync + rename, then a shard

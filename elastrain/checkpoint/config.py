@@ -63,8 +63,8 @@ def young_daly_interval(mtbf_s: float, save_cost_s: float) -> float:
 
     ``mtbf_s``: mean time between failures of the whole job (not of one worker),
     user-given or observed. ``save_cost_s``: what one checkpoint costs the
-    training loop, i.e. the measured *blocking* time (`Snapshot.take`), not the
-    background write. Pure; raises ValueError for non-finite or non-positive
+    training loop, i.e. the measured *blocking* time (`Snapshot.take` plus the
+    training thread's wait for its deferred copy), not the background write. Pure; raises ValueError for non-finite or non-positive
     inputs, and when ``save_cost_s >= mtbf_s`` (the first-order rule does not
     hold there: the job would spend most of its time checkpointing).
     """

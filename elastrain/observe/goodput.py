@@ -27,7 +27,8 @@ not anybody injected them; a failure's time is `Failure.t`.
   replacement_wait  capacity missing: empty slots (below target) between the
                     first generation_start and the last step_commit (before:
                     startup, after: other), and an expelled, still-hung victim
-  checkpoint        checkpoint blocking: the training thread's snapshot time
+  checkpoint        checkpoint blocking: the training thread's snapshot time,
+                    its wait for the deferred copy included
                     (`blocking_s` of the member's checkpoint_saved/failed/skipped
                     event for that step count), carved from the start of the
                     step that followed it; an emergency checkpoint (commit ->

@@ -333,6 +333,11 @@ def main() -> None:
         ("warm save: of which take (median)", f"{med([x.take for x in warm]):.3f} s", "", ""),
         ("warm save: of which wait after compute (median)", f"{med([x.wait for x in warm]):.3f} s",
          "", ""),
+        # Not blocking, but paid by the training thread all the same on a CPU host:
+        # the copy, the CRC and the write share the cores with the step's compute.
+        ("warm save: the compute's slowdown (during - alone, median)",
+         f"{med([x.compute for x in warm]) - alone:+.3f} s",
+         f"{100 * (med([x.compute for x in warm]) - alone) / med(wrt):+.1f}% of write", ""),
         (f"old synchronous take, warm (median of {len(syn)})", f"{med(syn):.3f} s",
          f"{100 * med(syn) / med(wrt):.1f}% of write", spread(syn)),
         (f"warm save: write (median of {len(warm)})", f"{med(wrt):.2f} s",

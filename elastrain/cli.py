@@ -8,6 +8,7 @@ elastrain run -n 4 --shard-size 2 --reshard-after 30 train.py   # 3 left: 1x3, t
 elastrain run -n 4 --ckpt-every 50 --run-dir runs/my-job train.py   # again: resumes
 elastrain coordinator --bind 127.0.0.1:0 --target 4
 elastrain report runs/my-job [-o report.html]    # self-contained HTML + terminal summary
+elastrain export runs/my-job --format hf --hf-config cfg/ -o out/   # also safetensors, dcp
 elastrain sim --preset llama3-16k
 elastrain k8s render --workers 4 --image IMG -o job.yaml   # also: k8s status, k8s chaos
 """
@@ -358,6 +359,63 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ExportProgress:
+    """`elastrain export`'s progress on stderr: bytes written, at most once a
+    second, and the last one always."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._last = self._clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        from elastrain.checkpoint.export import format_bytes
+
+        now = self._clock()
+        if done < total and now - self._last < 1.0:
+            return
+        self._last = now
+        pct = 100.0 * done / total if total else 100.0
+        print(
+            f"elastrain export: {format_bytes(done)} of {format_bytes(total)} written ({pct:.0f}%)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from elastrain.checkpoint import CheckpointError
+    from elastrain.checkpoint.export import export_model, format_bytes
+
+    def on_skip(step: int, path: Path, reason: str) -> None:
+        print(
+            f"elastrain export: warning: checkpoint step {step} fails verification: {reason}; "
+            "trying the previous one",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        res = export_model(
+            args.run_dir,
+            args.format,
+            args.output,
+            hf_config=args.hf_config,
+            progress=_ExportProgress(),
+            on_skip=on_skip,
+        )
+    except (CheckpointError, OSError) as e:
+        print(f"elastrain export: error: {e}", file=sys.stderr)
+        return 2
+    stripped = f", prefix {res.stripped_prefix!r} stripped" if res.stripped_prefix else ""
+    print(
+        f"exported the model of checkpoint step {res.step} ({res.source}): {res.tensors} "
+        f"tensors, {format_bytes(res.nbytes)}, {args.format} in {res.output}{stripped}"
+    )
+    return 0
+
+
 def cmd_coordinator(argv: list[str]) -> int:
     from elastrain.control.server import main
 
@@ -469,6 +527,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar="GCO2_PER_KWH",
         help="grid carbon intensity in gCO2e/kWh (default $ELASTRAIN_GRID_GCO2_PER_KWH or 400)",
     )
+    ex = sub.add_parser(
+        "export",
+        help="write the model of a run's newest verified checkpoint as hf, safetensors or dcp",
+    )
+    ex.add_argument("run_dir", help="the run directory (holds checkpoints/)")
+    ex.add_argument(
+        "--format",
+        required=True,
+        metavar="FORMAT",
+        help="hf (model.safetensors + config.json for from_pretrained), safetensors "
+        "(model.safetensors, state_dict names) or dcp (torch.distributed.checkpoint, key "
+        '"model") (docs/formats.md)',
+    )
+    ex.add_argument("-o", "--output", required=True, help="a new or empty directory")
+    ex.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="DIR_OR_FILE",
+        help="with --format hf: the model's config.json, or the directory "
+        "model.config.save_pretrained wrote",
+    )
     s = sub.add_parser("sim", help="simulate failures and goodput at cluster scale")
     try:
         from elastrain.sim.cli import add_arguments as sim_args
@@ -500,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(args)
     if args.cmd == "report":
         return cmd_report(args)
+    if args.cmd == "export":
+        return cmd_export(args)
     if args.cmd == "sim":
         from elastrain.sim.cli import run as sim_run
 

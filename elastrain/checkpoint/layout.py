@@ -55,6 +55,11 @@ for _name, _st in (
         _ST_DTYPES[getattr(torch, _name)] = _st
 
 
+def safetensors_dtype(dtype: torch.dtype) -> str | None:
+    """safetensors' name of ``dtype`` (``F32``, ``BF16``, ...), None if it has none."""
+    return _ST_DTYPES.get(dtype)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of the payload: ``nbytes`` raw bytes at payload ``offset``."""

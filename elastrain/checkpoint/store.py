@@ -256,12 +256,17 @@ def latest_verified(
 
 
 def load(
-    ckpt: VerifiedCheckpoint, *, verify_checksums: bool = True
+    ckpt: VerifiedCheckpoint,
+    *,
+    verify_checksums: bool = True,
+    names: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Reassemble the full state from every shard of ``ckpt``: ``(tensors, meta)``.
 
     Returns new CPU tensors under the names, dtypes and shapes passed to
-    `Snapshot.take`, in that order, bit for bit, and shard 0's meta. Local and
+    `Snapshot.take`, in that order, bit for bit, and shard 0's meta. With
+    ``names``, only the tensors whose name it accepts (the others' bytes are
+    still read, into a small scratch buffer, for the CRC-32). Local and
     blocking (reads every shard once). Raises CheckpointCorrupt naming the
     file if a shard changed since it was verified (size or CRC-32, when
     ``verify_checksums``); no partial state is returned. A sharded checkpoint
@@ -274,7 +279,12 @@ def load(
             "elastrain.checkpoint.dcp.ShardedReader (or torch.distributed.checkpoint.load)"
         )
     layout = Layout.from_json(ckpt.manifest["layout"])
-    tensors = {e.name: torch.empty(e.shape, dtype=e.torch_dtype) for e in layout.entries}
+    tensors = {
+        e.name: torch.empty(e.shape, dtype=e.torch_dtype)
+        for e in layout.entries
+        if names is None or names(e.name)
+    }
+    scratch = memoryview(bytearray(0))
     for s in ckpt.manifest["shards"]:
         path = ckpt.path / s["file"]
         lo, hi = s["range"]
@@ -285,10 +295,17 @@ def load(
                 raise CheckpointCorrupt(f"{path} is not {size} bytes any more; verify again")
             crc = zlib.crc32(_read_exact(f, memoryview(bytearray(header_len)), path))
             for p in layout.pieces(lo, hi):
-                a = p.start - p.entry.offset
-                dst = byte_view(tensors[p.entry.name]).numpy().data[a : a + p.end - p.start]
-                for i in range(0, len(dst), _READ_CHUNK):
-                    crc = zlib.crc32(_read_exact(f, dst[i : i + _READ_CHUNK], path), crc)
+                a, n = p.start - p.entry.offset, p.end - p.start
+                if p.entry.name in tensors:
+                    dst = byte_view(tensors[p.entry.name]).numpy().data[a : a + n]
+                    for i in range(0, n, _READ_CHUNK):
+                        crc = zlib.crc32(_read_exact(f, dst[i : i + _READ_CHUNK], path), crc)
+                    continue
+                if len(scratch) < min(n, _READ_CHUNK):
+                    scratch = memoryview(bytearray(min(n, _READ_CHUNK)))
+                for i in range(0, n, _READ_CHUNK):
+                    part = scratch[: min(_READ_CHUNK, n - i)]
+                    crc = zlib.crc32(_read_exact(f, part, path), crc)
         if verify_checksums and crc != int(s["crc32"]):
             raise CheckpointCorrupt(f"{path} changed on disk since it was verified (crc32)")
     return tensors, copy.deepcopy(ckpt.meta)

@@ -217,6 +217,10 @@ class ShardedBackend:
         self._buffers: dict[str, torch.Tensor] = {
             n: b.detach().clone() for n, b in model.named_buffers()
         }
+        persistent = set(model.state_dict())
+        self._nonpersistent = [n for n in self._buffers if n not in persistent]
+        """Buffers the model's own state_dict leaves out (the checkpoint keeps them
+        all; the schema names these so that an export can leave them out too)."""
         self._offsets: dict[str, tuple[int, int]] = {}
         self._grad = torch.zeros(0, dtype=self._grad_dtype)
         """The shard's gradient sum of the step (float64, or native: the parameters'
@@ -381,7 +385,10 @@ class ShardedBackend:
           ``[key, "rows", dtype]`` (shaped like the parameter: sharded with it),
           ``[key, "tensor", dtype, shape]`` (one element, the same on every
           member: Adam's ``step``) or ``[key, "value", v]`` (a JSON value);
-        - ``buffers``: ``[name, shape, dtype]`` (not sharded).
+        - ``buffers``: ``[name, shape, dtype]`` (not sharded);
+        - ``nonpersistent_buffers``: the names of the buffers that are not in the
+          model's ``state_dict`` (``persistent=False``; `elastrain export` leaves
+          them out).
 
         ValueError for optimizer state of another kind, or hyperparameters JSON
         cannot carry (the checkpoint then fails; training goes on)."""
@@ -420,6 +427,7 @@ class ShardedBackend:
             "groups": groups,
             "params": params,
             "buffers": buffers,
+            "nonpersistent_buffers": list(self._nonpersistent),
         }
 
     def model_schema(self) -> dict[str, Any]:

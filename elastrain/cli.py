@@ -219,6 +219,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
         group_readable=args.group_readable,
+        tensorboard=getattr(args, "tensorboard", None),
         **(
             {
                 "coordinator": args.coordinator,
@@ -471,6 +472,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar="N",
         help="spread the workers over N simulated hosts (network namespaces; root and "
         "iproute2) so that cut faults can partition one, e.g. --hosts 3 --fault cut@30/8",
+    )
+    r.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="write the job's loss, step time, samples/s, goodput, energy and the "
+        "script's trainer.log scalars as TensorBoard event files into DIR "
+        "(pip install 'elastrain[tensorboard]')",
     )
     r.add_argument("script", nargs="?", help="the training script (or `script` in --config)")
     r.add_argument(

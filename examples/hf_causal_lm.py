@@ -82,6 +82,8 @@ def main() -> None:
     trainer.register("sched", sched)  # a replacement gets the survivors' learning rate
     for r in trainer.steps():
         sched.step()
+        # The live view, `elastrain report`, /metrics and --tensorboard show it (rank 0's).
+        trainer.log("lr", sched.get_last_lr()[0])
         if r.rank == 0 and r.step % 5 == 0:
             print(
                 f"step {r.step} loss {r.loss:.3f} lr {sched.get_last_lr()[0]:.2e} "

@@ -13,6 +13,7 @@ import difflib
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,11 +122,31 @@ def test_a_hugging_face_model_and_schedule_heal_into_a_fresh_member() -> None:
         )
 
 
-def test_the_hugging_face_example_trains(run_job: Callable[..., Job]) -> None:
+def test_the_hugging_face_example_trains(run_job: Callable[..., Job], tmp_path: Path) -> None:
     _transformers()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from elastrain.observe.report import build_report, render_html
+
     # Briefly, on one worker; the heal of its state is the test above, and
     # `elastrain run -n 2 --min 2 --fault kill@10 examples/hf_causal_lm.py` shows a kill.
-    job = run_job(script=HF_EXAMPLE, steps=2, workers=1)
+    job = run_job(script=HF_EXAMPLE, steps=2, workers=1, tensorboard=str(tmp_path / "tb"))
     assert job.result.status == "done", job.result.message
     assert re.search(r"step 0 loss \d+\.\d+ lr ", job.log("w0")), job.log("w0")[-2000:]
-    assert {e["step"] for e in job.of("step_commit")} == {0, 1}
+    commits = {e["step"]: e for e in job.of("step_commit")}
+    assert set(commits) == {0, 1}
+    # trainer.log("lr", ...): an event per step, the report's last value, TensorBoard.
+    logged = [(e["step"], e["value"]) for e in job.of("user_scalar") if e["name"] == "lr"]
+    assert [s for s, _ in logged] == [0, 1] and all(v > 0 for _, v in logged)
+    rep = build_report(job.run_dir)
+    assert rep.scalars == {"lr": (logged[-1][1], 1)}
+    assert "<td>lr</td>" in render_html(rep)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "train/step_seconds", "user/lr", "goodput/time"} <= set(tags)
+    loss = [(s.step, s.value) for s in acc.Scalars("train/loss")]
+    assert loss == [(s, pytest.approx(commits[s]["loss"], rel=1e-6)) for s in (0, 1)]
+    lr = [(s.step, s.value) for s in acc.Scalars("user/lr")]
+    assert lr == [(s, pytest.approx(v, rel=1e-6)) for s, v in logged]
+    assert 0 < acc.Scalars("goodput/time")[-1].value <= 1

@@ -9,7 +9,6 @@ tool (Transformers, safetensors, torch.distributed.checkpoint).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

@@ -850,3 +850,42 @@ def test_hooks_see_every_point_of_every_step(tmp_path: Path) -> None:
         (0, "compute"), (0, "allreduce"), (0, "commit"),
         (1, "compute"), (1, "allreduce"), (1, "commit"),
     ]  # fmt: skip
+
+
+def test_trainer_log_is_rank_0s_in_its_events_and_next_quorum_request(tmp_path: Path) -> None:
+    h = Harness(tmp_path, [gen_of(TWO, 0)], total_steps=3)
+    sent: list[dict[str, float]] = []
+    quorum = h.coord.quorum
+
+    def record(req: p.QuorumRequest) -> p.QuorumResponse:
+        sent.append(req.scalars)
+        return quorum(req)
+
+    h.coord.quorum = record  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="letters, digits"):
+        h.engine.log("bad name", 1.0)
+    try:
+        for r in h.engine.steps():
+            h.engine.log("lr", 0.1 * (r.step + 1))
+            h.engine.log("lr", torch.tensor(0.5 * (r.step + 1)))  # the last one per name is sent
+            with pytest.raises(ValueError, match="finite"):
+                h.engine.log("lr", float("nan"))
+    finally:
+        h.release.set()
+    got = [(e["name"], e["step"], e["value"]) for e in h.events("user_scalar")]
+    assert got == [("lr", s, v * (s + 1)) for s in range(3) for v in (0.1, 0.5)]
+    assert sent == [{}, {"lr": 0.5}, {"lr": 1.0}]  # step 2's would go with a step 3
+
+
+def test_trainer_log_on_another_rank_is_checked_not_reported(tmp_path: Path) -> None:
+    h = Harness(tmp_path, [gen_of(("b", "a"), 0)], total_steps=2)
+    try:
+        for _ in h.engine.steps():
+            assert h.engine.rank == 1
+            h.engine.log("lr", 0.1)
+            with pytest.raises(TypeError, match="expected a number"):
+                h.engine.log("lr", "0.1")
+    finally:
+        h.release.set()
+    assert h.events("user_scalar") == []
+    assert h.engine.tally.take_scalars() == {}

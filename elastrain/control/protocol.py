@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar, get_type_hints
 
+from elastrain.observe.scalars import MAX_METRIC_SCALARS, NAME_RE
 from elastrain.observe.tally import MAX_PENDING, Observed
 
 API_VERSION = 1
@@ -207,8 +208,20 @@ def _check_observed(value: Any, where: str) -> None:
                 )
 
 
+def _check_scalars(value: Any, where: str) -> None:
+    """At most MAX_METRIC_SCALARS names, each as `NAME_RE`, each value finite."""
+    if len(value) > MAX_METRIC_SCALARS:
+        raise ProtocolError(f"{where}: more than {MAX_METRIC_SCALARS} names")
+    for name, v in value.items():
+        if not NAME_RE.fullmatch(name):
+            raise ProtocolError(f"{where}: name {_short(name)} is not [A-Za-z0-9_./-]{{1,64}}")
+        if not math.isfinite(v):
+            raise ProtocolError(f"{where}.{name}: expected a finite number, got {v!r}")
+
+
 FIELD_CHECKS: dict[tuple[str, str], Callable[[Any, str], None]] = {
     ("QuorumRequest", "observed"): _check_observed,
+    ("QuorumRequest", "scalars"): _check_scalars,
     ("RegisterRequest", "signature"): _check_signature,
     ("RegisterRequest", "gen_slots"): _check_slots,
     ("RegisterRequest", "gen_shard_size"): _check_shard_size,
@@ -371,6 +384,11 @@ class QuorumRequest:
     """What this member measured since its last quorum request, for the
     coordinator's /metrics: kind (`elastrain.observe.tally.Observed`) -> values,
     seconds or bytes, each finite and >= 0, at most `MAX_OBSERVED` per kind."""
+    scalars: dict[str, float] = field(default_factory=dict)
+    """The script's own scalars (`trainer.log`) since the last quorum request,
+    the last value per name, for /metrics (`elastrain_user_scalar{name}`): names
+    as `elastrain.observe.scalars.NAME_RE`, finite values, at most
+    `MAX_METRIC_SCALARS` names. Only rank 0 sends any."""
 
 
 @dataclass(frozen=True)

@@ -382,6 +382,8 @@ class Coordinator:
                 self.metrics.count_commit(self._global_batch)
             if req.observed:
                 self.metrics.observe(req.observed)
+            if req.scalars:
+                self.metrics.observe_scalars(req.scalars)
             self._flush()
             return p.QuorumResponse(verdict, gen, preempt_s)
 

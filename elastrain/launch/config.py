@@ -95,6 +95,12 @@ class LaunchConfig:
     (`elastrain.chaos.netns`; needs root and iproute2). The coordinator listens
     on the bridge. What it is for: `cut` faults, which take one host off the
     network. 0: every process on this host's loopback."""
+    tensorboard: str | None = None
+    """Write the job's step, loss, goodput, energy and the script's own scalars
+    (`trainer.log`) as TensorBoard event files into this directory
+    (--tensorboard; `elastrain.observe.tensorboard`). The launcher writes them
+    from the run's events, so `elastrain run` only: an agent sees only its own
+    node's events. None: no TensorBoard files."""
 
     def __post_init__(self) -> None:
         if self.coordinator is not None:
@@ -107,6 +113,10 @@ class LaunchConfig:
                 raise ValueError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
             if self.faults and any(f.kind == "kill-coordinator" for f in self.faults):
                 raise ValueError("an agent cannot kill a coordinator it does not run")
+            if self.tensorboard is not None:
+                raise ValueError(
+                    "--tensorboard is for elastrain run: an agent sees only its node's events"
+                )
         if self.name and not all(ch.isalnum() or ch in "-_." for ch in self.name):
             raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
         if self.workers < 1:

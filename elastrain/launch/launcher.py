@@ -53,6 +53,7 @@ from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_p
 from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
 from elastrain.launch.startup import StartupWatch
 from elastrain.observe.events import EventKind, EventLog
+from elastrain.observe.tensorboard import TensorBoardSink
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
 
@@ -370,6 +371,16 @@ class Launcher:
             finally:
                 self.net = None
 
+    def _tensorboard(self, logdir: str) -> TensorBoardSink:
+        """The job's one TensorBoard writer (--tensorboard), following the run's
+        events from now on; _Failed if tensorboard is not installed."""
+        try:
+            sink = TensorBoardSink(self.run_dir, logdir)
+        except (ImportError, OSError) as e:
+            raise _Failed(f"{e}") from e
+        sink.start()
+        return sink
+
     def _run(self) -> RunResult:
         c = self.config
         self.events.emit(
@@ -387,7 +398,10 @@ class Launcher:
             previous = signal.signal(
                 signal.SIGTERM, lambda *_: self.drain() if self.agent else self.preempt()
             )
+        sink = None
         try:
+            if c.tensorboard is not None:
+                sink = self._tensorboard(c.tensorboard)
             if self.agent:
                 assert c.coordinator is not None
                 self.address = c.coordinator
@@ -415,6 +429,8 @@ class Launcher:
             self.events.emit(
                 EventKind.JOB_END, status=status, steps=self.status.get("step", 0), message=message
             )
+            if sink is not None:
+                sink.close()
             self.events.close()
             if self._lock is not None:
                 self._lock.release()

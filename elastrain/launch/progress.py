@@ -2,8 +2,8 @@
 
 Fed with coordinator status dicts by the launcher (step, loss, members/target,
 samples/s); with `attach(run_dir)` it also follows the run's events on a
-background thread and shows the goodput so far and the last failure with its
-recovery time (the launcher's own loop never waits for that computation).
+background thread and shows the goodput so far, the last failure with its
+recovery time and the script's own scalars (`trainer.log`, last values) (the launcher's own loop never waits for that computation).
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+SHOWN_SCALARS = 6
+"""The script's scalars the live view shows (the first logged names); all are in
+the report."""
 
 LEDGER_INTERVAL_S = 2.0
 """How often the goodput so far is recomputed (at least; longer when it is slow)."""
@@ -30,26 +34,31 @@ class Observed:
     """e.g. "kill w1 at 25.4 s"."""
     last_recovery_s: float | None = None
     """Kill-to-first-commit of the last failure; None while it is still recovering."""
+    scalars: tuple[tuple[str, float], ...] = ()
+    """The script's own scalars (`trainer.log`): the last value per name."""
 
 
 def observe(events: list[dict[str, Any]]) -> Observed:
     """Goodput so far and the last failure, from the events seen until now."""
     from elastrain.observe.goodput import goodput
     from elastrain.observe.recovery import recoveries
+    from elastrain.observe.scalars import last_scalars
 
     if not events:
         return Observed()
     gp = goodput(events)
     recs = recoveries(events)
+    scalars = tuple((n, v) for n, (v, _) in last_scalars(events).items())
     t0 = next((e["t"] for e in events if e.get("kind") == "job_start"), events[0]["t"])
     if not recs:
-        return Observed(gp.time_goodput if gp.total_s > 0 else None)
+        return Observed(gp.time_goodput if gp.total_s > 0 else None, scalars=scalars)
     r = recs[-1]
     return Observed(
         gp.time_goodput if gp.total_s > 0 else None,
         len(recs),
         f"{r.fault} {r.member} at {r.t0 - t0:.1f} s",
         r.total_s,
+        scalars,
     )
 
 
@@ -135,6 +144,12 @@ class Progress:
                 else "recovering"
             )
             parts.append(f"failures {o.failures}, last: {o.last_failure}, {rec}")
+        if o.scalars:
+            shown = o.scalars[:SHOWN_SCALARS]
+            more = len(o.scalars) - len(shown)
+            parts.append(
+                " ".join(f"{n} {v:.4g}" for n, v in shown) + (f" (+{more} more)" if more else "")
+            )
         return "  ".join(parts)
 
     def _render(self, s: dict[str, Any]) -> Any:

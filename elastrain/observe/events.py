@@ -80,6 +80,8 @@ class EventKind(StrEnum):
     CHECKPOINT_INTERVAL = "checkpoint_interval"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     CHECKPOINT_EMERGENCY = "checkpoint_emergency"
+    # worker: the script's own scalars (trainer.log; elastrain.observe.scalars)
+    USER_SCALAR = "user_scalar"
     # worker: metering (elastrain.observe.worker)
     FLOPS_MEASURED = "flops_measured"
     POWER_SAMPLE = "power_sample"
@@ -185,6 +187,7 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.CHECKPOINT_LOADED: frozenset(["bytes", "generation", "path", "seconds", "step"]),
     EventKind.CHECKPOINT_EMERGENCY: frozenset(["ok", "rank", "seconds", "step"]),
     EventKind.POWER_SAMPLE: frozenset(["joules", "source", "watts"]),
+    EventKind.USER_SCALAR: frozenset(["name", "step", "value"]),
 }
 """The fields every event of a kind carries (more may follow): `emit` refuses an
 event without them, so a missing field fails the first test that emits it, not a

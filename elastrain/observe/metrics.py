@@ -19,7 +19,10 @@ Base units (seconds, bytes), counters end in `_total`:
 - histograms: `elastrain_step_seconds`, `elastrain_recovery_seconds{phase}`,
   `elastrain_heal_seconds`;
 - gauges: the live status (`elastrain_members`, `elastrain_generation`,
-  `elastrain_goodput_ratio`, ... `GAUGES`) and `elastrain_job_info{job_id}`.
+  `elastrain_goodput_ratio`, ... `GAUGES`) and `elastrain_job_info{job_id}`;
+  `elastrain_user_scalar{name}`: the last value of each of the script's own
+  scalars (`trainer.log`, rank 0's), the first `MAX_METRIC_SCALARS` names
+  this coordinator received; later names are left out (logged once each).
 
 A restarted coordinator starts every counter and histogram from zero
 (Prometheus reads it as a counter reset: `rate()` and `increase()` are
@@ -28,6 +31,7 @@ unaffected).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,7 +48,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from elastrain.observe.failures import FailureKind, recognise_failures
+from elastrain.observe.scalars import MAX_METRIC_SCALARS
 from elastrain.observe.tally import RECOVERY_KEYS, RECOVERY_PHASES, Observed
+
+log = logging.getLogger(__name__)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The Content-Type of `CoordinatorMetrics.exposition()` (prometheus_client's)."""
@@ -72,6 +79,7 @@ GAUGES: tuple[tuple[str, str, Any], ...] = (
 before the first step) is left out."""
 
 GOODPUT = "elastrain_goodput_ratio"
+USER_SCALAR = "elastrain_user_scalar"
 FAILURES = "elastrain_failures_total"
 FAILURE_KINDS = tuple(k for k in FailureKind if k is not FailureKind.COORDINATOR)
 """The kinds `elastrain_failures_total` reports. A coordinator cannot see its own
@@ -105,10 +113,14 @@ class _StatusCollector(Collector):
     (prometheus_client's custom-collector way for values kept elsewhere)."""
 
     def __init__(
-        self, status: Callable[[], Mapping[str, Any]], goodput: Callable[[], float | None]
+        self,
+        status: Callable[[], Mapping[str, Any]],
+        goodput: Callable[[], float | None],
+        scalars: Callable[[], Mapping[str, float]],
     ) -> None:
         self.status = status
         self.goodput = goodput
+        self.scalars = scalars
 
     def collect(self) -> Iterator[Metric]:
         st = self.status()
@@ -130,6 +142,17 @@ class _StatusCollector(Collector):
                 "the member-second ledger).",
                 value=g,
             )
+        scalars = self.scalars()
+        if scalars:
+            u = GaugeMetricFamily(
+                USER_SCALAR,
+                "The last value the training script logged under each name (trainer.log), "
+                "rank 0's.",
+                labels=["name"],
+            )
+            for name, v in scalars.items():
+                u.add_metric([name], v)
+            yield u
         failures = st.get("failures")
         if isinstance(failures, Mapping) and failures:
             c = CounterMetricFamily(
@@ -195,7 +218,9 @@ class CoordinatorMetrics:
         )
         self._productive_s = 0.0
         self._first_start: float | None = None
-        r.register(_StatusCollector(status, self.goodput))
+        self._scalars: dict[str, float] = {}
+        self._dropped: set[str] = set()
+        r.register(_StatusCollector(status, self.goodput, lambda: dict(self._scalars)))
 
     def count_commit(self, global_batch: int) -> None:
         """A step was let proceed (committed): one step, `global_batch` samples."""
@@ -220,6 +245,22 @@ class CoordinatorMetrics:
             for v in observed.get(RECOVERY_KEYS[phase], ()):
                 self.recovery_seconds.labels(phase=phase).observe(v)
         self.recoveries.inc(len(observed.get(Observed.RECOVERY_FIRST_STEP_S, ())))
+
+    def observe_scalars(self, scalars: Mapping[str, float]) -> None:
+        """Keep the last value of each of the script's scalars (`QuorumRequest.scalars`,
+        checked by the wire). A name past the first `MAX_METRIC_SCALARS` is left
+        out of /metrics (one warning per name): each name is a time series, so
+        a script logging ever new names must not grow the scrape without bound."""
+        for name, v in scalars.items():
+            if name in self._scalars or len(self._scalars) < MAX_METRIC_SCALARS:
+                self._scalars[name] = v
+            elif name not in self._dropped and len(self._dropped) < MAX_METRIC_SCALARS:
+                self._dropped.add(name)
+                log.warning(
+                    "scalar %r is not in /metrics: it carries the first %d names only",
+                    name,
+                    MAX_METRIC_SCALARS,
+                )
 
     def goodput(self) -> float | None:
         """Committed steps' seconds over the seconds since the first began (None

@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from elastrain.observe.efficiency import Efficiency, efficiency
 from elastrain.observe.events import read_events
 from elastrain.observe.goodput import BUCKETS, Goodput, goodput
 from elastrain.observe.recovery import PHASES, JoinTiming, Recovery, joins, recoveries
+from elastrain.observe.scalars import last_scalars
 
 Event = dict[str, Any]
 
@@ -61,6 +62,8 @@ class Report:
     members: list[tuple[float, int]]
     commits: list[tuple[float, int]]
     faults: list[tuple[float, str]]
+    scalars: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """The script's own scalars (`trainer.log`): the last (value, step) per name."""
 
     @property
     def estimate_label(self) -> str | None:
@@ -124,6 +127,7 @@ def report_from_events(
         members=members,
         commits=commits,
         faults=[(r.t0 - t0, f"{r.fault} {r.member}") for r in recs],
+        scalars=last_scalars(ev),
     )
 
 
@@ -202,6 +206,9 @@ def format_summary(rep: Report) -> str:
         lines.append(f"  MFU peak: {ef.peak_tflops:.4g} TFLOPS x {ef.devices} device(s) "
                      f"({ef.device}; {ef.peak_source})")  # fmt: skip
     lines.append(f"  CO2e at {ef.grid_gco2_per_kwh:g} gCO2e/kWh")
+    if rep.scalars:
+        logged = ", ".join(f"{n} {v:.4g} (step {s})" for n, (v, s) in rep.scalars.items())
+        lines.append(f"  logged (last): {logged}")
     return "\n".join(lines)
 
 
@@ -321,6 +328,13 @@ def render_html(rep: Report) -> str:
         for row in eff_rows:
             if row[0] in ("energy", "TFLOPS per watt", "CO2e (all / badput)"):
                 row[0] += " (ESTIMATE)"
+    scalar_rows = [[n, f"{v:.6g}", str(s)] for n, (v, s) in rep.scalars.items()]
+    scalars = (
+        "<h2>Logged scalars (trainer.log, last value)</h2>"
+        + _table(["name", "value", "step"], scalar_rows)
+        if scalar_rows
+        else ""
+    )
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rep.started)) if rep.started else "?"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>elastrain report {html.escape(rep.job_id)}</title>
@@ -337,6 +351,7 @@ started {when} &middot; {gp.capacity} members target &middot; {html.escape(rep.r
 <div><h2>Goodput buckets</h2>{_table(["bucket", "member-s", "share", "energy", "ml-goodput category"], bucket_rows)}
 <p class="meta">time goodput {pct(gp.time_goodput)}; throughput goodput {pct(gp.throughput_goodput)}
 ({gp.committed_samples} samples committed; nominal {_n(gp.nominal_samples_per_s, ".1f")} samples/s)</p></div></div>
+{scalars}
 <h2>Power and energy</h2>{fig["power"]}
 <h2>Efficiency</h2>{_table(["figure", "value", "how"], eff_rows)}
 <h2>Recovery phases (seconds)</h2>{_table(["fault", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement"], rec_rows)}

@@ -15,6 +15,9 @@ without counting anything twice:
   step's seconds (`step_commit.step_s`): one observation per step.
 - `heal_s`, `healed_bytes`: every member that *received* state in a heal
   (`heal_end` with role "recv"): the bytes it received and how long it took.
+- `scalars` (`QuorumRequest.scalars`, not `observed`): the script's own
+  scalars (`trainer.log`), the last value per name since the previous request;
+  only rank 0 emits them (`user_scalar` events), so only rank 0 sends any.
 - `recovery_<phase>_s` (`RECOVERY_PHASES`): the leader of the generation the
   job resumed in, once per interruption, measured on the worker's monotonic
   clock from its own first `step_abort`: quorum (abort -> its generation was
@@ -35,6 +38,7 @@ from enum import StrEnum
 from typing import Any
 
 from elastrain.observe.events import EventKind
+from elastrain.observe.scalars import MAX_METRIC_SCALARS
 
 RECOVERY_PHASES = ("quorum", "regroup", "heal", "first_step")
 """The recovery phases a worker can time (`elastrain.observe.recovery.PHASES`
@@ -75,6 +79,8 @@ class WorkerTally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[str, list[float]] = {}
+        self._scalars: dict[str, float] = {}
+        """The last value per name of the script's scalars since the last request."""
         self._rank: int | None = None
         self._abort: float | None = None
         """`mono` of the first abort of the interruption under way, if any."""
@@ -108,6 +114,11 @@ class WorkerTally:
                     self._add(Observed.HEALED_BYTES, ev.get("bytes") or 0)
                 if self._abort is not None and self._built is not None:
                     self._healed = mono
+            elif kind == EventKind.USER_SCALAR:
+                name, value = str(ev.get("name")), ev.get("value")
+                fits = name in self._scalars or len(self._scalars) < MAX_METRIC_SCALARS
+                if fits and isinstance(value, int | float):
+                    self._scalars[name] = float(value)
             elif kind == EventKind.STEP_COMMIT:
                 if self._rank == 0:
                     self._add(Observed.STEP_S, ev.get("step_s") or 0.0)
@@ -130,6 +141,14 @@ class WorkerTally:
         for phase in RECOVERY_PHASES:
             self._add(RECOVERY_KEYS[phase], max(0.0, marks[phase] - last))
             last = max(last, marks[phase])
+
+    def take_scalars(self) -> dict[str, float]:
+        """The script's scalars pending for the next quorum request (at most
+        `MAX_METRIC_SCALARS` names: the first ones logged since the previous
+        request); pending is then empty."""
+        with self._lock:
+            out, self._scalars = self._scalars, {}
+        return out
 
     def take(self) -> dict[str, list[float]]:
         """What is pending, for the next quorum request; pending is then empty."""

@@ -81,6 +81,7 @@ from elastrain.data import (
 )
 from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
+from elastrain.observe.scalars import check_scalar
 from elastrain.observe.tally import WorkerTally
 from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
@@ -410,6 +411,14 @@ class StepEngine:
         """Leave the job at the next step boundary (what SIGTERM does)."""
         self.session.request_leave("left")
         self.waiter.interrupt()
+
+    def log(self, name: str, value: float) -> None:
+        """Record the script's scalar `name` (see `EngineTrainer.log`): checked on
+        every member, emitted as a `user_scalar` event on rank 0 only."""
+        v = check_scalar(name, value)
+        if self.proto.rank == 0:
+            step = max(self.committed - 1, 0)
+            self.events.emit(EventKind.USER_SCALAR, name=name, value=v, step=step)
 
     # ---- the loop ----------------------------------------------------------------
 
@@ -937,6 +946,7 @@ class StepEngine:
             self.last_loss,
             self.config.global_batch_size,
             self.tally.take(),
+            self.tally.take_scalars(),
         )
 
     def _reduce(self, a: m.Action) -> m.Observation:
@@ -1555,6 +1565,26 @@ class EngineTrainer:
     def request_leave(self) -> None:
         """Leave the job at the next step boundary (what SIGTERM does)."""
         self.engine.request_leave()
+
+    def log(self, name: str, value: float) -> None:
+        """Log a scalar of the script's own (``trainer.log("lr", sched.get_last_lr()[0])``)
+        at the step of the last result ``steps()`` yielded (0 before the first).
+
+        Contract: call it on every member, or at least on rank 0: **only rank 0's
+        value is reported** (rank 0 of the current generation, at the time of the
+        call), so a value that differs between members is rank 0's; the other
+        members only check the call. Where it goes: a ``user_scalar`` event
+        (name, value, step), the live view and ``elastrain report`` (the last value
+        per name), the coordinator's ``/metrics`` as
+        ``elastrain_user_scalar{name="lr"}`` (the last value per name, sent with
+        the next quorum request; at most
+        `elastrain.observe.scalars.MAX_METRIC_SCALARS` names, later ones are
+        left out of ``/metrics`` only) and, with ``elastrain run --tensorboard
+        DIR``, TensorBoard under ``user/<name>``. ``name``: 1-64 characters of
+        letters, digits and ``_ . / -`` (ValueError otherwise); ``value``: a finite
+        number, or a one-element tensor or array (ValueError or TypeError
+        otherwise). Cheap: one event line on rank 0, nothing on the others."""
+        self.engine.log(name, value)
 
     @contextlib.contextmanager
     def pause(self, timeout_s: float | None = None) -> Iterator[None]:

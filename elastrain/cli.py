@@ -410,6 +410,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"elastrain export: error: {e}", file=sys.stderr)
         return 2
     stripped = f", prefix {res.stripped_prefix!r} stripped" if res.stripped_prefix else ""
+    if res.left_out:
+        stripped += f", {res.left_out} tensors of the wrapper left out"
     print(
         f"exported the model of checkpoint step {res.step} ({res.source}): {res.tensors} "
         f"tensors, {format_bytes(res.nbytes)}, {args.format} in {res.output}{stripped}"

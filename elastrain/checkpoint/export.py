@@ -46,14 +46,11 @@ import torch
 
 from elastrain.checkpoint.dcp import KIND as DCP_KIND
 from elastrain.checkpoint.dcp import ShardedReader
-from elastrain.checkpoint.files import CheckpointError, fsync_dir, write_all
+from elastrain.checkpoint.files import CHECKPOINTS, CheckpointError, fsync_dir, write_all
 from elastrain.checkpoint.layout import Layout, safetensors_dtype, safetensors_header
 from elastrain.checkpoint.store import VerifiedCheckpoint, latest_verified, load
 from elastrain.transfer.dtypes import byte_view
 from elastrain.transfer.flatten import MODEL_PREFIX
-
-CHECKPOINTS = "checkpoints"
-"""The checkpoint directory inside a run directory (the launcher's)."""
 
 WEIGHTS = "model.safetensors"
 """The weights file of the ``safetensors`` and ``hf`` formats (Transformers' name)."""
@@ -95,6 +92,8 @@ class ExportResult:
     tensors: int
     nbytes: int
     stripped_prefix: str = ""
+    left_out: int = 0
+    """hf: the wrapper's own tensors (outside the stripped prefix), not exported."""
 
 
 # ---- pure decisions ----------------------------------------------------------------------
@@ -374,7 +373,7 @@ def export_model(
         config, raw_config = read_hf_config(hf_config)
     ckpt = newest_checkpoint(run_dir, on_skip)
     tensors = model_tensors(ckpt)
-    prefix = ""
+    prefix, found = "", len(tensors)
     if config is not None:
         tensors, prefix = hf_names(tensors, hf_expected(config))
     _check_output(dest)  # again: reading a big checkpoint takes a while
@@ -396,7 +395,9 @@ def export_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(dest, ckpt.step, ckpt.path, len(tensors), nbytes, prefix)
+    return ExportResult(
+        dest, ckpt.step, ckpt.path, len(tensors), nbytes, prefix, found - len(tensors)
+    )
 
 
 def format_bytes(n: float) -> str:

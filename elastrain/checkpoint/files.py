@@ -20,6 +20,10 @@ from typing import Any
 FORMAT = "elastrain-checkpoint/1"
 """Format version written into every shard manifest, marker and shard file header."""
 
+CHECKPOINTS = "checkpoints"
+"""The checkpoint directory inside a run directory (`elastrain run` writes there,
+`elastrain export` reads there)."""
+
 MARKER = "COMMITTED.json"
 """The commit marker: a step directory counts as a checkpoint only once this exists."""
 

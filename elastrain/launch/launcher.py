@@ -43,6 +43,7 @@ from typing import Any
 from elastrain import env
 from elastrain.chaos.netns import Host, Network, entered
 from elastrain.chaos.schedule import FaultSchedule
+from elastrain.checkpoint.files import CHECKPOINTS
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
@@ -56,9 +57,6 @@ from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.tensorboard import TensorBoardSink
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
-
-CHECKPOINTS = "checkpoints"
-"""The checkpoint directory inside the run directory."""
 
 
 class _Failed(Exception):

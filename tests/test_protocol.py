@@ -864,6 +864,7 @@ def test_trainer_log_is_rank_0s_in_its_events_and_next_quorum_request(tmp_path: 
     h.coord.quorum = record  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="letters, digits"):
         h.engine.log("bad name", 1.0)
+    h.engine.log("before", 1.0)  # no generation yet: nobody is rank 0, nothing reported
     try:
         for r in h.engine.steps():
             h.engine.log("lr", 0.1 * (r.step + 1))

@@ -428,7 +428,10 @@ class Launcher:
                 EventKind.JOB_END, status=status, steps=self.status.get("step", 0), message=message
             )
             if sink is not None:
-                sink.close()
+                try:
+                    sink.close()
+                except Exception as e:  # noqa: BLE001 - the job's end must still be recorded
+                    print(f"elastrain: warning: --tensorboard: {e}", file=sys.stderr, flush=True)
             self.events.close()
             if self._lock is not None:
                 self._lock.release()

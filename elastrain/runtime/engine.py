@@ -416,7 +416,8 @@ class StepEngine:
         """Record the script's scalar `name` (see `EngineTrainer.log`): checked on
         every member, emitted as a `user_scalar` event on rank 0 only."""
         v = check_scalar(name, value)
-        if self.proto.rank == 0:
+        # Before the first generation every member's rank reads 0: nobody reports.
+        if self.proto.members and self.proto.rank == 0:
             step = max(self.committed - 1, 0)
             self.events.emit(EventKind.USER_SCALAR, name=name, value=v, step=step)
 
@@ -1573,7 +1574,8 @@ class EngineTrainer:
         Contract: call it on every member, or at least on rank 0: **only rank 0's
         value is reported** (rank 0 of the current generation, at the time of the
         call), so a value that differs between members is rank 0's; the other
-        members only check the call. Where it goes: a ``user_scalar`` event
+        members only check the call, and so does every member before its first
+        generation (a call before ``steps()`` reports nothing). Where it goes: a ``user_scalar`` event
         (name, value, step), the live view and ``elastrain report`` (the last value
         per name), the coordinator's ``/metrics`` as
         ``elastrain_user_scalar{name="lr"}`` (the last value per name, sent with

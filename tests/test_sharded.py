@@ -173,6 +173,46 @@ def test_sharded_update_is_the_replicated_update_bit_for_bit() -> None:
 # ---- whole jobs --------------------------------------------------------------------
 
 
+def test_a_meta_device_model_takes_its_state_from_a_checkpoint_or_peers_never_from_nothing() -> (
+    None
+):
+    """A model built on the meta device: the backend holds zero-filled buffers and no
+    rows until a checkpoint or a heal fills them; a fresh start (nothing to fill it
+    from) is refused naming what to do, and a model half on the meta device is
+    refused at once. A healed member holds only its slot's rows."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from train_sharded import Net, loss_fn
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
+
+    cfg = TrainerConfig(global_batch_size=8, micro_batch_size=2, total_steps=4, shard_size=2)
+    with torch.device("meta"):
+        model = Net()
+    backend = ShardedBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn, cfg)
+    assert backend.on_meta and backend.needs_fill
+    with pytest.raises(MetaModelUnfilled, match="no checkpoint to resume from and no peer"):
+        backend.place(1, 2)
+    # What a receiver of its twins' heal does: zeroed rows of its slot, then the heal.
+    backend.reset(1, 2)
+    backend.place(1, 2)
+    assert backend.placed and not backend.needs_fill
+    local = backend.local._parameters
+    full = dict(Net().named_parameters())
+    assert len(local) == len(full)
+    for n, p in full.items():
+        lo, hi = shard_rows(p.shape[0], 2, 1)
+        got = local[n.replace(".", "/")]
+        assert got is not None and got.device.type == "cpu", n
+        assert tuple(got.shape) == (hi - lo, *p.shape[1:]), n
+    half = Net()
+    half.head.to("meta")
+    with pytest.raises(ValueError, match="partly on the meta device"):
+        ShardedBackend(half, torch.optim.AdamW(half.parameters(), lr=1e-3), loss_fn, cfg)
+
+
 def _run(tmp: Path, name: str, shard_size: int | None, workers: int = 4, **kw: Any) -> Job:
     cfg = LaunchConfig(
         script=SHARDED,
@@ -282,9 +322,17 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     """Kill one rank of a 2 x 2 job: its group-mate keeps its process as a shadow, the
     other group keeps committing, the replacement takes the dead slot and receives
     one shard (half the state) from its twin, and the loss curve is the replicated
-    job's bit for bit."""
-    job = _run_held(tmp_path, "kill", _received, faults=[parse_fault("kill@6:w1")])
+    job's bit for bit. The replacement builds its model on the meta device: it
+    never holds the full model, its twin's heal is its whole state."""
+    job = _run_held(
+        tmp_path,
+        "kill",
+        _received,
+        faults=[parse_fault("kill@6:w1")],
+        args=("--meta-members", "w4"),
+    )
     _assert_job(job, replicated)
+    assert "w4: model built on the meta device" in job.log("w4")
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     for m in ("w0", "w2", "w3"):
         pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}

@@ -586,9 +586,14 @@ def test_a_killed_2x2_job_resumes_from_its_checkpoint_as_any_layout(
     # One checkpoint, at the end, written by the new layout's writers (a periodic one
     # whose predecessor is still writing is skipped by design, and a loaded machine
     # once stalled a 80 KB write for 5 s: the last one must not be skipped here).
-    job = _launch(run_dir, shard_size, checkpoint_every=STEPS)
+    # As 1 x 4 the members build the model on the meta device: the checkpoint is
+    # their state, no member ever holds the full model.
+    meta = ["--meta-members", "w0,w1,w2,w3"] if shard_size == 4 else []
+    job = _launch(run_dir, shard_size, checkpoint_every=STEPS, script_args=meta)
     assert job.result.status == "done", job.result.message
     assert job.result.resumed_from == step
+    if meta:
+        assert "w0: model built on the meta device" in job.log("w0")
     ev = _since_last_start(job)
     loaded = [e for e in ev if e["kind"] == "checkpoint_loaded"]
     assert sorted(e["proc"] for e in loaded) == ["w0", "w1", "w2", "w3"]

@@ -174,7 +174,6 @@ class ShardedMember:
             # A member that missed a reshard: its rows are stale and shaped for the
             # old layout. Take the new slot's shape; its twins heal it (it is behind).
             backend.reset(slot.shard, layout.shard_size)
-        backend.place(slot.shard, layout.shard_size)
         mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         for shard in range(layout.shard_size):
             twins = tuple(layout.twins(shard))
@@ -192,6 +191,11 @@ class ShardedMember:
                 mine = (senders, receivers)
         senders, receivers = mine
         rank = layout.twins(slot.shard).index(self.member)
+        if backend.needs_fill and rank in receivers:
+            # Built on the meta device, nothing to resume from: its twins' heal is the
+            # state; hold zeroed rows of the slot's shape for it to land in.
+            backend.reset(slot.shard, layout.shard_size)
+        backend.place(slot.shard, layout.shard_size)
         committed = ready.committed.get(self.member, 0)
         if not receivers:
             return HealOutcome(committed, False)

@@ -94,6 +94,11 @@ RowStateLike = tuple[list[list[torch.Tensor]], list[int]]
 ShardPolicy = Callable[[nn.Module], list[nn.Module]]
 
 
+class MetaModelUnfilled(ValueError):
+    """A model built on the meta device, with no checkpoint and no peer to take its
+    state from (`ShardedBackend.place`)."""
+
+
 def shard_rows(rows: int, shard_size: int, shard: int) -> tuple[int, int]:
     """Rows [lo, hi) of a dim-0 size `rows` that shard `shard` of `shard_size`
     holds: ``torch.chunk``'s split (chunks of ceil(rows / S) rows; the last
@@ -162,10 +167,12 @@ class ShardedBackend:
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
-        if any(p.device.type == "meta" for p in model.parameters()):
+        on_meta = [p.device.type == "meta" for p in (*model.parameters(), *model.buffers())]
+        if any(on_meta) and not all(on_meta):
             raise ValueError(
-                "the sharded trainer needs a materialised model (every member starts from the "
-                "same initial state; build it on the CPU with a fixed seed)"
+                "the model is partly on the meta device: build it either materialised (every "
+                "member from the same seed) or wholly on the meta device (its state then comes "
+                "from a checkpoint or from peers)"
             )
         if optimizer.state:
             raise ValueError(
@@ -181,6 +188,11 @@ class ShardedBackend:
         self._problems = model_problems(model)
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
+        self.on_meta = bool(on_meta) and all(on_meta)
+        """The model was built on the meta device (`with torch.device("meta")`): no
+        member ever holds the full model; its rows come from a sharded checkpoint
+        (`resume_from`) or, for a member behind its twins, from their heal
+        (`reset`, then heal). A fresh job has neither: `place` refuses it."""
         self._policy = shard_policy
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
@@ -215,7 +227,10 @@ class ShardedBackend:
         model's buffers (replicated, not sharded)."""
         self.optimizer: torch.optim.Optimizer | None = None
         self._buffers: dict[str, torch.Tensor] = {
-            n: b.detach().clone() for n, b in model.named_buffers()
+            # On the meta device: zeros of the right shape, until a checkpoint or a
+            # heal (both carry every buffer) fills them.
+            n: torch.zeros(b.shape, dtype=b.dtype) if self.on_meta else b.detach().clone()
+            for n, b in model.named_buffers()
         }
         persistent = set(model.state_dict())
         self._nonpersistent = [n for n in self._buffers if n not in persistent]
@@ -236,6 +251,12 @@ class ShardedBackend:
     def placed(self) -> bool:
         """True once this member holds a shard (its full model is gone)."""
         return self.shard is not None
+
+    @property
+    def needs_fill(self) -> bool:
+        """True while this member holds no shard, its model is on the meta device and
+        no checkpoint is queued to fill it (`place` would refuse it; a heal can fill it)."""
+        return not self.placed and self.on_meta and self._resume_source is None
 
     def rows(self) -> list[int]:
         """Dim-0 size of each parameter (0-dim ones count as 1 row), in model order."""
@@ -287,6 +308,13 @@ class ShardedBackend:
             return
         full = self._full
         assert full is not None
+        if self.on_meta:
+            raise MetaModelUnfilled(
+                "the model was built on the meta device, and this member has nothing to fill "
+                "it from: no checkpoint to resume from and no peer ahead of it (a fresh job). "
+                "Start the job from a materialised model (every member from the same seed), or "
+                "resume it from a sharded checkpoint"
+            )
         params = dict(full.named_parameters())
         with torch.no_grad():
             rows = {}
@@ -365,13 +393,14 @@ class ShardedBackend:
         self.shard_size, self.shard = size, shard
         self._offsets = offsets
         self._grad = torch.zeros(off, dtype=self._grad_dtype)
-        if self._full is not None:
+        if self._full is not None and not self.on_meta:
             # The script (and its optimizer) may still hold the full model: free its
             # tensors, or every member would keep the whole model beside its shard.
+            # (On the meta device it holds no memory: nothing to free.)
             with torch.no_grad():
                 for t in (*self._full.parameters(), *self._full.buffers()):
                     t.data = torch.empty(0, dtype=t.dtype)
-            self._full = None
+        self._full = None
 
     # ---- sharded checkpoints (elastrain.runtime.sharded_ckpt) ---------------------------
 

@@ -10,6 +10,7 @@ dims are chosen so that some parameters do not split evenly (padded shards).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -82,10 +83,21 @@ def main() -> None:
         help="a file holding a minimum step time in seconds, read every step (a test slows "
         "the job while it injects a fault and waits for the replacement)",
     )
+    ap.add_argument(
+        "--meta-members",
+        default="",
+        help="comma-separated member ids that build the model on the meta device (their "
+        "state comes from a checkpoint or from their twins' heal)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Net()
+    if os.environ.get("ELASTRAIN_MEMBER_ID", "") in args.meta_members.split(","):
+        with torch.device("meta"):
+            model = Net()
+        print(f"{os.environ['ELASTRAIN_MEMBER_ID']}: model built on the meta device", flush=True)
+    else:
+        model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     cfg = TrainerConfig(
         global_batch_size=24,

@@ -122,7 +122,7 @@ from elastrain.runtime.resume import (
 )
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
-from elastrain.runtime.sharded import ShardedBackend
+from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
 from elastrain.runtime.sharded_ckpt import (
     ResumeMismatch,
     replicated_state,
@@ -757,6 +757,11 @@ class StepEngine:
             raise WorkerExit(
                 EXIT_STATE_LOST, "shard_lost", f"elastrain: {e}; {self._resume_hint()}"
             ) from None
+        except MetaModelUnfilled as e:
+            # Every member of a fresh job built on the meta device gets here alike:
+            # no retry or replacement can fill it, so stop the job and say why.
+            self._shutdown()
+            exit_misconfigured(str(e))
         except (HealError, RuntimeError, ValueError) as e:
             return m.HealFailed(str(e))
         return self._healed(a, out.committed, out.received)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import socket
 import sys
@@ -355,8 +356,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"elastrain report: error: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        from elastrain.observe.report import report_json
+
+        Path(args.json).write_text(json.dumps(report_json(rep), indent=1, sort_keys=True) + "\n")
     print(format_summary(rep))
-    print(f"\nreport: {path}")
+    print(f"\nreport: {path}" + (f" (and {args.json})" if args.json else ""))
     return 0
 
 
@@ -525,6 +530,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     rp = sub.add_parser("report", help="write a run's HTML report and print its summary")
     rp.add_argument("run_dir", help="the run directory (holds events/)")
     rp.add_argument("-o", "--output", default=None, help="HTML file (default RUN_DIR/report.html)")
+    rp.add_argument(
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="also write the ledger as JSON: our buckets in member-seconds and the same "
+        "under ml-goodput-measurement's names (goodput_time, badput_time by BadputType)",
+    )
     rp.add_argument(
         "--peak-tflops",
         type=float,

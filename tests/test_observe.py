@@ -796,6 +796,51 @@ def test_goodput_puts_a_kill_in_the_right_buckets() -> None:
     assert all(name in text for name in BUCKETS) and "time goodput" in text
 
 
+def test_the_ledger_under_ml_goodput_measurements_names(tmp_path: Path) -> None:
+    """`elastrain report --json`: our buckets in member-seconds, and the same ledger
+    as ml-goodput-measurement's workload metrics (job seconds by BadputType name),
+    so a dashboard built for it reads an elastrain run: goodput + badput is the
+    whole ledger, the kill's recovery is infrastructure recovery, the lost step is
+    wasted progress, and the command writes it all as JSON."""
+    import json
+
+    from elastrain.cli import main as cli_main
+    from elastrain.observe.report import ML_GOODPUT_BADPUT, ml_goodput_metrics, report_from_events
+
+    r = kill_run()
+    rep = report_from_events(r.events)
+    gp = rep.goodput
+    ml = ml_goodput_metrics(rep)
+    # Names of ml-goodput-measurement's BadputType (v0.2.x), and nothing else.
+    known = {"TPU_INITIALIZATION", "TRAINING_PREP", "PROGRAM_STARTUP", "DATA_LOADING_SYNC",
+             "DATA_LOADING_ASYNC", "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
+             "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME", "WASTED_PROGRESS_FROM_DISRUPTION",
+             "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION", "CUSTOM_BADPUT_EVENTS", "OTHER"}  # fmt: skip
+    assert set(ml["badput_time"]) <= known and set(ML_GOODPUT_BADPUT) == set(BUCKETS)
+    total = ml["goodput_time"]["TOTAL"] + sum(ml["badput_time"].values())
+    assert total == pytest.approx(gp.total_s / gp.capacity, rel=1e-9)
+    b = gp.buckets
+    recovery = b["detection"] + b["regroup"] + b["healing"] + b["replacement_wait"]
+    assert ml["badput_time"]["INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"] == pytest.approx(
+        recovery / 3
+    )
+    assert ml["badput_time"]["WASTED_PROGRESS_FROM_DISRUPTION"] == pytest.approx(b["wasted"] / 3)
+    assert ml["disruption_count"] == 1 and ml["max_productive_step"] == 12
+    assert ml["total_elapsed_time"] == pytest.approx(gp.wall_s)
+    # The command: the run directory's events in, the JSON out.
+    run = tmp_path / "run"
+    (run / "events").mkdir(parents=True)
+    with open(run / "events" / "all.jsonl", "w") as f:
+        for e in r.events:
+            f.write(json.dumps(e) + "\n")
+    out = tmp_path / "ledger.json"
+    assert cli_main(["report", str(run), "-o", str(tmp_path / "r.html"), "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["member_seconds"] == pytest.approx(b)
+    assert got["ml_goodput"]["badput_time"] == pytest.approx(ml["badput_time"])
+    assert got["time_goodput"] == pytest.approx(gp.time_goodput)
+
+
 def test_goodput_hang_victim_time_is_detection_then_capacity_missing() -> None:
     r = hang_run()
     gp = goodput(r.events)

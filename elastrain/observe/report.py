@@ -43,7 +43,67 @@ ML_GOODPUT = {
     "data_wait": "data loading",
     "other": "other/unknown",
 }
-"""Our buckets -> the categories of Google's ml-goodput-measurement."""
+"""Our buckets -> the categories of Google's ml-goodput-measurement (the HTML's words)."""
+
+ML_GOODPUT_BADPUT: dict[str, str | None] = {
+    "productive": None,  # goodput_time["TOTAL"]
+    "wasted": "WASTED_PROGRESS_FROM_DISRUPTION",
+    "detection": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "regroup": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "healing": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "replacement_wait": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "checkpoint": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
+    "startup": "TRAINING_PREP",
+    "data_wait": "DATA_LOADING_SYNC",
+    "other": "OTHER",
+}
+"""Our buckets -> ml-goodput-measurement's `BadputType` member names (its
+`goodput_utils.BadputType`, v0.2.x); "productive" is its goodput ``TOTAL``. A
+checkpoint restore happens inside our "startup" (a resumed worker loads before
+its first generation), so UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME is not split out."""
+
+
+def ml_goodput_metrics(rep: Report) -> dict[str, Any]:
+    """The run's ledger in the shape of ml-goodput-measurement's workload metrics
+    (`WorkloadMetricDetails`: goodput_time, badput_time by `BadputType` name,
+    max_productive_step, total_elapsed_time, disruption_count, ideal_step_time),
+    so dashboards built for it read elastrain's numbers. Seconds are job seconds:
+    our member-seconds divided by the job's capacity (its target member count),
+    which is how a job-level ledger counts a stretch when every member is in it."""
+    gp = rep.goodput
+    cap = max(gp.capacity, 1)
+    badput: dict[str, float] = {}
+    for bucket, seconds in gp.buckets.items():
+        name = ML_GOODPUT_BADPUT[bucket]
+        if name is not None:
+            badput[name] = badput.get(name, 0.0) + seconds / cap
+    return {
+        "goodput_time": {"TOTAL": gp.buckets["productive"] / cap},
+        "badput_time": badput,
+        "max_productive_step": max((n for _, n in rep.commits), default=0),
+        "total_elapsed_time": gp.wall_s,
+        "disruption_count": len(rep.recoveries),
+        "ideal_step_time": statistics.median(rep.step_times) if rep.step_times else None,
+    }
+
+
+def report_json(rep: Report) -> dict[str, Any]:
+    """What `elastrain report --json` writes: the ledger in member-seconds (our
+    buckets), the goodput ratios, and `ml_goodput_metrics`."""
+    gp = rep.goodput
+    return {
+        "run_dir": rep.run_dir,
+        "job_id": rep.job_id,
+        "status": rep.status,
+        "capacity": gp.capacity,
+        "wall_s": gp.wall_s,
+        "member_seconds": dict(gp.buckets),
+        "time_goodput": gp.time_goodput,
+        "throughput_goodput": gp.throughput_goodput,
+        "committed_samples": gp.committed_samples,
+        "ml_goodput": ml_goodput_metrics(rep),
+        "scalars": {k: {"value": v, "step": st} for k, (v, st) in rep.scalars.items()},
+    }
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,10 @@ def test_short_soak_every_fault_kind_zero_violations(job: SoakJob, tmp_path: Pat
     assert summary["job"] == job and table.startswith(f"soak: {job} job,")
     # Every fault was followed by progress (zero violations includes that).
     assert all(f["recovery_s"] is not None for f in summary["faults"] if not f["skipped"])
+    # A slowed member that computed a window's worth of slowed steps was flagged as
+    # a straggler by its compute per sample against the others' (not by the order).
+    slowed = [f["straggler"] for f in summary["faults"] if f["fault"] == "slow"]
+    assert False not in slowed, table
 
 
 def test_a_fault_too_close_to_the_end_is_not_judged_but_a_late_one_is() -> None:
@@ -120,3 +124,25 @@ def test_threads_waiting_out_abandoned_collectives_are_not_counted_as_leaks() ->
         release.set()
         for t in ts:
             t.join()
+
+
+@pytest.mark.parametrize(("slowed", "computed", "want"), [(True, 40, True), (False, 40, False),
+                                                          (True, 6, None)])  # fmt: skip
+def test_a_slow_fault_is_judged_by_whether_its_victim_was_flagged(
+    slowed: bool, computed: int, want: bool | None
+) -> None:
+    """The soak's row for a slow fault says whether the straggler score saw the
+    victim within its slowed steps; no verdict when it computed too few of them."""
+    from elastrain.chaos.soak import recoveries
+
+    from .test_stragglers import run
+
+    ev = run(40, {"w0": 4, "w1": 4, "w2": 4}, slow={"w1": (10, 39, 0.05)} if slowed else None)
+    # w1 computed only `computed` steps from step 10 on (killed or expelled after).
+    ev = [e for e in ev if e["proc"] != "w1" or e["step"] < 10 + computed]
+    for i, e in enumerate(ev):
+        e["t"] = 100.0 + e["step"] + i * 1e-4
+    ev.append({"kind": "fault_injected", "proc": "launcher", "t": 109.5, "fault": "slow",
+               "member": "w1", "delay_s": 0.05, "steps": 30})  # fmt: skip
+    (row,) = [r for r in recoveries(ev) if r["fault"] == "slow"]
+    assert row["straggler"] is want

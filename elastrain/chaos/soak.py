@@ -59,6 +59,9 @@ from elastrain.chaos.schedule import KINDS, Fault, parse_duration
 from elastrain.chaos.soak_jobs import SoakJob, expected_ids
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
+from elastrain.observe.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
+from elastrain.observe.stragglers import WINDOW as STRAGGLER_WINDOW
+from elastrain.observe.stragglers import straggler_episodes
 from elastrain.runtime.threadnames import TRANSIENT_THREADS
 
 DEFAULT_KINDS = tuple(KINDS)
@@ -244,14 +247,19 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows: list[tuple[float, str, Any, Any, bool | None]] = [
         (f.t, f.injected or f.kind.value, f.member, None, True) for f in fails
     ]
+    slowed: dict[float, int] = {}
+    """Injection time of each slow fault -> the steps it slows."""
     for e in events:
         if e["kind"] != "fault_injected" or e.get("fault") not in KINDS:
             continue
         kind, t = str(e["fault"]), float(e["t"])
         if (kind, t) in labelled:
             continue
+        if kind == "slow" and isinstance(e.get("steps"), int):
+            slowed[t] = e["steps"]
         causes = kind in FAILURE_KINDS and not e.get("skipped")
         rows.append((t, kind, e.get("member"), e.get("skipped"), False if causes else None))
+    episodes = straggler_episodes(events)
     out = []
     seen_job_wide: set[float] = set()
     for t0, kind, member, skipped, recognised in sorted(rows, key=lambda r: r[0]):
@@ -271,9 +279,32 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "recognised": recognised,
                 "recovery_s": None if after is None else after - t0,
                 "bound_s": round(BOUND_S + STARTUPS.get(kind, 0.0) * startup, 1),
+                "straggler": _straggler_seen(events, episodes, member, before, slowed.get(t0))
+                if kind == "slow" and not skipped
+                else None,
             }
         )
     return out
+
+
+def _straggler_seen(
+    events: list[dict[str, Any]], episodes: list[Any], member: Any, before: int, steps: int | None
+) -> bool | None:
+    """Whether the straggler score flagged a slowed `member` within the steps it was
+    slowed (after the last commit `before` the order); None when it computed in
+    fewer than a window's worth of them (killed, expelled or done first): no verdict."""
+    if steps is None or not isinstance(member, str):
+        return None
+    first, last = before + 1, before + steps
+    computed = {
+        e["step"]
+        for e in events
+        if e["kind"] == "step_contrib" and e["proc"] == member and e.get("samples")
+        and first <= e["step"] <= last
+    }  # fmt: skip
+    if len(computed) < STRAGGLER_WINDOW:
+        return None
+    return any(ep.member == member and ep.first <= last and ep.last >= first for ep in episodes)
 
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
@@ -479,6 +510,7 @@ def _max_rel_diff(a: dict[int, float], b: dict[int, float]) -> float:
 
 def format_table(summary: dict[str, Any]) -> str:
     recs = summary["faults"]
+    judged = [r["straggler"] for r in recs if r["fault"] == "slow" and r["straggler"] is not None]
     lines = [
         f"soak: {summary['job']} job, {summary['duration_s']:g} s, {summary['workers']} "
         f"workers, seed "
@@ -497,6 +529,11 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"{kind:<18}{len(rs):>9}{skipped:>9}{len(done):>11}{med:>10}{mx:>8}"
             f"{max(r['bound_s'] for r in rs):>9g}"
+        )
+    if judged:
+        lines.append(
+            f"slowed members flagged as stragglers: {sum(judged)} of {len(judged)} "
+            f"(score >= {STRAGGLER_THRESHOLD:g}x the others' compute per sample)"
         )
     lines += ["", f"{'invariant':<36}{'violations':>11}"]
     for name, vs in summary["checks"].items():

@@ -36,6 +36,9 @@ class Observed:
     """Kill-to-first-commit of the last failure; None while it is still recovering."""
     scalars: tuple[tuple[str, float], ...] = ()
     """The script's own scalars (`trainer.log`): the last value per name."""
+    stragglers: tuple[tuple[str, float], ...] = ()
+    """Members computing slower than their peers now, with their score
+    (`elastrain.observe.stragglers`)."""
 
 
 def observe(events: list[dict[str, Any]]) -> Observed:
@@ -43,15 +46,19 @@ def observe(events: list[dict[str, Any]]) -> Observed:
     from elastrain.observe.goodput import goodput
     from elastrain.observe.recovery import recoveries
     from elastrain.observe.scalars import last_scalars
+    from elastrain.observe.stragglers import current_stragglers
 
     if not events:
         return Observed()
     gp = goodput(events)
     recs = recoveries(events)
     scalars = tuple((n, v) for n, (v, _) in last_scalars(events).items())
+    slow = tuple(current_stragglers(events).items())
     t0 = next((e["t"] for e in events if e.get("kind") == "job_start"), events[0]["t"])
     if not recs:
-        return Observed(gp.time_goodput if gp.total_s > 0 else None, scalars=scalars)
+        return Observed(
+            gp.time_goodput if gp.total_s > 0 else None, scalars=scalars, stragglers=slow
+        )
     r = recs[-1]
     return Observed(
         gp.time_goodput if gp.total_s > 0 else None,
@@ -59,6 +66,7 @@ def observe(events: list[dict[str, Any]]) -> Observed:
         f"{r.fault} {r.member} at {r.t0 - t0:.1f} s",
         r.total_s,
         scalars,
+        slow,
     )
 
 
@@ -144,6 +152,10 @@ class Progress:
                 else "recovering"
             )
             parts.append(f"failures {o.failures}, last: {o.last_failure}, {rec}")
+        if o.stragglers:
+            parts.append(
+                "straggling: " + ", ".join(f"{m} {score:.1f}x" for m, score in o.stragglers)
+            )
         if o.scalars:
             shown = o.scalars[:SHOWN_SCALARS]
             more = len(o.scalars) - len(shown)

@@ -12,6 +12,7 @@ meter are marked ESTIMATE wherever they appear.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import os
@@ -28,6 +29,7 @@ from elastrain.observe.events import read_events
 from elastrain.observe.goodput import BUCKETS, Goodput, goodput
 from elastrain.observe.recovery import PHASES, JoinTiming, Recovery, joins, recoveries
 from elastrain.observe.scalars import last_scalars
+from elastrain.observe.stragglers import Episode, format_episodes, straggler_episodes
 
 Event = dict[str, Any]
 
@@ -103,6 +105,7 @@ def report_json(rep: Report) -> dict[str, Any]:
         "committed_samples": gp.committed_samples,
         "ml_goodput": ml_goodput_metrics(rep),
         "scalars": {k: {"value": v, "step": st} for k, (v, st) in rep.scalars.items()},
+        "stragglers": [dataclasses.asdict(ep) for ep in rep.stragglers],
     }
 
 
@@ -124,6 +127,9 @@ class Report:
     faults: list[tuple[float, str]]
     scalars: dict[str, tuple[float, int]] = field(default_factory=dict)
     """The script's own scalars (`trainer.log`): the last (value, step) per name."""
+    stragglers: list[Episode] = field(default_factory=list)
+    """Stretches of steps in which a member computed slower than its peers
+    (`elastrain.observe.stragglers`)."""
 
     @property
     def estimate_label(self) -> str | None:
@@ -188,6 +194,7 @@ def report_from_events(
         commits=commits,
         faults=[(r.t0 - t0, f"{r.fault} {r.member}") for r in recs],
         scalars=last_scalars(ev),
+        stragglers=straggler_episodes(ev),
     )
 
 
@@ -269,6 +276,9 @@ def format_summary(rep: Report) -> str:
     if rep.scalars:
         logged = ", ".join(f"{n} {v:.4g} (step {s})" for n, (v, s) in rep.scalars.items())
         lines.append(f"  logged (last): {logged}")
+    if rep.stragglers:
+        lines.append("  stragglers:")
+        lines.extend(f"    {line}" for line in format_episodes(rep.stragglers).splitlines())
     return "\n".join(lines)
 
 
@@ -395,6 +405,14 @@ def render_html(rep: Report) -> str:
         if scalar_rows
         else ""
     )
+    straggler_rows = [[ep.member, f"{ep.first}-{ep.last}", f"{ep.peak:.2f}x"]
+                      for ep in rep.stragglers]  # fmt: skip
+    stragglers = (
+        "<h2>Stragglers (compute per sample against the other members')</h2>"
+        + _table(["member", "steps", "up to"], straggler_rows)
+        if straggler_rows
+        else ""
+    )
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rep.started)) if rep.started else "?"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>elastrain report {html.escape(rep.job_id)}</title>
@@ -412,6 +430,7 @@ started {when} &middot; {gp.capacity} members target &middot; {html.escape(rep.r
 <p class="meta">time goodput {pct(gp.time_goodput)}; throughput goodput {pct(gp.throughput_goodput)}
 ({gp.committed_samples} samples committed; nominal {_n(gp.nominal_samples_per_s, ".1f")} samples/s)</p></div></div>
 {scalars}
+{stragglers}
 <h2>Power and energy</h2>{fig["power"]}
 <h2>Efficiency</h2>{_table(["figure", "value", "how"], eff_rows)}
 <h2>Recovery phases (seconds)</h2>{_table(["fault", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement"], rec_rows)}

@@ -1,0 +1,143 @@
+"""Stragglers: which member computes slower than its peers, from the step events.
+
+A synchronous step runs at the pace of its slowest member: everyone else waits
+in the all-reduce. That wait hides the cause, so the score looks at what each
+member spent *before* the all-reduce: `step_commit.compute_s` (data, forward,
+backward of its micro-batches), per sample it computed (`step_contrib.samples`),
+so that a member given one micro-batch more is not called slow.
+
+Per committed step, a member's *ratio* is its compute seconds per sample over
+the median of the other computing members' (members with no sample, such as a
+sharded job's shadows, are left out; a step with one computing member says
+nothing). Its *score* is the median of its ratios over the last `WINDOW` steps
+it computed in: one slow step (a page fault storm, a GC pause) does not make a
+straggler, a node that is slower for a while does. A member whose score is at
+least `THRESHOLD` over at least `MIN_STEPS` steps is *straggling*.
+
+Pure functions of the events, like the rest of `elastrain.observe`: the live
+view shows the members straggling now (`current_stragglers`), the report the
+stretches of steps in which each one was (`straggler_episodes`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Event = Mapping[str, Any]
+
+WINDOW = 10
+"""Steps a score looks back over (the member's own computing steps)."""
+MIN_STEPS = 5
+"""Fewer ratios than this in the window: no verdict yet."""
+THRESHOLD = 1.5
+"""Score from which a member is straggling: 1.5 x the others' time per sample."""
+
+
+@dataclass(frozen=True)
+class StepRatio:
+    """One member's compute seconds per sample at `step`, over the others' median."""
+
+    step: int
+    member: str
+    ratio: float
+
+
+@dataclass(frozen=True)
+class Episode:
+    """Steps `first`..`last` during which `member`'s score stayed >= the threshold;
+    `peak` is its highest score then."""
+
+    member: str
+    first: int
+    last: int
+    peak: float
+
+
+def step_ratios(events: Iterable[Event]) -> list[StepRatio]:
+    """Every (step, member) ratio the events allow, in step order. Only steps
+    committed in the generation their contributions name are used (an aborted
+    attempt of a step leaves contributions but no commit)."""
+    samples: dict[tuple[int, int, str], int] = {}
+    compute: dict[tuple[int, int], dict[str, float]] = {}
+    for e in events:
+        kind, step, gen, member = e.get("kind"), e.get("step"), e.get("gen"), e.get("proc")
+        if not (isinstance(step, int) and isinstance(gen, int) and isinstance(member, str)):
+            continue
+        if kind == "step_contrib" and isinstance(e.get("samples"), list):
+            samples[(step, gen, member)] = len(e["samples"])
+        elif kind == "step_commit" and isinstance(e.get("compute_s"), int | float):
+            compute.setdefault((step, gen), {})[member] = float(e["compute_s"])
+    out: list[StepRatio] = []
+    for (step, gen), by_member in sorted(compute.items()):
+        per_sample = {
+            m: s / n
+            for m, s in by_member.items()
+            if (n := samples.get((step, gen, m), 0)) > 0 and s > 0
+        }
+        if len(per_sample) < 2:
+            continue
+        for m, v in sorted(per_sample.items()):
+            others = statistics.median(x for o, x in per_sample.items() if o != m)
+            out.append(StepRatio(step, m, v / others))
+    return out
+
+
+def _scores(ratios: Iterable[StepRatio], window: int) -> Iterable[tuple[StepRatio, float, int]]:
+    """(ratio, the member's rolling score after it, ratios in the window)."""
+    recent: dict[str, deque[float]] = {}
+    for r in ratios:
+        w = recent.setdefault(r.member, deque(maxlen=window))
+        w.append(r.ratio)
+        yield r, statistics.median(w), len(w)
+
+
+def current_stragglers(
+    events: Iterable[Event],
+    *,
+    window: int = WINDOW,
+    threshold: float = THRESHOLD,
+    min_steps: int = MIN_STEPS,
+) -> dict[str, float]:
+    """Members straggling as of their latest step, with their score (highest first)."""
+    last: dict[str, tuple[float, int]] = {}
+    for r, score, n in _scores(step_ratios(events), window):
+        last[r.member] = (score, n)
+    out = {m: s for m, (s, n) in last.items() if n >= min_steps and s >= threshold}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def straggler_episodes(
+    events: Iterable[Event],
+    *,
+    window: int = WINDOW,
+    threshold: float = THRESHOLD,
+    min_steps: int = MIN_STEPS,
+) -> list[Episode]:
+    """Each stretch of steps over which a member's score was >= `threshold` (with
+    at least `min_steps` ratios in its window), in the order they began."""
+    open_: dict[str, Episode] = {}
+    done: list[Episode] = []
+    for r, score, n in _scores(step_ratios(events), window):
+        ep = open_.get(r.member)
+        if n >= min_steps and score >= threshold:
+            if ep is None:
+                open_[r.member] = Episode(r.member, r.step, r.step, score)
+            else:
+                open_[r.member] = Episode(r.member, ep.first, r.step, max(ep.peak, score))
+        elif ep is not None:
+            done.append(open_.pop(r.member))
+    done.extend(open_.values())
+    return sorted(done, key=lambda ep: (ep.first, ep.member))
+
+
+def format_episodes(episodes: Iterable[Episode]) -> str:
+    """One line per episode: 'w1 steps 20-49: up to 3.2x the others' compute per sample'."""
+    return "\n".join(
+        f"{ep.member} steps {ep.first}-{ep.last}: up to {ep.peak:.1f}x the others' "
+        "compute per sample"
+        for ep in episodes
+    )

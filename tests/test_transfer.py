@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import itertools
 import json
 import math
@@ -31,6 +32,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 import elastrain.transfer.chunks as chunks
+import elastrain.transfer.landing as landing
 import elastrain.transfer.striped as striped
 from elastrain.transfer import (
     HealError,
@@ -43,6 +45,7 @@ from elastrain.transfer import (
 )
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
 from elastrain.transfer.flatten import flatten_state
+from elastrain.transfer.landing import Landing
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
@@ -351,15 +354,75 @@ def test_bad_arguments_raise_before_communicating() -> None:
         heal(FakeGroup(), 1, [0], [1], TorchState(model, opt), None, 5.0)
 
 
+# ---------------------------------------------------------------- landing
+
+
+def _mapped(addr: int) -> bool:
+    """Whether ``addr`` lies in a mapping of this process (Linux /proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+
+
+def test_landing_gives_each_entry_exactly_its_bytes_one_mapping_per_section() -> None:
+    tensors = [
+        ("model/w", torch.zeros(1024, 1024)),  # 4 MiB
+        ("model/h", torch.zeros(3, dtype=torch.float16)),  # 6 bytes: unaligned after it
+        ("model/d", torch.zeros((), dtype=torch.float64)),
+        ("model/e", torch.zeros(0)),
+        ("optim/0/exp_avg", torch.zeros(1024, 1024)),
+        ("optim/0/step", torch.zeros(())),
+        ("obj/o/x", torch.zeros(4, dtype=torch.int64)),  # a small section: torch.empty
+    ]
+    m = build_manifest("torch", tensors, {}, [0], {}, 1)
+    land = Landing.allocate(m.entries)
+    for i, (name, want) in enumerate(tensors):
+        got = land.tensors[name]
+        assert (got.dtype, got.shape, got.is_contiguous()) == (want.dtype, want.shape, True)
+        # Its own storage, no larger than its bytes: torch.save and DCP write just these.
+        assert got.untyped_storage().nbytes() == want.nbytes, name
+        if want.numel():
+            assert got.data_ptr() % 64 == 0, name
+        byte_view(got).fill_(i + 1)
+    for i, (name, _) in enumerate(tensors):  # disjoint: nothing overwrote another entry
+        assert bool((byte_view(land.tensors[name]) == i + 1).all()), name
+    if landing._MADV_HUGEPAGE is None or not Path("/proc/self/maps").exists():
+        return
+    w, o = land.tensors["model/w"], land.tensors["optim/0/exp_avg"]
+    assert w.data_ptr() % landing.HUGE_PAGE == 0 and o.data_ptr() % landing.HUGE_PAGE == 0
+    assert land.tensors["model/h"].data_ptr() == w.data_ptr() + w.nbytes  # one mapping
+    assert land.tensors["optim/0/step"].data_ptr() == o.data_ptr() + o.nbytes
+    # The model's mapping goes once its tensors are dropped (install copies them),
+    # while the optimizer's stays as long as any of its tensors is alive.
+    w_at, step = w.data_ptr(), land.tensors["optim/0/step"]
+    del w, o, land
+    assert not _mapped(w_at)
+    assert _mapped(step.data_ptr()) and float(step) != 0.0
+
+
+def test_fresh_bytes_is_writable_and_huge_page_aligned() -> None:
+    for n in (0, 1000, landing.HUGE_PAGE + 3):
+        t = landing.fresh_bytes(n)
+        assert (t.dtype, t.numel(), t.untyped_storage().nbytes()) == (torch.uint8, n, n)
+        t.fill_(7)
+        assert int(t.sum()) == 7 * n
+    if landing._MADV_HUGEPAGE is not None:
+        assert t.data_ptr() % landing.HUGE_PAGE == 0
+
+
 # ---------------------------------------------------------------- heal, ranks as threads
 
 
 def watch_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Bytes of every ``torch.empty`` call from now on; a request over 1 GiB fails
-    as an allocator out of memory would. The heal allocates through ``torch.empty``
-    only (the manifest buffer, one landing tensor per entry), so this shows what a
-    lying sender made a receiver allocate. Build models before using it."""
+    """Bytes of every ``torch.empty`` call and every huge-page landing mapping from
+    now on; a request over 1 GiB fails as an allocator out of memory would. The
+    heal allocates through these only (the manifest buffer, the landing tensors,
+    packed messages), so this shows what a lying sender made a receiver allocate.
+    Build models before using it."""
     real, sizes = torch.empty, []  # type: ignore[var-annotated]
+    real_region = landing._huge_region
 
     def empty(*size: Any, dtype: torch.dtype | None = None, **kw: Any) -> torch.Tensor:
         shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
@@ -369,7 +432,14 @@ def watch_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             raise RuntimeError(f"test allocator: refusing {n} bytes")
         return real(*size, dtype=dtype, **kw)
 
+    def region(nbytes: int) -> Any:
+        sizes.append(nbytes)
+        if nbytes > 1 << 30:
+            raise RuntimeError(f"test allocator: refusing a {nbytes}-byte mapping")
+        return real_region(nbytes)
+
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(landing, "_huge_region", region)
     return sizes
 
 
@@ -474,6 +544,32 @@ def test_heal_threads_direct_and_packed_messages(
     res = run_threads(master_store, 3, fn)
     assert all(isinstance(r, HealStats) for r in res), res
     assert state_hash(*states[2]) == want
+
+
+def test_heal_threads_large_state_lands_in_mappings_and_saves_compactly(
+    master_store: TCPStore,
+) -> None:
+    """Sections of megabytes land in shared huge-page mappings; the healed optimizer
+    state is still one exact storage per tensor: it saves to the sender's size."""
+    width = 1 << 16  # fc1: 2 MiB of weights, Adam state 2x the params
+    states = [trained(width, steps=1), fresh(width)]
+    want = state_hash(*states[0])
+
+    def fn(rank: int, pg: Any) -> HealStats:
+        return heal(pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY)[1]
+
+    res = run_threads(master_store, 2, fn)
+    assert all(isinstance(r, HealStats) for r in res), res
+    assert state_hash(*states[1]) == want
+    sizes = []
+    for _, opt in states:
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        sizes.append(len(buf.getvalue()))
+    assert abs(sizes[1] - sizes[0]) < 4096, sizes
+    train_step(*states[1], seed=9)  # the healed state trains like any other
+    train_step(*states[0], seed=9)
+    assert state_hash(*states[1]) == state_hash(*states[0])
 
 
 def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(

@@ -4,10 +4,23 @@ Every entry lands in its own fresh tensor (allocated only after the manifest
 passed the receiver's `NamedState.bound`); the tensors become live only through
 `NamedState.install`, after every stripe's seal matched, so a failed heal
 leaves the live state untouched. Local; no communication.
+
+Why not ``torch.empty``: a heal's receiver is usually a process that has just
+started, so its landing memory has never been touched, and the kernel faults
+it in one 4 KiB page at a time as gloo's receive thread writes it. That fault
+storm cost the receiver about as much as the copy out of the socket (a plain
+gloo broadcast into fresh memory ran at half the rate of one into memory
+touched before). An entry of at least `HUGE_PAGE` bytes therefore gets its own
+anonymous mapping, aligned to a huge page and advised ``MADV_HUGEPAGE``: the
+kernel then faults it in 2 MiB at a time (where transparent huge pages are
+``madvise`` or ``always``; elsewhere this is an ordinary mapping). Its tensor
+is exactly the entry's bytes (its storage is no larger), and the mapping is
+unmapped when the last tensor over it is freed.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +28,66 @@ import torch
 
 from elastrain.transfer.dtypes import byte_view, dtype_from_name
 from elastrain.transfer.manifest import Entry
+
+HUGE_PAGE = 2 * 1024 * 1024
+"""Entries of at least this many bytes land in huge-page-advised memory."""
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+_ALIGN = 64
+"""Each entry in a shared mapping starts on this boundary (any dtype's alignment)."""
+
+
+def _section(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
+def _huge_region(nbytes: int) -> tuple[mmap.mmap, int] | None:
+    """A fresh anonymous mapping of at least ``nbytes`` advised huge pages, and the
+    offset in it of its first huge-page boundary; None where huge pages cannot be
+    advised (not Linux) or ``nbytes`` is less than one huge page."""
+    if nbytes < HUGE_PAGE or _MADV_HUGEPAGE is None:
+        return None
+    # One huge page more than needed, so the bytes can start on a boundary; the
+    # pages before it are never touched, so they never become resident.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(_MADV_HUGEPAGE)
+    except OSError:
+        pass  # transparent huge pages are off here: an ordinary mapping still works
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    return region, (-base) % HUGE_PAGE
+
+
+def fresh_bytes(nbytes: int) -> torch.Tensor:
+    """A new writable uint8 tensor of ``nbytes`` bytes (contents undefined), in
+    huge-page-advised memory when it is at least `HUGE_PAGE` bytes."""
+    got = _huge_region(nbytes)
+    if got is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    region, at = got
+    # torch.frombuffer keeps the mapping alive as long as the tensor.
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=at)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _allocate_section(entries: Sequence[Entry], out: dict[str, torch.Tensor]) -> None:
+    """Fresh tensors for ``entries`` (one section), over one shared mapping if they
+    add up to a huge page: each tensor's storage is exactly its own bytes."""
+    got = _huge_region(sum(_padded(e.nbytes) for e in entries))
+    at = 0
+    for e in entries:
+        dtype = dtype_from_name(e.dtype)
+        if got is None or e.nbytes == 0:
+            out[e.name] = torch.empty(tuple(e.shape), dtype=dtype)
+            continue
+        region, base = got
+        flat = torch.frombuffer(region, dtype=torch.uint8, count=e.nbytes, offset=base + at)
+        out[e.name] = flat.view(dtype).reshape(tuple(e.shape))
+        at += _padded(e.nbytes)
 
 
 @dataclass(frozen=True)
@@ -25,7 +98,20 @@ class Landing:
 
     @classmethod
     def allocate(cls, entries: Sequence[Entry]) -> Landing:
-        return cls({e.name: torch.empty(e.shape, dtype=dtype_from_name(e.dtype)) for e in entries})
+        """Fresh tensors for ``entries``; the entries of one section (the first
+        segment of their names: ``model``, ``optim``, ``obj`` for torch) share one
+        huge-page-advised mapping, unmapped once none of its tensors is alive, so
+        what `NamedState.install` copies and drops (torch: the model's tensors)
+        goes back as a whole when the heal ends."""
+        tensors: dict[str, torch.Tensor] = {}
+        run: list[Entry] = []
+        for e in entries:
+            if run and _section(run[0].name) != _section(e.name):
+                _allocate_section(run, tensors)
+                run = []
+            run.append(e)
+        _allocate_section(run, tensors)
+        return cls(tensors)
 
     def target(self, entry: Entry, offset: int, nbytes: int) -> torch.Tensor:
         """The writable uint8 view for payload bytes ``[offset, offset + nbytes)`` of ``entry``."""

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag
 from elastrain.transfer.dtypes import cpu_bytes
 from elastrain.transfer.errors import HealError, ManifestUnavailable
-from elastrain.transfer.landing import Landing
+from elastrain.transfer.landing import Landing, fresh_bytes
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
@@ -408,7 +408,7 @@ def _post_range(
     items = []
     for i, chunk in enumerate(plan_chunks(m.entries, s)):
         if chunk.packed:
-            buf = torch.empty(chunk.nbytes, dtype=torch.uint8)
+            buf = fresh_bytes(chunk.nbytes)
         else:
             p = chunk.pieces[0]
             buf = landing.target(m.entries[p.entry], p.offset, p.nbytes)

@@ -1,0 +1,138 @@
+"""One process of benchmarks/heal_rate.py: elastrain's heal against a plain gloo broadcast.
+
+    python heal_rate_job.py RANK SENDERS STORE_PORT DIM LAYERS HEADS REPS OUT_PREFIX
+
+SENDERS + 1 processes join the parent's TCPStore: ranks 0 .. SENDERS-1 are heal
+senders, rank SENDERS the receiver. Every process builds the demo GPT (DIM,
+LAYERS, HEADS, context 64) with AdamW, as the benchmarks' jobs do; the senders
+from one seed and after one AdamW step on seeded random gradients (so the
+optimizer state exists and the payload is about 3 x the params), the receiver
+from another seed with no optimizer state, as a replacement starts.
+
+After one untimed warm-up of each, each of REPS rounds runs, in this order (so
+that a shared machine's load hits all three alike), each after a barrier of
+every rank so that they start it together:
+
+1. ``warm``: a plain gloo broadcast of one uint8 tensor of the heal's payload
+   bytes from rank 0 to the receiver (a 2-rank group of its own), into memory
+   the receiver has touched before;
+2. ``fresh``: the same into a tensor the receiver allocated just before it;
+3. ``heal``: `elastrain.transfer.heal` of the `TorchState` (the code the
+   trainers run, sealed under a job key) from the senders into the receiver,
+   which lands it in memory it has not touched yet and installs it.
+
+Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
+the wall seconds (from the barrier to its own end of it) and the CPU seconds of
+its process (every thread, gloo's included). After the last round the ranks
+check that the receiver's state hash equals the senders' (exit 3 if not).
+Run it with MALLOC_MMAP_THRESHOLD_ set (heal_rate.py does) so that every large
+allocation is fresh memory, as in a replacement's first heal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from elastrain.demo.gpt import GPT
+from elastrain.transfer import TorchState, heal, state_hash
+
+KEY = b"heal-rate-benchmark-key"
+TIMEOUT = datetime.timedelta(seconds=120)
+KINDS = ("warm", "fresh", "heal")
+
+
+def build(dim: int, layers: int, heads: int, sender: bool) -> TorchState:
+    torch.manual_seed(0 if sender else 1)
+    model = GPT(block=64, d=dim, layers=layers, heads=heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if sender:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return TorchState(model, opt)
+
+
+def cpu_s() -> float:
+    """This process's CPU seconds so far (every thread: gloo's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def barrier(pg: dist.ProcessGroup) -> None:
+    pg.allreduce([torch.zeros(1)]).wait()
+
+
+def same_everywhere(pg: dist.ProcessGroup, digest: str) -> bool:
+    """Whether every rank passed the same hex digest (collective)."""
+    h = torch.tensor(list(bytes.fromhex(digest[:16])), dtype=torch.int64)
+    hi, lo = h.clone(), h.clone()
+    for t, op in ((hi, dist.ReduceOp.MAX), (lo, dist.ReduceOp.MIN)):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
+        pg.allreduce([t], opts).wait()
+    return torch.equal(hi, lo)
+
+
+def main() -> None:
+    rank, senders, port, dim, layers, heads, reps = (int(a) for a in sys.argv[1:8])
+    out = sys.argv[8]
+    torch.set_num_threads(1)
+    world, receiver = senders + 1, senders
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=TIMEOUT)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("heal", store), rank, world, TIMEOUT)
+    bcast = (
+        dist.ProcessGroupGloo(dist.PrefixStore("bcast", store), min(rank, 1), 2, TIMEOUT)
+        if rank in (0, receiver)
+        else None
+    )
+    state = build(dim, layers, heads, rank < senders)
+
+    def do_heal() -> None:
+        heal(pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY)
+
+    def broadcast(t: torch.Tensor) -> None:
+        if bcast is None:
+            return  # a second sender: not in the broadcast
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        bcast.broadcast([t], opts).wait()
+
+    seconds: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
+
+    def timed(kind: str, fn: Callable[[], None]) -> None:
+        barrier(pg)
+        c0, t0 = cpu_s(), time.perf_counter()
+        fn()
+        seconds[kind].append(time.perf_counter() - t0)
+        cpu[kind].append(cpu_s() - c0)
+
+    do_heal()  # warm-up: connections; the receiver has optimizer state from here on
+    nbytes = sum(t.numel() * t.element_size() for _, t in state.flatten().tensors)
+    warm = torch.zeros(nbytes, dtype=torch.uint8)
+    broadcast(warm)
+    for _ in range(reps):
+        timed("warm", lambda: broadcast(warm))
+        fresh = torch.empty(nbytes, dtype=torch.uint8) if rank == receiver else warm
+        timed("fresh", lambda t=fresh: broadcast(t))
+        del fresh
+        timed("heal", do_heal)
+    ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"rank": rank, "bytes": nbytes, "seconds": seconds, "cpu": cpu}, f)
+    barrier(pg)
+    if not ok:
+        print(f"rank {rank}: the receiver's state hash differs from the senders'", file=sys.stderr)
+        raise SystemExit(3)
+
+
+if __name__ == "__main__":
+    main()

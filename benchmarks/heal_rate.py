@@ -1,0 +1,280 @@
+"""Heal rate against a plain gloo broadcast of the same bytes, side by side (issues 16, 18 item 3).
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/heal_rate.py [--quick] [--no-record] [--senders 1,2]
+        [--reps N] [--dim D --layers L --heads H]
+
+The target of both issues: a replacement's heal runs at >= 50% of a plain gloo
+broadcast of the same bytes over the same loopback, measured in the same run.
+recovery.py and sharded.py measure it inside a whole job (minutes, one heal per
+run); this measures just the transfer, many times, so that a change to the heal
+code can be judged in a minute or two.
+
+For each sender count S (`--senders`, default 1 and 2: a sharded 2x2 job heals
+its dead rank's shard from its one twin; a replicated job stripes across all
+survivors), S + 1 processes (_jobs/heal_rate_job.py) hold the demo GPT with
+AdamW (default dim 256, 4 layers, 4 heads: about 39 MB of model and optimizer
+state, the shard a 2x2 sharded.py replacement heals). After one warm-up each,
+`--reps` rounds run, each of three measurements after a barrier (so the
+machine's load hits all three alike):
+
+- warm: a plain gloo broadcast of a uint8 tensor of the heal's payload bytes
+  from a sender to the receiver (their own 2-rank group), into memory the
+  receiver touched before: the link rate, the target's reference;
+- fresh: the same into memory the receiver allocated just before (a heal's
+  receiver lands its state in memory it has not touched yet);
+- heal: `elastrain.transfer.heal` of the TorchState from the S senders into
+  the receiver (manifest, seals, verdicts, stripes, install: the code the
+  trainers run, under a job key), timed on the receiver from the barrier to
+  the end of its call.
+
+Every process runs with MALLOC_MMAP_THRESHOLD_=131072 (glibc's default, pinned)
+so that each large allocation is fresh memory, as in a replacement's first heal
+(without it glibc raises the threshold after the first free and later heals
+would land in recycled, already touched pages). The receiver checks its state
+hash against the senders' after the last round.
+
+Reported per S: median MB/s of each, the heal's rate against the warm and the
+fresh broadcast (ratio of medians; and the median of per-round ratios, which a
+load swing between rounds moves less), CPU milliseconds of all processes per
+operation, and PASS/FAIL for heal >= 50% of warm. Prints the table and appends
+it to benchmarks/RESULTS.md with date, machine, load, command and commit
+(unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
+and never records. About 1 minute on the 2-core machine (--quick: 15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from _steady import (  # noqa: E402
+    JOBS,
+    LoadSampler,
+    append_section,
+    fmt,
+    log,
+    med,
+    print_notes,
+    run_context,
+    table,
+)
+
+TARGET = 0.5
+"""The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
+KINDS = ("warm", "fresh", "heal")
+FULL = {"dim": 256, "layers": 4, "heads": 4, "reps": 10, "senders": "1,2"}
+QUICK = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
+MMAP_THRESHOLD = "131072"
+"""glibc's default mmap threshold, pinned (see the module docstring)."""
+
+
+def run_one(
+    senders: int, shape: tuple[int, int, int], reps: int, out_dir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """Run the S + 1 job processes once; per rank, their JSON (`_jobs/heal_rate_job.py`)."""
+    import torch.distributed as dist
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, senders + 2, is_master=True, timeout=dt.timedelta(seconds=120),
+        wait_for_workers=False,
+    )  # fmt: skip
+    prefix = out_dir / f"s{senders}"
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    argv = [str(senders), str(store.port), *(str(x) for x in shape), str(reps), str(prefix)]
+    procs = []
+    try:
+        for r in range(senders + 1):
+            with open(out_dir / f"s{senders}-r{r}.log", "wb") as logf:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(JOBS / "heal_rate_job.py"), str(r), *argv],
+                        stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        # Poll, so that one crashed process ends the run at once (its peers would
+        # otherwise wait out gloo's timeout).
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{senders} sender(s): timed out after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        rcs = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(rcs):
+        raise RuntimeError(f"{senders} sender(s): job exit codes {rcs}; see {out_dir}")
+    ranks = [json.loads(Path(f"{prefix}.{r}").read_text()) for r in range(senders + 1)]
+    return summarize(ranks)
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rates (MB/s, the receiver's wall time) and CPU (all ranks) per kind and round."""
+    recv = ranks[-1]
+    nbytes = recv["bytes"]
+    rounds = len(recv["seconds"]["heal"])
+    rates = {k: [nbytes / 1e6 / s for s in recv["seconds"][k]] for k in KINDS}
+    cpu = {k: [sum(r["cpu"][k][i] for r in ranks) for i in range(rounds)] for k in KINDS}
+    per_round = {
+        ref: [h / w for h, w in zip(rates["heal"], rates[ref], strict=True)]
+        for ref in ("warm", "fresh")
+    }
+    return {"bytes": nbytes, "rates": rates, "cpu": cpu, "per_round": per_round}
+
+
+def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
+    m = {k: med(r["rates"][k]) for k in KINDS}
+    ratio = m["heal"] / m["warm"]
+    return [
+        [
+            str(senders),
+            fmt(r["bytes"] / 1e6, 1),
+            fmt(m["warm"], 0),
+            fmt(m["fresh"], 0),
+            fmt(m["heal"], 0),
+            f"{fmt(min(r['rates']['heal']), 0)} / {fmt(max(r['rates']['heal']), 0)}",
+            fmt(ratio, 2),
+            fmt(med(r["per_round"]["warm"]), 2),
+            fmt(m["heal"] / m["fresh"], 2),
+            " / ".join(fmt(med(r["cpu"][k]) * 1e3, 1) for k in KINDS),
+            "PASS" if ratio >= TARGET else "FAIL",
+        ]
+    ]
+
+
+HEADER = [
+    "senders",
+    "MB",
+    "warm bcast MB/s",
+    "fresh bcast MB/s",
+    "heal MB/s",
+    "heal min / max",
+    "heal / warm",
+    "per-round heal / warm",
+    "heal / fresh",
+    "CPU ms warm / fresh / heal",
+    f">= {TARGET:.0%} of warm",
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 10 MB, 3 rounds, no record")
+    ap.add_argument("--senders", help="comma-separated sender counts (default 1,2)")
+    ap.add_argument("--reps", type=int, help="timed rounds per sender count (default 10)")
+    ap.add_argument("--dim", type=int, help="demo GPT width (default 256)")
+    ap.add_argument("--layers", type=int, help="demo GPT layers (default 4)")
+    ap.add_argument("--heads", type=int, help="demo GPT heads (default 4)")
+    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = ap.parse_args()
+    base = QUICK if args.quick else FULL
+    dim, layers, heads, reps = (
+        getattr(args, k) if getattr(args, k) is not None else base[k]
+        for k in ("dim", "layers", "heads", "reps")
+    )
+    try:
+        senders = [int(x) for x in (args.senders or str(base["senders"])).split(",") if x]
+    except ValueError:
+        ap.error(f"--senders takes comma-separated integers, got {args.senders!r}")
+    if not senders or min(senders) < 1:
+        ap.error("--senders: each count must be at least 1")
+    if reps < 1 or dim < 1 or layers < 1 or heads < 1 or dim % heads:
+        ap.error("--reps, --dim, --layers, --heads must be positive, and dim a multiple of heads")
+    record = not (args.no_record or args.quick)
+
+    t_start, t_wall0 = time.monotonic(), time.time()
+    load = LoadSampler()
+    ctx = run_context("heal_rate.py")
+    out_dir = HERE / "runs" / f"heal-rate-{time.strftime('%Y%m%d-%H%M%S')}"
+    log(f"load average now {os.getloadavg()[0]:.1f} on {ctx.cores} cores; logs under {out_dir}")
+    res: dict[int, dict[str, Any]] = {}
+    loads: dict[int, float] = {}
+    for s in senders:
+        t_w = time.time()
+        try:
+            res[s] = run_one(s, (dim, layers, heads), reps, out_dir, timeout_s=60.0 + 20.0 * reps)
+        except RuntimeError as err:
+            print(f"\nFATAL: {err}; nothing recorded.")
+            load.stop()
+            return 1
+        loads[s] = load.mean(t_w, time.time())
+        log(f"{s} sender(s): heal {fmt(med(res[s]['rates']['heal']), 0)} MB/s, warm broadcast "
+            f"{fmt(med(res[s]['rates']['warm']), 0)} MB/s")  # fmt: skip
+    load.stop()
+
+    t = table(HEADER, [row for s, r in res.items() for row in rows_of(s, r)])
+    notes = [
+        f"state: the demo GPT, dim {dim}, {layers} layers, {heads} heads, context 64, with "
+        "AdamW after one step (model + optimizer state, as a heal moves it); the receiver "
+        "starts from another seed with no optimizer state",
+        f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal, each "
+        "after a barrier; rates are the payload bytes over the receiver's wall time from the "
+        "barrier to its end of the operation; medians over rounds",
+        "broadcast: one uint8 tensor of the payload's bytes, from sender rank 0 to the "
+        "receiver in a 2-rank gloo group of their own; warm: into memory touched before; "
+        "fresh: into a tensor allocated just before",
+        "heal: elastrain.transfer.heal (sealed under a job key) of model + optimizer from "
+        "the senders, striped, into the receiver, landing in fresh memory and installed; "
+        "the receiver's state hash equals the senders' after the last round (checked)",
+        f"every process: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (large allocations are "
+        "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
+        "over loopback",
+        "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
+        "operation, median over rounds",
+        "machine load (1-min load average): "
+        + ", ".join(f"{loads[s]:.1f} during {s} sender(s)" for s in res)
+        + f"; {load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
+        f"total benchmark runtime {time.monotonic() - t_start:.0f} s; logs "
+        f"{out_dir.relative_to(ROOT)}",
+    ]
+    anomalies = [
+        f"{s} sender(s): heal at {fmt(med(r['rates']['heal']) / med(r['rates']['warm']), 2)} "
+        f"of the warm broadcast, below the {TARGET:.0%} target"
+        for s, r in res.items()
+        if med(r["rates"]["heal"]) < TARGET * med(r["rates"]["warm"])
+    ]
+    print()
+    print(t)
+    print()
+    print_notes(notes, anomalies)
+    if args.quick:
+        print("\n(--quick smoke run: not recorded, and no number in it means anything)")
+    if record:
+        import torch
+
+        sec = [
+            "",
+            f"## heal_rate.py — {ctx.date}",
+            "",
+            f"Machine: `{ctx.uname}`, {ctx.cores} cores (shared with other work). torch "
+            f"{torch.__version__}, gloo over loopback. Code: {ctx.code}.",
+            "",
+            f"Command: `{ctx.command}`",
+            "",
+            t,
+            "",
+        ]
+        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

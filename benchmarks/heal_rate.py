@@ -41,7 +41,7 @@ load swing between rounds moves less), CPU milliseconds of all processes per
 operation, and PASS/FAIL for heal >= 50% of warm. Prints the table and appends
 it to benchmarks/RESULTS.md with date, machine, load, command and commit
 (unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
-and never records. About 1 minute on the 2-core machine (--quick: 15 s).
+and never records. About 1 minute on the 2-core machine (--quick: 10 s).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from _steady import (  # noqa: E402
 TARGET = 0.5
 """The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
 KINDS = ("warm", "fresh", "heal")
-FULL = {"dim": 256, "layers": 4, "heads": 4, "reps": 10, "senders": "1,2"}
+FULL = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
 QUICK = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
 MMAP_THRESHOLD = "131072"
 """glibc's default mmap threshold, pinned (see the module docstring)."""
@@ -179,7 +179,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 MB, 3 rounds, no record")
     ap.add_argument("--senders", help="comma-separated sender counts (default 1,2)")
-    ap.add_argument("--reps", type=int, help="timed rounds per sender count (default 10)")
+    ap.add_argument("--reps", type=int, help="timed rounds per sender count (default 20)")
     ap.add_argument("--dim", type=int, help="demo GPT width (default 256)")
     ap.add_argument("--layers", type=int, help="demo GPT layers (default 4)")
     ap.add_argument("--heads", type=int, help="demo GPT heads (default 4)")

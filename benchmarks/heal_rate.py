@@ -76,8 +76,8 @@ from _steady import (  # noqa: E402
 TARGET = 0.5
 """The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
 KINDS = ("warm", "fresh", "heal")
-FULL = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
-QUICK = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
+FULL: dict[str, int | str] = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
+QUICK: dict[str, int | str] = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
 MMAP_THRESHOLD = "131072"
 """glibc's default mmap threshold, pinned (see the module docstring)."""
 
@@ -187,7 +187,7 @@ def main() -> int:
     args = ap.parse_args()
     base = QUICK if args.quick else FULL
     dim, layers, heads, reps = (
-        getattr(args, k) if getattr(args, k) is not None else base[k]
+        int(getattr(args, k) if getattr(args, k) is not None else base[k])
         for k in ("dim", "layers", "heads", "reps")
     )
     try:

@@ -402,6 +402,19 @@ def test_landing_gives_each_entry_exactly_its_bytes_one_mapping_per_section() ->
     assert _mapped(step.data_ptr()) and float(step) != 0.0
 
 
+def test_landing_falls_back_to_torch_empty_when_no_mapping_can_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(landing.mmap, "mmap", refuse)
+    m = build_manifest("torch", [("optim/0/a", torch.zeros(1024, 1024))], {}, [0], {}, 1)
+    got = Landing.allocate(m.entries).tensors["optim/0/a"]
+    assert got.shape == (1024, 1024) and got.untyped_storage().nbytes() == 4 << 20
+    assert landing.fresh_bytes(landing.HUGE_PAGE).numel() == landing.HUGE_PAGE
+
+
 def test_fresh_bytes_is_writable_and_huge_page_aligned() -> None:
     for n in (0, 1000, landing.HUGE_PAGE + 3):
         t = landing.fresh_bytes(n)

@@ -45,12 +45,16 @@ def _section(name: str) -> str:
 def _huge_region(nbytes: int) -> tuple[mmap.mmap, int] | None:
     """A fresh anonymous mapping of at least ``nbytes`` advised huge pages, and the
     offset in it of its first huge-page boundary; None where huge pages cannot be
-    advised (not Linux) or ``nbytes`` is less than one huge page."""
+    advised (not Linux), ``nbytes`` is less than one huge page or the mapping
+    cannot be made (the caller falls back to ``torch.empty``)."""
     if nbytes < HUGE_PAGE or _MADV_HUGEPAGE is None:
         return None
     # One huge page more than needed, so the bytes can start on a boundary; the
     # pages before it are never touched, so they never become resident.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None  # torch.empty then fails (out of memory) with the RuntimeError callers expect
     try:
         region.madvise(_MADV_HUGEPAGE)
     except OSError:

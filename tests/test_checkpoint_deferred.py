@@ -24,15 +24,12 @@ from elastrain.checkpoint import deferred as deferred_module
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import step_dir
 from elastrain.observe.events import EventLog, read_events
-from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.durable import Checkpointing
 from elastrain.runtime.resume import ordered_json
 from elastrain.transfer.dtypes import byte_view
 from elastrain.transfer.flatten import flatten_state
 
-
-def cfg(**kw: Any) -> TrainerConfig:
-    return TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=10, **kw)
+from .test_durable_unit import cfg
 
 
 def model_and_opt() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -152,6 +152,21 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "(Young/Daly, from the measured save cost)",
     )
     ap.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="DIR",
+        help="start from a torch.distributed.checkpoint directory a plain DDP/FSDP2 job "
+        "saved as {'model': ..., 'optim': ..., 'step': N} (get_state_dict's names; "
+        "docs/formats.md)",
+    )
+    ap.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the steps --resume-from was trained for, if it has no 'step' entry",
+    )
+    ap.add_argument(
         "--grace",
         type=float,
         default=_default("grace_s"),
@@ -217,6 +232,8 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         seed=args.seed,
         checkpoint_every=args.ckpt_every,
         checkpoint_mtbf_s=args.ckpt_mtbf,
+        resume_from=args.resume_from,
+        resume_step=args.resume_step,
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
         group_readable=args.group_readable,

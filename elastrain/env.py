@@ -54,6 +54,15 @@ RESUME = "ELASTRAIN_RESUME"
 verified at whole-job resume; newer step directories were already discarded).
 Unset: "latest" when checkpointing is on, else "none"."""
 
+RESUME_FROM = "ELASTRAIN_RESUME_FROM"
+"""A DCP checkpoint written by a plain torch job (`elastrain run --resume-from`):
+a worker with no elastrain checkpoint to load (RESUME "none", or "latest" and
+none committed yet) loads this one instead, at RESUME_STEP."""
+
+RESUME_STEP = "ELASTRAIN_RESUME_STEP"
+"""The committed step count RESUME_FROM holds (--resume-step; unset: the
+checkpoint's own ``step`` entry)."""
+
 METERING = "ELASTRAIN_METERING"
 EVENTS_STDOUT = "ELASTRAIN_EVENTS_STDOUT"
 """1: every process also prints its events to stdout, one JSON line each (cluster mode)."""

@@ -72,6 +72,15 @@ class LaunchConfig:
     """Override the script's checkpoint interval, in steps (--ckpt-every; 0: none)."""
     checkpoint_mtbf_s: float | None = None
     """Override the script's MTBF for the automatic Young/Daly interval (--ckpt-mtbf)."""
+    resume_from: str | None = None
+    """A DCP checkpoint written by a plain torch job (DDP, FSDP2) to start from
+    (--resume-from; docs/formats.md, "Starting from a plain DCP checkpoint").
+    Refused when the run directory already has a committed elastrain checkpoint
+    (run without it to resume that one); an agent's workers prefer the job's
+    own newest checkpoint to it."""
+    resume_step: int | None = None
+    """The number of steps `resume_from` was trained for (--resume-step); needed
+    when the checkpoint has no ``step`` entry, and must agree with it if it has."""
     grace_s: float = 30.0
     """Seconds between SIGTERM to the launcher and the end of the job (--grace):
     the emergency checkpoint and every worker's exit must fit in it."""
@@ -119,6 +128,11 @@ class LaunchConfig:
                 )
         if self.name and not all(ch.isalnum() or ch in "-_." for ch in self.name):
             raise ValueError(f"--name may hold letters, digits, '-', '_', '.': {self.name!r}")
+        if self.resume_step is not None:
+            if self.resume_from is None:
+                raise ValueError("--resume-step needs --resume-from DIR")
+            if self.resume_step < 0:
+                raise ValueError(f"--resume-step must be >= 0 (got {self.resume_step})")
         if self.workers < 1:
             raise ValueError(f"-n must be >= 1 (got {self.workers})")
         if self.shard_size is not None and self.shard_size < 1:

@@ -51,7 +51,12 @@ from elastrain.launch.children import child_setup
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
-from elastrain.launch.resume import choose_checkpoint, newest_checkpoint_note
+from elastrain.launch.resume import (
+    NO_CHECKPOINT,
+    choose_checkpoint,
+    newest_checkpoint_note,
+    plain_start,
+)
 from elastrain.launch.startup import StartupWatch
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.tensorboard import TensorBoardSink
@@ -137,6 +142,8 @@ class Launcher:
         self.done_members: set[str] = set()
 
         self.resume_step: int | None = None
+        self.plain_step: int | None = None
+        """The step of the plain DCP checkpoint the job starts from (--resume-from)."""
         self._preempt_asked = threading.Event()
         self._drain_asked = threading.Event()
         self._draining = False
@@ -308,6 +315,10 @@ class Launcher:
             e[env.RESUME] = "latest"
         else:
             e[env.RESUME] = "none" if self.resume_step is None else str(self.resume_step)
+        if c.resume_from is not None and self.plain_step is not None:
+            # Replacements too: with no elastrain checkpoint yet, it is the state.
+            e[env.RESUME_FROM] = str(Path(c.resume_from).resolve())
+            e[env.RESUME_STEP] = str(self.plain_step)
         if c.fault_points:
             e[env.FAULTS] = c.fault_points
         log = open(self.run_dir / "logs" / f"{member}.log", "ab")  # noqa: SIM115
@@ -404,6 +415,7 @@ class Launcher:
                 assert c.coordinator is not None
                 self.address = c.coordinator
                 self.client = CoordinatorClient(self.address, self.token, timeout_s=5.0)
+                self._prepare_plain()
             else:
                 try:
                     self._prepare_resume()
@@ -441,7 +453,7 @@ class Launcher:
             self.pids,
             int(self.status.get("step", 0)),
             message,
-            self.resume_step,
+            self.resume_step if self.resume_step is not None else self.plain_step,
         )
 
     def stop(self) -> None:
@@ -468,7 +480,29 @@ class Launcher:
         self._preempt_asked.set()
 
     def _prepare_resume(self) -> None:
+        if self.config.resume_from is not None:
+            note = newest_checkpoint_note(self.checkpoint_dir)
+            if note != NO_CHECKPOINT:
+                raise _Failed(
+                    f"--resume-from {self.config.resume_from}: this run directory already "
+                    f"has its own checkpoints ({note}); run without --resume-from to resume "
+                    "them, or use a fresh --run-dir to start from the DCP checkpoint"
+                )
         self.resume_step = choose_checkpoint(self.checkpoint_dir, self.events)
+        self._prepare_plain()
+
+    def _prepare_plain(self) -> None:
+        """--resume-from: check the directory and learn its step before any worker
+        starts (the workers check it against the model)."""
+        c = self.config
+        if c.resume_from is None:
+            return
+        from elastrain.checkpoint.plain import PlainCheckpointError  # imports torch
+
+        try:
+            self.plain_step = plain_start(c.resume_from, c.resume_step, self.events)
+        except PlainCheckpointError as e:
+            raise _Failed(f"--resume-from: {e}") from None
 
     def _newest_checkpoint(self) -> str:
         return newest_checkpoint_note(self.checkpoint_dir)

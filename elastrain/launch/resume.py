@@ -62,6 +62,35 @@ def choose_checkpoint(checkpoint_dir: Path, events: EventLog) -> int | None:
     return step
 
 
+def plain_start(directory: str, given: int | None, events: EventLog) -> int:
+    """The step a job started with ``--resume-from directory`` begins at: the
+    checkpoint's ``step`` entry or ``given`` (`elastrain.checkpoint.plain`).
+    Warns about the keys it will not load; PlainCheckpointError if the
+    directory is not a DCP checkpoint elastrain can start from."""
+    from elastrain.checkpoint.plain import read_layout, read_step, resume_step
+
+    path = Path(directory).resolve()
+    layout = read_layout(path)
+    step = resume_step(read_step(path, layout), given, path)
+    if layout.ignored:
+        shown = ", ".join(layout.ignored[:5]) + (", ..." if len(layout.ignored) > 5 else "")
+        print(
+            f"elastrain: warning: --resume-from loads the model and optimizer state only; "
+            f"not loaded: {shown}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"elastrain: starting from DCP checkpoint {path} at step {step}",
+        file=sys.stderr,
+        flush=True,
+    )
+    events.emit(
+        EventKind.CHECKPOINT_RESUME, step=step, path=str(path), skipped=[], discarded=[], plain=True
+    )
+    return step
+
+
 NO_CHECKPOINT = "no checkpoint was committed"
 
 

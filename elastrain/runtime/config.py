@@ -329,6 +329,11 @@ class WorkerEnv:
     host: str = "127.0.0.1"
     checkpoint_dir: str | None = None
     resume: str | None = None
+    resume_from: str | None = None
+    """A plain torch job's DCP checkpoint to start from when no elastrain
+    checkpoint is loaded ($ELASTRAIN_RESUME_FROM)."""
+    resume_step: int | None = None
+    """The step `resume_from` holds, if the user gave it ($ELASTRAIN_RESUME_STEP)."""
     steps: int | None = None
     checkpoint_every: int | None = None
     checkpoint_mtbf_s: float | None = None
@@ -383,6 +388,8 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         host=e.get(env.ADVERTISE_HOST) or "127.0.0.1",
         checkpoint_dir=e.get(env.CKPT_DIR) or None,
         resume=e.get(env.RESUME) or None,
+        resume_from=e.get(env.RESUME_FROM) or None,
+        resume_step=num(env.RESUME_STEP, int),
         steps=num(env.STEPS, int),
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),

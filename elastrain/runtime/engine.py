@@ -62,6 +62,13 @@ import torch
 from elastrain.checkpoint import VerifiedCheckpoint
 from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.files import MARKER, list_steps
+from elastrain.checkpoint.plain import (
+    PlainCheckpointError,
+    PlainReader,
+    read_layout,
+    read_step,
+    resume_step,
+)
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
 from elastrain.data import (
@@ -110,6 +117,7 @@ from elastrain.runtime.group import (
     settle_before_exit,
     tensor_allreduce,
 )
+from elastrain.runtime.plain_ckpt import plain_problem, plain_schema, with_script_objects
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.resume import (
     ResumeError,
@@ -309,6 +317,8 @@ class StepEngine:
         self._resume_mode = parse_resume(
             where.resume, "latest" if config.checkpoints_periodic else "none"
         )
+        self._plain_from, self._plain_step = where.resume_from, where.resume_step
+        """A plain torch job's DCP checkpoint to start from when no elastrain one loads."""
         self.client = client or CoordinatorClient(
             where.coordinator or "", self.token, timeout_s=config.timeouts.coordinator_s
         )
@@ -1321,6 +1331,8 @@ class StepEngine:
         t0 = time.monotonic()
         got = load_resume(self.ckpt.directory, self._resume_mode)
         if got is None:
+            if self._plain_from is not None:
+                self._resume_plain(self._plain_from, t0)
             return
         ckpt, tensors, meta = got
         if self.shards is not None and ckpt.kind != "dcp":
@@ -1367,6 +1379,54 @@ class StepEngine:
         print(f"[{self.member}] resumed from checkpoint step {ckpt.step} ({ckpt.path})", flush=True)
         if loaded is not None:
             self._loaded(ckpt, loaded, seconds)
+
+    def _resume_plain(self, directory: str, t0: float) -> None:
+        """Start from a plain torch job's DCP checkpoint (`elastrain run --resume-from`):
+        its model and optimizer state, at its step; the hyperparameters, the data
+        order's kind and everything else from the script. A checkpoint that does not
+        fit this model and optimizer ends the worker as misconfigured (exit 78),
+        naming the first differing tensor, before any step."""
+        try:
+            state = None if self.shards is not None else self.backend.state()
+            if not isinstance(state, TorchState):
+                what = "a sharded job (--shard-size)" if self.shards is not None else "JAX"
+                raise PlainCheckpointError(
+                    f"--resume-from is not supported for {what} yet: start it as a "
+                    "replicated torch job (no --shard-size)"
+                )
+            layout = read_layout(directory)
+            step = resume_step(read_step(directory, layout), self._plain_step, directory)
+            problem = plain_problem(layout, state.model, state.optimizer)
+            if problem is not None:
+                raise PlainCheckpointError(
+                    f"{directory} does not fit this script's model and optimizer: {problem}"
+                )
+            reader = PlainReader(directory, layout)
+            reader.read_all()
+            schema = plain_schema(layout, state.model, state.optimizer)
+            tensors, section = replicated_state(reader, schema, state)
+            with_script_objects(state, tensors, section)
+            install_checkpoint(state, tensors, section, directory)
+        except (PlainCheckpointError, ResumeMismatch, ResumeError, ValueError) as e:
+            self.events.emit(
+                EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
+            )
+            exit_misconfigured(f"--resume-from: {e}")
+        self.backend.adopt(state)
+        self.session.note_committed(step)
+        self.proto.resumed(step)
+        seconds = time.monotonic() - t0
+        log.info("%s started from %s (step %d) in %.2f s", self.member, directory, step, seconds)
+        print(f"[{self.member}] started from DCP checkpoint {directory} at step {step}", flush=True)
+        self.events.emit(
+            EventKind.CHECKPOINT_LOADED,
+            step=step,
+            path=str(directory),
+            generation=None,
+            bytes=reader.bytes_read,
+            seconds=seconds,
+            plain=True,
+        )
 
     def _loaded(self, ckpt: VerifiedCheckpoint, nbytes: int, seconds: float) -> None:
         self.events.emit(

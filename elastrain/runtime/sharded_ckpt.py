@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,6 +37,17 @@ from elastrain.transfer import TorchState
 from elastrain.transfer.flatten import MODEL_PREFIX, OPTIM_PREFIX
 from elastrain.transfer.manifest import TENSOR_REF
 from elastrain.transfer.names import model_state, named_parameters
+
+
+class TensorReader(Protocol):
+    """What `replicated_state` reads from: `ShardedReader`, or a plain torch job's
+    checkpoint (`elastrain.checkpoint.plain.PlainReader`), by DCP key."""
+
+    def has(self, key: str) -> bool: ...
+
+    def read(self, key: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
 
 
 class ResumeMismatch(ValueError):
@@ -140,7 +151,7 @@ def shard_source(
 
 
 def replicated_state(
-    reader: ShardedReader, schema: dict[str, Any], state: TorchState
+    reader: TensorReader, schema: dict[str, Any], state: TorchState
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A sharded checkpoint as the replicated trainer's flattened state: the
     tensors (``model/<key>``, ``optim/<index>/<key>``) and the optimizer section,

@@ -76,6 +76,8 @@ class PlainLayout:
     """Normalised DCP key (`model_key`, `optim_key`) -> the key in the checkpoint."""
     step: bool
     """The checkpoint has a ``step`` entry."""
+    step_tensor: TensorInfo | None = None
+    """The ``step`` entry is a tensor of this dtype and shape (None: an object)."""
     ignored: list[str] = field(default_factory=list)
     """Keys neither loaded nor understood (not ``optim.param_groups.*``)."""
 
@@ -123,11 +125,12 @@ def classify(state_dict_metadata: Mapping[str, Any]) -> PlainLayout:
     optim: dict[str, dict[str, TensorInfo]] = {}
     ignored: list[str] = []
     has_step = False
+    step_tensor: TensorInfo | None = None
     for key, meta in state_dict_metadata.items():
         if key.startswith(MODEL) or key.startswith(OPTIM_GROUPS):
             continue
         if key == STEP:
-            has_step = True
+            has_step, step_tensor = True, _info(meta)
             continue
         if not key.startswith(OPTIM_STATE):
             ignored.append(key)
@@ -155,7 +158,7 @@ def classify(state_dict_metadata: Mapping[str, Any]) -> PlainLayout:
             )
         optim.setdefault(name, {})[state_key] = info
         keys[optim_key(name, state_key)] = key
-    return PlainLayout(model, optim, keys, has_step, ignored)
+    return PlainLayout(model, optim, keys, has_step, step_tensor, ignored)
 
 
 def read_layout(directory: str | Path) -> PlainLayout:
@@ -178,6 +181,13 @@ def read_layout(directory: str | Path) -> PlainLayout:
         raise PlainCheckpointError(f"{d}: {e}") from None
 
 
+def _dtype(info: TensorInfo) -> torch.dtype:
+    dtype = getattr(torch, info.dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlainCheckpointError(f"unknown dtype {info.dtype!r} in the checkpoint")
+    return dtype
+
+
 def _load(directory: str | Path, state_dict: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -192,7 +202,8 @@ def read_step(directory: str | Path, layout: PlainLayout) -> int | None:
     if it is not a non-negative integer."""
     if not layout.step:
         return None
-    sd: dict[str, Any] = {STEP: None}
+    t = layout.step_tensor
+    sd: dict[str, Any] = {STEP: None if t is None else torch.empty(t.shape, dtype=_dtype(t))}
     _load(directory, sd)
     value = sd[STEP]
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
@@ -244,7 +255,7 @@ class PlainReader:
 
     def _empty(self, key: str) -> torch.Tensor:
         info = self._info[key]
-        return torch.empty(info.shape, dtype=getattr(torch, info.dtype.removeprefix("torch.")))
+        return torch.empty(info.shape, dtype=_dtype(info))
 
     def read_all(self) -> None:
         """Read every tensor in one DCP load (one pass over the files); `read` then

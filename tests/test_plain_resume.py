@@ -34,7 +34,12 @@ from elastrain.checkpoint.plain import (
     resume_step,
 )
 from elastrain.data import GlobalOrder
-from elastrain.runtime.plain_ckpt import plain_problem, plain_schema, with_script_objects
+from elastrain.runtime.plain_ckpt import (
+    ScriptState,
+    plain_problem,
+    plain_schema,
+    with_script_objects,
+)
 from elastrain.runtime.resume import install_checkpoint
 from elastrain.runtime.sharded_ckpt import replicated_state
 from elastrain.runtime.torch_backend import seed_micro_batch
@@ -182,22 +187,30 @@ def test_a_mismatch_names_the_first_differing_tensor(tmp_path: Path) -> None:
     save_plain(tmp_path, model, opt)
     layout = read_layout(tmp_path)
     wider = mlp(257)
-    problem = plain_problem(layout, wider, torch.optim.Adam(wider.parameters()))
+    problem = plain_problem(
+        layout, ScriptState.of_torch(wider, torch.optim.Adam(wider.parameters()))
+    )
     assert problem == (
         "tensor '0.weight' is [256, 16] torch.float32 in the checkpoint and "
         "[257, 16] torch.float32 in this model"
     )
     half = mlp().to(torch.bfloat16)
-    problem = plain_problem(layout, half, torch.optim.Adam(half.parameters()))
+    problem = plain_problem(layout, ScriptState.of_torch(half, torch.optim.Adam(half.parameters())))
     assert problem is not None and "'0.weight'" in problem and "torch.bfloat16" in problem
     deeper = nn.Sequential(*mlp(), nn.Linear(1, 1))
-    problem = plain_problem(layout, deeper, torch.optim.Adam(deeper.parameters()))
+    problem = plain_problem(
+        layout, ScriptState.of_torch(deeper, torch.optim.Adam(deeper.parameters()))
+    )
     assert problem == "it has no tensor '4.weight' of this model ([1, 1] torch.float32)"
     shallow = nn.Sequential(nn.Linear(16, 256))
-    problem = plain_problem(layout, shallow, torch.optim.Adam(shallow.parameters()))
+    problem = plain_problem(
+        layout, ScriptState.of_torch(shallow, torch.optim.Adam(shallow.parameters()))
+    )
     assert problem == "its tensor '3.weight' is not in this model (2 such)"
     frozen = mlp()
-    problem = plain_problem(layout, frozen, torch.optim.Adam(frozen[0].parameters()))
+    problem = plain_problem(
+        layout, ScriptState.of_torch(frozen, torch.optim.Adam(frozen[0].parameters()))
+    )
     assert problem == "it has optimizer state for '3.weight', which this optimizer does not update"
 
 
@@ -211,10 +224,12 @@ def test_installed_state_continues_as_the_plain_optimizer_would(tmp_path: Path) 
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=5e-3)  # the script's lr wins
     state = TorchState(fresh, fresh_opt)
     layout = read_layout(tmp_path)
-    assert plain_problem(layout, fresh, fresh_opt) is None
+    assert plain_problem(layout, ScriptState.of_torch(fresh, fresh_opt)) is None
     reader = PlainReader(tmp_path, layout)
     reader.read_all()
-    tensors, section = replicated_state(reader, plain_schema(layout, fresh, fresh_opt), state)
+    tensors, section = replicated_state(
+        reader, plain_schema(layout, ScriptState.of_torch(fresh, fresh_opt)), state
+    )
     with_script_objects(state, tensors, section)
     install_checkpoint(state, tensors, section, str(tmp_path))
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):

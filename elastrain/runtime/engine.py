@@ -117,7 +117,12 @@ from elastrain.runtime.group import (
     settle_before_exit,
     tensor_allreduce,
 )
-from elastrain.runtime.plain_ckpt import plain_problem, plain_schema, with_script_objects
+from elastrain.runtime.plain_ckpt import (
+    ScriptState,
+    plain_problem,
+    plain_schema,
+    with_script_objects,
+)
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.resume import (
     ResumeError,
@@ -1383,50 +1388,71 @@ class StepEngine:
     def _resume_plain(self, directory: str, t0: float) -> None:
         """Start from a plain torch job's DCP checkpoint (`elastrain run --resume-from`):
         its model and optimizer state, at its step; the hyperparameters, the data
-        order's kind and everything else from the script. A checkpoint that does not
-        fit this model and optimizer ends the worker as misconfigured (exit 78),
-        naming the first differing tensor, before any step."""
+        order's kind and everything else from the script. A replicated member
+        installs it now; a sharded one reads its slot's rows when it takes its slot,
+        as from a sharded checkpoint. A checkpoint that does not fit this model and
+        optimizer ends the worker as misconfigured (exit 78), naming the first
+        differing tensor, before any step."""
+        backend = self.backend
+        state: TorchState | None = None
         try:
-            state = None if self.shards is not None else self.backend.state()
-            if not isinstance(state, TorchState):
-                what = "a sharded job (--shard-size)" if self.shards is not None else "JAX"
-                raise PlainCheckpointError(
-                    f"--resume-from is not supported for {what} yet: start it as a "
-                    "replicated torch job (no --shard-size)"
-                )
+            if isinstance(backend, ShardedBackend):
+                script = ScriptState.of_sharded(backend.model_schema())
+            else:
+                named = backend.state()
+                if not isinstance(named, TorchState):
+                    raise PlainCheckpointError(
+                        "a JAX job cannot start from a torch.distributed.checkpoint"
+                    )
+                state = named
+                script = ScriptState.of_torch(state.model, state.optimizer)
             layout = read_layout(directory)
             step = resume_step(read_step(directory, layout), self._plain_step, directory)
-            problem = plain_problem(layout, state.model, state.optimizer)
+            problem = plain_problem(layout, script)
             if problem is not None:
                 raise PlainCheckpointError(
                     f"{directory} does not fit this script's model and optimizer: {problem}"
                 )
+            schema = plain_schema(layout, script)
             reader = PlainReader(directory, layout)
-            reader.read_all()
-            schema = plain_schema(layout, state.model, state.optimizer)
-            tensors, section = replicated_state(reader, schema, state)
-            with_script_objects(state, tensors, section)
-            install_checkpoint(state, tensors, section, directory)
+            if state is not None:
+                reader.read_all()
+                tensors, section = replicated_state(reader, schema, state)
+                with_script_objects(state, tensors, section)
+                install_checkpoint(state, tensors, section, directory)
+            else:
+                assert isinstance(backend, ShardedBackend)
+                problem = schema_problem(schema, backend)
+                if problem is not None:
+                    raise PlainCheckpointError(f"{directory}: {problem}")
         except (PlainCheckpointError, ResumeMismatch, ResumeError, ValueError) as e:
             self.events.emit(
                 EventKind.WORKER_EXIT, reason=m.ExitReason.MISCONFIGURED, committed=self.committed
             )
             exit_misconfigured(f"--resume-from: {e}")
-        self.backend.adopt(state)
+        before = time.monotonic() - t0
+
+        def loaded(nbytes: int, seconds: float) -> None:
+            self.events.emit(
+                EventKind.CHECKPOINT_LOADED,
+                step=step,
+                path=str(directory),
+                generation=None,
+                bytes=nbytes,
+                seconds=before + seconds,
+                plain=True,
+            )
+
+        if state is not None:
+            backend.adopt(state)
+            loaded(reader.bytes_read, 0.0)
+        else:
+            assert isinstance(backend, ShardedBackend)
+            backend.resume_from(shard_source(reader, schema, loaded))
         self.session.note_committed(step)
         self.proto.resumed(step)
-        seconds = time.monotonic() - t0
-        log.info("%s started from %s (step %d) in %.2f s", self.member, directory, step, seconds)
+        log.info("%s starts from %s (step %d) after %.2f s", self.member, directory, step, before)
         print(f"[{self.member}] started from DCP checkpoint {directory} at step {step}", flush=True)
-        self.events.emit(
-            EventKind.CHECKPOINT_LOADED,
-            step=step,
-            path=str(directory),
-            generation=None,
-            bytes=reader.bytes_read,
-            seconds=seconds,
-            plain=True,
-        )
 
     def _loaded(self, ckpt: VerifiedCheckpoint, nbytes: int, seconds: float) -> None:
         self.events.emit(

@@ -1,11 +1,13 @@
 """Starting a job from a plain torch job's DCP checkpoint, trainer side.
 
 `elastrain.checkpoint.plain` says what the checkpoint holds (`PlainLayout`);
-this module checks it against the script's model and optimizer and describes
+this module checks it against the script's model and optimizer
+(`ScriptState`: the same for a replicated and a sharded backend) and describes
 it as a sharded checkpoint's *schema* (`elastrain.runtime.sharded_ckpt`), so
-that the resume code of elastrain's own DCP checkpoints installs it
-(`replicated_state`, then `install_checkpoint`'s heal checks) with nothing
-of its own. Pure functions; local.
+that the resume code of elastrain's own DCP checkpoints installs it with
+nothing of its own: `replicated_state` then `install_checkpoint` (the heal's
+checks) on a replicated member, `shard_source` on a sharded one. Pure
+functions; local.
 
 What the schema takes from where: the tensors (model, optimizer state) from
 the checkpoint; the optimizer's class and hyperparameters (its param groups)
@@ -15,6 +17,7 @@ not read and the script is the user's word on them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,45 +25,89 @@ import torch
 from elastrain.checkpoint.plain import PlainLayout, TensorInfo
 from elastrain.transfer import TorchState
 from elastrain.transfer.flatten import OBJECTS_KEY, OBJECTS_PREFIX, optimizer_class
-from elastrain.transfer.names import model_state, named_parameters
+from elastrain.transfer.names import named_parameters
+from elastrain.transfer.signature import model_signature
 
 _JSON = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class ScriptState:
+    """What the script built, as far as a plain checkpoint must fit it."""
+
+    tensors: dict[str, TensorInfo]
+    """The model's state_dict names (no ``_orig_mod.``), in order -> dtype and shape."""
+    params: list[str]
+    """The model's parameters' names, in the model's order."""
+    groups: list[dict[str, Any]]
+    """The optimizer's param groups: hyperparameters, "params" as parameter names."""
+    optimizer_class: str
+    """The optimizer's class (module.qualname)."""
+
+    @staticmethod
+    def of_torch(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ScriptState:
+        names = {id(p): n for n, p in named_parameters(model).items()}
+        groups = []
+        for g in optimizer.param_groups:
+            if any(id(p) not in names for p in g["params"]):
+                raise ValueError("the optimizer holds tensors that are not the model's parameters")
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [names[id(p)] for p in g["params"]],
+                }  # fmt: skip
+            )
+        return ScriptState(
+            _signature(model_signature(model)),
+            list(named_parameters(model)),
+            groups,
+            optimizer_class(optimizer),
+        )
+
+    @staticmethod
+    def of_sharded(model_schema: dict[str, Any]) -> ScriptState:
+        """From `ShardedBackend.model_schema` (known before the member holds a shard)."""
+        groups = [
+            {**hyper, "params": list(names)}
+            for hyper, names in zip(model_schema["hyper"], model_schema["groups"], strict=True)
+        ]
+        return ScriptState(
+            _signature(model_schema["signature"]),
+            [str(p[0]) for p in model_schema["params"]],
+            groups,
+            model_schema["class"],
+        )
+
+
+def _signature(entries: list[list[Any]]) -> dict[str, TensorInfo]:
+    return {str(n): TensorInfo(str(d), tuple(int(x) for x in s)) for n, s, d in entries}
 
 
 def _show(info: TensorInfo) -> str:
     return f"{list(info.shape)} {info.dtype}"
 
 
-def _mine(t: torch.Tensor) -> TensorInfo:
-    return TensorInfo(str(t.dtype), tuple(int(x) for x in t.shape))
-
-
-def plain_problem(
-    layout: PlainLayout, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> str | None:
-    """Why this model and optimizer cannot take the checkpoint, naming the first
-    differing tensor (the script's state_dict order, then the checkpoint's
+def plain_problem(layout: PlainLayout, script: ScriptState) -> str | None:
+    """Why the script's model and optimizer cannot take the checkpoint, naming the
+    first differing tensor (the script's state_dict order, then the checkpoint's
     extra tensors, then the optimizer state), or None when they can."""
-    mine = model_state(model)
-    for name, t in mine.items():
+    for name, mine in script.tensors.items():
         saved = layout.model.get(name)
         if saved is None:
-            return f"it has no tensor {name!r} of this model ({_show(_mine(t))})"
-        if saved != _mine(t):
+            return f"it has no tensor {name!r} of this model ({_show(mine)})"
+        if saved != mine:
             return (
                 f"tensor {name!r} is {_show(saved)} in the checkpoint and "
-                f"{_show(_mine(t))} in this model"
+                f"{_show(mine)} in this model"
             )
-    extra = [n for n in layout.model if n not in mine]
+    extra = [n for n in layout.model if n not in script.tensors]
     if extra:
         return f"its tensor {extra[0]!r} is not in this model ({len(extra)} such)"
-    params = named_parameters(model)
-    ids = {id(q) for g in optimizer.param_groups for q in g["params"]}
-    updated = {n for n, p in params.items() if id(p) in ids}
+    updated = {n for g in script.groups for n in g["params"]}
     for name, entries in layout.optim.items():
         if name not in updated:
             return f"it has optimizer state for {name!r}, which this optimizer does not update"
-        shape = tuple(params[name].shape)
+        shape = script.tensors[name].shape
         for key, info in entries.items():
             if info.shape != shape and _numel(info.shape) != 1:
                 return (
@@ -95,31 +142,26 @@ def _hyper(group: dict[str, Any], i: int) -> dict[str, Any]:
     return out
 
 
-def plain_schema(
-    layout: PlainLayout, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
+def plain_schema(layout: PlainLayout, script: ScriptState) -> dict[str, Any]:
     """The checkpoint as `ShardedBackend.checkpoint_schema` describes one (class,
     groups, params with their state entries, buffers), with the script's
     optimizer class and hyperparameters. Call after `plain_problem` said None."""
-    names = {id(p): n for n, p in named_parameters(model).items()}
-    mine = model_state(model)
-    groups, params = [], []
-    for i, g in enumerate(optimizer.param_groups):
-        group_names = [names[id(p)] for p in g["params"]]
-        groups.append({**_hyper(g, i), "params": group_names})
-        for n in group_names:
-            t = mine[n]
-            entries: list[list[Any]] = []
-            for key, info in layout.optim.get(n, {}).items():
-                if info.shape == tuple(t.shape) and t.dim() > 0:
-                    entries.append([key, "rows", info.dtype])
-                else:
-                    entries.append([key, "tensor", info.dtype, list(info.shape)])
-            params.append([n, list(t.shape), str(t.dtype), entries])
-    in_opt = {n for g in groups for n in g["params"]}
-    buffers = [[n, list(t.shape), str(t.dtype)] for n, t in mine.items() if n not in in_opt]
+    groups = [{**_hyper(g, i), "params": list(g["params"])} for i, g in enumerate(script.groups)]
+    params = []
+    for n in script.params:
+        mine = script.tensors[n]
+        entries: list[list[Any]] = []
+        for key, info in layout.optim.get(n, {}).items():
+            if info.shape == mine.shape and mine.shape:
+                entries.append([key, "rows", info.dtype])
+            else:
+                entries.append([key, "tensor", info.dtype, list(info.shape)])
+        params.append([n, list(mine.shape), mine.dtype, entries])
+    buffers = [
+        [n, list(t.shape), t.dtype] for n, t in script.tensors.items() if n not in script.params
+    ]
     return {
-        "class": optimizer_class(optimizer),
+        "class": script.optimizer_class,
         "groups": groups,
         "params": params,
         "buffers": buffers,

@@ -462,13 +462,18 @@ class ShardedBackend:
     def model_schema(self) -> dict[str, Any]:
         """The part of `checkpoint_schema` a checkpoint must match to be resumed
         here (known before `place`): ``params`` ``[name, shape, dtype]``, the
-        optimizer ``class`` and its ``groups`` (parameter names)."""
+        optimizer ``class`` and its ``groups`` (parameter names); and, for a
+        checkpoint that has none of its own (a plain torch job's), the model's
+        ``signature`` (`model_signature`: every state_dict entry) and the groups'
+        ``hyper``parameters."""
         shapes = {e[0]: [int(x) for x in e[1]] for e in self._signature}
         cls = self._opt_class
         return {
             "params": [[n, shapes[n], self._signature_dtype(n)] for n in self._names],
             "class": f"{cls.__module__}.{cls.__qualname__}",
             "groups": [list(g["params"]) for g in self._opt_groups],
+            "signature": [list(e) for e in self._signature],
+            "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self._opt_groups],
         }
 
     def checkpoint_chunks(self, schema: dict[str, Any], *, whole: bool) -> list[Chunk]:

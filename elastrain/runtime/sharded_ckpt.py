@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from elastrain.checkpoint.dcp import ShardedReader, ShardParts, model_key, optim_key, row_count
+from elastrain.checkpoint.dcp import ShardParts, model_key, optim_key, row_count
 from elastrain.control.layout import Layout
 from elastrain.runtime.sharded import ResumedShard, ShardedBackend, shard_rows
 from elastrain.transfer import TorchState
@@ -40,12 +40,16 @@ from elastrain.transfer.names import model_state, named_parameters
 
 
 class TensorReader(Protocol):
-    """What `replicated_state` reads from: `ShardedReader`, or a plain torch job's
-    checkpoint (`elastrain.checkpoint.plain.PlainReader`), by DCP key."""
+    """What resume reads from: `ShardedReader`, or a plain torch job's checkpoint
+    (`elastrain.checkpoint.plain.PlainReader`), by DCP key."""
+
+    bytes_read: int
 
     def has(self, key: str) -> bool: ...
 
     def read(self, key: str) -> torch.Tensor: ...
+
+    def read_rows(self, key: str, lo: int, hi: int) -> torch.Tensor: ...
 
     def close(self) -> None: ...
 
@@ -111,7 +115,7 @@ def _describe(params: list[list[Any]]) -> str:
 
 
 def shard_source(
-    reader: ShardedReader,
+    reader: TensorReader,
     schema: dict[str, Any],
     on_read: Callable[[int, float], None] | None = None,
 ) -> Callable[[int, int], ResumedShard]:

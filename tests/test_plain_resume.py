@@ -305,3 +305,45 @@ def test_a_job_starts_from_a_plain_dcp_checkpoint_at_its_step(
     assert again.result.status == "failed"
     assert "already has its own checkpoints" in again.result.message
     assert again.launcher.pids == {}
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_sharded_member_takes_its_rows_from_a_plain_checkpoint(tmp_path: Path, size: int) -> None:
+    """A sharded job's member (train_sharded.py's model, its AdamW) reads the rows
+    of its slot, and their Adam moments, from a plain checkpoint of the whole model;
+    the hyperparameters are the script's."""
+    from elastrain.runtime.sharded import ShardedBackend, shard_rows
+    from elastrain.runtime.sharded_ckpt import schema_problem, shard_source
+
+    from .test_sharded_checkpoint import SCRIPT, _config
+
+    torch.manual_seed(1)
+    plain = SCRIPT.Net()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        plain(torch.randn(5, 12)).square().mean().backward()
+        opt.step()
+    save_plain(tmp_path, plain, opt, step=2)
+    layout = read_layout(tmp_path)
+    params = dict(plain.named_parameters())
+    for k in range(size):
+        torch.manual_seed(0)
+        model = SCRIPT.Net()
+        b = ShardedBackend(
+            model, torch.optim.AdamW(model.parameters(), lr=3e-3), SCRIPT.loss_fn, _config(size)
+        )
+        script = ScriptState.of_sharded(b.model_schema())
+        assert plain_problem(layout, script) is None
+        schema = plain_schema(layout, script)
+        assert schema_problem(schema, b) is None
+        b.resume_from(shard_source(PlainReader(tmp_path, layout), schema))
+        b.place(k, size)
+        assert b.optimizer is not None and b.optimizer.param_groups[0]["lr"] == 3e-3
+        for name, shape in b._shapes.items():
+            lo, hi = shard_rows(shape[0], size, k)
+            p = b.local.get_parameter(name.replace(".", "/"))
+            assert torch.equal(p.detach(), params[name].detach()[lo:hi])
+            st = b.optimizer.state[p]
+            assert torch.equal(st["exp_avg"], opt.state[params[name]]["exp_avg"][lo:hi])
+            assert torch.equal(st["step"], opt.state[params[name]]["step"])

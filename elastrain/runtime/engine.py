@@ -1397,7 +1397,15 @@ class StepEngine:
         state: TorchState | None = None
         try:
             if isinstance(backend, ShardedBackend):
-                script = ScriptState.of_sharded(backend.model_schema())
+                mine = backend.model_schema()
+                if backend.on_meta and mine["nonpersistent_buffers"]:
+                    raise PlainCheckpointError(
+                        "this model is built on the meta device and its buffers "
+                        f"{mine['nonpersistent_buffers'][:3]} are not in its state_dict "
+                        "(persistent=False), so no plain checkpoint holds them: build the "
+                        "model on a real device to start from one"
+                    )
+                script = ScriptState.of_sharded(mine)
             else:
                 named = backend.state()
                 if not isinstance(named, TorchState):

@@ -464,8 +464,8 @@ class ShardedBackend:
         here (known before `place`): ``params`` ``[name, shape, dtype]``, the
         optimizer ``class`` and its ``groups`` (parameter names); and, for a
         checkpoint that has none of its own (a plain torch job's), the model's
-        ``signature`` (`model_signature`: every state_dict entry) and the groups'
-        ``hyper``parameters."""
+        ``signature`` (`model_signature`: every state_dict entry), the groups'
+        ``hyper``parameters and the ``nonpersistent_buffers``."""
         shapes = {e[0]: [int(x) for x in e[1]] for e in self._signature}
         cls = self._opt_class
         return {
@@ -474,6 +474,7 @@ class ShardedBackend:
             "groups": [list(g["params"]) for g in self._opt_groups],
             "signature": [list(e) for e in self._signature],
             "hyper": [{k: v for k, v in g.items() if k != "params"} for g in self._opt_groups],
+            "nonpersistent_buffers": list(self._nonpersistent),
         }
 
     def checkpoint_chunks(self, schema: dict[str, Any], *, whole: bool) -> list[Chunk]:

@@ -347,3 +347,13 @@ def test_a_sharded_member_takes_its_rows_from_a_plain_checkpoint(tmp_path: Path,
             st = b.optimizer.state[p]
             assert torch.equal(st["exp_avg"], opt.state[params[name]]["exp_avg"][lo:hi])
             assert torch.equal(st["step"], opt.state[params[name]]["step"])
+
+
+def test_resume_step_without_resume_from_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from elastrain.cli import main
+
+    assert main(["run", "--resume-step", "3", MLP]) == 2
+    err = capsys.readouterr().err
+    assert "--resume-step needs --resume-from DIR" in err and "Traceback" not in err

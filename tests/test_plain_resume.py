@@ -34,6 +34,7 @@ from elastrain.checkpoint.plain import (
     resume_step,
 )
 from elastrain.data import GlobalOrder
+from elastrain.observe.ledger import check_same_state
 from elastrain.runtime.plain_ckpt import (
     ScriptState,
     plain_problem,
@@ -282,7 +283,7 @@ def test_a_job_starts_from_a_plain_dcp_checkpoint_at_its_step(
     step is K, and its loss and the next ones are those the plain model and
     optimizer compute for those steps of elastrain's data order. A second run with
     --resume-from in the same run directory, which now has its own checkpoints, is
-    refused. (About 8 s here.)"""
+    refused. (6-8 s here.)"""
     model, opt = plain_training(K)
     plain = tmp_path / "plain"
     save_plain(plain, model, opt, step=K)
@@ -296,6 +297,7 @@ def test_a_job_starts_from_a_plain_dcp_checkpoint_at_its_step(
     assert all(e["plain"] and e["path"] == str(plain) for e in loaded)
     commits = sorted({e["step"] for e in job.of("step_commit")})
     assert commits == [K, K + 1, K + 2]
+    assert check_same_state(job.events) == []  # both members installed the same state
     expected = step_losses(model, opt, range(K, K + 3))
     got = {e["step"]: e["loss"] for e in job.of("step_commit")}
     for s in commits:

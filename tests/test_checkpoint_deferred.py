@@ -5,6 +5,7 @@ point. In-process, one member; fast (no worker processes)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +141,21 @@ def test_blocking_is_the_take_plus_the_wait_at_the_mutation_point(
     ck = checkpointing(tmp_path)
     engine_save(model, opt, 1, ck)
     entered.wait()  # the copier holds the only chunk
-    # The copy takes 0.2 s more; the training thread reaches its mutation point now.
-    timer = threading.Timer(0.2, release.set)
-    timer.start()
-    waited = ck.settle()
-    timer.join()
+    assert ck._copying is not None
+    copy = ck._copying[0].deferred
+
+    def release_later() -> None:
+        # The copy ends 0.2 s after the training thread started waiting for it
+        # (its clock already running), however late either thread gets a core.
+        while not copy.settling:
+            time.sleep(0.001)  # polling the other thread's state
+        time.sleep(0.2)  # the copy's remaining work, simulated
+        release.set()
+
+    releaser = threading.Thread(target=release_later)
+    releaser.start()
+    waited = ck.settle()  # the training thread reaches its mutation point now
+    releaser.join()
     assert waited >= 0.2
     ck.close()
     (saved,) = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint_saved"]

@@ -132,6 +132,12 @@ class DeferredCopy:
                 self._cond.notify_all()
         return waited
 
+    @property
+    def settling(self) -> bool:
+        """True while the training thread is blocked in `settle` (its clock running)."""
+        with self._cond:
+            return self._settling_since is not None
+
     def waited(self) -> float:
         """Seconds the training thread was blocked in `settle` so far; if it is in
         `settle` now, what it will have been (waits up to `REPORT_TIMEOUT_S`). 0 if

@@ -11,6 +11,7 @@ elastrain report runs/my-job [-o report.html]    # self-contained HTML + termina
 elastrain export runs/my-job --format hf --hf-config cfg/ -o out/   # also safetensors, dcp
 elastrain sim --preset llama3-16k
 elastrain k8s render --workers 4 --image IMG -o job.yaml   # also: k8s status, k8s chaos
+elastrain slurm render --nodes 4 --gpus-per-node 8 -o job.sbatch train.py   # also: slurm status
 """
 
 from __future__ import annotations
@@ -544,6 +545,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "chaos", help="chaos soak: train under random faults, check invariants (chaos soak --help)"
     )
     sub.add_parser("k8s", help="Kubernetes: render manifests, job status, pod chaos (k8s --help)")
+    sub.add_parser("slurm", help="Slurm: render an sbatch script, job status (slurm --help)")
     rp = sub.add_parser("report", help="write a run's HTML report and print its summary")
     rp.add_argument("run_dir", help="the run directory (holds events/)")
     rp.add_argument("-o", "--output", default=None, help="HTML file (default RUN_DIR/report.html)")
@@ -610,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastrain.k8s.cli import main as k8s_main
 
         return k8s_main(argv[1:])
+    if argv[:1] == ["slurm"]:
+        from elastrain.slurm.cli import main as slurm_main
+
+        return slurm_main(argv[1:])
     ap, launching = build_parser()
     args = ap.parse_args(argv)
     if args.cmd in ("run", "agent"):

@@ -247,7 +247,7 @@ def test_status_parses_slurm_and_the_run_directory(tmp_path: Path) -> None:
     ]
     assert current_members(ev) == (2, ["a", "c"])
     job2, note = query("77", which=lambda _: None)
-    assert job2 is None and "not installed" in note
+    assert job2 is None and "not found here" in note
     calls: list[list[str]] = []
 
     def fake_run(argv: list[str]) -> tuple[int, str, str]:
@@ -257,5 +257,5 @@ def test_status_parses_slurm_and_the_run_directory(tmp_path: Path) -> None:
         return 0, line.replace("RUNNING", "COMPLETED"), ""
 
     rc, text = show("77", tmp_path / "nothing", run=fake_run, which=lambda c: f"/usr/bin/{c}")
-    assert [c[0] for c in calls] == ["squeue", "sacct"]
+    assert [c[0] for c in calls] == ["squeue", "sacct"]  # sacct answered: no scontrol
     assert "COMPLETED" in text and "no events/" in text and rc == 0

@@ -1,7 +1,8 @@
 """`elastrain slurm status JOBID`: Slurm's view of a job and the run directory's.
 
-Slurm's side comes from `squeue` (a pending or running job) or `sacct` (a
-finished one, where accounting is on); elastrain's from the run directory's
+Slurm's side comes from `squeue` (a pending or running job), `sacct` (a
+finished one, where accounting is on) or `scontrol show job` (a finished one
+slurmctld still remembers, MinJobAge, when accounting is off); elastrain's from the run directory's
 events: the members of the newest generation and the goodput summary of
 `elastrain report`. Parsing and formatting are pure functions; `query` and
 `show` are the thin I/O around them.
@@ -38,7 +39,7 @@ class SlurmJob:
     reason: str
     workdir: str
     source: str
-    """"squeue" or "sacct": which command answered."""
+    """"squeue", "sacct" or "scontrol": which command answered."""
 
 
 def parse_job_line(text: str, job_id: str, source: str) -> SlurmJob | None:
@@ -49,6 +50,23 @@ def parse_job_line(text: str, job_id: str, source: str) -> SlurmJob | None:
         if len(parts) < len(_KEYS) or parts[0] != job_id:
             continue
         return SlurmJob(**dict(zip(_KEYS, parts[: len(_KEYS)], strict=True)), source=source)
+    return None
+
+
+SCONTROL_KEYS = ("JobId", "JobState", "RunTime", "TimeLimit", "NumNodes", "NodeList", "Reason",
+                 "WorkDir")  # fmt: skip
+"""`scontrol -o show job`'s keys, in the order of SQUEUE_FORMAT."""
+
+
+def parse_scontrol_job(text: str, job_id: str) -> SlurmJob | None:
+    """The job from `scontrol -o show job JOBID` (one line of KEY=VALUE words)."""
+    for line in text.splitlines():
+        kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
+        if kv.get("JobId") == job_id:
+            return SlurmJob(
+                **dict(zip(_KEYS, (kv.get(k, "") for k in SCONTROL_KEYS), strict=True)),
+                source="scontrol",
+            )
     return None
 
 
@@ -103,20 +121,25 @@ def query(
     for cmd, argv in (
         ("squeue", ["squeue", "-h", "-j", job_id, "-o", SQUEUE_FORMAT]),
         ("sacct", ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", SACCT_FIELDS]),
+        ("scontrol", ["scontrol", "-o", "show", "job", job_id]),
     ):
         if which(cmd) is None:
             tried.append(f"{cmd} not found")
             continue
         rc, out, err = run(argv)
         if rc == 0:
-            job = parse_job_line(out, job_id, cmd)
+            job = (
+                parse_scontrol_job(out, job_id)
+                if cmd == "scontrol"
+                else parse_job_line(out, job_id, cmd)
+            )
             if job is not None:
                 return job, ""
             tried.append(f"{cmd} does not know job {job_id}")
         else:
             tried.append(f"{cmd} failed: {(err or out).strip() or f'exit {rc}'}")
-    if len(tried) == 2 and all(t.endswith("not found") for t in tried):
-        return None, "squeue and sacct are not installed here: Slurm's state is not shown"
+    if all(t.endswith("not found") for t in tried):
+        return None, "squeue, sacct and scontrol are not found here: Slurm's state is not shown"
     return None, "; ".join(tried)
 
 

@@ -1,0 +1,142 @@
+"""A rendered job on a real Slurm cluster: munged, slurmctld and one slurmd on
+this machine (tests/slurm_cluster.py; slurm-wlm and munge are installed with
+apt-get when absent; skipped with the reason without root).
+
+1. `test_a_rendered_job_trains_every_step_once` (about 15 s): sbatch, the
+   job completes, every step committed exactly once, `slurm status` shows it.
+2. `test_the_notice_checkpoints_requeues_and_the_rerun_resumes` (about 30 s):
+   SIGTERM to the batch shell alone (`scancel --batch --signal=TERM`, what
+   `--signal=B:TERM@grace` delivers before the time limit) becomes an
+   emergency checkpoint; the script requeues the job; the rerun resumes from
+   that checkpoint and finishes; each run commits its steps exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastrain.observe.events import read_events
+from elastrain.observe.ledger import check_exactly_once
+
+from .conftest import MLP, ROOT
+from .slurm_cluster import LocalSlurm, ensure_installed, unavailable
+from .test_elastic import expected_ids
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    try:
+        ensure_installed()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    cl = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cl
+    finally:
+        cl.close()
+
+
+def submit(cluster: LocalSlurm, tmp: Path, *render_args: str, steps: int) -> str:
+    """Render a CPU job of one node x 2 workers and sbatch it; the job id."""
+    job = tmp / "job.sbatch"
+    r = subprocess.run(
+        [sys.executable, "-m", "elastrain.cli", "slurm", "render", "--nodes", "1",
+         "--gpus-per-node", "0", "--workers-per-node", "2", "--time", "10", "--grace", "60",
+         "--run-dir", str(tmp / "run"), "--elastrain", f"{sys.executable} -m elastrain.cli",
+         *render_args, "-o", str(job), MLP, "--", "--steps", str(steps)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    env = {**cluster.env, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(tmp), "--output",
+                        str(tmp / "slurm-%j.out"), str(job)],
+                       env=env, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def job_fields(cluster: LocalSlurm, job_id: str) -> dict[str, str]:
+    out = cluster.run("scontrol", "-o", "show", "job", job_id).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_until(cond: Any, what: str, cluster: LocalSlurm, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{cluster.logs()}"
+        time.sleep(0.2)  # polling slurmctld's and the job's state
+
+
+def runs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events split at each coordinator start: one list per run of the job."""
+    starts = sorted(e["t"] for e in events if e["kind"] == "coordinator_start")
+    bounds = [*starts[1:], float("inf")]
+    return [[e for e in events if a <= e["t"] < b] for a, b in zip(starts, bounds, strict=True)]
+
+
+def test_a_rendered_job_trains_every_step_once(cluster: LocalSlurm, tmp_path: Path) -> None:
+    steps = 30
+    job_id = submit(cluster, tmp_path, steps=steps)
+    wait_until(lambda: job_fields(cluster, job_id).get("JobState") in ("COMPLETED", "FAILED",
+               "CANCELLED", "TIMEOUT"), "the job to end", cluster)  # fmt: skip
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job_fields(cluster, job_id)["JobState"] == "COMPLETED", out
+    assert "training finished" in out
+    ev = read_events(tmp_path / "run")
+    led = check_exactly_once(ev, expected_ids)
+    assert led.violations == [] and led.committed_steps == steps
+    members = {e["member"] for e in ev if e["kind"] == "worker_spawned"}
+    assert members == {f"{cluster.node}-r0-w0", f"{cluster.node}-r0-w1"}
+    r = subprocess.run([sys.executable, "-m", "elastrain.cli", "slurm", "status", job_id,
+                        "--run-dir", str(tmp_path / "run")],
+                       env={**cluster.env, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"job {job_id} COMPLETED" in r.stdout and f"{steps} steps" in r.stdout
+
+
+def test_the_notice_checkpoints_requeues_and_the_rerun_resumes(
+    cluster: LocalSlurm, tmp_path: Path
+) -> None:
+    steps = 400
+    job_id = submit(cluster, tmp_path, "--ckpt-every", "10", steps=steps)
+    run_dir = tmp_path / "run"
+
+    def committed() -> int:
+        return sum(1 for e in read_events(run_dir) if e["kind"] == "step_commit") if (
+            run_dir / "events").is_dir() else 0  # fmt: skip
+
+    wait_until(lambda: committed() >= 40, "40 step commits", cluster)
+    # What --signal=B:TERM@grace delivers before the time limit: the batch shell alone.
+    r = cluster.run("scancel", "--batch", "--signal=TERM", job_id)
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: int(job_fields(cluster, job_id).get("Restarts", "0")) >= 1,
+               "the script to requeue the job", cluster)  # fmt: skip
+    wait_until(lambda: job_fields(cluster, job_id).get("JobState") in ("COMPLETED", "FAILED",
+               "CANCELLED", "TIMEOUT"), "the rerun to end", cluster, timeout=300)  # fmt: skip
+    out = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert job_fields(cluster, job_id)["JobState"] == "COMPLETED", out
+    assert "requeueing job" in out and "training finished" in out
+    first, second = runs(read_events(run_dir))
+    emergency = [e for e in first if e["kind"] == "checkpoint_emergency" and e["ok"]]
+    assert emergency, "no emergency checkpoint in the first run"
+    saved = max(e["step"] for e in emergency)
+    loaded = [e for e in second if e["kind"] == "checkpoint_loaded"]
+    assert {e["step"] for e in loaded} == {saved} and len(loaded) == 2
+    assert {e["member"] for e in second if e["kind"] == "worker_spawned"} == {
+        f"{cluster.node}-r1-w0", f"{cluster.node}-r1-w1"}  # fmt: skip
+    for run in (first, second):
+        led = check_exactly_once(run, expected_ids)
+        assert [v for v in led.violations if not v.startswith("steps never committed")] == []
+    commits = sorted({e["step"] for e in second if e["kind"] == "step_commit"})
+    assert commits == list(range(saved, steps)), "the rerun did not continue where it stopped"

@@ -67,7 +67,9 @@ def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int
         f"SlurmdPort={slurmd_port}",
         "SlurmUser=root",
         "SlurmdUser=root",
-        f"AuthInfo=socket={tmp / 'munge.socket'}",
+        # cred_expire: Slurm holds a requeued batch job until its old credential has
+        # expired (default 120 s); 5 s keeps the requeue test short.
+        f"AuthInfo=socket={tmp / 'munge.socket'},cred_expire=5",
         "AuthType=auth/munge",
         "CredType=cred/munge",
         f"StateSaveLocation={tmp / 'state'}",
@@ -81,6 +83,9 @@ def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU",
         "SchedulerType=sched/backfill",
+        # A requeued job becomes eligible when its hold ends, which no event announces:
+        # the backfill pass that starts it runs every bf_interval (default 30 s).
+        "SchedulerParameters=bf_interval=1",
         "ReturnToService=2",
         "MpiDefault=none",
         "JobAcctGatherType=jobacct_gather/none",
@@ -167,8 +172,29 @@ class LocalSlurm:
             out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-1500:]}")
         return "\n".join(out)
 
+    def cancel_all(self, timeout: float = 30) -> None:
+        """scancel every job of this cluster and wait until slurmctld has none left
+        running: a job's slurmstepd is not a child of slurmd (it outlives it), so the
+        jobs must end before the daemons do."""
+        if not any(p.poll() is None for p in self.procs[1:2]):
+            return  # no slurmctld to ask
+        jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
+        if not jobs:
+            return
+        self.run("scancel", "--full", *jobs)
+        deadline = time.monotonic() + timeout
+        while self.run("squeue", "-h", "-t", "running,completing", "-o", "%i").stdout.split():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling slurmctld
+
     def close(self) -> None:
-        """Stop every daemon by PID: slurmd, slurmctld, then munged."""
+        """Cancel the cluster's jobs, then stop every daemon by PID: slurmd,
+        slurmctld, then munged."""
+        try:
+            self.cancel_all()
+        except (OSError, subprocess.SubprocessError):
+            pass  # the daemons are stopped below either way
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -4,7 +4,8 @@ apt-get when absent; skipped with the reason without root).
 
 1. `test_a_rendered_job_trains_every_step_once` (about 15 s): sbatch, the
    job completes, every step committed exactly once, `slurm status` shows it.
-2. `test_the_notice_checkpoints_requeues_and_the_rerun_resumes` (about 30 s):
+2. `test_the_notice_checkpoints_requeues_and_the_rerun_resumes` (about 40 s,
+   of which about 11 s is Slurm holding the requeued job, cred_expire + 1 s):
    SIGTERM to the batch shell alone (`scancel --batch --signal=TERM`, what
    `--signal=B:TERM@grace` delivers before the time limit) becomes an
    emergency checkpoint; the script requeues the job; the rerun resumes from
@@ -46,14 +47,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
         cl.close()
 
 
-def submit(cluster: LocalSlurm, tmp: Path, *render_args: str, steps: int) -> str:
+def submit(
+    cluster: LocalSlurm, tmp: Path, *render_args: str, steps: int, script_args: tuple[str, ...] = ()
+) -> str:
     """Render a CPU job of one node x 2 workers and sbatch it; the job id."""
     job = tmp / "job.sbatch"
     r = subprocess.run(
         [sys.executable, "-m", "elastrain.cli", "slurm", "render", "--nodes", "1",
          "--gpus-per-node", "0", "--workers-per-node", "2", "--time", "10", "--grace", "60",
          "--run-dir", str(tmp / "run"), "--elastrain", f"{sys.executable} -m elastrain.cli",
-         *render_args, "-o", str(job), MLP, "--", "--steps", str(steps)],
+         *render_args, "-o", str(job), MLP, "--", "--steps", str(steps), *script_args],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -108,20 +111,26 @@ def test_a_rendered_job_trains_every_step_once(cluster: LocalSlurm, tmp_path: Pa
 def test_the_notice_checkpoints_requeues_and_the_rerun_resumes(
     cluster: LocalSlurm, tmp_path: Path
 ) -> None:
-    steps = 400
-    job_id = submit(cluster, tmp_path, "--ckpt-every", "10", steps=steps)
+    steps = 150
+    # Paced until the notice, so that the job cannot end before it; the rerun runs at
+    # full speed.
+    pace = tmp_path / "pace"
+    pace.write_text("0.1")
+    job_id = submit(cluster, tmp_path, "--ckpt-every", "10", steps=steps,
+                    script_args=("--pace-file", str(pace)))  # fmt: skip
     run_dir = tmp_path / "run"
 
     def committed() -> int:
         return sum(1 for e in read_events(run_dir) if e["kind"] == "step_commit") if (
             run_dir / "events").is_dir() else 0  # fmt: skip
 
-    wait_until(lambda: committed() >= 40, "40 step commits", cluster)
+    wait_until(lambda: committed() >= 40, "20 steps committed by both workers", cluster)
     # What --signal=B:TERM@grace delivers before the time limit: the batch shell alone.
     r = cluster.run("scancel", "--batch", "--signal=TERM", job_id)
     assert r.returncode == 0, r.stderr
     wait_until(lambda: int(job_fields(cluster, job_id).get("Restarts", "0")) >= 1,
                "the script to requeue the job", cluster)  # fmt: skip
+    pace.write_text("0")
     wait_until(lambda: job_fields(cluster, job_id).get("JobState") in ("COMPLETED", "FAILED",
                "CANCELLED", "TIMEOUT"), "the rerun to end", cluster, timeout=300)  # fmt: skip
     out = (tmp_path / f"slurm-{job_id}.out").read_text()

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -135,7 +136,9 @@ class LocalSlurm:
         self.procs.append(p)
         return p
 
-    def _wait(self, what: str, ok: callable, p: subprocess.Popen[bytes], timeout: float) -> None:  # type: ignore[valid-type]
+    def _wait(
+        self, what: str, ok: Callable[[], bool], p: subprocess.Popen[bytes], timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         while not ok():
             if p.poll() is not None:

@@ -85,8 +85,9 @@ def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int
         "SelectTypeParameters=CR_CPU",
         "SchedulerType=sched/backfill",
         # A requeued job becomes eligible when its hold ends, which no event announces:
-        # the backfill pass that starts it runs every bf_interval (default 30 s).
-        "SchedulerParameters=bf_interval=1",
+        # the passes that start it run every sched_interval (default 60 s) and
+        # bf_interval (default 30 s); with 1 s it starts within a second of eligible.
+        "SchedulerParameters=bf_interval=1,sched_interval=1",
         "ReturnToService=2",
         "MpiDefault=none",
         "JobAcctGatherType=jobacct_gather/none",

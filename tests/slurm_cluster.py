@@ -1,9 +1,12 @@
-"""A real Slurm cluster of one node on this machine, for tests/test_slurm.py.
+"""A real Slurm cluster of a few nodes on this machine, for tests/test_slurm.py.
 
-`LocalSlurm(tmp)` writes a munge key and a slurm.conf into `tmp` (loopback,
-free ports, state and spool under `tmp`, root as SlurmUser) and starts
-munged, slurmctld and one slurmd in the foreground as child processes, so
-each is stopped by its PID in `close()`. Commands reach this cluster through
+`LocalSlurm(tmp, nodes=3)` writes a munge key and a slurm.conf into `tmp`
+(loopback, free ports, state and spool under `tmp`, root as SlurmUser) and
+starts munged, slurmctld and one slurmd per node in the foreground as child
+processes, so each is stopped by its PID in `close()`. The nodes
+`elastrain-n0`, `elastrain-n1`, ... all have NodeAddr 127.0.0.1, each slurmd
+its own port (`Port=` on its NodeName line, which Debian's slurmd honours: two
+slurmd on one host ran a 2-node `srun`); they share the host's CPUs. Commands reach this cluster through
 `env` (SLURM_CONF). Debian's slurm-wlm and munge are installed with apt-get
 when absent (`ensure_installed`); `unavailable()` says why a test must skip.
 
@@ -57,15 +60,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int) -> str:
-    """The cluster's slurm.conf: one node `node` at 127.0.0.1, one partition `debug`."""
+def slurm_conf(tmp: Path, nodes: dict[str, int], cpus: int, ctld_port: int) -> str:
+    """The cluster's slurm.conf: `nodes` (name -> slurmd port) at 127.0.0.1 with
+    `cpus` CPUs each, one partition `debug` of all of them."""
     return "\n".join([
         "ClusterName=elastrain-test",
         # slurmctld only runs on the host its SlurmctldHost names.
         f"SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)",
         "MailProg=/bin/true",
         f"SlurmctldPort={ctld_port}",
-        f"SlurmdPort={slurmd_port}",
         "SlurmUser=root",
         "SlurmdUser=root",
         # cred_expire: Slurm holds a requeued batch job until its old credential has
@@ -100,8 +103,9 @@ def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int
         "MinJobAge=600",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+        *(f"NodeName={n} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
+          for n, port in nodes.items()),
+        f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
         "",
     ])  # fmt: skip
 
@@ -109,9 +113,9 @@ def slurm_conf(tmp: Path, node: str, cpus: int, ctld_port: int, slurmd_port: int
 class LocalSlurm:
     """munged + slurmctld + one slurmd, children of this process, stopped by PID."""
 
-    def __init__(self, tmp: Path, node: str = "elastrain-n0") -> None:
+    def __init__(self, tmp: Path, nodes: int = 1) -> None:
         self.tmp = tmp
-        self.node = node
+        self.nodes = [f"elastrain-n{i}" for i in range(nodes)]
         self.procs: list[subprocess.Popen[bytes]] = []
         for d in ("state", "spool", "munge"):
             (tmp / d).mkdir(parents=True, exist_ok=True)
@@ -119,9 +123,10 @@ class LocalSlurm:
         key = tmp / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        ctld, slurmd = free_ports(2)
+        ctld, *ports = free_ports(1 + nodes)
         self.conf = tmp / "slurm.conf"
-        self.conf.write_text(slurm_conf(tmp, node, os.cpu_count() or 1, ctld, slurmd))
+        cpus = max(1, (os.cpu_count() or 1) // nodes)
+        self.conf.write_text(slurm_conf(tmp, dict(zip(self.nodes, ports, strict=True)), cpus, ctld))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         try:
             self._start()
@@ -158,8 +163,14 @@ class LocalSlurm:
         self._wait("munged", sock.exists, m, 20)
         c = self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait("slurmctld", lambda: self._ok(["scontrol", "ping"], "UP"), c, 30)
-        d = self._spawn("slurmd", ["slurmd", "-D", "-N", self.node, "-f", str(self.conf)])
-        self._wait("slurmd", lambda: self._ok(["sinfo", "-h", "-o", "%T"], "idle"), d, 60)
+        for n in self.nodes:
+            d = self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)])
+        self._wait("every slurmd", self._all_idle, d, 60)
+
+    def _all_idle(self) -> bool:
+        r = self.run("sinfo", "-h", "-N", "-o", "%N %T")
+        states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
+        return r.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes)
 
     def _ok(self, argv: list[str], want: str) -> bool:
         r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=20)
@@ -180,7 +191,7 @@ class LocalSlurm:
         """scancel every job of this cluster and wait until slurmctld has none left
         running: a job's slurmstepd is not a child of slurmd (it outlives it), so the
         jobs must end before the daemons do."""
-        if not any(p.poll() is None for p in self.procs[1:2]):
+        if len(self.procs) < 2 or self.procs[1].poll() is not None:
             return  # no slurmctld to ask
         jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
         if not jobs:
@@ -193,7 +204,7 @@ class LocalSlurm:
             time.sleep(0.2)  # polling slurmctld
 
     def close(self) -> None:
-        """Cancel the cluster's jobs, then stop every daemon by PID: slurmd,
+        """Cancel the cluster's jobs, then stop every daemon by PID: the slurmds,
         slurmctld, then munged."""
         try:
             self.cancel_all()
@@ -214,7 +225,7 @@ if __name__ == "__main__":
     import tempfile
 
     ensure_installed()
-    cl = LocalSlurm(Path(tempfile.mkdtemp(prefix="elastrain-slurm-")))
+    cl = LocalSlurm(Path(tempfile.mkdtemp(prefix="elastrain-slurm-")), nodes=3)
     try:
         print(cl.run("sinfo").stdout)
         print(f"export SLURM_CONF={cl.conf}")

@@ -2,9 +2,9 @@
 this machine (tests/slurm_cluster.py; slurm-wlm and munge are installed with
 apt-get when absent; skipped with the reason without root).
 
-One test, 40-60 s on the 2 busy cores (two start-ups of three Python processes
-importing torch, and about 15 s in which Slurm holds the requeued job): sbatch
-a rendered job; SIGTERM to the batch shell alone (`scancel --batch
+One test, 40-60 s on the 2 busy cores (two start-ups of the Python processes
+importing torch, and about 6 s in which Slurm holds the requeued job): sbatch
+a rendered job of two agent nodes and one spare on three slurmd; SIGTERM to the batch shell alone (`scancel --batch
 --signal=TERM`, what `--signal=B:TERM@grace` delivers before the time limit)
 becomes an emergency checkpoint; the script requeues the job; the rerun
 resumes from that checkpoint and finishes (COMPLETED); each run commits its
@@ -39,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
         ensure_installed()
     except RuntimeError as e:
         pytest.skip(str(e))
-    cl = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cl = LocalSlurm(tmp_path_factory.mktemp("slurm"), nodes=3)
     try:
         yield cl
     finally:
@@ -49,11 +49,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
 def submit(
     cluster: LocalSlurm, tmp: Path, *render_args: str, steps: int, script_args: tuple[str, ...] = ()
 ) -> str:
-    """Render a CPU job of one node x 2 workers and sbatch it; the job id."""
+    """Render a CPU job of 2 nodes x 1 worker + 1 spare node and sbatch it; the job id."""
     job = tmp / "job.sbatch"
     r = subprocess.run(
-        [sys.executable, "-m", "elastrain.cli", "slurm", "render", "--nodes", "1",
-         "--gpus-per-node", "0", "--workers-per-node", "2", "--time", "10", "--grace", "60",
+        [sys.executable, "-m", "elastrain.cli", "slurm", "render", "--nodes", "2",
+         "--spare-nodes", "1", "--gpus-per-node", "0", "--workers-per-node", "1", "--time", "10", "--grace", "60",
          "--run-dir", str(tmp / "run"), "--elastrain", f"{sys.executable} -m elastrain.cli",
          *render_args, "-o", str(job), MLP, "--", "--steps", str(steps), *script_args],
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
@@ -120,8 +120,12 @@ def test_the_notice_checkpoints_requeues_and_the_rerun_resumes(
     saved = max(e["step"] for e in emergency)
     loaded = [e for e in second if e["kind"] == "checkpoint_loaded"]
     assert {e["step"] for e in loaded} == {saved} and len(loaded) == 2
-    assert {e["member"] for e in second if e["kind"] == "worker_spawned"} == {
-        f"{cluster.node}-r1-w0", f"{cluster.node}-r1-w1"}  # fmt: skip
+    # One agent on each of the first two nodes, none on the spare, in both runs.
+    n0, n1, spare = cluster.nodes
+    for i, run in enumerate((first, second)):
+        assert {e["member"] for e in run if e["kind"] == "worker_spawned"} == {
+            f"{n0}-r{i}-w0", f"{n1}-r{i}-w0"}  # fmt: skip
+    assert f"spare: {spare}" in out
     for run in (first, second):
         led = check_exactly_once(run, expected_ids)
         assert [v for v in led.violations if not v.startswith("steps never committed")] == []
@@ -133,4 +137,4 @@ def test_the_notice_checkpoints_requeues_and_the_rerun_resumes(
                        text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert f"job {job_id} COMPLETED" in r.stdout, r.stdout
-    assert f"(2): {cluster.node}-r1-w0, {cluster.node}-r1-w1" in r.stdout, r.stdout
+    assert f"(2): {n0}-r1-w0, {n1}-r1-w0" in r.stdout, r.stdout

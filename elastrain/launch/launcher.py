@@ -561,7 +561,9 @@ class Launcher:
             if not self.workers and not any(t[2] == "spawn" for t in self._timers):
                 if self._draining:
                     return "drained", "SIGTERM: this node's workers left the job"
-                if self._preempt_deadline is not None:
+                # _preempt_asked too: an agent whose last worker exited 76 in this very
+                # iteration has not begun its preemption yet, and was preempted all the same.
+                if self._preempt_deadline is not None or self._preempt_asked.is_set():
                     return "preempted", "preempted (SIGTERM): " + self._newest_checkpoint()
                 if self.status.get("finished") or self.done_members:
                     return "done", ""

@@ -244,8 +244,16 @@ if (( STATUS == 0 )); then
     say "training finished"
     exit 0
 fi
-if (( NOTICE && REQUEUE_ON_NOTICE && STATUS == {RUN_PREEMPTED} )); then
-    say "emergency checkpoint committed: requeueing job $SLURM_JOB_ID to resume from it"
+# After the notice any unfinished job is requeued: an agent reports {RUN_PREEMPTED} when it saw
+# the emergency checkpoint committed, but one whose workers exited before another
+# node's worker committed it reports a failure; the rerun resumes from the newest
+# checkpoint that verifies either way.
+if (( NOTICE && REQUEUE_ON_NOTICE )); then
+    if (( STATUS == {RUN_PREEMPTED} )); then
+        say "emergency checkpoint committed: requeueing job $SLURM_JOB_ID to resume from it"
+    else
+        say "requeueing job $SLURM_JOB_ID to resume from its newest checkpoint"
+    fi
     scontrol requeue "$SLURM_JOB_ID"
 fi
 say "agents exited with status $STATUS"

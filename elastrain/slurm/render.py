@@ -188,7 +188,8 @@ if [[ -z $COORD_HOST ]]; then
 fi
 COORD_INFO=$LOGS/coordinator.$SLURM_JOB_ID.$RESTART.json
 rm -f "$COORD_INFO"
-{_shell_words(coordinator_argv(cfg))} \\
+# Its stdout is read for where it listens: keep events off it.
+env -u {env.EVENTS_STDOUT} {_shell_words(coordinator_argv(cfg))} \\
     >"$COORD_INFO" 2>>"$LOGS/coordinator.log" &
 COORD_PID=$!
 # Its first output line says where it listens.

@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup demo test lint browser clean
+.PHONY: setup demo test lint browser slurm clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -33,7 +33,12 @@ browser:
 	command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: lint browser
+# tests/test_slurm.py brings up a real local Slurm cluster (Debian's slurm-wlm and munge).
+slurm:
+	command -v slurmctld >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge)
+
+test: lint browser slurm
 	$(BIN)/pytest -q --durations=15 tests
 
 clean:

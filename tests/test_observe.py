@@ -841,6 +841,21 @@ def test_the_ledger_under_ml_goodput_measurements_names(tmp_path: Path) -> None:
     assert got["time_goodput"] == pytest.approx(gp.time_goodput)
 
 
+def test_a_kill_victims_last_gasp_after_the_injection_is_not_a_rejoin() -> None:
+    """The launcher records the kill before sending SIGKILL, so the victim can still
+    write an event just after the fault's time (seen on CI: a commit 1 ms later).
+    A killed process never writes again: from its last event to its exit it is
+    detection, not a regroup as for a hung victim that woke up."""
+    r = kill_run()
+    r.ev(3.81, "w1", "step_contrib", step=5, gen=1, samples=[1, 2])  # alive at 3.81
+    r.events.sort(key=lambda e: e["t"])
+    gp = goodput(r.events)
+    mine = [g for g in gp.segments if g.member == "w1" and g.end > T + 3.80 and g.start < T + 3.85]
+    assert [g.bucket for g in mine] == ["wasted", "detection"], mine
+    assert mine[1].start == pytest.approx(T + 3.81) and mine[1].end == pytest.approx(T + 3.85)
+    assert sum(gp.buckets.values()) == pytest.approx(gp.total_s, rel=1e-9)
+
+
 def test_goodput_hang_victim_time_is_detection_then_capacity_missing() -> None:
     r = hang_run()
     gp = goodput(r.events)

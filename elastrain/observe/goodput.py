@@ -222,7 +222,14 @@ def goodput(events: Sequence[Event], failures: Sequence[Failure] | None = None) 
     for f in fails:
         if f.kind in _VICTIM_KINDS:
             # The victim's own mark: from here its time is the failure's, not its step's.
-            mark = {"t": f.t, "kind": "@victim", "pid": f.pid}
+            t = f.t
+            if f.kind in _DEAD_KINDS:
+                # A dead process writes nothing: an event of its own after the
+                # failure's time (a commit written while the launcher was sending
+                # the SIGKILL it records first) shows it was alive until then.
+                own = [float(e["t"]) for e in by_member.get(f.member, ()) if e.get("pid") == f.pid]
+                t = max([t, *(x for x in own if f.exit_t is None or x <= f.exit_t)])
+            mark = {"t": t, "kind": "@victim", "pid": f.pid}
             by_member.setdefault(f.member, []).append(mark)
     for v in by_member.values():
         v.sort(key=lambda e: float(e["t"]))
@@ -407,6 +414,8 @@ def _walk(
 
 _VICTIM_KINDS = frozenset({FailureKind.KILL, FailureKind.HANG, FailureKind.CRASH})
 """Failures whose victim stops at the failure's time (a leave finishes its step first)."""
+_DEAD_KINDS = frozenset({FailureKind.KILL, FailureKind.CRASH})
+"""... and never writes again (a hung victim may wake up and rejoin)."""
 
 SIGN_OF_LIFE_SLACK_S = 1.0
 """A failure up to this long before an aborted step began still broke it: a hang

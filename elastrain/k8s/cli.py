@@ -11,17 +11,17 @@ elastrain k8s chaos --kill-pod elastrain-workers-0-2-x7k2p --grace-period 0
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
 from pathlib import Path
+
+from elastrain.cliutil import error, write_output
 
 PROG = "elastrain k8s"
 
 
 def _err(msg: str) -> int:
-    print(f"{PROG}: error: {msg}", file=sys.stderr)
-    return 2
+    return error(PROG, msg)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -221,14 +221,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         text = to_yaml(objs)
     except ImportError:
         return _err("writing YAML needs PyYAML: pip install 'elastrain[k8s]'")
-    if args.output:
-        # The Secret holds the job token: the file is for its owner only.
-        fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+    # The Secret holds the job token: the file is for its owner only.
+    if write_output(args.output, text, 0o600):
         print(f"wrote {len(objs)} objects to {args.output}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
     return 0
 
 

@@ -9,17 +9,17 @@ elastrain slurm status 12345 --run-dir runs/elastrain
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
+
+from elastrain.cliutil import error, write_output
 
 PROG = "elastrain slurm"
 
 
 def _err(msg: str) -> int:
-    print(f"{PROG}: error: {msg}", file=sys.stderr)
-    return 2
+    return error(PROG, msg)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,13 +137,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _err(str(e))
     text = render(cfg)
-    if args.output:
-        fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o755)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+    if write_output(args.output, text, 0o755):
         print(f"wrote {args.output}: submit it with `sbatch {args.output}`", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
     return 0
 
 

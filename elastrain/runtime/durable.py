@@ -242,7 +242,10 @@ class _Committer:
             accounted = len(failed) == len(missing)
             late = now >= (job.deadline if stop_at is None else min(job.deadline, stop_at))
             first = d / shard_manifest_name(missing[0], n)
-            if failed and (accounted or late or stop_at is not None):
+            # At the end too (stop_at), wait until every missing shard is accounted
+            # for or the deadline passes: a shard still being written would keep its
+            # step on disk (a full disk stays full), and its writer ends soon.
+            if failed and (accounted or late):
                 why = (
                     f"the member(s) writing shard(s) {failed} of {n} reported that their "
                     "write failed or was skipped (see their checkpoint_failed/skipped events)"

@@ -445,11 +445,12 @@ def test_grad_scaler_and_scheduler_travel_through_heal_and_resume(
     # Then every member dies once it committed step 17 (at the commit point, which no
     # peer's death can make a member miss, unlike a compute point): their replacements
     # resume from the checkpoint of step 10 and redo steps 10-17, the poisoned step 12
-    # included. Paced, so that the checkpoint is committed well before the kill even on
-    # a loaded machine.
+    # included. Every member waits after step 17 until the checkpoint of step 10 is
+    # committed (rank 0 commits it in a background thread, which a loaded machine can
+    # delay past the kill: then no checkpoint exists and the replacements start over).
     job = run_job(
         script=LOOP,
-        script_args=[*AMP_ARGS, "--poison-step", str(POISON)],
+        script_args=[*AMP_ARGS, "--poison-step", str(POISON), "--await-checkpoint", "10@17"],
         steps=STEPS,
         workers=2,
         min_workers=2,

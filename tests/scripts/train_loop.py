@@ -15,6 +15,7 @@ to <run_dir>/final/<member>.npy (numpy, no pickle). With --eval-every K the
 model is evaluated (`trainer.evaluate_every`) on a held-out set after every K
 steps: the record of the step that follows carries the evaluation's sums, and
 the one after the last step goes to <run_dir>/final/<member>.eval.json.
+--await-checkpoint N@S: see checkpoint_gate.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import checkpoint_gate  # tests/scripts: the script's own directory
 import numpy as np
 import torch
 from torch import nn
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument(
         "--min-step-s", type=float, default=0.0, help="pace: at least this long per step"
     )
+    checkpoint_gate.add_argument(ap)
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate after every K steps")
     ap.add_argument("--compile", metavar="BACKEND", help="model.compile(backend=BACKEND)")
     ap.add_argument("--compile-members", help="comma-separated members that compile (default: all)")
@@ -137,6 +140,7 @@ def main() -> None:
     if run_dir:
         (Path(run_dir) / "loop").mkdir(exist_ok=True)
         log = (Path(run_dir) / "loop" / f"{trainer.member}.jsonl").open("a")
+    gate = checkpoint_gate.CheckpointGate(args.await_checkpoint, run_dir)
     last = time.monotonic()
     for result in trainer.steps():
         if sched is not None:
@@ -155,6 +159,7 @@ def main() -> None:
                 rec["eval"] = result.evaluation.to_json()
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        gate.after(trainer, result.step)
         if args.min_step_s > 0:
             time.sleep(max(0.0, args.min_step_s - (time.monotonic() - last)))
             last = time.monotonic()

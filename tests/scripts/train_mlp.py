@@ -40,6 +40,10 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
 
 
 def main() -> None:
+    # The script's own directory (tests/scripts); here, because tests also load this
+    # file as a module for its dataset, from elsewhere.
+    import checkpoint_gate
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--hidden", type=int, default=256)
@@ -57,6 +61,7 @@ def main() -> None:
         "parses it overrides --min-step-s (a test slows the job while it injects faults, "
         "then lets it run to the end at full speed)",
     )
+    checkpoint_gate.add_argument(ap)
     ap.add_argument(
         "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
     )
@@ -82,8 +87,11 @@ def main() -> None:
         prefetch_steps=args.prefetch_steps,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
+    run_dir = os.environ.get("ELASTRAIN_RUN_DIR")
+    gate = checkpoint_gate.CheckpointGate(args.await_checkpoint, run_dir)
     last = time.monotonic()
-    for _ in trainer.steps():
+    for result in trainer.steps():
+        gate.after(trainer, result.step)
         pace = args.min_step_s
         if args.pace_file:
             try:
@@ -93,7 +101,6 @@ def main() -> None:
         if pace > 0:
             time.sleep(max(0.0, pace - (time.monotonic() - last)))
         last = time.monotonic()
-    run_dir = os.environ.get("ELASTRAIN_RUN_DIR")
     if run_dir and trainer.holds_final_state:
         out = Path(run_dir) / "final"
         out.mkdir(exist_ok=True)

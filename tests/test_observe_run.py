@@ -129,6 +129,10 @@ def test_the_kill_lands_in_the_right_buckets(job: Job) -> None:
                 ov = min(g.end, first_step) - max(g.start, rec.t0)
                 window[g.bucket] = window.get(g.bucket, 0.0) + ov
         allowed = {"detection", "regroup", "healing", "productive", "data_wait"}
+        # The step in flight at the kill may have begun with a checkpoint's snapshot
+        # (every 10 steps; the kill lands a seeded fraction into a step whichever it
+        # is): under `make test` beside CPU load it began 0.4 ms before the kill.
+        allowed.add("checkpoint")
         if mid[s] in ("wasted", "productive"):
             allowed.add("wasted")  # the step after one that completed despite the kill
         assert set(window) <= allowed, window

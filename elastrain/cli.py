@@ -75,6 +75,15 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "(default: one replica group, --shard-size members; 1 unsharded)",
     )
     ap.add_argument(
+        "--spares",
+        type=int,
+        default=_default("spares"),
+        metavar="K",
+        help="hot spares: K more workers that start, register and wait outside the job; "
+        "a death promotes one at once, and the replacement refills the pool "
+        "(default 0; replicated jobs)",
+    )
+    ap.add_argument(
         "--replace-delay",
         type=float,
         default=_default("replace_delay_s"),
@@ -221,6 +230,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         script_args=script_args,
         workers=args.workers,
         min_workers=args.min_workers,
+        spares=args.spares,
         replace_delay_s=args.replace_delay,
         replace=not args.no_replace,
         run_dir=args.run_dir,
@@ -357,7 +367,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from elastrain.demo.show import run_demo
 
     steps = args.steps if args.steps is not None or args.sharded else 80
-    return run_demo(steps=steps, run_dir=args.run_dir, plain=args.plain, sharded=args.sharded)
+    if args.spares and args.sharded:
+        print("elastrain demo: --spares is for the replicated demo, not --sharded", file=sys.stderr)
+        return 2
+    return run_demo(
+        steps=steps,
+        run_dir=args.run_dir,
+        plain=args.plain,
+        sharded=args.sharded,
+        spares=args.spares,
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -537,6 +556,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         action="store_true",
         help="2 replica groups x 2 shards: a kill healed shard-only, a reshard to 1x3 in "
         "memory and back to 2x2",
+    )
+    d.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K hot spares wait beside the 4 workers: the kill promotes one at once",
     )
     d.add_argument("--run-dir", default=None)
     d.add_argument("--plain", action="store_true")

@@ -127,6 +127,9 @@ def test_the_launchers_shard_size_reaches_the_trainer_config() -> None:
         (["-n", "4", "--shard-size", "2", "--reshard-after", "-1"], "--reshard-after must be"),
         (["-n", "4", "--shard-size", "2", "--memory-per-member", "2G"], "pass --reshard-after"),
         (["-n", "4", "--shard-size", "2", "--state-factor", "0"], "--state-factor must be > 0"),
+        (["-n", "2", "--spares", "-1"], "--spares must be >= 0"),
+        (["-n", "4", "--shard-size", "2", "--spares", "1"], "hot spares are for replicated"),
+        (["-n", "2", "--spares", "1", "--no-replace"], "would never be refilled"),
     ],
 )
 def test_run_wants_whole_replica_groups_before_starting_anything(

@@ -37,6 +37,8 @@ SAME_MATH_TOL = 1e-4
 (float rounding of a different reduction order; a dropped sample changes the loss by more)."""
 TARGET_ABS_S = 0.5
 TARGET_FACTOR = 5.0
+SPARE_TARGET_S = 1.0
+"""Issue 18: with a hot spare, kill -> the replacement's first committed step."""
 HEARTBEATS_MS = (5000, 1000)
 
 FT_INSTALL = (
@@ -105,6 +107,7 @@ class Case:
 
 CASES = [
     Case("elastrain", "elastrain"),
+    Case("elastrain, 1 hot spare", "elastrain", "spare"),
     Case("torchrun restart", "torchrun"),
     Case("torchft ddp, hb 5 s", "torchft", "ddp", 5000, 5.0),
     Case("torchft ddp, hb 1 s", "torchft", "ddp", 1000, 1.0, default=False),

@@ -48,17 +48,22 @@ from elastrain.observe.ledger import check_exactly_once
 from elastrain.observe.recovery import joins, recoveries
 
 
-def run_elastrain(plan: Plan, run: Run) -> None:
+def run_elastrain(plan: Plan, run: Run, spares: int = 0) -> None:
     faults = []
+    # With a hot spare the five workers register in any order, and whichever four
+    # did first train: the faults then pick their victims (seeded) among those.
+    kill_at, hang_at = (f"{plan.kill_at}", f"{plan.hang_at}") if spares else (
+        f"{plan.kill_at}:w{KILL_VICTIM}", f"{plan.hang_at}:w{HANG_VICTIM}")  # fmt: skip
     if plan.kill_at is not None:
-        faults.append(parse_fault(f"kill@{plan.kill_at}:w{KILL_VICTIM}"))
+        faults.append(parse_fault(f"kill@{kill_at}"))
     if plan.hang_at is not None:
-        faults.append(parse_fault(f"hang@{plan.hang_at}:w{HANG_VICTIM}/{plan.hang_s:g}"))
+        faults.append(parse_fault(f"hang@{hang_at}/{plan.hang_s:g}"))
     cfg = LaunchConfig(
         script=str(JOBS / "elastic_gpt.py"),
         script_args=shape_args(),
         workers=WORKERS,
         min_workers=2,
+        spares=spares,
         replace_delay_s=plan.replace_delay_s,
         run_dir=str(run.run_dir),
         steps=plan.steps if not run.faulty else 1_000_000,
@@ -67,7 +72,6 @@ def run_elastrain(plan: Plan, run: Run) -> None:
         progress=False,
         extra_env={"OMP_NUM_THREADS": "1"},
     )
-    originals = {f"w{i}" for i in range(WORKERS)}
     state: dict[str, Any] = {"repl_step": None, "stalled_since": time.monotonic(), "last": -1}
 
     def on_status(st: dict[str, Any]) -> None:
@@ -79,7 +83,9 @@ def run_elastrain(plan: Plan, run: Run) -> None:
         if kills and "kill_t" not in state:
             state["kill_t"] = time.time()
         members = st.get("members") or []
-        new = any(m not in originals for m in members)
+        if st.get("ready") and members and "originals" not in state:
+            state["originals"] = set(members)  # the first generation's
+        new = any(m not in state.get("originals", members) for m in members)
         if kills and state["repl_step"] is None and st.get("ready") and new:
             state["repl_step"] = step
         if not run.faulty or step < plan.steps:
@@ -137,7 +143,11 @@ def run_elastrain(plan: Plan, run: Run) -> None:
             if r.fault == "kill":
                 run.kill_s = r.total_s
                 j = js.get(r.replacement or "")
-                if j is not None and j.first_step_s is not None:
+                if r.promoted:
+                    # A hot spare took the dead one's place: its first committed step
+                    # is the resumed generation's first.
+                    run.repl_s = r.total_s
+                elif j is not None and j.first_step_s is not None:
                     run.repl_s = j.spawned_t + j.first_step_s - r.t0
             elif r.fault == "hang":
                 run.hang_s = r.total_s
@@ -378,7 +388,7 @@ def run_torchft(plan: Plan, run: Run, mode: str, heartbeat_ms: int, pg_timeout_s
 def execute(case: Case, plan: Plan, run: Run, ckpt_every: int) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     if case.system == "elastrain":
-        run_elastrain(plan, run)
+        run_elastrain(plan, run, spares=1 if case.mode == "spare" else 0)
     elif case.system == "torchrun":
         run_torchrun(plan, run, ckpt_every)
     else:

@@ -3,7 +3,7 @@
 A fault is written `KIND@WHEN[:MEMBER][/ARG]`:
 
     kill@15              SIGKILL a seeded-random member once the job reached step 15
-    kill@15:w2           ... member w2
+    kill@15:w2           ... member w2 (any worker with a process: a hot spare too)
     kill@15:w2/hold=20s  ... and start its replacement 20 s after its death
                          instead of --replace-delay (a vacancy that lasts, e.g.
                          for a sharded job to reshard; term takes it too)

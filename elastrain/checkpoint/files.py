@@ -69,6 +69,14 @@ def list_steps(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def committed_steps(directory: str | os.PathLike[str] | None) -> list[int]:
+    """The steps of the committed checkpoints under ``directory`` (their marker
+    exists; not verified), ascending; [] when there is none or no directory."""
+    if directory is None:
+        return []
+    return [s for s, d in list_steps(directory) if (d / MARKER).exists()]
+
+
 def shard_file_name(shard: int, num_shards: int) -> str:
     """The data file of one shard (a safetensors file)."""
     return f"shard-{shard:05d}-of-{num_shards:05d}.safetensors"

@@ -438,6 +438,9 @@ class Coordinator:
                     m.id: {"pid": m.pid, "host": m.host, "incarnation": m.incarnation}
                     for m in s.members.values()
                 },
+                # Registered and outside the generation: hot spares, and joiners not
+                # admitted yet (the next step boundary, or a failure, takes them).
+                "standby": sorted(m for m in s.members if g is None or m not in g.member_set),
                 "step": s.progress_step,
                 "loss": s.last_loss,
                 "steps_per_s": rate,

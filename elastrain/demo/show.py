@@ -2,7 +2,10 @@
 replaced, another is hung (SIGSTOP) and later continued. Prints the survivors'
 PIDs before and after, the recovery phases of each failure, and the loss.
 
-    elastrain demo [--steps 80] [--run-dir DIR] [--plain]
+    elastrain demo [--steps 80] [--run-dir DIR] [--plain] [--spares K]
+
+With --spares K, K hot spares wait beside the 4 workers: the kill promotes one
+at once (the failures table names it) and the replacement refills the pool.
 
 `elastrain demo --sharded` is the sharded one: 2 replica groups x 2 shards, a
 kill healed shard-only, a reshard to 1x3 in memory and back
@@ -41,6 +44,7 @@ def run_demo(
     run_dir: str | None = None,
     plain: bool = False,
     sharded: bool = False,
+    spares: int = 0,
 ) -> int:
     """The plain demo (100 steps unless `steps`), or with `sharded` the sharded one
     (`elastrain.demo.sharded`)."""
@@ -58,15 +62,23 @@ def run_demo(
         script_args=["--min-step-s", "0.2"],
         workers=4,
         min_workers=2,
+        spares=spares,
         replace_delay_s=2.0,
         run_dir=run_dir,
         steps=steps,
         faults=[parse_fault(f"kill@{kill_at}"), parse_fault(f"hang@{hang_at}/6")],
         seed=1,
     )
+    spare_s = f" beside {spares} hot spare(s)" if spares else ""
+    replaced = (
+        "a waiting spare takes its place at once, a new spare starts 2 s later"
+        if spares
+        else "a replacement starts 2 s later"
+    )
     print(
-        "elastrain demo: 4 workers train a small GPT on the Python standard library's source.\n"
-        f"At step {kill_at} one worker is SIGKILLed mid-step (a replacement starts 2 s later);\n"
+        f"elastrain demo: 4 workers{spare_s} train a small GPT on the Python standard "
+        "library's source.\n"
+        f"At step {kill_at} one worker is SIGKILLed mid-step ({replaced});\n"
         f"at step {hang_at} another is hung with SIGSTOP for 6 s, then continued.\n"
     )
     with Progress(steps, plain=plain or None) as prog:

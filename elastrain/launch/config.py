@@ -22,6 +22,16 @@ class LaunchConfig:
     min_workers: int = 0
     """Fewer members than this: training pauses until replacements arrive (--min).
     0 means one replica group: `shard_size` members (1 when unsharded)."""
+    spares: int = 0
+    """Hot spares kept beyond -n (--spares): worker processes that have started,
+    built the model, warmed up and registered, and wait as standbys outside the
+    generation (the coordinator admits at most -n members). A death promotes one
+    at once: the coordinator forms the failure's generation with it, and the
+    survivors heal it, instead of waiting for a process to start. The dead
+    worker's replacement refills the pool. A standby loads each newer committed
+    checkpoint while it waits, so that spares left alone (every member dead)
+    go on from one checkpoint at most behind the newest.
+    Replicated jobs only for now."""
     replace_delay_s: float = 0.0
     """Seconds between a worker's death and its replacement's start (stands in for pod scheduling)."""
     replace: bool = True
@@ -169,6 +179,18 @@ class LaunchConfig:
                 f"(try --min {self._multiples(self.min_workers)})"
             )
         self._check_resharding()
+        if self.spares < 0:
+            raise ValueError(f"--spares must be >= 0 (got {self.spares})")
+        if self.spares and shards > 1:
+            raise ValueError(
+                "--spares: hot spares are for replicated jobs for now; a sharded job's "
+                "vacancy is filled by a replacement (leave out --spares or --shard-size)"
+            )
+        if self.spares and not self.replace:
+            raise ValueError(
+                "--spares with --no-replace: a promoted spare would never be refilled; "
+                "use -n for more workers instead"
+            )
         if self.replace_delay_s < 0:
             raise ValueError("--replace-delay must be >= 0")
         if not Path(self.script).is_file():

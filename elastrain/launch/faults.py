@@ -74,7 +74,9 @@ class Injector:
         )
         for f in self.schedule.due(step, elapsed):
             members = [m for m in status.get("members", []) if m in live]
-            victim = self.schedule.pick(f, members)
+            # A named victim may be any worker with a process (a standby, a hot
+            # spare, too); a seeded-random one is one of the generation's members.
+            victim = self.schedule.pick(f, live if f.member is not None else members)
             if victim is None and f.member is None and f.every_s is None:
                 self.schedule.pending.append(f)  # nobody to pick right now: at the next status
                 continue

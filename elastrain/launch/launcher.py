@@ -425,7 +425,7 @@ class Launcher:
                         f"resuming: {e}"
                     ) from e
                 self._start_coordinator()
-            for _ in range(c.workers):
+            for _ in range(c.workers + c.spares):
                 self._spawn(replacement=False)
             status, message = self._loop()
         except _Failed as e:

@@ -133,10 +133,12 @@ class Progress:
         members = len(s.get("members", []))
         sps = float(s.get("samples_per_s") or 0.0)
         wait = f"  WAITING: {s['waiting']}" if s.get("waiting") else ""
+        standby = len(s.get("standby", [])) if s.get("members") else 0
+        spare = f" +{standby} standby" if standby else ""
         loss_s = f"{loss:.4f}" if isinstance(loss, float) else "  -   "
         return (
             f"step {step:5d}{total}  loss {loss_s}  members {members}/{s.get('target', '?')}"
-            f"  gen {s.get('gen', 0)}  {rate:5.2f} steps/s  {sps:6.0f} samples/s{eta}{wait}"
+            f"{spare}  gen {s.get('gen', 0)}  {rate:5.2f} steps/s  {sps:6.0f} samples/s{eta}{wait}"
         )
 
     def health(self) -> str:

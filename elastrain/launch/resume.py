@@ -97,9 +97,9 @@ NO_CHECKPOINT = "no checkpoint was committed"
 def newest_checkpoint_note(checkpoint_dir: Path) -> str:
     """One line for the user: the newest committed checkpoint, or that there is none.
     A checkpoint's step is a committed step count, as in "N steps committed"."""
-    from elastrain.checkpoint.files import MARKER, list_steps
+    from elastrain.checkpoint.files import committed_steps
 
-    committed = [s for s, d in list_steps(checkpoint_dir) if (d / MARKER).exists()]
+    committed = committed_steps(checkpoint_dir)
     if not committed:
         return NO_CHECKPOINT
     n = committed[-1]

@@ -13,7 +13,13 @@ Each worker process (one `worker_spawned` member/pid, alive until its
 `worker_exited`) walks through states driven by its own events:
 
   startup           spawn -> first `generation_start` (an original worker), or
-                    spawn -> `member_registered` (a replacement)
+                    spawn -> `member_registered` (a replacement, or a worker that
+                    registered after the job's first generation formed)
+  standby           registered and waiting outside the generation, until its
+                    first `group_built` (or heal, or `generation_start`): a hot
+                    spare (`elastrain run --spares`), a replacement waiting to be
+                    admitted at the next step boundary. Reserved capacity, not
+                    badput from a failure; a spare costs the job its time.
   regroup           quorum + regroup: after an abort (or registration) until the
                     next `generation_start`, except the heal
   healing           `heal_begin` -> `heal_end`, every role
@@ -65,6 +71,7 @@ BUCKETS = (
     "replacement_wait",
     "checkpoint",
     "startup",
+    "standby",
     "data_wait",
     "other",
 )
@@ -235,9 +242,17 @@ def goodput(events: Sequence[Event], failures: Sequence[Failure] | None = None) 
         v.sort(key=lambda e: float(e["t"]))
     procs = _processes(evs, t_start, t_end)
     blocking = _checkpoint_blocking(evs)
+    first_formed = next(
+        (float(e["t"]) for e in evs if e.get("kind") == "generation_formed"), math.inf
+    )
     for p in procs:
         segments += _walk(
-            p, by_member.get(p.member, []), fault_ts, buckets, blocking.get((p.member, p.pid), {})
+            p,
+            by_member.get(p.member, []),
+            fault_ts,
+            buckets,
+            blocking.get((p.member, p.pid), {}),
+            first_formed,
         )
 
     # Empty slots: capacity missing below the target. Before the first generation
@@ -307,10 +322,13 @@ def _walk(
     fault_ts: Sequence[float],
     buckets: dict[str, float],
     blocking: Mapping[int, float],
+    first_formed: float = math.inf,
 ) -> list[Segment]:
     """Put one process's lifetime into buckets (see the module docstring). `evs`:
     the events written by or about this member, in time order; `blocking`: its
-    checkpoint blocking per committed step count. Returns its segments."""
+    checkpoint blocking per committed step count; `first_formed`: when the job's
+    first generation formed (a worker registering after it waits as a standby).
+    Returns its segments."""
     acc = _Acc(p.start, p.end, buckets, p)
     carved: set[int] = set()
     count: int | None = None  # committed step count while stepping
@@ -372,12 +390,18 @@ def _walk(
                 acc.to(t, "replacement_wait")
                 state = "regroup"
         elif state == "startup":
-            if k == "@registered" and p.replacement:
+            if k == "@registered" and (p.replacement or t > first_formed):
                 acc.to(t, "startup")
-                state = "regroup"
+                state = "standby"
             elif k == "generation_start":
                 acc.to(t, "startup")
                 state = "step"
+        elif state == "standby":
+            if k in ("group_built", "heal_begin", "generation_start", "worker_exit"):
+                acc.to(t, "standby")
+                state = {"heal_begin": "heal", "generation_start": "step"}.get(
+                    k, "other" if k == "worker_exit" else "regroup"
+                )
         elif state in ("regroup", "heal"):
             if k == "heal_begin":
                 acc.to(t, _STATE_BUCKET[state])
@@ -424,6 +448,7 @@ step, which can precede the survivors' own commit of it by a little."""
 
 _STATE_BUCKET = {
     "startup": "startup",
+    "standby": "standby",
     "regroup": "regroup",
     "heal": "healing",
     "step": "other",

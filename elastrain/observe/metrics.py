@@ -63,6 +63,8 @@ GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("elastrain_min_members", "Fewest members that may train.", "min"),
     ("elastrain_registered_members", "Registered (live) members.",
      lambda s: len(s.get("registered") or {})),
+    ("elastrain_standby_members", "Registered members outside the generation (hot spares).",
+     lambda s: len(s.get("standby") or [])),
     ("elastrain_generation", "Current generation number.", "gen"),
     ("elastrain_generation_ready", "1 when the current generation is ready and not broken.", "ready"),
     ("elastrain_steps_per_second", "Committed steps per second (recent).", "steps_per_s"),

@@ -23,6 +23,7 @@ BUCKET_COLORS = {
     "replacement_wait": "#e377c2",
     "checkpoint": "#8c564b",
     "startup": "#7f7f7f",
+    "standby": "#aec7e8",
     "data_wait": "#9467bd",
     "other": "#c7c7c7",
 }

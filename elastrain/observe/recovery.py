@@ -37,7 +37,11 @@ and NaN phases.
 The replacement of a failure is the one the launcher spawned for it: its
 `worker_spawned` names the victim (`replaces`, and `replaces_pid` since the
 launcher records it) and follows the victim's exit; a process that never
-exited (a hang) is never replaced, it rejoins (see `joins`).
+exited (a hang) is never replaced, it rejoins (see `joins`). With hot spares
+(`elastrain run --spares`) that process refills the pool, and the member that
+took the victim's place is the *promoted* standby: a member of the resumed
+generation that was registered before t0 outside the running one. Its first
+committed step is the generation's first (`total_s` from the failure).
 """
 
 from __future__ import annotations
@@ -91,6 +95,8 @@ class Recovery:
     that are in the resumed generation; joiners are not survivors.
     replacement: the member id of the replacement worker spawned for this
     failure, if any (see `joins` for its timing).
+    promoted: standbys (hot spares) that the resumed generation admitted: they
+    were registered before t0 and not members of the running generation.
     how: the evidence that identified it first; injected: the `fault_injected`
     kind that labels it (None: nobody injected it).
     """
@@ -105,6 +111,7 @@ class Recovery:
     replacement: str | None = None
     how: str = ""
     injected: str | None = None
+    promoted: tuple[str, ...] = ()
 
     def phase(self, name: str) -> float:
         """Seconds of the named phase (NaN if unknown)."""
@@ -351,11 +358,26 @@ def _recovery(
         else:
             heal_zero = not began and not behind
         first_step = _first_t(in_gen, "step_commit")
+    promoted: tuple[str, ...] = ()
+    if chosen is not None and pre_members is not None:
+        newcomers = [m for m in chosen.members if m not in pre_members and m != v]
+        promoted = tuple(m for m in newcomers if _registered_before(evs, lo, m))
     marks = [detect, quorum, regroup, heal, first_step]
     phases = _phases(t0, marks, heal_zero)
     total = first_step - t0 if first_step is not None else None
     gen = chosen.gen if chosen is not None else None
-    return Recovery(kind, v, t0, gen, phases, total, survivors, replacement, f.how, f.injected)
+    return Recovery(kind, v, t0, gen, phases, total, survivors, replacement, f.how, f.injected,
+                    promoted)  # fmt: skip
+
+
+def _registered_before(evs: list[Event], lo: int, member: str) -> bool:
+    """`member` registered before index `lo` (and did not leave since): a standby.
+    Scans back from `lo`, so a recently registered spare is found at once."""
+    for e in _Reversed(evs, lo):
+        k = e.get("kind")
+        if e.get("member") == member and k in ("member_registered", "member_removed"):
+            return k == "member_registered"
+    return False
 
 
 class _Reversed:
@@ -502,7 +524,7 @@ def format_recoveries(recs: Sequence[Recovery], origin: float | None = None) -> 
     `origin` (e.g. the job_start time) makes the t0 column relative to it.
     """
     header = ["failure", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement",
-              "evidence"]  # fmt: skip
+              "promoted", "evidence"]  # fmt: skip
     rows = []
     for r in recs:
         t0 = r.t0 - origin if origin is not None else r.t0
@@ -513,6 +535,7 @@ def format_recoveries(recs: Sequence[Recovery], origin: float | None = None) -> 
                 _s(r.total_s),
                 ",".join(r.survivors),
                 r.replacement or "-",
+                ",".join(r.promoted) or "-",
                 r.how + (f" [injected: {r.injected}]" if r.injected else ""),
             ]  # fmt: skip
         )

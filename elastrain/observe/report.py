@@ -42,6 +42,7 @@ ML_GOODPUT = {
     "replacement_wait": "disruption (badput from failures)",
     "checkpoint": "checkpoint save (blocking)",
     "startup": "accelerator initialization + training prep",
+    "standby": "other/unknown (hot spares standing by: reserved capacity)",
     "data_wait": "data loading",
     "other": "other/unknown",
 }
@@ -56,6 +57,7 @@ ML_GOODPUT_BADPUT: dict[str, str | None] = {
     "replacement_wait": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
     "checkpoint": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
     "startup": "TRAINING_PREP",
+    "standby": "OTHER",
     "data_wait": "DATA_LOADING_SYNC",
     "other": "OTHER",
 }
@@ -371,7 +373,7 @@ def render_html(rep: Report) -> str:
     rec_rows = [
         [r.fault, r.member, _n(r.t0 - (rep.started or 0.0), ".2f"), str(r.gen)]
         + [_n(r.phase(p)) for p in PHASES] + [_n(r.total_s), ",".join(r.survivors),
-                                              r.replacement or "-"]
+                                              r.replacement or "-", ",".join(r.promoted) or "-"]
         for r in rep.recoveries
     ]  # fmt: skip
     join_rows = [
@@ -433,7 +435,7 @@ started {when} &middot; {gp.capacity} members target &middot; {html.escape(rep.r
 {stragglers}
 <h2>Power and energy</h2>{fig["power"]}
 <h2>Efficiency</h2>{_table(["figure", "value", "how"], eff_rows)}
-<h2>Recovery phases (seconds)</h2>{_table(["fault", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement"], rec_rows)}
+<h2>Recovery phases (seconds)</h2>{_table(["fault", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement", "promoted spare"], rec_rows)}
 <h2>Joiners (seconds from spawn)</h2>{_table(["member", "spawned", "registered", "group", "healed", "first step", "healed bytes"], join_rows)}
 <script>{RECORD_RECTS}</script>
 </body></html>

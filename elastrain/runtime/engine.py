@@ -61,7 +61,7 @@ import torch
 
 from elastrain.checkpoint import VerifiedCheckpoint
 from elastrain.checkpoint.dcp import ShardedReader
-from elastrain.checkpoint.files import MARKER, list_steps
+from elastrain.checkpoint.files import committed_steps
 from elastrain.checkpoint.plain import (
     PlainCheckpointError,
     PlainReader,
@@ -371,6 +371,8 @@ class StepEngine:
         self._step: _Step | None = None
         self._result: StepResult | None = None
         self._after_commit: Callable[[], None] | None = None
+        self._joined = False
+        """This member has built a generation's group once: no longer a standby."""
         self.evaluation: Evaluation | None = None
         """The evaluation the script asked for (`set_evaluation`), if any."""
         self.eval_result: EvalResult | None = None
@@ -639,6 +641,8 @@ class StepEngine:
                 self._last_wait_msg = now
         if status == p.RendezvousStatus.READY:
             self._ready = r
+        elif status == p.RendezvousStatus.PENDING and not self._joined:
+            self._refresh_standby()
         return m.RendezvousAnswer(
             status,
             r.gen,
@@ -648,6 +652,20 @@ class StepEngine:
             r.start_step,
             r.message,
         )
+
+    def _refresh_standby(self) -> None:
+        """A standby (a hot spare, registered and never yet in a generation) takes
+        each newer committed checkpoint while it waits: a spare promoted beside
+        survivors is healed by them anyway, but spares left alone (every member
+        dead) go on from their own state, which is then one checkpoint interval
+        at most behind the newest (a rendezvous poll, `RENDEZVOUS_POLL_S`, sees
+        each commit). Replicated members only (a sharded one reads its rows when
+        it takes a slot)."""
+        if self.shards is not None:
+            return
+        steps = committed_steps(self.ckpt.directory)
+        if steps and steps[-1] > self.proto.committed:
+            self._resume(newer_than=self.proto.committed)
 
     def _back_off(self, a: m.Action) -> m.Observation:
         # Pace retries against an unreachable or restarting coordinator.
@@ -702,6 +720,7 @@ class StepEngine:
             build_s=time.monotonic() - t0,
         )
         self._pg = pg
+        self._joined = True
         r = self._ready
         self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         if a.rank == 0:
@@ -1318,7 +1337,7 @@ class StepEngine:
     def _resume_hint(self) -> str:
         """Where the job can resume from (a worker ending because rows are lost)."""
         d = self.ckpt.directory
-        steps = [s for s, p in list_steps(d) if (p / MARKER).exists()] if d else []
+        steps = committed_steps(d)
         if not steps:
             return "no checkpoint was committed (--ckpt-every, --ckpt-mtbf) to resume from"
         return (
@@ -1326,15 +1345,20 @@ class StepEngine:
             "again (same --run-dir) to resume the whole job from it, with any --shard-size"
         )
 
-    def _resume(self) -> None:
+    def _resume(self, newer_than: int | None = None) -> None:
         """Load the checkpoint to resume from, if any (before the first rendezvous).
 
         Every initial member of a resumed job loads the same one (the launcher
         chose it and passed its step in $ELASTRAIN_RESUME); a replacement loads
         the newest verified one and is healed by its peers if they are further.
+        ``newer_than``: a standby's refresh (`_refresh_standby`): the newest
+        verified one, only if it holds more than that many committed steps.
         """
         t0 = time.monotonic()
-        got = load_resume(self.ckpt.directory, self._resume_mode)
+        mode = self._resume_mode if newer_than is None else "latest"
+        got = load_resume(self.ckpt.directory, mode)
+        if newer_than is not None and (got is None or got[0].step <= newer_than):
+            return
         if got is None:
             if self._plain_from is not None:
                 self._resume_plain(self._plain_from, t0)

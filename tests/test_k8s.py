@@ -32,8 +32,10 @@ Obj = dict[str, Any]
 TOKEN = "test-token-not-secret"
 
 CONFIGS = {
-    # 1. CPU: coordinator Deployment, 4 workers, no queue.
-    "cpu": K8sConfig(image="registry.example/train:1", token=TOKEN, workers=4, min_workers=2),
+    # 1. CPU: coordinator Deployment, 4 workers and a hot spare pod, no queue.
+    "cpu": K8sConfig(
+        image="registry.example/train:1", token=TOKEN, workers=4, spares=1, min_workers=2
+    ),
     # 2. GPU with Kueue: coordinator inside the JobSet, queue + priority + example setup.
     "gpu-kueue": K8sConfig(
         image="registry.example/train:1",
@@ -275,9 +277,9 @@ def test_single_pod_failure_does_not_restart_other_workers(
     cfg = CONFIGS[which]
     # The rendered fields this relies on (see the semantics above):
     assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == cfg.workers
+    assert spec["completions"] == spec["parallelism"] == cfg.pods
     assert spec["backoffLimitPerIndex"] >= 1  # one counted failure never fails an index
-    assert spec["maxFailedIndexes"] == cfg.workers - cfg.min_workers
+    assert spec["maxFailedIndexes"] == cfg.pods - cfg.min_workers
     assert spec["podReplacementPolicy"] == "Failed"
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     rules = spec["podFailurePolicy"]["rules"]
@@ -285,17 +287,17 @@ def test_single_pod_failure_does_not_restart_other_workers(
     fail_job = [r for r in rules if r["action"] == "FailJob"]
     assert [r["onExitCodes"]["values"] for r in fail_job] == [[EXIT_STATE_LOST]]
 
-    for index in range(cfg.workers):
+    for index in range(cfg.pods):
         job = JobModel(spec)
         killed = job.pod_failed(index, code, conds)
         assert killed == set(), f"{what} of worker {index} terminated {killed}"
         assert not job.failed
-        assert job.running >= set(range(cfg.workers)) - {index}  # the others keep running
+        assert job.running >= set(range(cfg.pods)) - {index}  # the others keep running
         if code == EXIT_REFUSED:
             assert job.failed_indexes == {index} and job.replaced == []
         else:
             assert job.replaced == [index]  # only the failed one is recreated
-            assert job.running == set(range(cfg.workers))
+            assert job.running == set(range(cfg.pods))
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -308,7 +310,7 @@ def test_a_worker_that_finds_state_lost_fails_the_job_so_it_can_resume(
     cfg = CONFIGS[which]
     job = JobModel(_workers_job(rendered[which]))
     killed = job.pod_failed(0, EXIT_STATE_LOST)
-    assert job.failed and killed == set(range(1, cfg.workers))
+    assert job.failed and killed == set(range(1, cfg.pods))
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -325,7 +327,7 @@ def test_the_jobset_restarts_everything_only_after_min_workers_are_lost(
     # Crash index 0 until it is given up: the others are never touched.
     for _ in range(spec["backoffLimitPerIndex"]):
         assert job.pod_failed(0, 1) == set()
-    assert job.pod_failed(0, 1) == set() or cfg.workers == cfg.min_workers
+    assert job.pod_failed(0, 1) == set() or cfg.pods == cfg.min_workers
     assert job.failed_indexes == {0}
     lost = 1
     while not job.failed:
@@ -336,7 +338,7 @@ def test_the_jobset_restarts_everything_only_after_min_workers_are_lost(
             job.pod_failed(victim, 1)
         lost += 1
     # The Job fails exactly when fewer than min_workers indexes can still run.
-    assert lost == cfg.workers - cfg.min_workers + 1
+    assert lost == cfg.pods - cfg.min_workers + 1
     assert jobset_reaction(js) == "fail-all"
 
 
@@ -348,7 +350,7 @@ def test_the_model_has_teeth(rendered: dict[str, list[Obj]]) -> None:
         del spec[k]
     spec["backoffLimit"] = 0
     job = JobModel(spec)
-    assert job.pod_failed(1, 1) == {0, 2, 3}
+    assert job.pod_failed(1, 1) == {0, 2, 3, 4}  # 4 workers and a spare
     js = {"spec": {"failurePolicy": {"maxRestarts": 3}}}
     assert jobset_reaction(js) == "restart-all"
 

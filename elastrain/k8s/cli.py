@@ -33,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("render", help="write the job's manifests (YAML) for kubectl apply")
     r.add_argument("--workers", type=int, default=2, help="worker pods (default 2)")
     r.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hot spare pods beyond --workers: registered standbys that take a dead "
+        "worker's place at once (default 0)",
+    )
+    r.add_argument(
         "--min",
         type=int,
         default=1,
@@ -186,6 +194,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             image=args.image,
             command=tuple(command) or ("python", "train.py"),
             workers=args.workers,
+            spares=args.spares,
             min_workers=args.min_workers,
             gpus_per_worker=args.gpus_per_worker,
             cpu=args.cpu,

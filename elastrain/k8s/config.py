@@ -45,6 +45,13 @@ class K8sConfig:
     workers: int = 2
     """Workers the job wants (the coordinator's --target; Indexed Job completions)."""
 
+    spares: int = 0
+    """Hot spare pods beyond `workers` (--spares): more indexes of the workers' Job,
+    whose members register and wait as standbys (the coordinator admits `workers`);
+    a dead worker's place is taken by one at once and the replaced pod becomes the
+    new spare (`elastrain run --spares`, docs/design.md "Hot spares"). Replicated
+    jobs only."""
+
     min_workers: int = 1
     """Fewest members that may train (the coordinator's --min). Also sets the Job's
     maxFailedIndexes = workers - min_workers: once more indexes than that have failed
@@ -131,6 +138,11 @@ class K8sConfig:
     """The job token, stored in the Secret `<name>-token` and mounted as a file
     (ELASTRAIN_TOKEN_FILE); never on a command line. The CLI generates one."""
 
+    @property
+    def pods(self) -> int:
+        """Worker pods: the workers and the hot spares (Indexed Job completions)."""
+        return self.workers + self.spares
+
     def __post_init__(self) -> None:
         _check_name("job name (--name)", self.name, MAX_NAME)
         if self.namespace is not None:
@@ -141,6 +153,8 @@ class K8sConfig:
             raise ValueError("command must name the training script, e.g. python train.py")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1 (got {self.workers})")
+        if self.spares < 0:
+            raise ValueError(f"spares must be >= 0 (got {self.spares})")
         if not 1 <= self.min_workers <= self.workers:
             raise ValueError(
                 f"min_workers must be between 1 and workers={self.workers} "

@@ -330,14 +330,14 @@ def workers_job_spec(cfg: K8sConfig) -> Obj:
     """The workers' Indexed Job (the JobSet's `workers` template)."""
     return {
         "completionMode": "Indexed",
-        "completions": cfg.workers,
-        "parallelism": cfg.workers,
+        "completions": cfg.pods,
+        "parallelism": cfg.pods,
         # Failures are counted per index: a failed pod is replaced for its index
         # alone; an index is given up after retries_per_worker counted failures.
         "backoffLimitPerIndex": cfg.retries_per_worker,
         # More failed indexes than this and fewer than min_workers can ever run:
         # the Job fails (and with it the JobSet, see failurePolicy).
-        "maxFailedIndexes": cfg.workers - cfg.min_workers,
+        "maxFailedIndexes": cfg.pods - cfg.min_workers,
         # The job-wide limit would otherwise still apply to the sum over indexes.
         "backoffLimit": MAX_INT32,
         # Make the replacement only once the old pod is gone (terminal): never two
@@ -497,8 +497,8 @@ def kueue_objects(cfg: K8sConfig) -> list[Obj]:
     """Example Kueue setup with quota for exactly this job (an admin's objects, usually)."""
     assert cfg.queue
     flavor = "elastrain-gpu" if cfg.gpus_per_worker else "elastrain-default"
-    cpu = _sum(cfg.cpu, cfg.workers)
-    mem = _sum(cfg.memory, cfg.workers)
+    cpu = _sum(cfg.cpu, cfg.pods)
+    mem = _sum(cfg.memory, cfg.pods)
     if cfg.coordinator == "jobset":  # the coordinator is part of the admitted workload
         cpu += parse_quantity(cfg.coordinator_cpu)
         mem += parse_quantity(cfg.coordinator_memory)
@@ -508,7 +508,7 @@ def kueue_objects(cfg: K8sConfig) -> list[Obj]:
     ]
     if cfg.gpus_per_worker:
         resources.append(
-            {"name": GPU_RESOURCE, "nominalQuota": str(cfg.gpus_per_worker * cfg.workers)}
+            {"name": GPU_RESOURCE, "nominalQuota": str(cfg.gpus_per_worker * cfg.pods)}
         )
     rf: Obj = {
         "apiVersion": KUEUE_API,

@@ -84,6 +84,20 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "(default 0; replicated jobs)",
     )
     ap.add_argument(
+        "--evict-stragglers",
+        action="store_true",
+        help="a member computing --evict-threshold times slower than its peers for 20 "
+        "steps in a row leaves, and a hot spare takes its place (needs --spares)",
+    )
+    ap.add_argument(
+        "--evict-threshold",
+        type=float,
+        default=_default("evict_threshold"),
+        metavar="F",
+        help="--evict-stragglers: compute time per sample over the peers' median from "
+        "which a member straggles (default 1.5)",
+    )
+    ap.add_argument(
         "--replace-delay",
         type=float,
         default=_default("replace_delay_s"),
@@ -231,6 +245,8 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         workers=args.workers,
         min_workers=args.min_workers,
         spares=args.spares,
+        evict_stragglers=args.evict_stragglers,
+        evict_threshold=args.evict_threshold,
         replace_delay_s=args.replace_delay,
         replace=not args.no_replace,
         run_dir=args.run_dir,

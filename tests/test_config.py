@@ -130,6 +130,8 @@ def test_the_launchers_shard_size_reaches_the_trainer_config() -> None:
         (["-n", "2", "--spares", "-1"], "--spares must be >= 0"),
         (["-n", "4", "--shard-size", "2", "--spares", "1"], "hot spares are for replicated"),
         (["-n", "2", "--spares", "1", "--no-replace"], "would never be refilled"),
+        (["-n", "2", "--evict-stragglers"], "add --spares K"),
+        (["-n", "2", "--spares", "1", "--evict-threshold", "1"], "must be a factor > 1"),
     ],
 )
 def test_run_wants_whole_replica_groups_before_starting_anything(

@@ -15,6 +15,7 @@ from typing import Any
 from elastrain.chaos.schedule import parse_fault
 from elastrain.checkpoint.files import committed_steps
 from elastrain.launch.launcher import Launcher
+from elastrain.observe.failures import recognise_failures
 from elastrain.observe.goodput import goodput
 from elastrain.observe.ledger import check_same_state, loss_curve
 from elastrain.observe.recovery import recoveries
@@ -175,3 +176,42 @@ def test_spares_are_promoted_refilled_replaced_and_go_on_alone(
         if e["step"] in firsts and e["gen"] != firsts[e["step"]]["gen"]:
             assert e["loss"] == firsts[e["step"]]["loss"], e["step"]
         firsts.setdefault(e["step"], e)
+
+
+def test_a_straggler_is_evicted_to_a_spare_and_it_is_no_failure(
+    run_job: Callable[..., Job],
+) -> None:
+    # A seeded-random member of the generation computes 0.1 s more per step from step
+    # 10 on, to the end; with --evict-stragglers the launcher sends it SIGTERM once a
+    # whole window of its steps says so (a spare waits), and the spare takes its place
+    # at that step boundary. Paced, so that the slowed steps outlast the spare's
+    # start-up even on a loaded machine (the eviction waits for a spare).
+    job = run_job(
+        steps=300,
+        workers=2,
+        min_workers=2,
+        spares=1,
+        evict_stragglers=True,
+        # The slowed member computes ~10-20x its peers' time; 5x keeps a loaded
+        # machine's noise (one process starved of CPU for a while) from counting.
+        evict_threshold=5.0,
+        faults=["slow@10/0.1x100000"],
+        script_args=["--min-step-s", "0.03"],
+    )
+    assert job.result.status == "done", job.result.message
+    assert check_same_state(job.events) == []
+    (slowed,) = [e["member"] for e in job.of("fault_injected") if e.get("fault") == "slow"]
+    (ev,) = job.of("straggler_evicted")
+    assert ev["member"] == slowed and ev["score"] >= 1.5 and ev["steps"] >= 10
+    left = job.of("worker_exit", proc=slowed)
+    assert [e["reason"] for e in left] == ["left"]
+    # The generation after the eviction has the same size, with the spare in the
+    # straggler's place, and nothing counts as a failure.
+    formed = job.of("generation_formed")
+    before = next(e for e in reversed(formed) if e["t"] < ev["t"])
+    g = next(e for e in formed if e["t"] > ev["t"])
+    (spare,) = set(g["members"]) - set(before["members"])
+    registered = {e["member"]: e["t"] for e in job.of("member_registered")}
+    assert len(g["members"]) == 2 and slowed not in g["members"]
+    assert registered[spare] < ev["t"]  # it was waiting, not spawned for this
+    assert recognise_failures(job.events) == []

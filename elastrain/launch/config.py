@@ -32,6 +32,17 @@ class LaunchConfig:
     checkpoint while it waits, so that spares left alone (every member dead)
     go on from one checkpoint at most behind the newest.
     Replicated jobs only for now."""
+    evict_stragglers: bool = False
+    """Evict stragglers to hot spares (--evict-stragglers): a member of the running
+    generation whose straggler score (`elastrain.observe.stragglers`: compute time
+    per sample over the others' median, over a window of 10 steps) stays >=
+    `evict_threshold` for 20 steps in a row is sent SIGTERM (it leaves at the next step boundary) while a spare
+    waits, and the spare takes its place in the same generation change. Needs
+    `spares` >= 1; `elastrain run` only (an agent sees only its node's events)."""
+    evict_threshold: float = 1.5
+    """--evict-stragglers: the straggler score (compute time per sample over the
+    others' median, over a window of 10 steps) from which a member straggles; it
+    is evicted after straggling for 20 steps in a row (--evict-threshold)."""
     replace_delay_s: float = 0.0
     """Seconds between a worker's death and its replacement's start (stands in for pod scheduling)."""
     replace: bool = True
@@ -190,6 +201,18 @@ class LaunchConfig:
             raise ValueError(
                 "--spares with --no-replace: a promoted spare would never be refilled; "
                 "use -n for more workers instead"
+            )
+        if self.evict_stragglers and not self.spares:
+            raise ValueError(
+                "--evict-stragglers hands a straggler's place to a hot spare: add --spares K "
+                "(K >= 1)"
+            )
+        if not (math.isfinite(self.evict_threshold) and self.evict_threshold > 1):
+            raise ValueError(f"--evict-threshold must be a factor > 1 (got {self.evict_threshold})")
+        if self.evict_stragglers and self.coordinator is not None:
+            raise ValueError(
+                "--evict-stragglers is for elastrain run: an agent sees only its own node's "
+                "step times"
             )
         if self.replace_delay_s < 0:
             raise ValueError("--replace-delay must be >= 0")

@@ -58,7 +58,8 @@ from elastrain.launch.resume import (
     plain_start,
 )
 from elastrain.launch.startup import StartupWatch
-from elastrain.observe.events import EventKind, EventLog
+from elastrain.observe.events import EventKind, EventLog, EventTail
+from elastrain.observe.stragglers import StragglerScores, choose_evictions
 from elastrain.observe.tensorboard import TensorBoardSink
 
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
@@ -155,6 +156,10 @@ class Launcher:
         """The highest generation any coordinator of this job reported (a restarted
         one numbers after it: a status read between two quick restarts says 0)."""
         self._unreported_exits: list[p.ExitRequest] = []
+        self._stragglers: tuple[EventTail, StragglerScores] | None = None
+        """--evict-stragglers: the run's events as they come, and the scores."""
+        self._evicting: set[str] = set()
+        """Members sent SIGTERM as stragglers that have not exited yet."""
 
     # ---- processes -------------------------------------------------------------
 
@@ -558,6 +563,8 @@ class Launcher:
             if now - last_status >= 0.25:
                 last_status = now
                 self._poll_status()
+                if self.config.evict_stragglers:
+                    self._evict_stragglers()
             if not self.workers and not any(t[2] == "spawn" for t in self._timers):
                 if self._draining:
                     return "drained", "SIGTERM: this node's workers left the job"
@@ -613,6 +620,43 @@ class Launcher:
             delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
             self._at(delay, "spawn", (member, pid))
         return None
+
+    def _evict_stragglers(self) -> None:
+        """Send SIGTERM to the members `choose_evictions` picks (the decision is
+        pure; this is its I/O): each leaves at its next step boundary, where the
+        coordinator admits a waiting spare in its place."""
+        if self._stragglers is None:
+            self._stragglers = (
+                EventTail(self.run_dir),
+                StragglerScores(threshold=self.config.evict_threshold),
+            )
+        tail, scores = self._stragglers
+        scores.feed(sorted(tail.poll(), key=lambda e: e.get("t", 0.0)))
+        self._evicting &= set(self.workers)
+        members = list(self.status.get("members") or [])
+        standby = [m for m in self.status.get("standby") or [] if m in self.workers]
+        now = scores.scores()
+        for m in choose_evictions(now, members, len(standby), self._evicting):
+            w = self.workers.get(m)
+            if w is None or w.proc.poll() is not None:
+                continue
+            score, n, streak = now[m]
+            self.events.emit(
+                EventKind.STRAGGLER_EVICTED,
+                member=m,
+                pid=w.proc.pid,
+                score=score,
+                steps=n,
+                streak=streak,
+            )
+            print(
+                f"elastrain: evicting straggler {m} (computes {score:.1f}x slower than its "
+                f"peers, straggling for {streak} steps); a hot spare takes its place",
+                file=sys.stderr,
+                flush=True,
+            )
+            w.proc.send_signal(signal.SIGTERM)
+            self._evicting.add(m)
 
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":

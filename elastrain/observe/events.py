@@ -36,6 +36,7 @@ class EventKind(StrEnum):
     FAULT_INJECTED = "fault_injected"
     JOB_END = "job_end"
     DRAIN = "drain"
+    STRAGGLER_EVICTED = "straggler_evicted"
     CHECKPOINT_RESUME = "checkpoint_resume"
     # coordinator (preempt_notice: also the launcher)
     COORDINATOR_START = "coordinator_start"
@@ -96,6 +97,7 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.FAULT_INJECTED: frozenset(["fault", "member", "pid", "step"]),
     EventKind.JOB_END: frozenset(["message", "status", "steps"]),
     EventKind.DRAIN: frozenset(["members"]),
+    EventKind.STRAGGLER_EVICTED: frozenset(["member", "pid", "score", "steps", "streak"]),
     EventKind.CHECKPOINT_RESUME: frozenset(["discarded", "path", "skipped", "step"]),
     EventKind.COORDINATOR_START: frozenset(["host", "port", "store_port"]),
     EventKind.MEMBER_REGISTERED: frozenset(["gen", "incarnation", "member", "pid", "running"]),

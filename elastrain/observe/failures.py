@@ -25,7 +25,10 @@ A failure is recognised from evidence (docs/events.md, "Failures"):
 Everything seen about one member until it is healthy again (it re-registers
 after an expulsion) is one failure; each piece is kept as `Evidence`.
 Nothing after a whole-job preemption notice or an agent's drain is a
-failure (members leave on purpose then), nor is an exit with status 0.
+failure (members leave on purpose then), nor is an exit with status 0, nor
+the leave of a member the launcher evicted as a straggler
+(`straggler_evicted`: it was sent SIGTERM on purpose, a hot spare took its
+place).
 
 A `fault_injected` event only labels a recognised failure (`Failure.injected`)
 and gives its exact time; it never makes one. Without a label the failure's
@@ -108,6 +111,7 @@ EVIDENCE_KINDS: frozenset[EventKind] = frozenset(
         EventKind.JOB_START,
         EventKind.PREEMPT_NOTICE,
         EventKind.DRAIN,
+        EventKind.STRAGGLER_EVICTED,
         EventKind.WORKER_SPAWNED,
         EventKind.MEMBER_REGISTERED,
         EventKind.COORDINATOR_EXITED,
@@ -239,6 +243,14 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
     current: dict[str, _Open] = {}
     pid_of: dict[str, int] = {}
     ending = False
+    evicted: dict[str, int | None] = {}
+    """member -> the pid the launcher evicted (its leave is on purpose)."""
+
+    def on_purpose(member: str, pid: int | None) -> bool:
+        if member not in evicted:
+            return False
+        was = evicted[member]
+        return pid is None or was is None or pid == was
 
     def note(member: str, pid: int | None, kind: FailureKind | None, ev: Evidence) -> _Open | None:
         o = current.get(member)
@@ -260,6 +272,9 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
             continue
         if k in (EventKind.PREEMPT_NOTICE, EventKind.DRAIN):
             ending = True
+            continue
+        if k == EventKind.STRAGGLER_EVICTED and e.get("member") is not None:
+            evicted[str(e["member"])] = _int(e.get("pid"))
             continue
         if k == EventKind.WORKER_SPAWNED and e.get("member") is not None:
             pid = _int(e.get("pid"))
@@ -284,6 +299,8 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
             rc = _int(e.get("returncode"))
             verdict = classify_exit(rc) if rc is not None else None
             member, pid = str(e.get("member")), _int(e.get("pid"))
+            if verdict is not None and verdict[0] is FailureKind.TERM and on_purpose(member, pid):
+                continue
             if verdict is None:
                 o = current.get(member)
                 if o is not None and not o.closed and o.kind is FailureKind.TERM:
@@ -294,6 +311,8 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
                 o.exit_t = _first(o.exit_t, t)
         elif k == EventKind.MEMBER_REMOVED:
             member, reason = str(e.get("member")), str(e.get("reason"))
+            if reason == "left" and on_purpose(member, None):
+                continue
             if reason == "left":
                 note(
                     member,
@@ -307,7 +326,11 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
                 note(member, None, None, Evidence(t, k, "the coordinator dropped it: it exited"))
         elif k == EventKind.WORKER_EXIT and e.get("reason") == "left":
             proc = e.get("proc")
-            if isinstance(proc, str) and proc not in _NON_WORKER:
+            if (
+                isinstance(proc, str)
+                and proc not in _NON_WORKER
+                and not on_purpose(proc, _int(e.get("pid")))
+            ):
                 note(
                     proc,
                     _int(e.get("pid")),

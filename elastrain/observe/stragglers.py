@@ -134,6 +134,105 @@ def straggler_episodes(
     return sorted(done, key=lambda ep: (ep.first, ep.member))
 
 
+class StragglerScores:
+    """`current_stragglers`, kept up to date from events fed as they arrive (the
+    launcher's eviction loop): each call of `feed` costs what it is given, not a
+    pass over the run. A step's ratios are taken once every member that will
+    commit it has: when a commit two steps later (in any generation) arrives, or
+    at `flush` (a member's commit of step s precedes every commit of s + 1, but
+    files read one after the other can show them in the other order). Gives the
+    same scores as `current_stragglers` over the same events once flushed."""
+
+    def __init__(self, window: int = WINDOW, threshold: float = THRESHOLD) -> None:
+        self.window = window
+        self.threshold = threshold
+        self._samples: dict[tuple[int, int, str], int] = {}
+        self._compute: dict[tuple[int, int], dict[str, float]] = {}
+        self._recent: dict[str, deque[float]] = {}
+        self._streak: dict[str, int] = {}
+        """member -> its latest ratios in a row after which its score, over a whole
+        window, was >= the threshold (how long it has been straggling)."""
+        self._top = -1
+
+    def feed(self, events: Iterable[Event]) -> None:
+        """Take new events (any kinds, in time order)."""
+        for e in events:
+            kind, step, gen, member = e.get("kind"), e.get("step"), e.get("gen"), e.get("proc")
+            if not (isinstance(step, int) and isinstance(gen, int) and isinstance(member, str)):
+                continue
+            if kind == "step_contrib" and isinstance(e.get("samples"), list):
+                self._samples[(step, gen, member)] = len(e["samples"])
+            elif kind == "step_commit" and isinstance(e.get("compute_s"), int | float):
+                self._compute.setdefault((step, gen), {})[member] = float(e["compute_s"])
+                if step > self._top:
+                    self._top = step
+                    self._settle(below=step - 1)
+
+    def flush(self) -> None:
+        """Score every step seen (the run ended, or a test wants all of them)."""
+        self._settle(below=None)
+
+    def _settle(self, below: int | None) -> None:
+        done = sorted(k for k in self._compute if below is None or k[0] < below)
+        for key in done:
+            by_member = self._compute.pop(key)
+            step, gen = key
+            counts = {m: self._samples.pop((step, gen, m), 0) for m in by_member}
+            per_sample = {m: s / n for m, s in by_member.items() if (n := counts[m]) > 0 and s > 0}
+            if len(per_sample) < 2:
+                continue
+            for m, v in sorted(per_sample.items()):
+                others = statistics.median(x for o, x in per_sample.items() if o != m)
+                w = self._recent.setdefault(m, deque(maxlen=self.window))
+                w.append(v / others)
+                slow = len(w) == self.window and statistics.median(w) >= self.threshold
+                self._streak[m] = self._streak.get(m, 0) + 1 if slow else 0
+        if below is not None:
+            # Contributions of steps nobody committed (aborted attempts) are dropped.
+            for k in [k for k in self._samples if k[0] < below - 1]:
+                del self._samples[k]
+
+    def scores(self) -> dict[str, tuple[float, int, int]]:
+        """member -> (its score, ratios in its window, its straggling streak: ratios
+        in a row with a whole window's score >= the threshold)."""
+        return {
+            m: (statistics.median(w), len(w), self._streak.get(m, 0))
+            for m, w in self._recent.items()
+            if w
+        }
+
+
+EVICT_AFTER = 2 * WINDOW
+"""Ratios in a row a member must have straggled for (a whole window's score >= the
+threshold after each) before `choose_evictions` evicts it: one slow window (a
+loaded machine's start-up, a burst of paging) is noise, a node slow for three
+windows' worth of steps is not."""
+
+
+def choose_evictions(
+    scores: Mapping[str, tuple[float, int, int]],
+    members: Iterable[str],
+    spares: int,
+    evicting: Iterable[str],
+    *,
+    after: int = EVICT_AFTER,
+) -> list[str]:
+    """Members to evict now: those of the running generation that have straggled
+    for `after` ratios in a row (`StragglerScores.scores`), slowest first, no more
+    than the hot spares not already promised to an eviction in progress
+    (`evicting`), so that the generation keeps its size. Pure."""
+    busy = set(evicting)
+    free = spares - len(busy)
+    if free <= 0:
+        return []
+    slow = [
+        (sns[0], m)
+        for m in members
+        if m not in busy and (sns := scores.get(m)) is not None and sns[2] >= after
+    ]
+    return [m for _, m in sorted(slow, key=lambda x: (-x[0], x[1]))][:free]
+
+
 def format_episodes(episodes: Iterable[Episode]) -> str:
     """One line per episode: 'w1 steps 20-49: up to 3.2x the others' compute per sample'."""
     return "\n".join(

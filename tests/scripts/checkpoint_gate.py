@@ -1,28 +1,46 @@
 """`--await-checkpoint N@S` for the test scripts: a gate, not a pace.
 
-A test that kills every member and asserts a resume from the checkpoint of step
-N needs that checkpoint committed before the kill. Rank 0 commits it in a
-background thread, so no number of steps (and no pace) promises that on a loaded
-machine. With the gate every member, after step S, waits in `trainer.pause()`
-until the checkpoint's commit marker exists.
+A test that kills every member and asserts a resume from the newest checkpoint
+needs the checkpoint of step N *decided* before the kill, and every earlier
+one that was begun: committed, or known never to commit. Rank 0 commits in a background thread, and a member whose
+previous write is still running skips a checkpoint (by design, under load), so
+no number of steps (and no pace) promises either by any time. With the gate
+every member, after step S, waits in `trainer.pause()` until, for step N and
+every step directory below it, the commit marker exists or some process recorded
+that it skipped or failed that step's checkpoint (`checkpoint_skipped`/
+`checkpoint_failed`: it will not commit). (With step N's skipped because the
+previous save was still writing, that previous one is still to commit.) The
+test then reads which checkpoint is the newest.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from elastrain.checkpoint.files import CHECKPOINTS, MARKER, step_dir
+from elastrain.checkpoint.files import CHECKPOINTS, MARKER, list_steps, step_dir
+
+GIVEN_UP = ('"checkpoint_skipped"', '"checkpoint_failed"')
 
 
 def add_argument(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--await-checkpoint",
         metavar="N@S",
-        help="after step S, wait until the checkpoint of step N is committed",
+        help="after step S, wait until the checkpoint of step N is committed or given up",
     )
+
+
+def given_up(run_dir: Path, step: int) -> bool:
+    """Some process recorded a skip or failure of the checkpoint of `step`."""
+    for f in (run_dir / "events").glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            if any(k in line for k in GIVEN_UP) and json.loads(line).get("step") == step:
+                return True
+    return False
 
 
 class CheckpointGate:
@@ -32,7 +50,8 @@ class CheckpointGate:
             n, s = (int(x) for x in spec.split("@"))
             if run_dir is None:
                 raise SystemExit("--await-checkpoint needs ELASTRAIN_RUN_DIR")
-            self.marker = step_dir(Path(run_dir) / CHECKPOINTS, n) / MARKER
+            self.run_dir = Path(run_dir)
+            self.n = n
             self.step = s
         self.timeout_s = timeout_s
 
@@ -42,7 +61,14 @@ class CheckpointGate:
             return
         deadline = time.monotonic() + self.timeout_s
         with trainer.pause():
-            while not self.marker.exists():
+            while not self.decided():
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"{self.marker} did not appear in {self.timeout_s:g} s")
-                time.sleep(0.02)  # polls a condition another process makes true
+                    raise SystemExit(f"checkpoint {self.n} undecided after {self.timeout_s:g} s")
+                time.sleep(0.05)  # polls a condition other threads and processes make true
+
+    def decided(self) -> bool:
+        ckpts = self.run_dir / CHECKPOINTS
+        steps = {self.n, *(k for k, _ in list_steps(ckpts) if k <= self.n)}
+        return all(
+            (step_dir(ckpts, k) / MARKER).exists() or given_up(self.run_dir, k) for k in steps
+        )

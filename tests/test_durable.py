@@ -26,7 +26,7 @@ import pytest
 
 from elastrain import env
 from elastrain.checkpoint import latest_verified, load
-from elastrain.checkpoint.files import MARKER, list_steps, shard_file_name, step_dir
+from elastrain.checkpoint.files import committed_steps, list_steps, shard_file_name, step_dir
 from elastrain.checkpoint.store import _verify
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.server import CoordinatorServer
@@ -141,10 +141,6 @@ def assert_resumed(job: Job, ref: Reference, step: int) -> None:
         rtol=1e-5,
         atol=1e-6,
     )
-
-
-def committed_steps(ckpt_dir: Path) -> list[int]:
-    return [s for s, d in list_steps(ckpt_dir) if (d / MARKER).exists()]
 
 
 def test_every_worker_killed_then_rerun_resumes_from_the_last_checkpoint(

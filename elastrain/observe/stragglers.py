@@ -57,6 +57,38 @@ class Episode:
     peak: float
 
 
+def _take(
+    e: Event,
+    samples: dict[tuple[int, int, str], int],
+    compute: dict[tuple[int, int], dict[str, float]],
+) -> int | None:
+    """Record what `e` says: a `step_contrib`'s sample count or a `step_commit`'s
+    compute seconds. Returns the step of a commit it recorded, else None."""
+    kind, step, gen, member = e.get("kind"), e.get("step"), e.get("gen"), e.get("proc")
+    if not (isinstance(step, int) and isinstance(gen, int) and isinstance(member, str)):
+        return None
+    if kind == "step_contrib" and isinstance(e.get("samples"), list):
+        samples[(step, gen, member)] = len(e["samples"])
+    elif kind == "step_commit" and isinstance(e.get("compute_s"), int | float):
+        compute.setdefault((step, gen), {})[member] = float(e["compute_s"])
+        return step
+    return None
+
+
+def _member_ratios(
+    compute: Mapping[str, float], counts: Mapping[str, int]
+) -> list[tuple[str, float]]:
+    """One committed step's (member, ratio) pairs, by member: compute seconds per
+    sample over the other computing members' median ([] with fewer than two)."""
+    per_sample = {m: s / n for m, s in compute.items() if (n := counts.get(m, 0)) > 0 and s > 0}
+    if len(per_sample) < 2:
+        return []
+    return [
+        (m, v / statistics.median(x for o, x in per_sample.items() if o != m))
+        for m, v in sorted(per_sample.items())
+    ]
+
+
 def step_ratios(events: Iterable[Event]) -> list[StepRatio]:
     """Every (step, member) ratio the events allow, in step order. Only steps
     committed in the generation their contributions name are used (an aborted
@@ -64,25 +96,11 @@ def step_ratios(events: Iterable[Event]) -> list[StepRatio]:
     samples: dict[tuple[int, int, str], int] = {}
     compute: dict[tuple[int, int], dict[str, float]] = {}
     for e in events:
-        kind, step, gen, member = e.get("kind"), e.get("step"), e.get("gen"), e.get("proc")
-        if not (isinstance(step, int) and isinstance(gen, int) and isinstance(member, str)):
-            continue
-        if kind == "step_contrib" and isinstance(e.get("samples"), list):
-            samples[(step, gen, member)] = len(e["samples"])
-        elif kind == "step_commit" and isinstance(e.get("compute_s"), int | float):
-            compute.setdefault((step, gen), {})[member] = float(e["compute_s"])
+        _take(e, samples, compute)
     out: list[StepRatio] = []
     for (step, gen), by_member in sorted(compute.items()):
-        per_sample = {
-            m: s / n
-            for m, s in by_member.items()
-            if (n := samples.get((step, gen, m), 0)) > 0 and s > 0
-        }
-        if len(per_sample) < 2:
-            continue
-        for m, v in sorted(per_sample.items()):
-            others = statistics.median(x for o, x in per_sample.items() if o != m)
-            out.append(StepRatio(step, m, v / others))
+        counts = {m: samples.get((step, gen, m), 0) for m in by_member}
+        out += [StepRatio(step, m, r) for m, r in _member_ratios(by_member, counts)]
     return out
 
 
@@ -157,16 +175,10 @@ class StragglerScores:
     def feed(self, events: Iterable[Event]) -> None:
         """Take new events (any kinds, in time order)."""
         for e in events:
-            kind, step, gen, member = e.get("kind"), e.get("step"), e.get("gen"), e.get("proc")
-            if not (isinstance(step, int) and isinstance(gen, int) and isinstance(member, str)):
-                continue
-            if kind == "step_contrib" and isinstance(e.get("samples"), list):
-                self._samples[(step, gen, member)] = len(e["samples"])
-            elif kind == "step_commit" and isinstance(e.get("compute_s"), int | float):
-                self._compute.setdefault((step, gen), {})[member] = float(e["compute_s"])
-                if step > self._top:
-                    self._top = step
-                    self._settle(below=step - 1)
+            step = _take(e, self._samples, self._compute)
+            if step is not None and step > self._top:
+                self._top = step
+                self._settle(below=step - 1)
 
     def flush(self) -> None:
         """Score every step seen (the run ended, or a test wants all of them)."""
@@ -178,13 +190,9 @@ class StragglerScores:
             by_member = self._compute.pop(key)
             step, gen = key
             counts = {m: self._samples.pop((step, gen, m), 0) for m in by_member}
-            per_sample = {m: s / n for m, s in by_member.items() if (n := counts[m]) > 0 and s > 0}
-            if len(per_sample) < 2:
-                continue
-            for m, v in sorted(per_sample.items()):
-                others = statistics.median(x for o, x in per_sample.items() if o != m)
+            for m, ratio in _member_ratios(by_member, counts):
                 w = self._recent.setdefault(m, deque(maxlen=self.window))
-                w.append(v / others)
+                w.append(ratio)
                 slow = len(w) == self.window and statistics.median(w) >= self.threshold
                 self._streak[m] = self._streak.get(m, 0) + 1 if slow else 0
         if below is not None:

@@ -23,6 +23,7 @@ from elastrain.data import GlobalOrder
 from elastrain.exitcodes import EXIT_LEFT, RUN_INTERRUPTED
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
+from elastrain.observe.failures import recognise_failures
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
 from .conftest import MLP, ROOT, Job, stop_processes
@@ -177,6 +178,41 @@ def test_hung_peer_is_aborted_not_waited_for(tmp_path: Path) -> None:
     assert job.of("heal_end", proc="w1", role="recv")
     assert {e["pid"] for e in job.of("step_commit", proc="w1")} == {hang_ev["pid"]}
     assert job.of("step_commit", proc="w1", step=steps - 1)
+
+
+def test_a_stopped_peer_is_confirmed_hung_well_before_the_watchdog(run_job) -> None:  # type: ignore[no-untyped-def]
+    """A SIGSTOPped member stops heartbeating: once the survivors' all-reduce is
+    past its soft deadline they ask, the coordinator finds it silent and expels
+    it, and they regroup without waiting for the 3 s watchdog floor (the job
+    then ends before the stopped process is continued; what a continued one
+    does is `test_hung_peer_is_aborted_not_waited_for`'s)."""
+    steps = 60
+    job = run_job(steps=steps, workers=3, min_workers=2, faults=["hang@15:w1/4"], name="stop")
+    assert_invariants(job, steps)
+    (hang_ev,) = job.of("fault_injected", fault="hang")
+    (confirmed,) = job.of("hang_confirmed")
+    assert confirmed["silent"] == ["w1"] and confirmed["by"] in ("w0", "w2")
+    assert job.of("member_removed", member="w1", reason="suspected")
+    fired = [e for e in job.of("watchdog_fired") if e["t"] > hang_ev["t"]]
+    # Whoever's watchdog fired, it fired on the confirmation, not at its hard deadline.
+    assert fired and all(e.get("confirmed") == ["w1"] for e in fired)
+    assert_survivors_kept_pids(job, ["w0", "w2"], steps - 1)
+    (failure,) = recognise_failures(job.events)
+    assert (failure.kind, failure.member) == ("hang", "w1")
+
+
+def test_a_slow_peer_that_still_heartbeats_is_not_called_hung(run_job) -> None:  # type: ignore[no-untyped-def]
+    """A straggler's peers wait far past their soft deadline and ask, but every
+    peer is heartbeating: nobody is expelled, no watchdog fires, one generation."""
+    steps = 600  # a few ms each: long enough for the launcher's order to land
+    job = run_job(steps=steps, workers=3, faults=["slow@20:w1/1.2x3"], name="slow")
+    assert_invariants(job, steps)
+    assert job.of("fault_injected", fault="slow")
+    slow = [e for e in job.of("step_commit", proc="w0") if e["allreduce_s"] > 1.0]
+    assert len(slow) >= 2  # the others really waited past any soft deadline
+    assert not job.of("watchdog_fired") and not job.of("hang_confirmed")
+    assert all(e["reason"] == "done" for e in job.of("member_removed"))
+    assert {e["gen"] for e in job.of("step_commit")} == {1}
 
 
 def hang_gen(events: list[dict[str, Any]], hang: dict[str, Any]) -> int:

@@ -53,6 +53,7 @@ MESSAGES: list[type] = REQUESTS + [
     p.HeartbeatResponse,
     p.RendezvousResponse,
     p.QuorumResponse,
+    p.HangResponse,
     p.OkResponse,
 ]
 VALID: dict[type, dict[str, Any]] = {
@@ -67,6 +68,7 @@ VALID: dict[type, dict[str, Any]] = {
     },
     p.QuorumRequest: {"member": "w0", "incarnation": 1, "gen": 1, "step": 0, "last_loss": 1.5},
     p.LeaveRequest: {"member": "nobody", "incarnation": 1, "reason": "left", "committed": 0},
+    p.HangRequest: {"member": "nobody", "incarnation": 1, "gen": 1, "step": 0, "waited_s": 0.5},
     p.ExitRequest: {"member": "nobody", "pid": 1, "returncode": -9},
     p.PreemptRequest: {"grace_s": 30.0},
 }
@@ -517,6 +519,7 @@ def test_requests_with_another_jobs_token_are_refused_without_effect(
         "quorum": {"member": "w0", "incarnation": 1, "gen": 1, "step": 0, "leaving": True},
         "leave": {"member": "w0", "incarnation": 1, "reason": "done", "committed": 5},
         "exit": {"member": "w0", "pid": 11, "returncode": 0},
+        "hang": {"member": "w0", "incarnation": 1, "gen": 1, "step": 0, "waited_s": 0.5},
         "preempt": {"grace_s": 1.0},
         "register": {"member": "w0", "pid": 11, "host": "h", "signature": SIG},
     }  # fmt: skip

@@ -26,6 +26,7 @@ from elastrain.exitcodes import EXIT_LEFT
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
+    HangCheck,
     Waiter,
     build_group,
     settle_before_exit,
@@ -120,6 +121,36 @@ def test_waits_reuse_one_helper_thread_and_close_ends_it() -> None:
     assert len([t for t in helpers() if t not in before]) == 1
     waiter.close()
     assert [t for t in helpers() if t not in before] == []
+
+
+def test_an_overdue_wait_asks_and_gives_up_only_on_a_confirmed_hang() -> None:
+    """Past the soft deadline the wait asks (again every `every_s`); "alive"
+    answers keep it waiting for the work, a confirmed hang ends it at once with
+    the silent peers named, long before the hard timeout."""
+    gate = threading.Event()
+    asked: list[float] = []
+
+    class Pending:
+        def wait(self) -> bool:
+            return gate.wait(10.0)
+
+    def alive_then_done(waited: float) -> tuple[str, ...]:
+        asked.append(waited)
+        if len(asked) == 3:
+            gate.set()  # the slow peer finally arrives
+        return ()
+
+    waiter = Waiter()
+    waiter.wait([Pending()], 10.0, lambda: False, HangCheck(0.05, 0.02, alive_then_done))
+    assert len(asked) == 3 and asked[0] >= 0.05 and asked == sorted(asked)
+
+    gate.clear()
+    with pytest.raises(CollectiveAborted) as e:
+        waiter.wait([Pending()], 10.0, lambda: False, HangCheck(0.05, 0.02, lambda w: ("w1",)))
+    assert e.value.reason == "watchdog" and e.value.confirmed == ("w1",)
+    assert "w1" in str(e.value)
+    gate.set()
+    waiter.close()
 
 
 @pytest.fixture

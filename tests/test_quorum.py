@@ -85,6 +85,8 @@ def test_config_rejects_bad_combinations() -> None:
         CoordinatorConfig(target=2, suspect_s=0.1, heartbeat_s=0.25)
     with pytest.raises(ValueError, match="target"):
         CoordinatorConfig(target=0)
+    with pytest.raises(ValueError, match="hang_silence_s"):
+        CoordinatorConfig(target=2, hang_silence_s=0.3, heartbeat_s=0.25)
 
 
 def test_first_quorum_request_decides_the_step_for_everyone() -> None:
@@ -307,3 +309,28 @@ def test_a_silent_member_does_not_hold_up_an_unready_generation_until_its_lease(
         m.touch("b", 1, t)
         m.expire(t)
     assert m.gen.gen == 3 and m.gen.members == ("a", "b")  # c, d suspected at 2.3 s, not 6 s
+
+
+def test_an_overdue_collective_expels_only_peers_that_stopped_heartbeating() -> None:
+    """`confirm_hang`: a member whose all-reduce is overdue asks; peers silent for
+    longer than `hang_silence_s` are hung (expelled, generation re-formed without
+    them at once), live ones are not, however slow their step."""
+    m = Membership(cfg(hang_silence_s=0.5))
+    started(m, ["a", "b", "c"])
+    g = m.gen.gen  # type: ignore[union-attr]
+    for mid in ("a", "b", "c"):
+        m.touch(mid, 1, 1.0)
+    # 0.4 s of silence: a slow step, not a hang. Nothing changes.
+    assert m.confirm_hang("a", 1, g, 1.4) == ("alive", ())
+    assert m.gen is not None and m.gen.gen == g and not m.gen.broken
+    m.touch("b", 1, 1.45)
+    # c has now been silent 0.6 s, b 0.15 s: c alone is hung.
+    assert m.confirm_hang("a", 1, g, 1.6) == ("confirmed", ("c",))
+    assert "c" not in m.members and m.drain_removals()[-1].reason == "suspected"
+    assert m.gen is not None and m.gen.gen == g + 1 and m.gen.members == ("a", "b")
+    assert m.gen_interrupted(g)
+    # b asks about the old generation a moment later: it learns it from its heartbeat.
+    assert m.confirm_hang("b", 1, g, 1.65) == ("stale", ())
+    # An expelled member's question changes nothing.
+    assert m.confirm_hang("c", 1, g + 1, 1.7) == ("stale", ())
+    assert m.gen.gen == g + 1

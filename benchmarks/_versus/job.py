@@ -39,6 +39,8 @@ TARGET_ABS_S = 0.5
 TARGET_FACTOR = 5.0
 SPARE_TARGET_S = 1.0
 """Issue 18: with a hot spare, kill -> the replacement's first committed step."""
+HANG_TARGET_S = 1.0
+"""Issue 18: a hang -> the survivors' next commit, when the all-reduce takes < 0.1 s."""
 HEARTBEATS_MS = (5000, 1000)
 
 FT_INSTALL = (

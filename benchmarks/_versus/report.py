@@ -22,6 +22,7 @@ from analysis import (
     step_times,
 )
 from job import (
+    HANG_TARGET_S,
     HANG_VICTIM,
     HERE,
     KILL_VICTIM,
@@ -173,6 +174,7 @@ def summarize(
             "kill_median_inf": statistics.median(kill_or_inf),
             "recomputed": sum(r.recomputed for r in rs), "dropped": sum(r.dropped for r in rs),
             "crashed": crashed, "runs": len(rs), "repl": span([r.repl_s for r in rs]),
+            "hang": span([r.hang_s for r in rs]),
         }  # fmt: skip
         stats[c.name] = {
             "step (s)": span(step_s), "kill->next commit (s)": span(kills),
@@ -260,6 +262,18 @@ def summarize(
                 "PASS" if e["crashed"] == 0 and e["kill"][3] == e["runs"] else "FAIL",
             ]
         )
+    for name in ("elastrain", "elastrain, 1 hot spare"):
+        # Issue 18: a SIGSTOPped member is confirmed hung by its silence, in about
+        # a second, when the step's all-reduce takes well under 0.1 s.
+        hv = verdict.get(name)
+        if hv:
+            med = hv["hang"][1]
+            targets.append([
+                f"{name}: median {args.hang_s:g} s hang -> survivors' next commit "
+                f"<= {HANG_TARGET_S:g} s",
+                f"{fmt(med, 3)} s ({hv['hang'][3]}/{hv['runs']} runs)",
+                "PASS" if med is not None and med <= HANG_TARGET_S else "FAIL",
+            ])  # fmt: skip
     sp = verdict.get("elastrain, 1 hot spare")
     if sp:
         # Issue 18: a hot spare takes the dead member's place in about a second.

@@ -130,6 +130,12 @@ class CoordinatorClient:
     def quorum(self, req: p.QuorumRequest) -> p.QuorumResponse:
         return self._op("quorum", req, p.QuorumResponse)
 
+    def hang(self, req: p.HangRequest, timeout_s: float | None = None) -> p.HangResponse:
+        """Asked from inside an overdue collective wait: bounded by `timeout_s`
+        (default: the client's), so a slow coordinator cannot stretch the wait."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        return p.decode(p.HangResponse, self.call("POST", "hang", p.encode(req), timeout=t))
+
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         return self._op("leave", req, p.OkResponse)
 

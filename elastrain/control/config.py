@@ -38,6 +38,15 @@ class CoordinatorConfig:
     heartbeat_s: float = 0.25
     """Heartbeat interval the workers are told to use."""
 
+    hang_silence_s: float = 0.5
+    """A member whose collective is overdue asks whether a peer is hung
+    (`QuorumState.confirm_hang`); peers silent for longer than this are. Two
+    heartbeat intervals by default: a stopped process misses both, a live but
+    loaded one rarely does (benchmarks/false_hangs.py measures it). The
+    asker's own overdue wait is the second, independent signal, which is why
+    this can be shorter than `suspect_s`. Must be at least twice
+    `heartbeat_s`."""
+
     ready_timeout_s: float = 15.0
     """Members of a new generation that have not called rendezvous by then are expelled."""
 
@@ -106,6 +115,11 @@ class CoordinatorConfig:
             raise ValueError(
                 f"suspect_s ({self.suspect_s}) must be at least twice heartbeat_s ({self.heartbeat_s}), "
                 "or live members will be expelled as hung"
+            )
+        if self.hang_silence_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"hang_silence_s ({self.hang_silence_s}) must be at least twice heartbeat_s "
+                f"({self.heartbeat_s}), or live members will be expelled as hung"
             )
         if self.lease_s < self.suspect_s:
             raise ValueError(f"lease_s ({self.lease_s}) must be >= suspect_s ({self.suspect_s})")

@@ -392,6 +392,18 @@ class QuorumRequest:
 
 
 @dataclass(frozen=True)
+class HangRequest:
+    """The caller's collective of (`gen`, `step`) has waited `waited_s`, past
+    its soft watchdog deadline: is a peer hung (`QuorumState.confirm_hang`)?"""
+
+    member: str
+    incarnation: int
+    gen: int
+    step: int
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class LeaveRequest:
     member: str
     incarnation: int
@@ -443,6 +455,17 @@ class Verdict(StrEnum):
     EXPELLED = "expelled"
     UNKNOWN = "unknown"
     """Register again, then ask again."""
+
+
+class HangStatus(StrEnum):
+    """The coordinator's answer to an overdue collective (`HangRequest`)."""
+
+    CONFIRMED = "confirmed"
+    """Peers of the generation were silent: expelled, the generation re-forms."""
+    ALIVE = "alive"
+    """Every peer is heartbeating: the step is slow, not hung; keep waiting."""
+    STALE = "stale"
+    """The generation is no longer current (or the caller was expelled)."""
 
 
 class GenerationReason(StrEnum):
@@ -523,6 +546,14 @@ class RendezvousResponse:
     was cut short by a failure may hold less, which a worker must check (the
     per-shard state hash) rather than trust. {} from a coordinator that
     predates resharding."""
+
+
+@dataclass(frozen=True)
+class HangResponse:
+    status: str
+    """"confirmed", "alive" or "stale" (`HangStatus`)."""
+    silent: list[str] = field(default_factory=list)
+    """With "confirmed": the members found silent, now expelled."""
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ from elastrain.control.plan import (
     plan_generation,
     plan_incremental,
 )
-from elastrain.control.protocol import GenerationReason, RendezvousStatus, Verdict
+from elastrain.control.protocol import GenerationReason, HangStatus, RendezvousStatus, Verdict
 
 __all__ = [
     "Form",
@@ -715,6 +715,38 @@ class Membership:
         self.decision = (gen, step, Verdict.PROCEED, gen)
         self.progress_step = max(self.progress_step, step)
         return Verdict.PROCEED, gen
+
+    def confirm_hang(
+        self, member: str, incarnation: int, gen: int, now: float
+    ) -> tuple[HangStatus, tuple[str, ...]]:
+        """A member's collective in generation `gen` is overdue (its soft
+        watchdog deadline passed): is a peer of that generation hung?
+
+        Hung means silent (no heartbeat or other call) for longer than
+        `hang_silence_s`: a stopped or frozen process stops heartbeating, a
+        slow one does not. The silent members are expelled ("suspected"), the
+        generation breaks and is re-formed without them at once; every member
+        still waiting in it learns that from its heartbeat, as from any other
+        failure. Nobody silent: ALIVE, nothing changes (the step is slow, not
+        hung; the caller keeps waiting up to its hard deadline). `gen` no longer
+        the current, unbroken generation: STALE (the caller will learn why)."""
+        if not self.touch(member, incarnation, now):
+            return HangStatus.STALE, ()
+        g = self.gen
+        if g is None or g.gen != gen or g.broken or not g.is_ready:
+            return HangStatus.STALE, ()
+        limit = self.config.hang_silence_s
+        silent = tuple(
+            mid
+            for mid in g.members
+            if mid != member and mid in self.members and now - self.members[mid].last_seen > limit
+        )
+        if not silent:
+            return HangStatus.ALIVE, ()
+        for mid in silent:
+            self._remove(mid, "suspected", now)
+        self.evaluate(now)
+        return HangStatus.CONFIRMED, silent
 
     def expire(self, now: float) -> None:
         """Periodic check: leases and generations whose members never came.

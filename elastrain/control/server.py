@@ -387,6 +387,25 @@ class Coordinator:
             self._flush()
             return p.QuorumResponse(verdict, gen, preempt_s)
 
+    def hang(self, req: p.HangRequest) -> p.HangResponse:
+        """A member's collective is overdue: expel peers found silent."""
+        with self.lock:
+            status, silent = self.state.confirm_hang(
+                req.member, req.incarnation, req.gen, self.clock()
+            )
+            self.metrics.hang_checks.labels(answer=str(status)).inc()
+            if status == p.HangStatus.CONFIRMED:
+                self._emit(
+                    EventKind.HANG_CONFIRMED,
+                    gen=req.gen,
+                    step=req.step,
+                    by=req.member,
+                    waited_s=req.waited_s,
+                    silent=list(silent),
+                )
+            self._flush(wake=status == p.HangStatus.CONFIRMED)
+            return p.HangResponse(status, list(silent))
+
     def preempt(self, req: p.PreemptRequest) -> p.OkResponse:
         """The whole job is being preempted: from the next step decided on, every
         member is told to take an emergency checkpoint after it and exit."""
@@ -474,6 +493,7 @@ ROUTES: dict[str, tuple[type, str]] = {
     "rendezvous": (p.RendezvousRequest, "rendezvous"),
     "quorum": (p.QuorumRequest, "quorum"),
     "leave": (p.LeaveRequest, "leave"),
+    "hang": (p.HangRequest, "hang"),
     "exit": (p.ExitRequest, "exit"),
     "preempt": (p.PreemptRequest, "preempt"),
 }
@@ -734,6 +754,14 @@ def parse_args(
     )
     ap.add_argument("--lease", type=float, default=5.0)
     ap.add_argument("--suspect", type=float, default=1.0)
+    ap.add_argument(
+        "--hang-silence",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="a member whose collective is overdue asks whether a peer is hung: peers "
+        "silent for longer than this are (default 0.5 s, two heartbeats)",
+    )
     ap.add_argument("--start-grace", type=float, default=60.0)
     ap.add_argument(
         "--gen-floor",
@@ -762,6 +790,7 @@ def parse_args(
             max_members=args.max_members,
             lease_s=args.lease,
             suspect_s=args.suspect,
+            hang_silence_s=args.hang_silence,
             start_grace_s=args.start_grace,
             ready_timeout_s=args.ready_timeout,
             shard_size=args.shard_size,

@@ -81,6 +81,8 @@ class LaunchConfig:
     """Coordinator lease (see CoordinatorConfig)."""
     suspect_s: float = 1.0
     """Coordinator suspicion window (see CoordinatorConfig)."""
+    hang_silence_s: float = 0.5
+    """Silence that confirms an overdue collective's peer is hung (see CoordinatorConfig)."""
     max_fast_failures: int = 5
     """Give up after this many consecutive workers die within 10 s of their start."""
     max_coordinator_restarts: int = 5

@@ -190,6 +190,8 @@ class Launcher:
             str(c.lease_s),
             "--suspect",
             str(c.suspect_s),
+            "--hang-silence",
+            str(c.hang_silence_s),
             *c.coordinator_policy_args(),
             *bind,
         ]

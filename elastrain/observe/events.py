@@ -51,6 +51,7 @@ class EventKind(StrEnum):
     EXIT_REPORTED = "exit_reported"
     LAYOUT_CHANGED = "layout_changed"
     RESHARD_REFUSED = "reshard_refused"
+    HANG_CONFIRMED = "hang_confirmed"
     # launcher: coordinator restarts; worker: losing and finding it again
     COORDINATOR_EXITED = "coordinator_exited"
     COORDINATOR_RESTARTED = "coordinator_restarted"
@@ -116,6 +117,9 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.RESHARD_REFUSED: frozenset(
         ["alive", "budget", "message", "needed", "preferred", "shard_size"]
     ),
+    # hang_confirmed: `by`'s collective in (gen, step) was overdue after waited_s
+    # and the members in `silent` had stopped heartbeating (they are expelled).
+    EventKind.HANG_CONFIRMED: frozenset(["by", "gen", "silent", "step", "waited_s"]),
     EventKind.COORDINATOR_EXITED: frozenset(["pid", "returncode"]),
     EventKind.COORDINATOR_RESTARTED: frozenset(["down_s", "pid", "restarts"]),
     EventKind.COORDINATOR_UNREACHABLE: frozenset(["error", "gen", "op"]),

@@ -15,7 +15,9 @@ Base units (seconds, bytes), counters end in `_total`:
   `elastrain.observe.failures.recognise_failures` recognises in what the
   coordinator itself saw: `failure_counts` over its own events),
   `elastrain_recoveries_total`, `elastrain_committed_steps_total`,
-  `elastrain_samples_total`, `elastrain_healed_bytes_total`;
+  `elastrain_samples_total`, `elastrain_healed_bytes_total`,
+  `elastrain_hang_checks_total{answer}` (overdue collectives the coordinator
+  was asked about: `confirmed` hangs, `alive` slow steps, `stale`);
 - histograms: `elastrain_step_seconds`, `elastrain_recovery_seconds{phase}`,
   `elastrain_heal_seconds`;
 - gauges: the live status (`elastrain_members`, `elastrain_generation`,
@@ -196,6 +198,15 @@ class CoordinatorMetrics:
         self.healed_bytes = Counter(
             "elastrain_healed_bytes", "Bytes of state received from peers in heals.", registry=r
         )
+        self.hang_checks = Counter(
+            "elastrain_hang_checks",
+            "Overdue collectives a member asked about (past its soft watchdog deadline), by "
+            "answer: confirmed (a peer was silent: expelled), alive (a slow step), stale.",
+            labelnames=["answer"],
+            registry=r,
+        )
+        for answer in ("confirmed", "alive", "stale"):
+            self.hang_checks.labels(answer=answer)  # every answer exposed, at zero
         self.step_seconds = Histogram(
             "elastrain_step_seconds",
             "Seconds of each committed step (the leader's).",

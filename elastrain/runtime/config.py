@@ -23,6 +23,13 @@ class WatchdogConfig:
     """Timeout = multiplier x the slowest recent all-reduce wait, clamped."""
     initial_s: float
     """Timeout before any wait was measured."""
+    confirm_multiplier: float = 4.0
+    """Soft deadline = this x the p99 of the recent waits + `confirm_margin_s`:
+    past it the member asks the coordinator whether a peer stopped
+    heartbeating, and gives up at once if one did. 0: never ask (only the
+    hard timeout above)."""
+    confirm_margin_s: float = 0.1
+    """The soft deadline's absolute margin, for steps whose waits are tiny."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,20 @@ class TrainerConfig:
 
     initial_hang_timeout_s: float = 30.0
     """Watchdog before any step has been measured (first steps, warm-up)."""
+
+    hang_confirm_multiplier: float = 4.0
+    """Sub-second hangs: once a step's all-reduce has waited this x the p99
+    of the recent waits, plus `hang_confirm_margin_s`, the member asks the
+    coordinator whether a peer of the generation has stopped heartbeating
+    (for the coordinator's `hang_silence_s`, 0.5 s by default). If one has,
+    it is expelled and the survivors regroup at once, well before the
+    watchdog above; if every peer is alive the step is slow, not hung, and
+    the member keeps waiting (asking again every 0.1 s) up to the watchdog.
+    A hang is thus called only on two independent signals. 0: never ask."""
+
+    hang_confirm_margin_s: float = 0.1
+    """The absolute part of that soft deadline, so that steps whose waits are
+    a few milliseconds do not ask the coordinator on every scheduling hiccup."""
 
     rendezvous_timeout_s: float = 15.0
     """How long building a process group may wait for its members in the store."""
@@ -228,6 +249,16 @@ class TrainerConfig:
             raise ValueError(f"max_grad_norm must be > 0 (or None), got {self.max_grad_norm}")
         if self.hang_timeout_multiplier < 1:
             raise ValueError("hang_timeout_multiplier must be >= 1")
+        if not (math.isfinite(self.hang_confirm_multiplier) and self.hang_confirm_multiplier >= 0):
+            raise ValueError(
+                f"hang_confirm_multiplier must be >= 0 (0: never ask the coordinator), "
+                f"got {self.hang_confirm_multiplier}"
+            )
+        if not (math.isfinite(self.hang_confirm_margin_s) and self.hang_confirm_margin_s >= 0):
+            raise ValueError(
+                f"hang_confirm_margin_s must be a number of seconds >= 0, "
+                f"got {self.hang_confirm_margin_s}"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(
                 f"checkpoint_every must be >= 0 (0: no periodic checkpoints), "
@@ -278,6 +309,8 @@ class TrainerConfig:
             ceiling_s=self.hang_timeout_ceiling_s,
             multiplier=self.hang_timeout_multiplier,
             initial_s=self.initial_hang_timeout_s,
+            confirm_multiplier=self.hang_confirm_multiplier,
+            confirm_margin_s=self.hang_confirm_margin_s,
         )
 
     @property

@@ -112,6 +112,7 @@ from elastrain.runtime.evaluate import (
 from elastrain.runtime.group import (
     CollectiveAborted,
     Graveyard,
+    HangCheck,
     Waiter,
     build_group,
     settle_before_exit,
@@ -155,6 +156,11 @@ loss sum, sample count, then the checkpoint schedule's measurements."""
 
 RENDEZVOUS_POLL_S = 5.0
 """How long one rendezvous call may wait at the coordinator for the generation."""
+
+HANG_ASK_EVERY_S = 0.1
+"""Past the soft watchdog deadline, how often an overdue all-reduce asks the
+coordinator whether a peer is hung: a hang is confirmed within this of the
+peer's silence reaching `hang_silence_s`."""
 
 READ_ONLY: frozenset[m.Do] = frozenset(
     {
@@ -1009,9 +1015,22 @@ class StepEngine:
         self._hook(s, hooks.StepPoint.ALLREDUCE)
         timeout = self.hang.timeout_s
         try:
-            self.waiter.wait(self._inflight, timeout, lambda: self.session.gen_broken(gen))
+            self.waiter.wait(
+                self._inflight,
+                timeout,
+                lambda: self.session.gen_broken(gen),
+                self._hang_check(gen, s, timeout),
+            )
         except CollectiveAborted as e:
-            if e.reason == "watchdog":
+            if e.reason == "watchdog" and e.confirmed:
+                self.events.emit(
+                    EventKind.WATCHDOG_FIRED,
+                    step=s,
+                    gen=gen,
+                    timeout_s=time.monotonic() - st.t_reduce,
+                    confirmed=list(e.confirmed),
+                )
+            elif e.reason == "watchdog":
                 self.events.emit(EventKind.WATCHDOG_FIRED, step=s, gen=gen, timeout_s=timeout)
             return m.ReduceAborted(m.AbortPhase(e.reason), str(e))
         except RuntimeError as e:
@@ -1022,6 +1041,19 @@ class StepEngine:
         self.hang.observe(st.t_done - st.t_reduce)
         st.extras = tuple(float(x) for x in self.backend.extras().tolist())
         return m.Reduced(int(round(st.extras[1])))
+
+    def _hang_check(self, gen: int, step: int, timeout_s: float) -> HangCheck | None:
+        """Past the soft deadline, ask the coordinator whether a peer of `gen`
+        stopped heartbeating (`elastrain.runtime.watchdog`); None: do not ask."""
+        soft = self.hang.soft_s
+        if soft is None or soft >= timeout_s:
+            return None
+
+        def ask(waited_s: float) -> tuple[str, ...]:
+            left = timeout_s - waited_s
+            return self.session.confirm_hang(gen, step, waited_s, max(0.05, min(left, 2.0)))
+
+        return HangCheck(soft, HANG_ASK_EVERY_S, ask)
 
     def _apply(self, a: m.Action) -> m.Observation:
         st = self._step

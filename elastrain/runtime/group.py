@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,11 +41,28 @@ log = logging.getLogger("elastrain.group")
 
 
 class CollectiveAborted(RuntimeError):
-    """The wait was abandoned; `reason` is "superseded" or "watchdog"."""
+    """The wait was abandoned; `reason` is "superseded" or "watchdog".
+    `confirmed`: with "watchdog" at the soft deadline, the peers the
+    coordinator found silent (empty when the hard deadline passed)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, confirmed: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.reason = reason
+        self.confirmed = confirmed
+
+
+@dataclass(frozen=True)
+class HangCheck:
+    """Asking whether a peer is hung while a collective is overdue (the soft
+    deadline, `elastrain.runtime.watchdog`)."""
+
+    from_s: float
+    """First ask this long into the wait."""
+    every_s: float
+    """Then again this often, until the hard deadline."""
+    ask: Callable[[float], tuple[str, ...]]
+    """Called with the time waited so far; returns the peers found hung
+    (non-empty: give up now) or () (alive, or no answer: keep waiting)."""
 
 
 def build_group(
@@ -133,9 +152,16 @@ class Waiter:
             idle.abandon()
             idle.thread.join(1.0)
 
-    def wait(self, works: list[Any], timeout_s: float, should_abort: Callable[[], bool]) -> None:
+    def wait(
+        self,
+        works: list[Any],
+        timeout_s: float,
+        should_abort: Callable[[], bool],
+        check: HangCheck | None = None,
+    ) -> None:
         """Block until every work is done (re-raising its error), the
-        generation is superseded, or `timeout_s` passes."""
+        generation is superseded, `check` finds a peer hung, or `timeout_s`
+        passes."""
         done = threading.Event()
         errors: list[BaseException] = []
         wake = self._wake
@@ -153,7 +179,7 @@ class Waiter:
         helper, self._idle = self._idle or _WaitThread(), None
         helper.run(finish)
         try:
-            self._until(done, errors, time.monotonic() + timeout_s, timeout_s, should_abort)
+            self._until(done, errors, time.monotonic(), timeout_s, should_abort, check)
         finally:
             if done.is_set():
                 self._idle = helper
@@ -165,10 +191,13 @@ class Waiter:
         self,
         done: threading.Event,
         errors: list[BaseException],
-        deadline: float,
+        t0: float,
         timeout_s: float,
         should_abort: Callable[[], bool],
+        check: HangCheck | None,
     ) -> None:
+        deadline = t0 + timeout_s
+        next_ask = t0 + check.from_s if check is not None else math.inf
         while True:
             self._wake.clear()
             if done.is_set():
@@ -177,12 +206,24 @@ class Waiter:
                 return
             if should_abort():
                 raise CollectiveAborted("superseded", "generation superseded while waiting")
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if check is not None and now >= next_ask:
+                hung = check.ask(now - t0)
+                if hung:
+                    raise CollectiveAborted(
+                        "watchdog",
+                        f"collective overdue after {now - t0:.2f}s and the coordinator found "
+                        f"{', '.join(hung)} silent",
+                        confirmed=hung,
+                    )
+                next_ask = time.monotonic() + check.every_s
+                continue  # the answer took time: look at the work again first
+            remaining = deadline - now
             if remaining <= 0:
                 raise CollectiveAborted(
                     "watchdog", f"collective did not finish in {timeout_s:.2f}s"
                 )
-            self._wake.wait(remaining)
+            self._wake.wait(min(remaining, next_ask - now))
 
     def wait_until(self, done: Callable[[], bool]) -> None:
         """Block until `done()` is true, checking it whenever `interrupt()` is called

@@ -238,6 +238,27 @@ class MemberSession:
         with self._lock:
             return gen != 0 and self._broken_gen >= gen
 
+    def confirm_hang(
+        self, gen: int, step: int, waited_s: float, timeout_s: float
+    ) -> tuple[str, ...]:
+        """The training thread's collective of (`gen`, `step`) is overdue: ask
+        the coordinator whether a peer stopped heartbeating. Returns the peers
+        it found silent (they are expelled and `gen` is broken) or (): all
+        alive, `gen` already over, or no answer within `timeout_s` (the hard
+        watchdog deadline still applies)."""
+        with self._lock:
+            inc = self.incarnation
+        try:
+            r = self.client.hang(p.HangRequest(self.member, inc, gen, step, waited_s), timeout_s)
+        except (CoordinatorUnavailable, CoordinatorRefused) as e:
+            log.warning("asking whether a peer is hung failed: %s", e)
+            return ()
+        if r.status != p.HangStatus.CONFIRMED or not r.silent:
+            return ()
+        with self._lock:
+            self._broken_gen = max(self._broken_gen, gen)
+        return tuple(r.silent)
+
     @property
     def expelled(self) -> bool:
         with self._lock:

@@ -72,6 +72,12 @@ one thread per process, gloo over loopback. In order:
    allocated memory each time is shown beside it: a heal's receiver lands its
    state in pages it has not touched yet, and their first-touch faults cost
    about as much as the copy (warm 2.0-3.1 GB/s, fresh 1.1 GB/s measured here).
+3b'. Recovery with a hot spare: the same job and kill with `spares=1`: a fifth
+   worker waits registered as a standby; the generation re-formed for the
+   failure admits it into the dead rank's slot, it is healed that one shard
+   from its twin, and no replica group runs short. Target: kill -> next
+   commit <= 0.5 s + one step, as in 3 (the spare is what makes it reachable
+   at R = 2: without it the step after a kill is computed by one group alone).
 3c. torchft recovery: one T run (no gate) where rank 1 of replica group 1 is
    SIGKILLed at the same step as 3 (kill@K: once the job committed K steps,
    after the same seeded mid-step offset elastrain's fault schedule draws with
@@ -517,12 +523,25 @@ def measure_replicated_rss(shape: Shape, steps: int, out_dir: Path, timeout_s: f
 
 
 def measure_recovery(
-    shape: Shape, kill_step: int, victim: str, settle: int, out_dir: Path, timeout_s: float
+    shape: Shape,
+    kill_step: int,
+    victim: str,
+    settle: int,
+    out_dir: Path,
+    timeout_s: float,
+    spares: int = 0,
 ) -> dict[str, Any]:
     """One elastrain 2 x 2 run, one SIGKILL of `victim` at `kill_step`; stopped once
-    its replacement's generation committed `settle` steps (recovery.KillPacer)."""
+    its replacement's generation committed `settle` steps (recovery.KillPacer).
+    With `spares`, hot spares wait beside the 4 ranks and one takes the slot."""
     cfg = elastrain_config(
-        shape, out_dir, 100_000, SHARDS, faults=[parse_fault(f"kill@{kill_step}:{victim}")], seed=0
+        shape,
+        out_dir,
+        100_000,
+        SHARDS,
+        faults=[parse_fault(f"kill@{kill_step}:{victim}")],
+        seed=0,
+        spares=spares,
     )
     pacer = KillPacer(1, kill_step, settle)
     launcher = Launcher(cfg, on_status=pacer)
@@ -1355,6 +1374,35 @@ def main() -> int:
     r_rows = reshard_rows(rsh, sizes["full"])
     t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
 
+    # ---- 3b'. recovery with a hot spare -----------------------------------------------------
+    log(f"recovery run with 1 hot spare: kill@{args.kill_step}:{args.victim}, the spare "
+        "takes the slot")  # fmt: skip
+    sp = measure_recovery(
+        shape, args.kill_step, args.victim, args.settle, base / "kill-spare",
+        timeout_s=300 if q else 420, spares=1,
+    )  # fmt: skip
+    sp_rec = sp["recs"][0] if sp["recs"] else None
+    sp_promoted = sp_rec.promoted[0] if sp_rec and sp_rec.promoted else None
+    sp_recv = [e for e in sp["heal_ends"] if e["proc"] == sp_promoted and e.get("role") == "recv"]
+    sp_heal = sp_recv[0] if sp_recv else None
+    log(f"spare recovery run (status {sp['status']}) in {sp['wall_s']:.1f} s: promoted "
+        f"{sp_promoted}, kill -> next commit {fmt(sp_rec.total_s if sp_rec else None)} s "
+        f"({sp['dir']})")  # fmt: skip
+    if sp_rec is None:
+        anomalies.append(f"spare recovery run: the kill was not injected ({sp['dir']})")
+    elif sp_promoted is None:
+        anomalies.append(
+            f"spare recovery run: no spare was promoted (not registered by the kill?) ({sp['dir']})"
+        )
+    sp_phases = (
+        " (" + ", ".join(f"{n} {fmt(sp_rec.phase(n))}" for n in PHASES) + ")" if sp_rec else ""
+    )
+    sp_line = (
+        f"{fmt(sp_rec.total_s if sp_rec else None)} s{sp_phases}; spare {sp_promoted} healed "
+        f"{mb(sp_heal['bytes'] if sp_heal else None, 2)} MB at "
+        f"{fmt(float(sp_heal['rate_mb_s']) if sp_heal else None, 1)} MB/s"
+    )
+
     # ---- 3c. torchft's recovery ------------------------------------------------------------
     tf: dict[str, Any] = {}
     t_tft = ""
@@ -1411,6 +1459,11 @@ def main() -> int:
             [f"kill -> next commit <= {TARGET_RECOVERY_FIXED_S:g} s + one step "
              f"(= {fmt(limit)} s)", f"{fmt(tot)} s",
              verdict(None if tot is None or math.isnan(limit) else tot <= limit)],
+            [f"kill -> next commit <= {TARGET_RECOVERY_FIXED_S:g} s + one step (= "
+             f"{fmt(limit)} s), 1 hot spare (`--spares 1`: the spare takes the dead rank's "
+             "slot, no group runs short)", sp_line,
+             verdict(None if sp_rec is None or sp_promoted is None or math.isnan(limit)
+                     else sp_rec.total_s is not None and sp_rec.total_s <= limit)],
             [f"replacement heal rate >= {TARGET_HEAL_FRACTION:.0%} of the loopback broadcast",
              f"{fmt(rd['rate'], 1)} MB/s = {fmt(heal_frac * 100, 0)}% of "
              f"{fmt(rd['lb_med'], 1)} MB/s (into fresh memory: "
@@ -1478,6 +1531,10 @@ def main() -> int:
         "kept a single PID (survivors are not restarted). The target's 'one step' is elastrain 2x2's "
         "median steady step_s; the resumed step is computed by one replica group alone (twice "
         "the micro-batches per rank), see its own row",
+        f"recovery run with a hot spare: the same job and kill with `spares=1` (a fifth worker "
+        "registered as a standby); the failure's re-formed generation admits it into the dead "
+        "rank's slot, it is healed that shard from its twin, and every generation has both "
+        f"replica groups whole; {sp['wall_s']:.0f} s, run dir {sp['dir'].relative_to(ROOT)}",
         f"loopback reference: _jobs/loopback_bcast.py, one float32 tensor of the victim's shard "
         f"state size broadcast between 2 processes over gloo, {reps} times after a warm-up, "
         "right after the recovery run; the heal rate is the receiver's heal_end rate (payload "

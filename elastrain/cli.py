@@ -80,8 +80,9 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         default=_default("spares"),
         metavar="K",
         help="hot spares: K more workers that start, register and wait outside the job; "
-        "a death promotes one at once, and the replacement refills the pool "
-        "(default 0; replicated jobs)",
+        "a death promotes one at once, and the replacement refills the pool; in a "
+        "sharded job the spare takes the dead rank's slot and heals only its shard "
+        "(default 0)",
     )
     ap.add_argument(
         "--evict-stragglers",

@@ -128,7 +128,6 @@ def test_the_launchers_shard_size_reaches_the_trainer_config() -> None:
         (["-n", "4", "--shard-size", "2", "--memory-per-member", "2G"], "pass --reshard-after"),
         (["-n", "4", "--shard-size", "2", "--state-factor", "0"], "--state-factor must be > 0"),
         (["-n", "2", "--spares", "-1"], "--spares must be >= 0"),
-        (["-n", "4", "--shard-size", "2", "--spares", "1"], "hot spares are for replicated"),
         (["-n", "2", "--spares", "1", "--no-replace"], "would never be refilled"),
         (["-n", "2", "--evict-stragglers"], "add --spares K"),
         (["-n", "2", "--spares", "1", "--evict-threshold", "1"], "must be a factor > 1"),

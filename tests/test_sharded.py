@@ -467,6 +467,54 @@ def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
     assert not job.of("reshard_end")  # each survivor kept its own shard
 
 
+def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """2 x 2 with one hot spare (`--spares 1`): once the spare waits as a standby,
+    kill a rank. The generation re-formed for the failure admits the spare into
+    the dead rank's slot, so no group runs short (no shadow step); the spare
+    receives that one shard (half the state) from its twin, the survivors keep
+    their processes, and the loss curve is the replicated job's bit for bit."""
+    import os
+    import signal
+
+    killed: list[str] = []
+
+    def kill_once_the_spare_waits(st: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+        first = {e["proc"] for e in events if e["kind"] == "generation_start" and e["gen"] == 1}
+        waiting = [
+            e for e in events if e["kind"] == "member_registered" and e["member"] not in first
+        ]
+        if int(st.get("step") or 0) < 3 or len(first) < 4 or not waiting:
+            return False
+        pids = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+        victim = sorted(first)[1]
+        os.kill(pids[victim], signal.SIGKILL)
+        killed.append(victim)
+        return True
+
+    job = _run_held(tmp_path, "spare", _received, act=kill_once_the_spare_waits, spares=1)
+    _assert_job(job, replicated)
+    (victim,) = killed
+    slots = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=1)}
+    (spare,) = {e["member"] for e in job.of("worker_spawned") if not e["replacement"]} - set(slots)
+    after = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=2)}
+    assert after == {**{m: rs for m, rs in slots.items() if m != victim}, spare: slots[victim]}
+    # Only the dead rank's shard moved, from its twin, to the spare.
+    recv = _received(job.events)
+    assert [e["proc"] for e in recv] == [spare]
+    twin = [m for m, (_, sh) in slots.items() if sh == slots[victim][1] and m != victim]
+    assert [e["proc"] for e in job.of("heal_end", role="send")] == twin
+    state = _state_bytes()
+    assert 0.4 * state < recv[0]["bytes"] < 0.6 * state, (recv[0]["bytes"], state)
+    # No generation ran a group short: every committed step had 4 members computing.
+    assert {len(e["members"]) for e in job.of("generation_ready")} == {4}
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    for m in set(slots) - {victim}:
+        pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
+        assert pids == {spawned[m]}, f"{m} changed process"
+
+
 def _state_bytes() -> int:
     """The whole training state of train_sharded.py: params and AdamW's two moments."""
     import sys

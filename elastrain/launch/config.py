@@ -194,11 +194,6 @@ class LaunchConfig:
         self._check_resharding()
         if self.spares < 0:
             raise ValueError(f"--spares must be >= 0 (got {self.spares})")
-        if self.spares and shards > 1:
-            raise ValueError(
-                "--spares: hot spares are for replicated jobs for now; a sharded job's "
-                "vacancy is filled by a replacement (leave out --spares or --shard-size)"
-            )
         if self.spares and not self.replace:
             raise ValueError(
                 "--spares with --no-replace: a promoted spare would never be refilled; "

@@ -534,14 +534,11 @@ def measure_recovery(
     """One elastrain 2 x 2 run, one SIGKILL of `victim` at `kill_step`; stopped once
     its replacement's generation committed `settle` steps (recovery.KillPacer).
     With `spares`, hot spares wait beside the 4 ranks and one takes the slot."""
+    # With spares, which worker waits as the standby depends on who registered
+    # last: let the fault schedule pick a member of the generation (seeded).
+    fault = f"kill@{kill_step}" if spares else f"kill@{kill_step}:{victim}"
     cfg = elastrain_config(
-        shape,
-        out_dir,
-        100_000,
-        SHARDS,
-        faults=[parse_fault(f"kill@{kill_step}:{victim}")],
-        seed=0,
-        spares=spares,
+        shape, out_dir, 100_000, SHARDS, faults=[parse_fault(fault)], seed=0, spares=spares
     )
     pacer = KillPacer(1, kill_step, settle)
     launcher = Launcher(cfg, on_status=pacer)
@@ -1375,8 +1372,8 @@ def main() -> int:
     t_reshard = table(["gen", "regroup", "members", "moved", "time"], r_rows)
 
     # ---- 3b'. recovery with a hot spare -----------------------------------------------------
-    log(f"recovery run with 1 hot spare: kill@{args.kill_step}:{args.victim}, the spare "
-        "takes the slot")  # fmt: skip
+    log(f"recovery run with 1 hot spare: kill@{args.kill_step} (a seeded member of the "
+        "generation, never the standby), the spare takes the slot")  # fmt: skip
     sp = measure_recovery(
         shape, args.kill_step, args.victim, args.settle, base / "kill-spare",
         timeout_s=300 if q else 420, spares=1,
@@ -1531,8 +1528,10 @@ def main() -> int:
         "kept a single PID (survivors are not restarted). The target's 'one step' is elastrain 2x2's "
         "median steady step_s; the resumed step is computed by one replica group alone (twice "
         "the micro-batches per rank), see its own row",
-        f"recovery run with a hot spare: the same job and kill with `spares=1` (a fifth worker "
-        "registered as a standby); the failure's re-formed generation admits it into the dead "
+        f"recovery run with a hot spare: the same job with `spares=1` (a fifth worker "
+        f"registered as a standby) and kill@{args.kill_step} of a member of the generation picked "
+        "by the seeded fault schedule (which worker is the standby depends on who registered "
+        "last); the failure's re-formed generation admits it into the dead "
         "rank's slot, it is healed that shard from its twin, and every generation has both "
         f"replica groups whole; {sp['wall_s']:.0f} s, run dir {sp['dir'].relative_to(ROOT)}",
         f"loopback reference: _jobs/loopback_bcast.py, one float32 tensor of the victim's shard "

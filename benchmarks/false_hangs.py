@@ -180,7 +180,7 @@ def main() -> int:
     def of(kind: str) -> list[dict[str, Any]]:
         return [e for e in events if e["kind"] == kind]
 
-    commits = [e for e in of("step_commit")]
+    commits = of("step_commit")
     waits = [float(e["allreduce_s"]) for e in commits]
     steps = max((int(e["step"]) for e in commits), default=-1) + 1
     fired = of("watchdog_fired")

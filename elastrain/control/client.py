@@ -112,8 +112,17 @@ class CoordinatorClient:
             raise CoordinatorError("coordinator response is not an object")
         return out
 
-    def _op(self, op: str, req: Any, resp_cls: type[T], *, wait_s: float = 0.0) -> T:
-        out = self.call("POST", op, p.encode(req), timeout=self.timeout_s + wait_s)
+    def _op(
+        self,
+        op: str,
+        req: Any,
+        resp_cls: type[T],
+        *,
+        wait_s: float = 0.0,
+        timeout_s: float | None = None,
+    ) -> T:
+        t = self.timeout_s if timeout_s is None else timeout_s
+        out = self.call("POST", op, p.encode(req), timeout=t + wait_s)
         return p.decode(resp_cls, out)
 
     # ---- typed ops ----------------------------------------------------------
@@ -133,8 +142,7 @@ class CoordinatorClient:
     def hang(self, req: p.HangRequest, timeout_s: float | None = None) -> p.HangResponse:
         """Asked from inside an overdue collective wait: bounded by `timeout_s`
         (default: the client's), so a slow coordinator cannot stretch the wait."""
-        t = self.timeout_s if timeout_s is None else timeout_s
-        return p.decode(p.HangResponse, self.call("POST", "hang", p.encode(req), timeout=t))
+        return self._op("hang", req, p.HangResponse, timeout_s=timeout_s)
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         return self._op("leave", req, p.OkResponse)

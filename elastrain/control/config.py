@@ -40,7 +40,7 @@ class CoordinatorConfig:
 
     hang_silence_s: float = 0.5
     """A member whose collective is overdue asks whether a peer is hung
-    (`QuorumState.confirm_hang`); peers silent for longer than this are. Two
+    (`Membership.confirm_hang`); peers silent for longer than this are. Two
     heartbeat intervals by default: a stopped process misses both, a live but
     loaded one rarely does (benchmarks/false_hangs.py measures it). The
     asker's own overdue wait is the second, independent signal, which is why

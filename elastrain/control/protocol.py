@@ -394,7 +394,7 @@ class QuorumRequest:
 @dataclass(frozen=True)
 class HangRequest:
     """The caller's collective of (`gen`, `step`) has waited `waited_s`, past
-    its soft watchdog deadline: is a peer hung (`QuorumState.confirm_hang`)?"""
+    its soft watchdog deadline: is a peer hung (`Membership.confirm_hang`)?"""
 
     member: str
     incarnation: int

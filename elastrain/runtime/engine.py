@@ -1022,16 +1022,13 @@ class StepEngine:
                 self._hang_check(gen, s, timeout),
             )
         except CollectiveAborted as e:
-            if e.reason == "watchdog" and e.confirmed:
+            if e.reason == "watchdog":
+                # A confirmed hang fires at the soft deadline: record how long it waited.
+                confirmed = {"confirmed": list(e.confirmed)} if e.confirmed else {}
+                waited = time.monotonic() - st.t_reduce if e.confirmed else timeout
                 self.events.emit(
-                    EventKind.WATCHDOG_FIRED,
-                    step=s,
-                    gen=gen,
-                    timeout_s=time.monotonic() - st.t_reduce,
-                    confirmed=list(e.confirmed),
+                    EventKind.WATCHDOG_FIRED, step=s, gen=gen, timeout_s=waited, **confirmed
                 )
-            elif e.reason == "watchdog":
-                self.events.emit(EventKind.WATCHDOG_FIRED, step=s, gen=gen, timeout_s=timeout)
             return m.ReduceAborted(m.AbortPhase(e.reason), str(e))
         except RuntimeError as e:
             self._inflight = []

@@ -4,7 +4,7 @@ Two deadlines for one collective wait:
 
 - the *soft* one, `confirm_multiplier` x the p99 of the recent waits plus a
   small margin: past it the member asks the coordinator whether a peer has
-  stopped heartbeating (`QuorumState.confirm_hang`) and gives up at once if
+  stopped heartbeating (`Membership.confirm_hang`) and gives up at once if
   one has. It is cheap to be early here, because a live peer is not accused:
   the wait alone never ends the generation.
 - the *hard* one, `multiplier` x the slowest recent wait clamped to [floor,

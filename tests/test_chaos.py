@@ -227,6 +227,26 @@ def test_straggler_order_slows_the_next_steps_once(tmp_path: Path) -> None:
     assert slept == [0.25, 0.25, 0.25]
 
 
+def test_a_lost_answer_is_injected_once_and_only_at_the_commit_vote() -> None:
+    """The "fail" action loses this member's answer of a completed collective (the engine then
+    waits on as for one that never comes): once, and only at the commit vote."""
+    from elastrain.chaos.points import FaultPoint
+    from elastrain.runtime.hooks import InjectedFailure
+
+    fired: list[FaultPoint] = []
+    point = FaultPoint("w1", 4, "vote", "fail")
+    points = FaultPoints("w1", [point, FaultPoint("w2", 4, "vote", "fail")], on_fire=fired.append)
+    points.hit(3, "vote")
+    points.hit(4, "allreduce")
+    points.hit(4, "commit")
+    with pytest.raises(InjectedFailure, match="vote answer lost at step 4"):
+        points.hit(4, "vote")
+    points.hit(4, "vote")  # once per process
+    assert fired == [point]
+    with pytest.raises(ValueError, match="needs a phase with a collective's answer"):
+        FaultPoint("w1", 4, "allreduce", "fail")
+
+
 def _commit(t: float, step: int, gen: int, proc: str) -> list[dict[str, object]]:
     return [
         {"t": t - 0.01, "kind": "step_contrib", "step": step, "gen": gen, "proc": proc,

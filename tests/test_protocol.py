@@ -203,6 +203,71 @@ def test_the_zombie_commit_is_healed_not_trusted() -> None:
     assert proto.committed == 10 and proto.commit_gen == 5
 
 
+def _reduced_then_lost(proto: m.MemberProtocol) -> None:
+    """Member "a" of generation 1 at 0 commits step 0, then in step 1 reduces its
+    shard over its twins and loses the commit vote's answer."""
+    joined(proto, gen=1)
+    proto.advance(m.Computed())
+    proto.advance(m.VerdictSeen(p.Verdict.PROCEED, 1, 1))
+    proto.advance(m.Reduced(G))
+    proto.advance(m.Applied(1, 0.0))
+    proto.advance(m.Computed())
+    proto.advance(m.VerdictSeen(p.Verdict.PROCEED, 1, 1))
+    a = proto.advance(m.ReduceAborted(m.AbortPhase.ALLREDUCE, "vote lost", kept=True))
+    assert a.do is m.Do.ABANDON and proto.pending_gen == 1 and proto.committed == 1
+    a = proto.advance(m.Abandoned())
+    assert a.do is m.Do.RENDEZVOUS
+
+
+def test_a_kept_step_is_applied_when_the_new_generation_says_it_committed() -> None:
+    """b committed step 1 in generation 1; a lost the vote's answer and kept its
+    shard's reduced gradient: told to roll forward, it counts the step at once (a
+    failed heal after it must not leave the count behind the state), in b's lineage."""
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    _reduced_then_lost(proto)
+    proto.advance(
+        m.RendezvousAnswer(
+            p.RendezvousStatus.READY, 2, ("a", "b"), {"a": 2, "b": 2}, {"a": 1, "b": 1}, 2,
+            rolls_forward=("a",),
+        )
+    )  # fmt: skip
+    a = proto.advance(m.Connected())
+    assert a.do is m.Do.HEAL and a.roll_forward and a.step == 2 and a.receivers == ()
+    assert (proto.committed, proto.commit_gen, proto.pending_gen) == (2, 1, 0)
+    a = proto.advance(m.HealFailed("a sender died"))
+    a = proto.advance(m.Abandoned())
+    assert a.do is m.Do.RENDEZVOUS and a.step == 2 and proto.pending_gen == 0
+
+
+def test_a_kept_step_nobody_committed_is_dropped_and_run_again() -> None:
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    _reduced_then_lost(proto)
+    proto.advance(ready(2, ("a", "b"), {"a": 1, "b": 1}, commit_gens={"a": 1, "b": 1}))
+    a = proto.advance(m.Connected())
+    assert a.do is m.Do.HEAL and not a.roll_forward and a.step == 1
+    assert proto.pending_gen == 0
+    a = proto.advance(m.Healed(1))
+    assert a.do is m.Do.COMPUTE and a.step == 1
+
+
+def test_a_roll_forward_without_a_kept_step_is_a_bug() -> None:
+    proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
+    joined(proto, gen=1)
+    proto.advance(m.Computed())
+    proto.advance(m.VerdictSeen(p.Verdict.PROCEED, 1, 1))
+    proto.advance(m.ReduceAborted(m.AbortPhase.ALLREDUCE, "peer died"))
+    proto.advance(m.Abandoned())
+    assert proto.pending_gen == 0
+    proto.advance(
+        m.RendezvousAnswer(
+            p.RendezvousStatus.READY, 2, ("a", "b"), {"a": 1, "b": 1}, {"a": 1, "b": 1}, 1,
+            rolls_forward=("a",),
+        )
+    )  # fmt: skip
+    with pytest.raises(m.ProtocolError, match="holding no step kept"):
+        proto.advance(m.Connected())
+
+
 def test_a_connect_failure_asks_for_a_newer_generation() -> None:
     proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
     proto.advance(m.Started())

@@ -293,6 +293,40 @@ def test_heal_senders_prefer_the_newest_lineage_at_the_start_step() -> None:
     assert m.gen is not None and m.gen.is_ready and m.gen.commit_gens == {"a": 1, "b": 0}
 
 
+def test_a_kept_step_rolls_forward_only_on_a_commit_of_it_in_its_generation() -> None:
+    """A sharded member that reduced step 9 in generation 4 and lost the vote's answer
+    reports pending generation 4 at 9: it applies the step when a member of the new
+    generation committed it there (at 10 with commit_gen 4), not on a commit of the
+    same count from another generation, and not with nobody ahead of it."""
+    from elastrain.control.plan import roll_forwards
+    from elastrain.runtime.member import heal_roles
+
+    members = ("a", "b", "c", "d")
+    assert roll_forwards(members, dict(a=9, b=9, c=10, d=0), dict(c=4), dict(a=4, b=4)) == (
+        "a",
+        "b",
+    )
+    # c's 10 came from generation 5 (a re-run without a and b): not their step.
+    assert roll_forwards(members, dict(a=9, b=9, c=10, d=0), dict(c=5), dict(a=4, b=4)) == ()
+    # Nobody ahead: step 9 is run again.
+    assert roll_forwards(members, dict(a=9, b=9, c=9), dict(a=3, b=3, c=3), dict(a=4)) == ()
+    # The evidence must be in the generation: a member at 10 of gen 4 that is gone
+    # (not in `members`) proves nothing the others can heal from.
+    assert roll_forwards(("a", "b"), dict(a=9, b=9, c=10), dict(c=4), dict(a=4)) == ()
+
+    m = Membership(cfg())
+    started(m, ["a", "b", "c"])
+    m.exited("b", pid=101, now=1.0)
+    m.rendezvous("a", 1, 1, 9, 1.2, commit_gen=1, pending_gen=1)
+    m.rendezvous("c", 1, 1, 10, 1.2, commit_gen=1)
+    g = m.gen
+    assert g is not None and g.is_ready and g.rolls_forward == ("a",)
+    committed, gens = g.answer_counts()
+    assert committed == {"a": 10, "c": 10} and gens == {"a": 1, "c": 1}
+    assert g.ready == {"a": 9, "c": 10}  # what was reported stays as reported
+    assert heal_roles(g.members, committed, gens, g.start_step) == ((0, 1), (), 1)
+
+
 def test_a_silent_member_does_not_hold_up_an_unready_generation_until_its_lease() -> None:
     # A node died: its members were heard from just before the failure generation
     # formed (so they are in it), then never again.

@@ -381,6 +381,32 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
 
 
+def test_a_step_committed_by_one_member_is_rolled_forward_by_the_three_that_lost_its_vote(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Three members of a 2 x 2 job lose the answer of step 8's commit vote after
+    their twins reduced it; the fourth commits it. Whatever the layout, one shard's
+    twins both lost it, so no member holds that shard at step 9: before the commit
+    vote came after the twins' reductions, this stopped the job (exit 79, shard
+    lost). Now the three apply the step they kept when the next generation forms,
+    take the committer's meta, nothing is healed, nobody is replaced, and the loss
+    curve is the replicated job's bit for bit."""
+    import json
+
+    lost = ("w0", "w1", "w2")
+    points = [{"member": w, "step": 8, "phase": "vote", "action": "fail"} for w in lost]
+    job = _run(tmp_path, "vote", 2, fault_points=json.dumps(points))
+    _assert_job(job, replicated)
+    rolled = job.of("step_rolled_forward")
+    assert sorted(e["proc"] for e in rolled) == list(lost)
+    assert {(e["step"], e["gen"]) for e in rolled} == {(8, 1)}
+    assert [e["proc"] for e in job.of("step_commit") if e["step"] == 8] == ["w3"]
+    assert not _received(job.events) and not job.of("worker_exit", reason="state_lost")
+    ready = job.of("generation_ready", gen=2)
+    assert ready and sorted(ready[0]["rolls_forward"]) == list(lost)
+    assert {e["member"] for e in job.of("worker_spawned")} == {"w0", "w1", "w2", "w3"}
+
+
 def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
     tmp_path: Path, replicated: Job
 ) -> None:

@@ -9,10 +9,13 @@ point; a matching fault fires once per process.
     [{"member": "w1", "step": 5, "phase": "allreduce", "action": "kill"}]
 
 phases: "compute" (between micro-batches), "allreduce" (collective issued, not
-finished), "commit" (after the optimizer step), "eval" (after this member's
-first batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
+finished), "vote" (sharded: the commit vote completed here, the step not yet
+applied), "commit" (after the optimizer step), "eval" (after this member's first
+batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
 "hang" (SIGSTOP: someone else must SIGCONT or kill it), "term" (SIGTERM:
-graceful leave).
+graceful leave), "fail" ("vote" only: this member's answer is lost, so it
+waits on until a deadline or the generation's end while its peers commit the
+step: `hooks.InjectedFailure`).
 
 The launcher can also send orders while the job runs, through the member's
 chaos inbox (`elastrain.chaos.inject.send_slow`): a JSON list of orders in
@@ -34,11 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from elastrain.observe.events import EventKind
+from elastrain.runtime.hooks import InjectedFailure
 
 log = logging.getLogger("elastrain.chaos")
 
-PHASES = ("compute", "allreduce", "commit", "eval")
-ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
+PHASES = ("compute", "allreduce", "vote", "commit", "eval")
+ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM, "fail": None}
+FAIL_PHASES = ("vote",)
+"""Where "fail" may be injected: the answer of a collective that completed."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,11 @@ class FaultPoint:
             raise ValueError(f"fault phase must be one of {PHASES}, got {self.phase!r}")
         if self.action not in ACTIONS:
             raise ValueError(f"fault action must be one of {sorted(ACTIONS)}, got {self.action!r}")
+        if self.action == "fail" and self.phase not in FAIL_PHASES:
+            raise ValueError(
+                f"fault action 'fail' needs a phase with a collective's answer "
+                f"({', '.join(FAIL_PHASES)}), got {self.phase!r}"
+            )
 
 
 def parse_points(text: str | None) -> list[FaultPoint]:
@@ -118,7 +129,10 @@ class FaultPoints:
                 self._fired.add(p)
                 if self.on_fire is not None:
                     self.on_fire(p)
-                os.kill(os.getpid(), ACTIONS[p.action])
+                sig = ACTIONS[p.action]
+                if sig is None:
+                    raise InjectedFailure(f"injected: {p.phase} answer lost at step {step}")
+                os.kill(os.getpid(), sig)
 
 
 class FaultHook:

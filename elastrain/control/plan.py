@@ -72,11 +72,40 @@ class Generation:
     """The server emitted its `generation_ready` event (once per generation)."""
     _first_missing: int = field(default=0, init=False, repr=False, compare=False)
 
-    def set_ready(self, member: str, committed: int, commit_gen: int = 0) -> None:
-        if self.ready.get(member) != committed or self.commit_gens.get(member) != commit_gen:
+    pending_gens: dict[str, int] = field(default_factory=dict)
+    """member -> the generation of the reduced step it kept without learning the
+    vote (`RendezvousRequest.pending_gen`); only members that reported one."""
+
+    def set_ready(
+        self, member: str, committed: int, commit_gen: int = 0, pending_gen: int = 0
+    ) -> None:
+        if (
+            self.ready.get(member) != committed
+            or self.commit_gens.get(member) != commit_gen
+            or self.pending_gens.get(member, 0) != pending_gen
+        ):
             self.ready[member] = committed
             self.commit_gens[member] = commit_gen
+            if pending_gen:
+                self.pending_gens[member] = pending_gen
+            else:
+                self.pending_gens.pop(member, None)
             self.ready_version += 1
+
+    @property
+    def rolls_forward(self) -> tuple[str, ...]:
+        """The members that apply their kept step (`roll_forwards`), in member order."""
+        return roll_forwards(self.members, self.ready, self.commit_gens, self.pending_gens)
+
+    def answer_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The ready answer's (committed, commit_gens): as reported, except that a
+        member rolling forward counts one step further, committed in the
+        generation it kept that step from."""
+        committed, gens = dict(self.ready), dict(self.commit_gens)
+        for m in self.rolls_forward:
+            committed[m] += 1
+            gens[m] = self.pending_gens[m]
+        return committed, gens
 
     @cached_property
     def has_complete_group(self) -> bool:
@@ -119,6 +148,32 @@ class Generation:
     @property
     def start_step(self) -> int:
         return max(self.ready.values()) if self.ready else 0
+
+
+def roll_forwards(
+    members: Sequence[str],
+    committed: Mapping[str, int],
+    commit_gens: Mapping[str, int],
+    pending_gens: Mapping[str, int],
+) -> tuple[str, ...]:
+    """Which members apply the step they kept (sharded jobs), in `members` order.
+
+    A sharded step's commit vote is a world all-reduce that every member posts
+    only after its shard's twins reduced the gradient. A member that committed
+    step n in generation g therefore proves that every member of g holds its
+    shard's reduced gradient of step n. A member at n whose own wait for that
+    vote failed (`pending_gens` -> g) applies it when a member at n + 1 with
+    `commit_gens` g is in the new generation, instead of waiting for a holder
+    of its shard at n + 1 that may not exist (the twins of one shard may all
+    have lost the vote's answer while another shard's twins committed). With no
+    such member, nobody alive holds step n: it is run again from n."""
+    done = {(committed[m], commit_gens.get(m, 0)) for m in members if m in committed}
+    return tuple(
+        m
+        for m in members
+        if pending_gens.get(m, 0) and m in committed
+        and (committed[m] + 1, pending_gens[m]) in done
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -368,6 +368,11 @@ class RendezvousRequest:
     commit_gen: int = 0
     """The generation whose commits the caller's state carries (the one it last
     committed in, or its healers'; 0: none, or fresh from a checkpoint)."""
+    pending_gen: int = 0
+    """Sharded: the generation in which the caller reduced the step at its
+    committed count over its shard's twins but did not learn the commit vote's
+    outcome (its own wait for the vote failed); it kept that reduced gradient.
+    0: none (always 0 unsharded, and from a worker that predates it)."""
 
 
 @dataclass(frozen=True)
@@ -535,6 +540,13 @@ class RendezvousResponse:
     back at it once members return. Other answers: the current generation's
     (the configured one before the first). A coordinator that predates
     resharding always sends its configured one."""
+    rolls_forward: list[str] = field(default_factory=list)
+    """With "ready", in a sharded job: the members that apply the step they kept
+    (`RendezvousRequest.pending_gen`) before the heal, because a member of this
+    generation committed that step in that generation (so every member of it had
+    reduced its shard, and the vote passed). `committed` and `commit_gens`
+    already count them one step further, in that generation. [] from a
+    coordinator that predates it."""
     held: dict[str, list[int]] = field(default_factory=dict)
     """With "ready", in a sharded job: member -> [shard_size, shard], what that
     member's state holds as the generation starts, i.e. its slot in the last

@@ -657,6 +657,7 @@ class Membership:
         committed: int,
         now: float,
         commit_gen: int = 0,
+        pending_gen: int = 0,
     ) -> RendezvousStatus:
         """A member asks for a generation newer than `known_gen`.
 
@@ -684,7 +685,7 @@ class Membership:
                 if member not in self.members
                 else RendezvousStatus.PENDING
             )
-        g.set_ready(member, committed, commit_gen)
+        g.set_ready(member, committed, commit_gen, pending_gen)
         if not g.is_ready:
             return RendezvousStatus.PENDING
         self._record_holdings(g)

@@ -312,6 +312,7 @@ class Coordinator:
                 req.committed,
                 self.clock(),
                 req.commit_gen,
+                req.pending_gen,
             )
             self._flush()
             g = self.state.gen
@@ -325,17 +326,20 @@ class Coordinator:
                         steps=dict(g.ready),
                         start_step=g.start_step,
                         **self._layout_field(g),
+                        **({"rolls_forward": list(rolls)} if (rolls := g.rolls_forward) else {}),
                     )
                 cached = self._ready_body
                 if cached is None or cached[0] is not g or cached[1] != g.ready_version:
+                    committed, commit_gens = g.answer_counts()
                     r = p.RendezvousResponse(
                         p.RendezvousStatus.READY,
                         g.gen,
                         list(g.members),
-                        dict(g.ready),
+                        committed,
                         g.start_step,
                         reason=g.reason,
-                        commit_gens=dict(g.commit_gens),
+                        commit_gens=commit_gens,
+                        rolls_forward=list(g.rolls_forward),
                         group_key=generation_key(self._gen_secret, g.gen),
                         slots={m: [s.replica, s.shard] for m, s in g.slots.items()},
                         shard_size=g.shard_size,

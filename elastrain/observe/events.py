@@ -68,6 +68,7 @@ class EventKind(StrEnum):
     STEP_CONTRIB = "step_contrib"
     STEP_COMMIT = "step_commit"
     STEP_SKIPPED = "step_skipped"
+    STEP_ROLLED_FORWARD = "step_rolled_forward"
     STEP_ABORT = "step_abort"
     WATCHDOG_FIRED = "watchdog_fired"
     WORKER_EXIT = "worker_exit"
@@ -154,6 +155,7 @@ FIELDS: dict[EventKind, frozenset[str]] = {
         ]
     ),
     EventKind.STEP_SKIPPED: frozenset(["gen", "grad_norm", "reason", "skipped_total", "step"]),
+    EventKind.STEP_ROLLED_FORWARD: frozenset(["gen", "step"]),
     EventKind.STEP_ABORT: frozenset(["error", "gen", "phase", "step"]),
     EventKind.WATCHDOG_FIRED: frozenset(["gen", "step", "timeout_s"]),
     EventKind.WORKER_EXIT: frozenset(["committed", "reason"]),

@@ -627,6 +627,7 @@ class StepEngine:
                     a.step,
                     wait_s=RENDEZVOUS_POLL_S,
                     commit_gen=self.proto.commit_gen,
+                    pending_gen=self.proto.pending_gen,
                 )
             )
         except CoordinatorError as e:
@@ -657,6 +658,7 @@ class StepEngine:
             dict(r.commit_gens),
             r.start_step,
             r.message,
+            tuple(r.rolls_forward),
         )
 
     def _refresh_standby(self) -> None:
@@ -782,6 +784,7 @@ class StepEngine:
         try:
             out = self.shards.heal(
                 a.gen,
+                a.roll_forward,
                 self._ready,
                 self._pg,
                 self._meta,
@@ -1008,19 +1011,28 @@ class StepEngine:
         )
         self.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        if self.shards is not None:
-            self._inflight = self.shards.reduce(self._pg, extras)
-        else:
-            self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
-        self._hook(s, hooks.StepPoint.ALLREDUCE)
         timeout = self.hang.timeout_s
+        kept = False
         try:
-            self.waiter.wait(
-                self._inflight,
-                timeout,
-                lambda: self.session.gen_broken(gen),
-                self._hang_check(gen, s, timeout),
-            )
+            if self.shards is None:
+                self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
+                self._hook(s, hooks.StepPoint.ALLREDUCE)
+                self._await_reduce(gen, s, timeout)
+            else:
+                # The shard's twins first; the whole generation's all-reduce of the
+                # extras after, as the commit vote: one member through it proves that
+                # every member reduced its shard, so any member that then loses the
+                # vote's answer can apply the step it kept (`plan.roll_forwards`).
+                self._inflight = self.shards.reduce()
+                self._hook(s, hooks.StepPoint.ALLREDUCE)
+                self._await_reduce(gen, s, timeout)
+                kept = True
+                self._inflight = self.shards.vote(self._pg, extras)
+                self._await_reduce(gen, s, timeout)
+                try:
+                    self._hook(s, hooks.StepPoint.VOTE)
+                except hooks.InjectedFailure:
+                    self._await_lost_answer(gen, s, timeout)
         except CollectiveAborted as e:
             if e.reason == "watchdog":
                 # A confirmed hang fires at the soft deadline: record how long it waited.
@@ -1029,28 +1041,75 @@ class StepEngine:
                 self.events.emit(
                     EventKind.WATCHDOG_FIRED, step=s, gen=gen, timeout_s=waited, **confirmed
                 )
-            return m.ReduceAborted(m.AbortPhase(e.reason), str(e))
+            return self._reduce_aborted(m.AbortPhase(e.reason), str(e), s, gen, kept)
         except RuntimeError as e:
             self._inflight = []
-            return m.ReduceAborted(m.AbortPhase.ALLREDUCE, str(e)[:300])
+            return self._reduce_aborted(m.AbortPhase.ALLREDUCE, str(e)[:300], s, gen, kept)
         self._inflight = []
         st.t_done = time.monotonic()
         self.hang.observe(st.t_done - st.t_reduce)
         st.extras = tuple(float(x) for x in self.backend.extras().tolist())
         return m.Reduced(int(round(st.extras[1])))
 
-    def _hang_check(self, gen: int, step: int, timeout_s: float) -> HangCheck | None:
+    def _await_reduce(self, gen: int, step: int, timeout_s: float) -> None:
+        """Wait for `_inflight` under the step's deadlines, counted from the start of
+        the step's reduction (`_Step.t_reduce`): a sharded step waits twice."""
+        st = self._step
+        assert st is not None
+        waited = time.monotonic() - st.t_reduce
+        self.waiter.wait(
+            self._inflight,
+            max(timeout_s - waited, 0.0),
+            lambda: self.session.gen_broken(gen),
+            self._hang_check(gen, step, timeout_s, waited),
+        )
+
+    def _await_lost_answer(self, gen: int, step: int, timeout_s: float) -> None:
+        """An injected fault (`hooks.InjectedFailure`): this member's answer is lost,
+        so it waits as for one that never comes, until a deadline or the generation's
+        end (raises `CollectiveAborted`), while its peers' collective completed."""
+        never = threading.Event()
+
+        class Lost:
+            def wait(self) -> None:
+                never.wait()
+                raise RuntimeError("lost")
+
+        self._inflight = [Lost()]
+        try:
+            self._await_reduce(gen, step, timeout_s)
+        finally:
+            never.set()
+            self._inflight = []
+
+    def _reduce_aborted(
+        self, phase: m.AbortPhase, error: str, step: int, gen: int, kept: bool
+    ) -> m.ReduceAborted:
+        """Give the reduction up; a sharded member whose twins had reduced keeps the
+        sum (`ShardedMember.keep`) in case another member committed the step."""
+        if kept:
+            assert self.shards is not None
+            self.shards.keep(step, gen)
+            error = f"{error} (after the twins' reduction: the step is kept)"
+        return m.ReduceAborted(phase, error, kept)
+
+    def _hang_check(
+        self, gen: int, step: int, timeout_s: float, waited_s: float = 0.0
+    ) -> HangCheck | None:
         """Past the soft deadline, ask the coordinator whether a peer of `gen`
-        stopped heartbeating (`elastrain.runtime.watchdog`); None: do not ask."""
+        stopped heartbeating (`elastrain.runtime.watchdog`); None: do not ask.
+        `waited_s`: how long this reduction has waited already (the deadlines
+        count from its start)."""
         soft = self.hang.soft_s
         if soft is None or soft >= timeout_s:
             return None
 
-        def ask(waited_s: float) -> tuple[str, ...]:
-            left = timeout_s - waited_s
-            return self.session.confirm_hang(gen, step, waited_s, max(0.05, min(left, 2.0)))
+        def ask(waited: float) -> tuple[str, ...]:
+            waited += waited_s
+            left = timeout_s - waited
+            return self.session.confirm_hang(gen, step, waited, max(0.05, min(left, 2.0)))
 
-        return HangCheck(soft, HANG_ASK_EVERY_S, ask)
+        return HangCheck(max(soft - waited_s, 0.0), HANG_ASK_EVERY_S, ask)
 
     def _apply(self, a: m.Action) -> m.Observation:
         st = self._step

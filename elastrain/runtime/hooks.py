@@ -21,11 +21,22 @@ class StepPoint(StrEnum):
     """After this member's first micro-batch's backward."""
     ALLREDUCE = "allreduce"
     """Right after the step's all-reduce was posted."""
+    VOTE = "vote"
+    """Sharded steps: the commit vote (the extras' all-reduce over the generation,
+    posted once the shard's twins had reduced the gradient) completed here; the
+    step is not applied yet."""
     COMMIT = "commit"
     """After the step was applied (and any due checkpoint snapshot taken)."""
     EVAL = "eval"
     """After this member's first batch of the evaluation of the model after step
     `step` (the step's index: the evaluation sees `step` + 1 committed steps)."""
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a hook's `at` (at `StepPoint.VOTE`) to lose this member's answer:
+    the engine waits on as for an answer that never comes (until a deadline or the
+    generation's end) while its peers, whose vote completed, commit. The fault no
+    signal can produce at an exact point (the chaos "fail" action)."""
 
 
 class StepHook(Protocol):

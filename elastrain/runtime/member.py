@@ -32,6 +32,10 @@ The rules (docs/design.md argues each):
   batch; anything else abandons the generation and retries the same step.
 - A preemption notice rides on a "proceed" verdict: after committing that
   step, one emergency checkpoint, then exit.
+- Sharded: a member that reduced its shard but lost the commit vote's answer
+  (`ReduceAborted.kept`) reports that generation at rendezvous; it applies the
+  step when the next ready answer names it in `rolls_forward` (someone
+  committed the step there) and counts it at once, else runs it again.
 - An evaluation due at a committed count (`eval_every`, `evaluate.eval_due`)
   runs after the commit that reaches it (and after the loop's code for that
   step: the engine yields the step's result first) and again after any heal
@@ -162,6 +166,8 @@ class Action:
     reason: ExitReason | None = None
     grace_s: float = 0.0
     message: str = ""
+    roll_forward: bool = False
+    """With HEAL: first apply the step kept at `ReduceAborted` (`step` counts it)."""
 
 
 # ---- observations ----------------------------------------------------------------
@@ -206,6 +212,9 @@ class RendezvousAnswer:
     commit_gens: dict[str, int] = field(default_factory=dict)
     start_step: int = 0
     message: str = ""
+    rolls_forward: tuple[str, ...] = ()
+    """Members that apply the step they kept before the heal (`committed` already
+    counts them one step further)."""
 
 
 @dataclass(frozen=True)
@@ -279,6 +288,10 @@ class ReduceAborted:
 
     reason: AbortPhase
     error: str
+    kept: bool = False
+    """Sharded: the shard's twins had reduced the gradient (this member keeps it)
+    and only the commit vote's outcome was lost, so the step may have been
+    committed by others; the next generation says (`RendezvousAnswer.rolls_forward`)."""
 
 
 @dataclass(frozen=True)
@@ -390,6 +403,9 @@ class MemberProtocol:
         self.phase = Phase.REGISTER
         self.committed = 0
         self.commit_gen = 0
+        self.pending_gen = 0
+        """Sharded: the generation whose reduced step at `committed` this member
+        kept without learning the vote (0: none); told at rendezvous."""
         self.gen = 0
         self.members: tuple[str, ...] = ()
         self.rank = 0
@@ -521,6 +537,20 @@ class MemberProtocol:
         self.gen, self.members = r.gen, tuple(r.members)
         self.rank = r.members.index(self.member)
         self.in_group = True
+        roll = self.member in r.rolls_forward
+        if roll:
+            if r.committed.get(self.member) != self.committed + 1 or not self.pending_gen:
+                raise ProtocolError(
+                    f"{self.member} told to roll forward from {self.committed} to "
+                    f"{r.committed.get(self.member)} holding no step kept (pending generation "
+                    f"{self.pending_gen})"
+                )
+            # Applying a kept step cannot fail: count it now, so a failed heal that
+            # follows does not leave the count behind the state.
+            self.committed += 1
+            self.commit_gen = self.pending_gen
+        # Kept or not, a kept step is spent: this generation re-runs it otherwise.
+        self.pending_gen = 0
         senders, receivers, lineage = heal_roles(
             self.members, r.committed, r.commit_gens, r.start_step
         )
@@ -535,6 +565,7 @@ class MemberProtocol:
             receivers=receivers,
             lineage=lineage,
             step=self.committed,
+            roll_forward=roll,
         )
 
     def _on_healed(self, obs: Healed, flags: Flags) -> Action:
@@ -630,6 +661,7 @@ class MemberProtocol:
         return Action(Do.APPLY, step=self.committed, gen=self.gen, grace_s=self._preempt_s)
 
     def _on_reduce_aborted(self, obs: ReduceAborted, flags: Flags) -> Action:
+        self.pending_gen = self.gen if obs.kept else 0
         return self._abandon(obs.reason, obs.error)
 
     def _on_applied(self, obs: Applied, flags: Flags) -> Action:

@@ -12,7 +12,11 @@ the layout-specific work of a generation to a `ShardedMember`:
               (`elastrain.runtime.reshard`); then the replica group's FSDP2
               wrapper is built (a shadow has none);
     rounds    this member's micro-batch turns in its replica group's rounds;
-    reduce    the shard's gradient over the twins, the extras over everyone;
+    reduce    the shard's gradient over the twins;
+    vote      then the extras over everyone: the commit vote (a member that
+              loses its answer keeps the reduced gradient, `keep`, and applies
+              it at the next heal if the generation's ready answer says another
+              member committed the step: `plan.roll_forwards`);
     drop      park the twins' group and leave the replica group.
 
 Groups are built in the same order on every member (generation, twins, replica
@@ -59,6 +63,14 @@ class NoCompleteGroup(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Kept:
+    step: int
+    gen: int
+    grad: torch.Tensor
+    """The twins' reduced gradient sum of `step` (no collective writes it any more)."""
+
+
+@dataclass(frozen=True)
 class HealOutcome:
     committed: int
     """The committed count this member's state now stands for."""
@@ -96,6 +108,8 @@ class ShardedMember:
         """The group of this member's shard index: its gradient's all-reduce and its heal."""
         self._store: Any = None
         self._prefix = ""
+        self._kept: _Kept | None = None
+        """The reduced step kept by `keep`, until the next heal applies or drops it."""
 
     # ---- a generation -------------------------------------------------------------
 
@@ -127,6 +141,7 @@ class ShardedMember:
     def heal(
         self,
         gen: int,
+        roll_forward: bool,
         ready: p.RendezvousResponse,
         world_pg: Any,
         meta: Callable[[int], dict[str, Any]],
@@ -134,12 +149,19 @@ class ShardedMember:
         heal_fn: HealFn,
         key: bytes | None,
     ) -> HealOutcome:
-        """Bring this member's shard up to date (heal from twins, or reshard), then
-        build its replica group's wrapper. Collective over the generation."""
+        """Bring this member's shard up to date (apply the step it kept if
+        `roll_forward`, heal from twins, or reshard), then build its replica
+        group's wrapper. Collective over the generation."""
         layout = self.layout
         assert layout is not None
         members = tuple(ready.members)
+        kept, self._kept = self._kept, None
+        if roll_forward:
+            self._roll_forward(kept, ready)
         senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
+        rolled = self._share_rolled_meta(
+            ready, [members[i] for i in senders], world_pg, meta, load_meta
+        )
         up_to_date = [members[i] for i in senders]
         reported = ready.held
         held = {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
@@ -151,7 +173,60 @@ class ShardedMember:
         else:
             outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key)
         self._form_group()
+        if roll_forward and not outcome.received:
+            # Its rows are the step's; its meta (data position, the script's state)
+            # came from a sender (`_share_rolled_meta`): all of it is the lineage's.
+            assert rolled
+            return HealOutcome(outcome.committed, True)
         return outcome
+
+    def _roll_forward(self, kept: _Kept | None, ready: p.RendezvousResponse) -> None:
+        """Apply the kept step: a member of this generation committed it in the
+        generation it was reduced in (the coordinator's `plan.roll_forwards`)."""
+        want = ready.committed.get(self.member, 0) - 1
+        if kept is None or kept.step != want or kept.gen != ready.commit_gens.get(self.member):
+            # A bug, not a failure to recover from: the count already moved on.
+            raise AssertionError(
+                f"{self.member}: told to apply step {want} of generation "
+                f"{ready.commit_gens.get(self.member)}, but kept "
+                f"{'nothing' if kept is None else f'step {kept.step} of {kept.gen}'}"
+            )
+        self.backend.apply_kept(kept.grad)
+        self.events.emit(EventKind.STEP_ROLLED_FORWARD, step=kept.step, gen=kept.gen)
+        log.warning(
+            "%s: applied step %d kept from generation %d (committed there by others)",
+            self.member,
+            kept.step,
+            kept.gen,
+        )
+
+    def _share_rolled_meta(
+        self,
+        ready: p.RendezvousResponse,
+        senders: list[str],
+        world_pg: Any,
+        meta: Callable[[int], dict[str, Any]],
+        load_meta: Callable[[dict[str, Any]], int],
+    ) -> bool:
+        """When members that rolled forward are among the heal's senders, the first
+        sender that did not roll broadcasts its meta (the data position, the
+        script's registered state: what the step's own loop code would have
+        advanced) and they install it. Collective over the generation when it
+        happens; every member decides alike from `ready`. True if it happened."""
+        rolled = [w for w in senders if w in ready.rolls_forward]
+        if not rolled:
+            return False
+        members = list(ready.members)
+        root = next(w for w in senders if w not in ready.rolls_forward)
+        got = broadcast_json(
+            world_pg,
+            members.index(root),
+            members.index(self.member),
+            meta(ready.start_step) if self.member == root else None,
+        )
+        if self.member in rolled and load_meta(got) != ready.start_step:
+            raise RuntimeError(f"{root}'s meta is not at step {ready.start_step}")
+        return True
 
     def _heal_twins(
         self,
@@ -350,12 +425,20 @@ class ShardedMember:
         self.backend.plan_rounds(len(turns))
         return turns
 
-    def reduce(self, world_pg: Any, extras: torch.Tensor) -> list[Any]:
-        """Start the step's all-reduces: the gradient over the twins, the extras over
-        the whole generation. Returns the works (not waited)."""
-        return tensor_allreduce(world_pg, [extras]) + tensor_allreduce(
-            self.twins_pg, self.backend.reduce_buffers()
-        )
+    def reduce(self) -> list[Any]:
+        """Start the all-reduce of the step's gradient over the twins. Returns the
+        works (not waited)."""
+        return tensor_allreduce(self.twins_pg, self.backend.reduce_buffers())
+
+    def vote(self, world_pg: Any, extras: torch.Tensor) -> list[Any]:
+        """Start the commit vote, once `reduce`'s works completed here: the extras'
+        all-reduce over the whole generation. Returns the works (not waited)."""
+        return tensor_allreduce(world_pg, [extras])
+
+    def keep(self, step: int, gen: int) -> None:
+        """Keep the reduced gradient of `step` (generation `gen`): the twins' sum
+        completed here, the vote's answer did not."""
+        self._kept = _Kept(step, gen, self.backend.take_reduced())
 
     def event_fields(self) -> dict[str, int]:
         """The slot, for the `generation_start` event (hashes compare among twins)."""

@@ -840,6 +840,26 @@ class ShardedBackend:
             for p in self.model.parameters():
                 p.grad = None
 
+    def take_reduced(self) -> torch.Tensor:
+        """Hand over the step's reduced gradient sum (`apply_kept` applies it later)
+        and hold a fresh buffer: the twins' all-reduce of it completed."""
+        g, self._grad = self._grad, torch.zeros_like(self._grad)
+        return g
+
+    def apply_kept(self, grad: torch.Tensor) -> None:
+        """Apply a step from its kept reduced gradient sum (`take_reduced`): the
+        same update `apply` made on the members that committed it."""
+        if grad.shape != self._grad.shape or grad.dtype != self._grad.dtype:
+            raise ValueError(
+                f"kept gradient {tuple(grad.shape)} {grad.dtype} does not fit this shard's "
+                f"{tuple(self._grad.shape)} {self._grad.dtype}"
+            )
+        self._grad = grad
+        try:
+            self.apply()
+        finally:
+            self._grad = torch.zeros_like(grad)
+
     def discard(self) -> None:
         # An abandoned all-reduce may still write into the buffers: new ones.
         self._grad = torch.zeros_like(self._grad)

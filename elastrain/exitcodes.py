@@ -32,6 +32,12 @@ can be healed. The worker's message names the newest committed checkpoint; the
 launcher stops the job at once, and running the same command again resumes from
 that checkpoint. (79: after sysexits' range, which 75-78 above borrow from.)"""
 
+EXIT_DEVICE_POISONED = 74
+"""This worker's device failed in a way no retry in the same process survives (a
+sticky CUDA error, or a failed device health check; `elastrain.runtime.device`):
+replace the process, never reuse it. The survivors go on and heal the replacement.
+(74: sysexits' EX_IOERR.)"""
+
 # ---- `elastrain run` (the launcher's own exit status) ----------------------------
 
 RUN_DONE = 0

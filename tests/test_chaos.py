@@ -243,8 +243,10 @@ def test_a_lost_answer_is_injected_once_and_only_at_the_commit_vote() -> None:
         points.hit(4, "vote")
     points.hit(4, "vote")  # once per process
     assert fired == [point]
-    with pytest.raises(ValueError, match="needs a phase with a collective's answer"):
+    with pytest.raises(ValueError, match="'fail' is injected at phase vote, got 'allreduce'"):
         FaultPoint("w1", 4, "allreduce", "fail")
+    with pytest.raises(ValueError, match="'poison' is injected at phase compute or allreduce"):
+        FaultPoint("w1", 4, "commit", "poison")
 
 
 def _commit(t: float, step: int, gen: int, proc: str) -> list[dict[str, object]]:

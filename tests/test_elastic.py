@@ -20,7 +20,7 @@ import pytest
 
 from elastrain.chaos.schedule import parse_fault
 from elastrain.data import GlobalOrder
-from elastrain.exitcodes import EXIT_LEFT, RUN_INTERRUPTED
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, RUN_INTERRUPTED
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.failures import recognise_failures
@@ -114,6 +114,38 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, r
     assert np.array_equal(pa, pb)
     finals = [np.load(f) for f in sorted((faulty.run_dir / "final").glob("*.npy"))]
     assert all(np.array_equal(finals[0], f) for f in finals[1:])
+
+
+def test_a_poisoned_device_replaces_its_process_and_the_math_does_not_change(
+    run_job, reference
+) -> None:  # type: ignore[no-untyped-def]
+    """A sticky device error in w1's step (injected as CUDA reports an illegal memory
+    access) ends w1 with EXIT_DEVICE_POISONED instead of a retry in the same process;
+    the launcher starts a fresh process, the survivors heal it and keep their PIDs,
+    the failure is recognised as its device failing, and the loss curve is the
+    failure-free run's bit for bit."""
+    steps = REF_STEPS
+    job = run_job(
+        steps=steps,
+        name="poison",
+        min_workers=4,
+        points=[{"member": "w1", "step": 10, "phase": "compute", "action": "poison"}],
+    )
+    assert_invariants(job, steps)
+    assert_survivors_kept_pids(job, ["w0", "w2", "w3"], steps - 1)
+    spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
+    assert job.of("worker_exited", member="w1", pid=spawned["w1"], returncode=EXIT_DEVICE_POISONED)
+    [gone] = job.of("worker_exit", proc="w1")
+    assert gone["reason"] == "device_poisoned" and "illegal memory access" in gone["error"]
+    assert "device failed" in job.log("w1")
+    joiner = next(m for m in spawned if m not in ("w0", "w1", "w2", "w3"))
+    assert job.of("heal_end", proc=joiner, role="recv") and job.of(
+        "step_commit", proc=joiner, step=steps - 1
+    )
+    [failure] = recognise_failures(job.events)
+    assert failure.member == "w1" and failure.kind == "crash"
+    assert "its device failed" in " ".join(ev.detail for ev in failure.evidence)
+    assert_same_math(reference, job, steps)
 
 
 def test_hung_peer_is_aborted_not_waited_for(tmp_path: Path) -> None:

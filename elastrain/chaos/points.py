@@ -15,7 +15,9 @@ batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
 "hang" (SIGSTOP: someone else must SIGCONT or kill it), "term" (SIGTERM:
 graceful leave), "fail" ("vote" only: this member's answer is lost, so it
 waits on until a deadline or the generation's end while its peers commit the
-step: `hooks.InjectedFailure`).
+step: `hooks.InjectedFailure`), "poison" ("compute" and "allreduce" only: a
+sticky device error as CUDA reports an illegal memory access, so the worker
+leaves with EXIT_DEVICE_POISONED for a fresh process: `elastrain.runtime.device`).
 
 The launcher can also send orders while the job runs, through the member's
 chaos inbox (`elastrain.chaos.inject.send_slow`): a JSON list of orders in
@@ -42,9 +44,17 @@ from elastrain.runtime.hooks import InjectedFailure
 log = logging.getLogger("elastrain.chaos")
 
 PHASES = ("compute", "allreduce", "vote", "commit", "eval")
-ACTIONS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM, "fail": None}
-FAIL_PHASES = ("vote",)
-"""Where "fail" may be injected: the answer of a collective that completed."""
+ACTIONS = {
+    "kill": signal.SIGKILL,
+    "hang": signal.SIGSTOP,
+    "term": signal.SIGTERM,
+    "fail": None,
+    "poison": None,
+}
+RAISED_AT = {"fail": ("vote",), "poison": ("compute", "allreduce")}
+"""The actions that raise in the training thread instead of sending a signal, and the
+phases where the engine meets what they raise."""
+POISON_MESSAGE = "CUDA error: an illegal memory access was encountered (injected)"
 
 
 @dataclass(frozen=True)
@@ -59,10 +69,11 @@ class FaultPoint:
             raise ValueError(f"fault phase must be one of {PHASES}, got {self.phase!r}")
         if self.action not in ACTIONS:
             raise ValueError(f"fault action must be one of {sorted(ACTIONS)}, got {self.action!r}")
-        if self.action == "fail" and self.phase not in FAIL_PHASES:
+        phases = RAISED_AT.get(self.action)
+        if phases is not None and self.phase not in phases:
             raise ValueError(
-                f"fault action 'fail' needs a phase with a collective's answer "
-                f"({', '.join(FAIL_PHASES)}), got {self.phase!r}"
+                f"fault action {self.action!r} is injected at phase {' or '.join(phases)}, "
+                f"got {self.phase!r}"
             )
 
 
@@ -129,9 +140,12 @@ class FaultPoints:
                 self._fired.add(p)
                 if self.on_fire is not None:
                     self.on_fire(p)
-                sig = ACTIONS[p.action]
-                if sig is None:
+                if p.action == "fail":
                     raise InjectedFailure(f"injected: {p.phase} answer lost at step {step}")
+                if p.action == "poison":
+                    raise RuntimeError(POISON_MESSAGE)
+                sig = ACTIONS[p.action]
+                assert sig is not None
                 os.kill(os.getpid(), sig)
 
 

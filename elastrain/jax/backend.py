@@ -30,7 +30,17 @@ from elastrain.jax.state import (
     signature,
 )
 from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.transfer import NamedState, state_digest
+
+
+def _platform(tree: Any) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the first array of ``tree``, else JAX's default."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        devices = getattr(leaf, "devices", None)
+        if callable(devices):
+            return str(next(iter(devices())).platform)
+    return str(jax.default_backend())
 
 
 class JaxBackend:
@@ -60,7 +70,7 @@ class JaxBackend:
         self._layout = GradLayout.of(self.params)
         self._grad = make_grad_fn(loss_fn, self._layout, config.micro_batch_size)
         self._apply = make_apply_fn(optimizer, self._layout, config.global_batch_size)
-        self._wide = config.reduce_dtype == "float64"
+        self._wide = resolve_reduce_dtype(config.reduce_dtype, _platform(self.params)) == "float64"
         self._extra_slots = 0
         self._buf: np.ndarray[Any, Any] | None = None
         self._wire: torch.Tensor | None = None

@@ -14,7 +14,7 @@ A failure is recognised from evidence (docs/events.md, "Failures"):
                announced `worker_exit` reason `left`, or the coordinator
                removed it as `left`
   crash        the worker exited with a non-zero code (other than EXIT_LEFT and
-               EXIT_PREEMPTED)
+               EXIT_PREEMPTED; EXIT_DEVICE_POISONED says its device failed)
   hang         the worker stayed alive but went silent: the coordinator removed
                it (`lease_expired`, `suspected`, `not_ready`), or the others'
                watchdog fired in a generation that no other failure explains
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED
 from elastrain.observe.events import EventKind
 
 Event = Mapping[str, Any]
@@ -233,6 +233,8 @@ def classify_exit(returncode: int) -> tuple[FailureKind, str] | None:
         return FailureKind.KILL, f"exited by {name}"
     if returncode == EXIT_LEFT:
         return FailureKind.TERM, f"left (exit {EXIT_LEFT}, e.g. after SIGTERM)"
+    if returncode == EXIT_DEVICE_POISONED:
+        return FailureKind.CRASH, f"its device failed (exit {EXIT_DEVICE_POISONED}, replaced)"
     return FailureKind.CRASH, f"exited with code {returncode}"
 
 

@@ -147,8 +147,10 @@ class TrainerConfig:
     coordinator_timeout_s: float = 10.0
     """Timeout of one coordinator call (long polls add their wait)."""
 
-    reduce_dtype: str = "float64"
+    reduce_dtype: str = "auto"
     """What the step's gradients are summed in, on each member and across members.
+    "auto" (the default): "float64" when the model's parameters are on the CPU,
+    "native" on an accelerator (`elastrain.runtime.device.resolve_reduce_dtype`).
     "float64": each micro-batch's gradient is added into a float64 buffer and the
     all-reduce sums those; the float32 sums it stands for are exact there (in
     practice: unless one micro-batch's entry is ~2^29 times another's), so the
@@ -222,7 +224,7 @@ class TrainerConfig:
     shard reduce its gradients. 1: unsharded (every member a whole replica).
     Must equal the coordinator's (its ready answer says it); the launcher's
     --shard-size overrides it and sets the coordinator's. With `reduce_dtype`
-    "float64" (the default) the gradient is the exact float64 sum, so the loss
+    "float64" (the default on the CPU, where sharded jobs run) the gradient is the exact float64 sum, so the loss
     curve equals the replicated job's bit for bit; "native" reduces as FSDP2's
     HSDP does, once per step in the parameters' dtype: faster, and its curve
     with failures differs from the failure-free one in the last bits
@@ -276,10 +278,11 @@ class TrainerConfig:
                 "need checkpoint_keep_last >= 1 and checkpoint_keep_every >= 0 "
                 f"(got {self.checkpoint_keep_last}, {self.checkpoint_keep_every})"
             )
-        if self.reduce_dtype not in ("float64", "native"):
+        if self.reduce_dtype not in ("auto", "float64", "native"):
             raise ValueError(
-                f"reduce_dtype must be 'float64' (membership-independent sums) or 'native' "
-                f"(the parameters' dtype, half the all-reduce bytes), got {self.reduce_dtype!r}"
+                f"reduce_dtype must be 'auto' (float64 on the CPU, native on an accelerator), "
+                f"'float64' (membership-independent sums) or 'native' (the parameters' dtype, "
+                f"half the all-reduce bytes), got {self.reduce_dtype!r}"
             )
         if self.checkpoint_commit_timeout_s <= 0:
             raise ValueError("checkpoint_commit_timeout_s must be > 0")

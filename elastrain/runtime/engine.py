@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -86,7 +86,7 @@ from elastrain.data import (
     check_dataset,
     is_stream,
 )
-from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_STATE_LOST, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.scalars import check_scalar
 from elastrain.observe.tally import WorkerTally
@@ -96,6 +96,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
+from elastrain.runtime.device import check_device, is_poisoned
 from elastrain.runtime.durable import Checkpointing, PartsFn, SaveRole, StateFn
 from elastrain.runtime.evaluate import (
     EvalResult,
@@ -463,6 +464,7 @@ class StepEngine:
         )
         try:
             self._check_setup()
+            self._check_device()
             self._resume()
             # One micro-batch serves both the warm-up and the FLOP count (loaded once).
             first = self._first_batch()
@@ -480,7 +482,13 @@ class StepEngine:
                     return
                 if action.do is m.Do.EXIT:
                     self._exit(action)
-                obs = self._perform[action.do](action)
+                try:
+                    obs = self._perform[action.do](action)
+                except Exception as e:  # noqa: BLE001 - only a poisoned device is handled
+                    if not is_poisoned(e):
+                        raise
+                    lines = str(e).strip().splitlines()
+                    self._leave_poisoned(f"{type(e).__name__}: {lines[0] if lines else ''}")
                 action = self.proto.advance(obs, self._flags())
                 if isinstance(obs, m.Applied):
                     assert self._result is not None
@@ -490,6 +498,30 @@ class StepEngine:
                         self._after_commit = None
         finally:
             self._shutdown()
+
+    def _check_device(self) -> None:
+        """Leave at once if this process's device fails its health check."""
+        device = getattr(self.backend, "device", None)
+        if device is not None and (why := check_device(device)) is not None:
+            self._leave_poisoned(f"health check failed: {why}")
+
+    def _leave_poisoned(self, why: str) -> NoReturn:
+        """End this worker for good (`EXIT_DEVICE_POISONED`): its device cannot be
+        trusted again in this process, and its launcher or agent replaces it."""
+        log.error("%s: device poisoned (%s); leaving for a fresh process", self.member, why)
+        self.events.emit(
+            EventKind.WORKER_EXIT,
+            reason=m.ExitReason.DEVICE_POISONED,
+            committed=self.committed,
+            error=why[:300],
+        )
+        self._shutdown()
+        raise WorkerExit(
+            EXIT_DEVICE_POISONED,
+            m.ExitReason.DEVICE_POISONED,
+            f"elastrain: {self.member}'s device failed ({why}); a fresh process takes its "
+            "place (this one is never reused)",
+        )
 
     def _flags(self) -> m.Flags:
         return m.Flags(leaving=self.session.leaving, expelled=self.session.expelled)
@@ -765,6 +797,8 @@ class StepEngine:
                     self.backend.adopt(state)
                     committed, received = self._load_meta(got), True
             except (HealError, RuntimeError, ValueError) as e:
+                if is_poisoned(e):
+                    raise
                 return m.HealFailed(str(e))
             self.events.emit(
                 EventKind.HEAL_END,
@@ -806,6 +840,8 @@ class StepEngine:
             self._shutdown()
             exit_misconfigured(str(e))
         except (HealError, RuntimeError, ValueError) as e:
+            if is_poisoned(e):
+                raise
             return m.HealFailed(str(e))
         return self._healed(a, out.committed, out.received)
 
@@ -1043,6 +1079,8 @@ class StepEngine:
                 )
             return self._reduce_aborted(m.AbortPhase(e.reason), str(e), s, gen, kept)
         except RuntimeError as e:
+            if is_poisoned(e):
+                raise
             self._inflight = []
             return self._reduce_aborted(m.AbortPhase.ALLREDUCE, str(e)[:300], s, gen, kept)
         self._inflight = []

@@ -125,6 +125,7 @@ class ExitReason(StrEnum):
     NO_COORDINATOR = "no_coordinator"
     MISCONFIGURED = "misconfigured"
     STATE_LOST = "state_lost"
+    DEVICE_POISONED = "device_poisoned"
 
 
 EXIT_CODES = {

@@ -68,6 +68,7 @@ from torch import nn
 
 from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
 from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
@@ -198,7 +199,8 @@ class ShardedBackend:
         self._names = [n for n, _ in named]
         self._shapes = {n: tuple(p.shape) if p.dim() else (1,) for n, p in named}
         self._requires_grad = {n: p.requires_grad for n, p in named}
-        self.native = config.reduce_dtype == "native"
+        # FSDP2 runs here over gloo on CPU tensors (docs/design.md, "Devices").
+        self.native = resolve_reduce_dtype(config.reduce_dtype, "cpu") == "native"
         """FSDP2's own accumulation, one reduction per step in the parameters' dtype
         (`TrainerConfig.reduce_dtype` "native"); else float64 per micro-batch."""
         self._grad_dtype = grad_dtype(named, native=self.native)

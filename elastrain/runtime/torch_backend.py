@@ -26,6 +26,7 @@ import torch
 from elastrain.runtime.backend import SkipReason, Update
 from elastrain.runtime.compiled import compile_now, eager, is_compiled
 from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.device import model_device, resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.update import (
     NORM_CHUNK,
@@ -180,7 +181,10 @@ class TorchBackend:
         self.loss_fn = loss_fn
         self.seed = config.seed
         self.global_batch_size = config.global_batch_size
-        self.native = config.reduce_dtype == "native"
+        self.device = model_device(model.parameters())
+        """Where the parameters live, and with them every gradient and reduction
+        buffer (`elastrain.runtime.device`)."""
+        self.native = resolve_reduce_dtype(config.reduce_dtype, self.device.type) == "native"
         self.max_grad_norm = config.max_grad_norm
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
@@ -197,7 +201,7 @@ class TorchBackend:
         self._flats: list[torch.Tensor] = []
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._reduce: list[torch.Tensor] = []
-        self._scratch = torch.empty(0, dtype=torch.float64)
+        self._scratch = torch.empty(0, dtype=torch.float64, device=self.device)
         """Float64 work space, reused every step (a fresh buffer per step would be
         page-faulted in every time): the widening's conversions and the norm's sums."""
         self._captures: list[_GradCapture] = []
@@ -396,7 +400,7 @@ class TorchBackend:
         views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for i, (dtype, group) in enumerate(by_dtype.items()):
             pad = extra if i == 0 and self.native else 0
-            flat = torch.zeros(sum(q.numel() for q in group) + pad, dtype=dtype)
+            flat = torch.zeros(sum(q.numel() for q in group) + pad, dtype=dtype, device=self.device)
             off = 0
             for q in group:
                 v = flat[off : off + q.numel()].view_as(q)
@@ -409,7 +413,7 @@ class TorchBackend:
             self._reduce = flats
         else:
             n = sum(f.numel() for f in flats)
-            wide = torch.zeros(n + extra, dtype=torch.float64)
+            wide = torch.zeros(n + extra, dtype=torch.float64, device=self.device)
             self._reduce = [wide]
             off = 0
             for q, v in views:
@@ -421,7 +425,7 @@ class TorchBackend:
     def work(self, n: int) -> torch.Tensor:
         """The scratch buffer, at least ``n`` elements (grown once, kept)."""
         if self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=torch.float64)
+            self._scratch = torch.empty(n, dtype=torch.float64, device=self.device)
         return self._scratch
 
     def _narrow(self, grads: list[torch.Tensor], reduce: list[torch.Tensor]) -> None:

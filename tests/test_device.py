@@ -1,0 +1,114 @@
+"""Devices (issue 22, the parts a CPU can check): which device a member trains on,
+where its gradient buffers live, which reduction dtype that implies, and which
+errors mean its device can no longer be trusted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.device import check_device, is_poisoned, model_device, resolve_reduce_dtype
+from elastrain.runtime.torch_backend import TorchBackend
+
+
+def test_the_device_is_the_parameters_one_and_a_split_model_is_refused() -> None:
+    assert model_device(nn.Linear(2, 2).parameters()) == torch.device("cpu")
+    assert model_device([]) == torch.device("cpu")
+    with torch.device("meta"):
+        meta = nn.Linear(2, 2)
+    assert model_device(meta.parameters()) == torch.device("meta")
+    split = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match=r"several devices \(cpu for parameter #0, meta for #1\)"):
+        model_device(split)
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "want"),
+    [
+        ("auto", "cpu", "float64"),
+        ("auto", "cuda", "native"),
+        ("auto", "gpu", "native"),  # JAX's platform name
+        ("auto", "tpu", "native"),
+        ("float64", "cuda", "float64"),
+        ("native", "cpu", "native"),
+    ],
+)
+def test_auto_reduces_exactly_on_the_cpu_and_natively_on_accelerators(
+    setting: str, device: str, want: str
+) -> None:
+    assert resolve_reduce_dtype(setting, device) == want
+
+
+def test_reduce_dtype_is_checked_and_auto_is_the_default() -> None:
+    assert (
+        TrainerConfig(global_batch_size=4, micro_batch_size=1, total_steps=1).reduce_dtype == "auto"
+    )
+    with pytest.raises(ValueError, match="reduce_dtype must be 'auto'"):
+        TrainerConfig(
+            global_batch_size=4, micro_batch_size=1, total_steps=1, reduce_dtype="float16"
+        )
+    with pytest.raises(ValueError, match="reduce_dtype must be one of"):
+        resolve_reduce_dtype("float16", "cpu")
+
+
+def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).sum()
+
+
+@pytest.mark.parametrize("reduce_dtype", ["auto", "native"])
+def test_gradient_and_reduction_buffers_live_on_the_parameters_device(reduce_dtype: str) -> None:
+    """Built on the meta device (a stand-in for an accelerator on a CPU-only machine):
+    every buffer the step reduces, the gradient views and the scratch follow the
+    parameters; on the CPU "auto" is the exact float64 sum."""
+    cfg = TrainerConfig(
+        global_batch_size=4, micro_batch_size=1, total_steps=1, reduce_dtype=reduce_dtype
+    )
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, cfg)
+    backend.begin_step(3)
+    assert backend.device == torch.device("meta")
+    bufs = backend.reduce_buffers() + list(backend._flats) + [backend.work(16)]
+    assert bufs and all(b.device.type == "meta" for b in bufs)
+    assert all(p.grad is None or p.grad.device.type == "meta" for p in model.parameters())
+    assert backend.extras().device.type == "meta" and backend.extras().numel() == 3
+    # "auto" on a non-CPU device type reduces natively (meta counts as the CPU here:
+    # it is where a CPU job builds its model before filling it).
+    assert backend.native == (reduce_dtype == "native")
+    lin = nn.Linear(2, 2)
+    cpu = TorchBackend(lin, torch.optim.SGD(lin.parameters(), lr=0.1), _loss, cfg)
+    cpu.begin_step(3)
+    assert cpu.reduce_buffers()[0].device.type == "cpu"
+    assert cpu.reduce_buffers()[0].dtype == (torch.float32 if cpu.native else torch.float64)
+
+
+def test_sticky_device_errors_are_poison_and_a_dead_peer_is_not() -> None:
+    illegal = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    assert is_poisoned(illegal)
+    assert is_poisoned(RuntimeError("CUDA error: device-side assert triggered"))
+    assert is_poisoned(RuntimeError("NCCL error in: ...: unhandled cuda error, NCCL version 2.27"))
+    # What a step's own code raises from it, with the device error as its cause.
+    try:
+        try:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        except RuntimeError as e:
+            raise ValueError("loss is not a number") from e
+    except ValueError as wrapped:
+        assert is_poisoned(wrapped)
+    for healthy in (
+        RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"),
+        RuntimeError("Timed out waiting 3000ms for send operation to complete"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        ValueError("shapes do not match"),
+    ):
+        assert not is_poisoned(healthy), healthy
+
+
+def test_the_health_check_passes_the_cpu_and_names_a_device_that_does_not_answer() -> None:
+    assert check_device(torch.device("cpu")) is None
+    assert check_device(torch.device("meta")) is None
+    if not torch.cuda.is_available():
+        why = check_device(torch.device("cuda", 0))
+        assert why is not None and why.startswith("cuda:0: ")

@@ -47,6 +47,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _devices_arg(text: str) -> tuple[str, ...]:
+    from elastrain.launch.devices import parse_devices
+
+    try:
+        return parse_devices(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
     from elastrain.launch.config_file import CONFIG_FLAG, AppendReplacingDefault
 
@@ -73,6 +82,15 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         dest="min_workers",
         help="fewest members that may train; fewer pauses the job "
         "(default: one replica group, --shard-size members; 1 unsharded)",
+    )
+    ap.add_argument(
+        "--devices",
+        type=_devices_arg,
+        default=None,
+        metavar="LIST",
+        help="local accelerators, one per worker (e.g. 0,1,2,3): each worker gets "
+        "CUDA_VISIBLE_DEVICES, LOCAL_RANK and LOCAL_WORLD_SIZE; a replacement keeps its "
+        "predecessor's device unless that device failed (exit 74), then takes a free one",
     )
     ap.add_argument(
         "--spares",
@@ -264,6 +282,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         resume_step=args.resume_step,
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
+        devices=args.devices,
         group_readable=args.group_readable,
         tensorboard=getattr(args, "tensorboard", None),
         **(

@@ -39,6 +39,15 @@ SHARD_SIZE = "ELASTRAIN_SHARD_SIZE"
 """Optional override of TrainerConfig.shard_size (the launcher's --shard-size): the
 workers must agree with the coordinator's."""
 
+# Device placement (--devices; `elastrain.launch.devices`): the names CUDA and
+# torchrun's workers already know, set per worker by the launcher.
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+"""The one accelerator this worker sees."""
+LOCAL_RANK = "LOCAL_RANK"
+"""This worker's index among its launcher's devices."""
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+"""How many devices its launcher places workers on."""
+
 CKPT_DIR = "ELASTRAIN_CKPT_DIR"
 """Checkpoint directory chosen by the launcher (overrides TrainerConfig.checkpoint_dir)."""
 

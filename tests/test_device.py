@@ -112,3 +112,70 @@ def test_the_health_check_passes_the_cpu_and_names_a_device_that_does_not_answer
     if not torch.cuda.is_available():
         why = check_device(torch.device("cuda", 0))
         assert why is not None and why.startswith("cuda:0: ")
+
+
+# ---- placement on a node's devices (elastrain run/agent --devices) ----------------------
+
+
+def test_devices_parse_and_a_bad_list_is_a_clear_error() -> None:
+    from elastrain.launch.devices import parse_devices
+
+    assert parse_devices("0,1,2,3") == ("0", "1", "2", "3")
+    assert parse_devices("GPU-8a1f,GPU-77c0") == ("GPU-8a1f", "GPU-77c0")
+    for bad, needle in (("", "comma-separated"), ("0,,1", "comma-separated"),
+                        ("0, 1 2", "comma-separated"), ("0,1,0", "lists 0 more than once")):  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            parse_devices(bad)
+
+
+def test_a_replacement_keeps_its_predecessors_device_unless_that_device_failed() -> None:
+    from elastrain.launch.devices import DevicePool
+
+    pool = DevicePool(("0", "1", "2"))
+    assert [pool.take(m) for m in ("w0", "w1")] == ["0", "1"]
+    assert pool.env("w1") == {
+        "CUDA_VISIBLE_DEVICES": "1",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "3",
+    }
+    pool.release("w0", poisoned=False)  # killed: its GPU is not suspect
+    assert pool.take("w3", replaces="w0") == "0"
+    pool.release("w1", poisoned=True)  # a sticky device error: never again
+    assert pool.take("w4", replaces="w1") == "2" and pool.failed == {"1"}
+    pool.release("w4", poisoned=True)
+    assert pool.take("w5", replaces="w4") is None  # "0" is busy, "1" and "2" failed
+    assert pool.held == {"w3": "0"}
+
+
+def test_fewer_devices_than_workers_is_refused() -> None:
+    from elastrain.launch.config import LaunchConfig
+
+    with pytest.raises(ValueError, match=r"lists 2 device\(s\) for -n 2 \+ --spares 1 workers"):
+        LaunchConfig(script="train.py", workers=2, spares=1, devices=("0", "1"))
+
+
+def test_workers_are_placed_one_per_device_and_a_poisoned_ones_replacement_moves(run_job) -> None:  # type: ignore[no-untyped-def]
+    """--devices 3,5,7 for two workers: each sees its own device as CUDA_VISIBLE_DEVICES
+    with its LOCAL_RANK; w1's device is poisoned, so its replacement goes to the spare
+    device 7; w0 is killed, and its replacement keeps device 3."""
+    job = run_job(
+        steps=30,
+        workers=2,
+        name="devices",
+        devices=("3", "5", "7"),
+        min_workers=2,  # the kill comes after w1's replacement has joined
+        points=[
+            {"member": "w1", "step": 6, "phase": "compute", "action": "poison"},
+            {"member": "w0", "step": 14, "phase": "compute", "action": "kill"},
+        ],
+    )
+    assert job.result.status == "done", job.result.message
+    spawned = {e["member"]: e for e in job.of("worker_spawned")}
+    assert spawned["w0"]["device"] == "3" and spawned["w1"]["device"] == "5"
+    moved = next(e for e in spawned.values() if e["replaces"] == "w1")
+    kept = next(e for e in spawned.values() if e["replaces"] == "w0")
+    assert moved["device"] == "7" and kept["device"] == "3"
+    started = {e["proc"]: e for e in job.of("worker_start")}
+    for m, e in spawned.items():
+        assert started[m]["devices"] == e["device"], m
+        assert started[m]["local_rank"] == ["3", "5", "7"].index(e["device"]), m

@@ -904,6 +904,33 @@ def test_ledger_ignores_a_commit_whose_state_was_healed_away() -> None:
     assert any("committed in 2 generations" in v for v in bad)
 
 
+def test_ledger_ignores_a_late_zombie_commit_that_nothing_used() -> None:
+    """c hung inside step 0's all-reduce in gen 1; a and b gave up and re-ran step 0
+    in gen 2 without it; c was continued after gen 2 formed, its parked all-reduce
+    completed and it committed step 0 in gen 1, then the job ended before it
+    rejoined. Nothing used that state: not a second commit of the step. Had it
+    sent that state in a heal, it would be."""
+    ids = expected_ids(0)
+    half, third = len(ids) // 2, len(ids) // 3
+    ev = [
+        _ev(1.0, "generation_ready", "coordinator", gen=1, members=["a", "b", "c"]),
+        _ev(2.0, "step_contrib", "a", step=0, gen=1, samples=ids[:third]),
+        _ev(2.0, "step_contrib", "b", step=0, gen=1, samples=ids[third : 2 * third]),
+        _ev(2.0, "step_contrib", "c", step=0, gen=1, samples=ids[2 * third :]),
+        _ev(5.0, "generation_ready", "coordinator", gen=2, members=["a", "b"]),
+        _ev(6.0, "step_contrib", "a", step=0, gen=2, samples=ids[:half]),
+        _ev(6.0, "step_contrib", "b", step=0, gen=2, samples=ids[half:]),
+        _ev(6.5, "step_commit", "a", step=0, gen=2, loss=1.0),
+        _ev(6.5, "step_commit", "b", step=0, gen=2, loss=1.0),
+        _ev(9.0, "step_commit", "c", step=0, gen=1, loss=1.0),
+    ]
+    rep = check_exactly_once(ev, expected_ids)
+    assert rep.violations == [] and rep.committed_by_step[0] == 2
+    used = [*ev, _ev(9.5, "heal_end", "c", gen=3, role="send", bytes=1, seconds=0.1)]
+    bad = check_exactly_once(used, expected_ids).violations
+    assert any("committed in 2 generations" in v for v in bad)
+
+
 def test_goodput_checkpoint_blocking_and_data_wait_have_their_buckets() -> None:
     """A checkpoint at committed count 3 blocks each member 0.1 s before step 3
     runs; every committed step spent 0.05 s in the dataset and collate."""

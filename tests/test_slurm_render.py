@@ -209,6 +209,7 @@ def test_the_script_starts_a_coordinator_and_one_agent_per_node_leaving_spares(
     assert len(agents) == 2
     for node, a in zip(("n1", "n2"), agents, strict=True):
         assert "--nproc 2" in a and "--coordinator addr-n1:4242" in a
+        assert "--devices 0,1" in a  # one GPU per worker
         assert f"--name {node}-r0 --host addr-{node}" in a
         assert a.endswith("train.py -- --lr a b")
     token = tmp_path / "run" / "token"

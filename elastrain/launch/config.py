@@ -127,6 +127,12 @@ class LaunchConfig:
     (`elastrain.chaos.netns`; needs root and iproute2). The coordinator listens
     on the bridge. What it is for: `cut` faults, which take one host off the
     network. 0: every process on this host's loopback."""
+    devices: tuple[str, ...] | None = None
+    """Local accelerators to place the workers on, one each (--devices 0,1,2,3):
+    CUDA_VISIBLE_DEVICES, LOCAL_RANK and LOCAL_WORLD_SIZE per worker; a
+    replacement keeps its predecessor's device unless that one exited with a
+    poisoned device (`elastrain.launch.devices`). Needs at least -n + --spares
+    entries. None: no placement (every worker sees what this process sees)."""
     tensorboard: str | None = None
     """Write the job's step, loss, goodput, energy and the script's own scalars
     (`trainer.log`) as TensorBoard event files into this directory
@@ -171,6 +177,11 @@ class LaunchConfig:
             object.__setattr__(self, "min_workers", min(shards, self.workers))
         if self.hosts < 0:
             raise ValueError(f"--hosts must be >= 0 (got {self.hosts})")
+        if self.devices is not None and len(self.devices) < self.workers + self.spares:
+            raise ValueError(
+                f"--devices lists {len(self.devices)} device(s) for -n {self.workers} + "
+                f"--spares {self.spares} workers: one device per worker"
+            )
         if self.hosts and (self.coordinator is not None or self.advertise_host):
             raise ValueError(
                 "--hosts builds simulated hosts for a one-machine job; an agent already runs "

@@ -46,9 +46,10 @@ from elastrain.chaos.schedule import FaultSchedule
 from elastrain.checkpoint.files import CHECKPOINTS
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
-from elastrain.exitcodes import EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
 from elastrain.launch.children import child_setup
 from elastrain.launch.config import LaunchConfig
+from elastrain.launch.devices import DevicePool
 from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.resume import (
@@ -137,6 +138,8 @@ class Launcher:
         self._slot: dict[str, int] = {}
         """Member -> index of the simulated host it runs on (a replacement takes
         the host of the member it replaces, as a rescheduled pod would)."""
+        self.device_pool = DevicePool(config.devices) if config.devices else None
+        """Which local device each worker uses (--devices; `elastrain.launch.devices`)."""
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.client: CoordinatorClient | None = None
         self.status: dict[str, Any] = {}
@@ -284,12 +287,25 @@ class Launcher:
 
     def _spawn(
         self, replacement: bool, replaces: str | None = None, replaces_pid: int | None = None
-    ) -> Worker:
+    ) -> Worker | None:
         c = self.config
         member = f"{c.name}-w{self._next_id}" if c.name else f"w{self._next_id}"
+        device: dict[str, str] = {}
+        if self.device_pool is not None:
+            if self.device_pool.take(member, replaces) is None:
+                msg = (
+                    f"no healthy device is free for a replacement of {replaces} (devices "
+                    f"{','.join(self.device_pool.devices)}; failed: "
+                    f"{','.join(sorted(self.device_pool.failed)) or 'none'}): not replaced"
+                )
+                print(f"elastrain: {msg}", file=sys.stderr, flush=True)
+                self.events.emit(EventKind.WORKER_NOT_PLACED, replaces=replaces, message=msg)
+                return None
+            device = self.device_pool.env(member)
         self._next_id += 1
         e = dict(os.environ)
         e.update(c.extra_env)
+        e.update(device)
         e.update(
             {
                 env.COORDINATOR: self.address,
@@ -350,6 +366,7 @@ class Launcher:
             replaces=replaces,
             replaces_pid=replaces_pid,
             **({} if self.net is None else {"host": self.net.hosts[self._slot[member]].name}),
+            **({"device": device[env.VISIBLE_DEVICES]} if device else {}),
         )
         threading.Thread(target=self._reap, args=(w,), daemon=True, name=f"reap-{member}").start()
         return w
@@ -581,6 +598,8 @@ class Launcher:
 
     def _on_exit(self, member: str, pid: int, rc: int) -> tuple[str, str] | None:
         w = self.workers.pop(member, None)
+        if self.device_pool is not None:
+            self.device_pool.release(member, poisoned=rc == EXIT_DEVICE_POISONED)
         self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc)
         self._report_exit(p.ExitRequest(member, pid, rc))
         if rc == 0:

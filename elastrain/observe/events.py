@@ -32,6 +32,7 @@ class EventKind(StrEnum):
     # launcher
     JOB_START = "job_start"
     WORKER_SPAWNED = "worker_spawned"
+    WORKER_NOT_PLACED = "worker_not_placed"
     WORKER_EXITED = "worker_exited"
     FAULT_INJECTED = "fault_injected"
     JOB_END = "job_end"
@@ -95,6 +96,7 @@ KINDS = frozenset(EventKind)
 FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.JOB_START: frozenset(["job_id", "min", "script", "target"]),
     EventKind.WORKER_SPAWNED: frozenset(["member", "pid", "replacement", "replaces"]),
+    EventKind.WORKER_NOT_PLACED: frozenset(["message", "replaces"]),
     EventKind.WORKER_EXITED: frozenset(["member", "pid", "returncode"]),
     EventKind.FAULT_INJECTED: frozenset(["fault", "member", "pid", "step"]),
     EventKind.JOB_END: frozenset(["message", "status", "steps"]),

@@ -141,13 +141,7 @@ def check_exactly_once(
         elif k == "step_contrib":
             contribs[(s, g)].append(e)
     members_of = _gen_members(evs)
-    healed_at: dict[str, list[float]] = defaultdict(list)
-    commit_times: dict[str, list[float]] = defaultdict(list)
-    for e in evs:
-        if e.get("kind") == "heal_end" and e.get("role") == "recv":
-            healed_at[str(e.get("proc"))].append(float(e["t"]))
-        elif e.get("kind") == "step_commit":
-            commit_times[str(e.get("proc"))].append(float(e["t"]))
+    fates = _StateFates(evs)
     # A generation that started below steps already committed rolls them back,
     # if it went on to commit anything: one that broke first left the newer
     # state with the members that had it, and the next generation heals from them.
@@ -169,9 +163,12 @@ def check_exactly_once(
             del commits[s]
     committed_by_step: dict[int, int] = {}
     for s in sorted(commits):
-        cs = [e for e in commits[s] if not _discarded(e, healed_at, commit_times)]
+        cs = [e for e in commits[s] if not fates.discarded(e)]
         if not cs:
-            cs = commits[s]
+            # Nothing built on any of them (the job's last step, say): the newest
+            # generation's commits are the job's.
+            top = max(int(e["gen"]) for e in commits[s])
+            cs = [e for e in commits[s] if int(e["gen"]) == top]
         gens: dict[int, list[str]] = {}
         for e in cs:
             gens.setdefault(int(e["gen"]), []).append(str(e.get("proc")))
@@ -214,20 +211,46 @@ class _LaterStart:
         return self.suffix_min[i] if i < len(self.times) else math.inf
 
 
-def _discarded(
-    commit: Event, healed_at: Mapping[str, list[float]], commit_times: Mapping[str, list[float]]
-) -> bool:
-    """A commit whose state was thrown away: its member was healed afterwards
-    without committing anything in between (a member that completed an
-    all-reduce its peers did not, e.g. a hung one that was continued after the
-    others had re-run the step without it). It is not part of the job's lineage."""
-    proc = str(commit.get("proc"))
-    t = float(commit["t"])
-    later = [h for h in healed_at.get(proc, []) if h > t]
-    if not later:
-        return False
-    h = min(later)
-    return not any(t < c < h for c in commit_times.get(proc, []))
+class _StateFates:
+    """What became of each member's state after each of its commits: used (the
+    member committed again, sent its state in a heal, or saved a checkpoint),
+    replaced by a heal, or never used (the member exited or the job ended)."""
+
+    _USED = frozenset({"step_commit", "checkpoint_saved"})
+
+    def __init__(self, evs: Sequence[Event]) -> None:
+        self._after: dict[str, list[tuple[float, bool]]] = defaultdict(list)
+        """member -> (t, used) for each event that uses (True) or replaces (False)
+        its state, in time order."""
+        formed: dict[int, float] = {}
+        for e in evs:
+            k = e.get("kind")
+            used = k in self._USED or (k == "heal_end" and e.get("role") == "send")
+            if used or (k == "heal_end" and e.get("role") == "recv"):
+                self._after[str(e.get("proc"))].append((float(e["t"]), used))
+            g = _int(e.get("gen"))
+            if k in ("generation_formed", "generation_ready") and g is not None:
+                formed[g] = min(formed.get(g, math.inf), float(e["t"]))
+        # gen -> when the first generation newer than it formed.
+        self._newer: dict[int, float] = {}
+        first = math.inf
+        for g in sorted(formed, reverse=True):
+            self._newer[g] = first
+            first = min(first, formed[g])
+
+    def discarded(self, commit: Event) -> bool:
+        """A commit whose state is not part of the job's lineage. Its member
+        completed an all-reduce its peers did not (a hung one continued after the
+        others had re-run the step without it), and then either a heal replaced
+        its state before anything used it, or nothing ever used it and it came
+        after a newer generation had formed (the job ended, or the member left,
+        before it rejoined)."""
+        proc, t = str(commit.get("proc")), float(commit["t"])
+        nxt = next(((tt, used) for tt, used in self._after.get(proc, []) if tt > t), None)
+        if nxt is not None:
+            return not nxt[1]
+        g = _int(commit.get("gen"))
+        return g is not None and self._newer.get(g, math.inf) < t
 
 
 def _check_partition(

@@ -374,6 +374,11 @@ class WorkerEnv:
     checkpoint_every: int | None = None
     checkpoint_mtbf_s: float | None = None
     shard_size: int | None = None
+    visible_devices: str | None = None
+    """$CUDA_VISIBLE_DEVICES: the accelerators this worker sees (the launcher's
+    --devices places one per worker); reported in its `worker_start` event."""
+    local_rank: int | None = None
+    """$LOCAL_RANK: this worker's index among its launcher's (or agent's) devices."""
 
     def overridden(
         self,
@@ -430,6 +435,8 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
         shard_size=num(env.SHARD_SIZE, int),
+        visible_devices=e.get(env.VISIBLE_DEVICES),
+        local_rank=num(env.LOCAL_RANK, int),
     )
 
 

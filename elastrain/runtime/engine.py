@@ -311,6 +311,12 @@ class StepEngine:
         self.collate_fn = collate_fn
         self.config = config
         self.member = where.member or f"pid{os.getpid()}"
+        self.placement = {
+            k: v
+            for k, v in (("devices", where.visible_devices), ("local_rank", where.local_rank))
+            if v is not None
+        }
+        """Where the launcher placed this worker (--devices), for `worker_start`."""
         self.host = where.host
         self.run_dir = where.run_dir
         self.token = where.token or ""
@@ -460,7 +466,10 @@ class StepEngine:
         for h in self.hooks:
             h.attach(self.member, self.events)
         self.events.emit(
-            EventKind.WORKER_START, member=self.member, data_workers=self.loader.worker_pids
+            EventKind.WORKER_START,
+            member=self.member,
+            data_workers=self.loader.worker_pids,
+            **self.placement,
         )
         try:
             self._check_setup()

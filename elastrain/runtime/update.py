@@ -96,8 +96,14 @@ def grad_norm(grads: list[torch.Tensor], scratch: torch.Tensor | None = None) ->
     """
     flats = [g.detach().reshape(-1) for g in grads]
     widest = min(NORM_CHUNK, max((f.numel() for f in flats), default=0))
-    if scratch is None or scratch.dtype != torch.float64 or scratch.numel() < widest:
-        scratch = torch.empty(widest, dtype=torch.float64)
+    device = flats[0].device if flats else torch.device("cpu")
+    if (
+        scratch is None
+        or scratch.dtype != torch.float64
+        or scratch.device != device
+        or scratch.numel() < widest
+    ):
+        scratch = torch.empty(widest, dtype=torch.float64, device=device)
     sums: list[torch.Tensor] = []
     for f in flats:
         for a in range(0, f.numel(), NORM_CHUNK):
@@ -117,7 +123,7 @@ def _tree_sum(x: torch.Tensor) -> torch.Tensor:
     level). Returns a 0-d view of ``x``."""
     n = x.numel()
     if n == 0:
-        return torch.zeros((), dtype=x.dtype)
+        return torch.zeros((), dtype=x.dtype, device=x.device)
     while n > 1:
         h = n // 2
         x[:h].add_(x[n - h : n])

@@ -78,6 +78,10 @@ def agent_argv(cfg: SlurmConfig) -> list[str]:
     ]
     if cfg.ckpt_every is not None:
         argv += ["--ckpt-every", str(cfg.ckpt_every)]
+    if cfg.gpus_per_node and cfg.procs_per_node <= cfg.gpus_per_node:
+        # One GPU per worker, the node's spare GPUs taking over from a failed one
+        # (the step sees the allocation's GPUs as 0..G-1).
+        argv += ["--devices", ",".join(str(i) for i in range(cfg.gpus_per_node))]
     return argv
 
 

@@ -1,0 +1,373 @@
+"""The GPU check (issue 22): one prepared script for a machine with a single GPU.
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/gpu_check.py [--device auto|cuda|cpu] [--quick] [--no-record]
+
+Under 8 minutes on one GPU with 16 cores (a lent H200), about 2 on this 2-core
+CPU machine. `--device cpu` runs every part that does not need a GPU, so the
+test suite exercises this script (tests/test_gpu_check.py runs it with
+`--device cpu --quick --no-record`); parts that need CUDA, NCCL or NVML say
+"not run" and why. Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
+
+1. **One process**: the plain loop (`--plain`: the same model, micro-batches,
+   data order and AdamW in an ordinary loop) and a one-worker elastrain job
+   (`elastrain.launch.Launcher`) on the device, one after the other; median
+   step time of each after the warm-up steps, their ratio, and elastrain's
+   MFU and joules per step from its events (`observe.efficiency`: NVML where
+   the GPU has it, RAPL or the CPU estimate otherwise, and which it was).
+2. **Four processes sharing the device** over gloo (CUDA tensors through host
+   copies): a 4-worker elastrain job; a SIGKILL of w1, then, once its
+   replacement trains beside the others, a 4 s SIGSTOP of w2, and once w2 is
+   back and trains, the check stops the job (`Pacer`: steps are too short to
+   give a replacement time to start otherwise). Checked: every sample of every
+   committed step was used once, every generation started with identical
+   state, the members never killed kept their PIDs, the replacement and the
+   continued member were healed; measured: kill -> survivors' next commit and
+   hang -> next commit (`observe.recovery`).
+3. **NCCL at world size 1** (CUDA only): create a process group, the first
+   all-reduce (the communicator's creation), then abort it; seconds of each,
+   and the NCCL version.
+
+Prints a table and appends it to benchmarks/RESULTS.md (date, machine, device,
+command, commit) unless --no-record or --quick. Exits 1 if a check of part 2
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from _steady import append_section, fmt, log, med, print_notes, run_context, table  # noqa: E402
+
+JOB = HERE / "_jobs" / "gpu_gpt.py"
+FULL: dict[str, int] = {"dim": 512, "layers": 8, "heads": 8, "batch": 16, "steps": 60, "warmup": 10}
+QUICK: dict[str, int] = {"dim": 64, "layers": 2, "heads": 2, "batch": 8, "steps": 24, "warmup": 4}
+KILL_AT, HANG_S, SETTLE = 5, 4, 3
+"""Part 2: w1 killed at step KILL_AT; w2 stopped for HANG_S s once the replacement
+has trained SETTLE steps beside the others; the job stopped once w2 has too."""
+STALL_S = 120.0
+"""Part 2 gives up when no step was committed for this long."""
+
+
+def pick_device(want: str) -> tuple[str, str]:
+    """(device, why) for --device: "auto" is CUDA when torch sees a GPU, else the CPU."""
+    import torch
+
+    if want == "auto":
+        return ("cuda", "torch sees a GPU") if torch.cuda.is_available() else ("cpu", "no GPU")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no GPU here (run with --device cpu)")
+    return want, "asked for"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return str(torch.cuda.get_device_name(0))
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def job_args(device: str, shape: dict[str, int]) -> list[str]:
+    heads = shape["heads"]
+    return ["--device", device, "--dim", str(shape["dim"]), "--layers", str(shape["layers"]),
+            "--heads", str(heads), "--batch", str(shape["batch"]), "--micro", "1"]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def run_plain(device: str, shape: dict[str, int], timeout_s: float) -> list[float]:
+    """Part 1's baseline: step seconds of the plain loop."""
+    out = subprocess.run(
+        [sys.executable, str(JOB), "--plain", "--steps", str(shape["steps"]),
+         *job_args(device, shape)],
+        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **env()},
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"plain loop failed ({out.returncode}): {out.stderr[-800:]}")
+    return [float(x) for x in json.loads(out.stdout.strip().splitlines()[-1])["step_s"]]
+
+
+class Pacer:
+    """Part 2's schedule, on the launcher's status callback: once a fault has fired,
+    a newer generation has all 4 workers again and it committed SETTLE steps,
+    the next fault (the hang) is added; after the last one settles, the job is
+    stopped. Stops it too when no step was committed for STALL_S."""
+
+    def __init__(self, launcher: Any, then: list[str]) -> None:
+        self.launcher, self.then = launcher, list(then)
+        self.done = self.stalled = False
+        self._fired = 1
+        """Entries of the launcher's fault log that mean the current fault fired."""
+        self._fault_gen: int | None = None
+        """The generation running when it fired: recovery is a newer one."""
+        self._seen: dict[int, int] = {}
+        self._last = (-1, time.monotonic())
+
+    def __call__(self, st: dict[str, Any]) -> None:
+        from elastrain.chaos.schedule import parse_fault
+
+        lc, step, gen = self.launcher, int(st.get("step", 0)), int(st.get("gen") or 0)
+        if self.done:
+            return
+        if step != self._last[0]:
+            self._last = (step, time.monotonic())
+        elif time.monotonic() - self._last[1] > STALL_S:
+            self.stalled = self.done = True
+            lc.stop()
+            return
+        if len(lc.fault_log) < self._fired:
+            return
+        if self._fault_gen is None:
+            self._fault_gen = gen
+            return
+        if gen <= self._fault_gen or len(st.get("members") or []) != 4 or not st.get("ready"):
+            return
+        if step - self._seen.setdefault(gen, step) < SETTLE:
+            return
+        if self.then:
+            fault = self.then.pop(0).replace("@NEXT", f"@{step + 1}")
+            lc.schedule.pending.append(parse_fault(fault))
+            self._fired, self._fault_gen = len(lc.fault_log) + 1, None
+        else:
+            self.done = True
+            lc.stop()
+
+
+def run_elastrain(
+    device: str,
+    shape: dict[str, int],
+    workers: int,
+    run_dir: Path,
+    faults: list[str],
+    then: list[str] | None = None,
+) -> tuple[Any, list[dict[str, Any]], Pacer | None]:
+    """One elastrain job of `workers` on the device, paced by a `Pacer` when `then`
+    lists faults to add; (its result, its events, the pacer)."""
+    from elastrain.chaos.schedule import parse_fault
+    from elastrain.launch.launcher import LaunchConfig, Launcher
+    from elastrain.observe.events import read_events
+
+    cfg = LaunchConfig(
+        script=str(JOB),
+        script_args=job_args(device, shape),
+        workers=workers,
+        steps=shape["steps"] if then is None else 1_000_000,
+        run_dir=str(run_dir),
+        faults=[parse_fault(f) for f in faults],
+        progress=False,
+        extra_env=env(),
+    )
+    pacer: Pacer | None = None
+
+    def on_status(st: dict[str, Any]) -> None:
+        if pacer is not None:
+            pacer(st)
+
+    launcher = Launcher(cfg, on_status=on_status)
+    if then is not None:
+        pacer = Pacer(launcher, then)
+    result = launcher.run()
+    return result, read_events(run_dir), pacer
+
+
+def steady_step_s(events: list[dict[str, Any]], warmup: int) -> float:
+    """Median step_s of the committed steps after the warm-up, over every member."""
+    xs = [float(e["step_s"]) for e in events
+          if e["kind"] == "step_commit" and int(e["step"]) >= warmup]  # fmt: skip
+    return med(xs) if xs else float("nan")
+
+
+def single_process(device: str, shape: dict[str, int], out: Path) -> dict[str, Any]:
+    from elastrain.observe.efficiency import efficiency
+    from elastrain.observe.goodput import goodput
+
+    plain = run_plain(device, shape, timeout_s=600)
+    result, events, _ = run_elastrain(device, shape, 1, out / "one", [])
+    if result.status != "done":
+        raise RuntimeError(f"the one-worker job ended {result.status}: {result.message}")
+    ef = efficiency(events, goodput(events))
+    return {
+        "plain_s": med(plain[shape["warmup"] :]),
+        "elastrain_s": steady_step_s(events, shape["warmup"]),
+        "mfu": ef.mfu_stepping if ef.mfu_stepping is not None else ef.mfu,
+        "peak": ef.peak_tflops,
+        "peak_estimate": ef.peak_estimate,
+        "joules_per_step": ef.joules_per_step,
+        "energy_estimate": ef.energy_estimate,
+        "power": ", ".join(ef.power_labels) or "none",
+    }
+
+
+def shared_device(device: str, shape: dict[str, int], out: Path) -> dict[str, Any]:
+    """Part 2: four workers on the device, a kill and a hang; the checks and the times."""
+    from elastrain.data import GlobalOrder
+    from elastrain.demo.gpt import ByteBlocks, stdlib_corpus
+    from elastrain.observe.ledger import check_exactly_once, check_same_state
+    from elastrain.observe.recovery import recoveries
+
+    faults = [f"kill@{KILL_AT}:w1", f"hang@NEXT:w2/{HANG_S}"]
+    result, events, pacer = run_elastrain(
+        device, shape, 4, out / "four", faults[:1], then=faults[1:]
+    )
+    assert pacer is not None
+    n = len(ByteBlocks(stdlib_corpus(), 64))
+    order = GlobalOrder(n, 0)
+    b = shape["batch"]
+    led = check_exactly_once(events, lambda s: order.ids(s * b, (s + 1) * b))
+    spawned = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+    kept = all(
+        {e["pid"] for e in events if e.get("proc") == m and e["kind"] == "step_commit"}
+        == {spawned.get(m)}
+        for m in ("w0", "w2", "w3")
+    )
+    healed = [e for e in events if e["kind"] == "heal_end" and e.get("role") == "recv"]
+    by = {e["proc"] for e in healed}
+    recs = {r.fault: r for r in recoveries(events)}
+    checks = {
+        "ran until both recoveries trained": pacer.done and not pacer.stalled,
+        "every sample used once": not led.violations and led.committed_steps > 0,
+        "identical state at every generation start": check_same_state(events) == [],
+        "w0, w2, w3 kept their PIDs": kept,
+        "the replacement and the continued w2 were healed": "w2" in by and len(by) >= 2,
+    }
+    return {
+        "checks": checks,
+        "faults": faults,
+        "kill_s": recs["kill"].total_s if "kill" in recs else None,
+        "hang_s": recs["hang"].total_s if "hang" in recs else None,
+        "healed_mb": healed[0]["bytes"] / 1e6 if healed else None,
+        "status": f"{result.status} after {led.committed_steps} steps "
+        f"({'stalled' if pacer.stalled else 'stopped by the check'})",
+    }
+
+
+NCCL_PROBE = r"""
+import datetime, json, os, tempfile, time
+import torch, torch.distributed as dist
+out = {"nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+t0 = time.perf_counter()
+dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                        device_id=torch.device("cuda", 0),
+                        timeout=datetime.timedelta(seconds=60))
+out["create_s"] = time.perf_counter() - t0
+x = torch.ones(1 << 20, device="cuda")
+t0 = time.perf_counter(); dist.all_reduce(x); torch.cuda.synchronize()
+out["first_allreduce_s"] = time.perf_counter() - t0
+t0 = time.perf_counter(); dist.all_reduce(x); torch.cuda.synchronize()
+out["allreduce_s"] = time.perf_counter() - t0
+t0 = time.perf_counter()
+abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+if abort is not None:
+    abort(); out["how"] = "_abort_process_group"
+else:
+    dist.destroy_process_group(); out["how"] = "destroy_process_group"
+out["abort_s"] = time.perf_counter() - t0
+print(json.dumps(out))
+"""
+
+
+def nccl_world_1(device: str) -> dict[str, Any]:
+    """Part 3 (CUDA only): NCCL group create, first all-reduce and abort at world size 1."""
+    if device != "cuda":
+        return {"skipped": "no CUDA device: NCCL needs one"}
+    got = subprocess.run([sys.executable, "-c", NCCL_PROBE], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    if got.returncode != 0:
+        return {"skipped": f"the probe failed ({got.returncode}): {got.stderr.strip()[-300:]}"}
+    return dict(json.loads(got.stdout.strip().splitlines()[-1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--quick", action="store_true", help="a small model and few steps; no record")
+    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--runs-dir", default=str(HERE / "runs"), help="where the run dirs go")
+    args = ap.parse_args()
+    shape = QUICK if args.quick else FULL
+    device, why = pick_device(args.device)
+    ctx = run_context("gpu_check.py")
+    t_start = time.monotonic()
+    out = Path(args.runs_dir).resolve() / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    name = device_name(device)
+    log(f"device {device} ({why}): {name}; runs under {out}")
+
+    log("part 1: one process, the plain loop, then a one-worker elastrain job")
+    one = single_process(device, shape, out)
+    log(f"plain {fmt(one['plain_s'])} s, elastrain {fmt(one['elastrain_s'])} s per step")
+    log("part 2: four workers sharing the device, a kill and a hang")
+    four = shared_device(device, shape, out)
+    log(f"part 2: {four['status']}; checks {four['checks']}")
+    log("part 3: NCCL at world size 1")
+    nccl = nccl_world_1(device)
+
+    ratio = one["elastrain_s"] / one["plain_s"]
+    energy = (
+        f"{fmt(one['joules_per_step'])} J ({one['power']}"
+        + ("; an ESTIMATE" if one["energy_estimate"] else "") + ")"
+        if one["joules_per_step"] is not None else f"not measured ({one['power']})"
+    )  # fmt: skip
+    rows = [
+        ["device", f"{device}: {name}"],
+        ["1 process: step, plain loop / elastrain (median, s)",
+         f"{fmt(one['plain_s'])} / {fmt(one['elastrain_s'])} ({ratio:.3f}x)"],
+        ["1 process: elastrain MFU", (f"{100 * one['mfu']:.1f}% of {fmt(one['peak'], 1)} TFLOPS"
+                                     + (" (peak estimated)" if one["peak_estimate"] else ""))
+         if one["mfu"] is not None else "not measured"],
+        ["1 process: energy per step", energy],
+        [f"4 processes: kill@{KILL_AT}:w1, then a {HANG_S} s SIGSTOP of w2", four["status"]],
+        *[[f"4 processes: {k}", "yes" if ok else "NO"] for k, ok in four["checks"].items()],
+        ["4 processes: kill -> survivors' next commit (s)", fmt(four["kill_s"])],
+        [f"4 processes: {HANG_S} s SIGSTOP -> next commit (s)", fmt(four["hang_s"])],
+        ["4 processes: replacement healed (MB)", fmt(four["healed_mb"], 1)],
+        ["NCCL world size 1: create / first all-reduce / abort (s)",
+         nccl.get("skipped") or f"{fmt(nccl['create_s'])} / {fmt(nccl['first_allreduce_s'])} / "
+         f"{fmt(nccl['abort_s'])} (NCCL {nccl['nccl']}, {nccl['how']})"],
+    ]  # fmt: skip
+    t = table(["check", "result"], rows)
+    notes = [
+        f"model: demo GPT dim {shape['dim']}, {shape['layers']} layers, {shape['heads']} heads, "
+        f"context 64; global batch {shape['batch']} in micro-batches of 1; {shape['steps']} "
+        f"steps, the first {shape['warmup']} left out of the medians",
+        "elastrain's reduce_dtype: auto (float64 on the CPU, native on a GPU); 4 processes share "
+        "the one device over gloo (CUDA tensors through host copies)",
+        f"total runtime {time.monotonic() - t_start:.0f} s; run dirs "
+        f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}",
+    ]
+    failed = [k for k, ok in four["checks"].items() if not ok]
+    anomalies = [f"part 2 check failed: {k}" for k in failed]
+    print()
+    print(t)
+    print()
+    print_notes(notes, anomalies)
+    if not (args.no_record or args.quick):
+        import torch
+
+        sec = ["", f"## gpu_check.py — {ctx.date}", "",
+               f"Machine: `{ctx.uname}`, {ctx.cores} cores; device {device}: {name}. torch "
+               f"{torch.__version__}. Code: {ctx.code}.", "", f"Command: `{ctx.command}`", "",
+               t, ""]  # fmt: skip
+        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

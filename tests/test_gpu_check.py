@@ -1,0 +1,37 @@
+"""benchmarks/gpu_check.py (issue 22) with --device cpu: every line that needs no GPU
+runs here, so the script a lent GPU machine runs is known to work up to the device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import ROOT
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_its_checks_pass(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+         "--no-record", "--runs-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    for check in (
+        "ran until both recoveries trained",
+        "every sample used once",
+        "identical state at every generation start",
+        "w0, w2, w3 kept their PIDs",
+        "the replacement and the continued w2 were healed",
+    ):
+        assert f"| 4 processes: {check} " in text and "| NO " not in text, (check, text[-3000:])
+    assert "NCCL world size 1" in text and "no CUDA device: NCCL needs one" in text
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in text.splitlines() if line.startswith("| ") and line.count("|") >= 3}  # fmt: skip
+    plain, elastic = (
+        rows["1 process: step, plain loop / elastrain (median, s)"].split(" (")[0].split(" / ")
+    )
+    assert float(plain) > 0 and float(elastic) > 0
+    assert float(rows["4 processes: kill -> survivors' next commit (s)"]) > 0
+    assert float(rows["4 processes: 4 s SIGSTOP -> next commit (s)"]) > 0

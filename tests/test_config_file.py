@@ -66,6 +66,8 @@ def value_for(action: argparse.Action) -> tuple[Any, Any]:
         return 3, 3.0
     if action.type is None:
         return "some-text", "some-text"
+    if action.dest == "devices":
+        return "0,1,2,3", ("0", "1", "2", "3")
     return "2Ki", 2048  # --memory-per-member, a size
 
 

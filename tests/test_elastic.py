@@ -142,6 +142,10 @@ def test_a_poisoned_device_replaces_its_process_and_the_math_does_not_change(
     assert job.of("heal_end", proc=joiner, role="recv") and job.of(
         "step_commit", proc=joiner, step=steps - 1
     )
+    # It told the coordinator its exit status before winding down: dropped as exited at
+    # once, never suspected of a hang.
+    assert job.of("member_removed", member="w1", reason="exited")
+    assert not job.of("member_removed", member="w1", reason="suspected")
     [failure] = recognise_failures(job.events)
     assert failure.member == "w1" and failure.kind == "crash"
     assert "its device failed" in " ".join(ev.detail for ev in failure.evidence)

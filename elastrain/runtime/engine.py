@@ -524,6 +524,11 @@ class StepEngine:
             committed=self.committed,
             error=why[:300],
         )
+        # Tell the coordinator the exit status now: the peers regroup at once, and the
+        # failure is recorded as a failed device, not suspected as a hang while this
+        # process winds down. (The launcher reports the same exit again; harmless.)
+        with contextlib.suppress(CoordinatorError):
+            self.client.exit(p.ExitRequest(self.member, os.getpid(), EXIT_DEVICE_POISONED))
         self._shutdown()
         raise WorkerExit(
             EXIT_DEVICE_POISONED,

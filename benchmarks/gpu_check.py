@@ -54,7 +54,7 @@ from _steady import append_section, fmt, log, med, print_notes, run_context, tab
 
 JOB = HERE / "_jobs" / "gpu_gpt.py"
 FULL: dict[str, int] = {"dim": 512, "layers": 8, "heads": 8, "batch": 16, "steps": 60, "warmup": 10}
-QUICK: dict[str, int] = {"dim": 64, "layers": 2, "heads": 2, "batch": 8, "steps": 24, "warmup": 4}
+QUICK: dict[str, int] = {"dim": 64, "layers": 2, "heads": 2, "batch": 8, "steps": 12, "warmup": 2}
 KILL_AT, HANG_S, SETTLE = 5, 4, 3
 """Part 2: w1 killed at step KILL_AT; w2 stopped for HANG_S s once the replacement
 has trained SETTLE steps beside the others; the job stopped once w2 has too."""

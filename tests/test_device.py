@@ -152,30 +152,3 @@ def test_fewer_devices_than_workers_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"lists 2 device\(s\) for -n 2 \+ --spares 1 workers"):
         LaunchConfig(script="train.py", workers=2, spares=1, devices=("0", "1"))
-
-
-def test_workers_are_placed_one_per_device_and_a_poisoned_ones_replacement_moves(run_job) -> None:  # type: ignore[no-untyped-def]
-    """--devices 3,5,7 for two workers: each sees its own device as CUDA_VISIBLE_DEVICES
-    with its LOCAL_RANK; w1's device is poisoned, so its replacement goes to the spare
-    device 7; w0 is killed, and its replacement keeps device 3."""
-    job = run_job(
-        steps=30,
-        workers=2,
-        name="devices",
-        devices=("3", "5", "7"),
-        min_workers=2,  # the kill comes after w1's replacement has joined
-        points=[
-            {"member": "w1", "step": 6, "phase": "compute", "action": "poison"},
-            {"member": "w0", "step": 14, "phase": "compute", "action": "kill"},
-        ],
-    )
-    assert job.result.status == "done", job.result.message
-    spawned = {e["member"]: e for e in job.of("worker_spawned")}
-    assert spawned["w0"]["device"] == "3" and spawned["w1"]["device"] == "5"
-    moved = next(e for e in spawned.values() if e["replaces"] == "w1")
-    kept = next(e for e in spawned.values() if e["replaces"] == "w0")
-    assert moved["device"] == "7" and kept["device"] == "3"
-    started = {e["proc"]: e for e in job.of("worker_start")}
-    for m, e in spawned.items():
-        assert started[m]["devices"] == e["device"], m
-        assert started[m]["local_rank"] == ["3", "5", "7"].index(e["device"]), m

@@ -123,12 +123,15 @@ def test_a_poisoned_device_replaces_its_process_and_the_math_does_not_change(
     access) ends w1 with EXIT_DEVICE_POISONED instead of a retry in the same process;
     the launcher starts a fresh process, the survivors heal it and keep their PIDs,
     the failure is recognised as its device failing, and the loss curve is the
-    failure-free run's bit for bit."""
+    failure-free run's bit for bit. Placed with --devices 0..4, each worker sees its
+    own device with its LOCAL_RANK, and the replacement moves to the spare device 4
+    (w1's device 1 failed)."""
     steps = REF_STEPS
     job = run_job(
         steps=steps,
         name="poison",
         min_workers=4,
+        devices=("0", "1", "2", "3", "4"),
         points=[{"member": "w1", "step": 10, "phase": "compute", "action": "poison"}],
     )
     assert_invariants(job, steps)
@@ -148,6 +151,10 @@ def test_a_poisoned_device_replaces_its_process_and_the_math_does_not_change(
     assert not job.of("member_removed", member="w1", reason="suspected")
     [failure] = recognise_failures(job.events)
     assert failure.member == "w1" and failure.kind == "crash"
+    placed = {e["member"]: e["device"] for e in job.of("worker_spawned")}
+    assert placed == {"w0": "0", "w1": "1", "w2": "2", "w3": "3", joiner: "4"}
+    for e in job.of("worker_start"):
+        assert (e["devices"], e["local_rank"]) == (placed[e["proc"]], int(placed[e["proc"]]))
     assert "its device failed" in " ".join(ev.detail for ev in failure.evidence)
     assert_same_math(reference, job, steps)
 

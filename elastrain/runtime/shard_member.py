@@ -159,10 +159,8 @@ class ShardedMember:
         if roll_forward:
             self._roll_forward(kept, ready)
         senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
-        rolled = self._share_rolled_meta(
-            ready, [members[i] for i in senders], world_pg, meta, load_meta
-        )
         up_to_date = [members[i] for i in senders]
+        rolled = self._share_rolled_meta(ready, up_to_date, world_pg, meta, load_meta)
         reported = ready.held
         held = {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
         # A reshard whenever a source's rows are not its new slot's: a new shard

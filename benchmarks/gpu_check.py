@@ -25,9 +25,12 @@ test suite exercises this script (tests/test_gpu_check.py runs it with
    state, the members never killed kept their PIDs, the replacement and the
    continued member were healed; measured: kill -> survivors' next commit and
    hang -> next commit (`observe.recovery`).
-3. **NCCL at world size 1** (CUDA only): create a process group, the first
-   all-reduce (the communicator's creation), then abort it; seconds of each,
-   and the NCCL version.
+3. **NCCL at world size 1** (CUDA only): elastrain's own generation group
+   (`elastrain.runtime.collectives.build_nccl_group`, non-blocking, connected
+   eagerly): create it, the first and a second all-reduce, then abort it, twice
+   (the second generation's group is built after the first was aborted);
+   seconds of each, and the NCCL version. Part 1's one-worker job runs its
+   gradient all-reduce on such a group too (collectives "auto" on CUDA).
 
 Prints a table and appends it to benchmarks/RESULTS.md (date, machine, device,
 command, commit) unless --no-record or --quick. Exits 1 if a check of part 2
@@ -81,10 +84,11 @@ def device_name(device: str) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def job_args(device: str, shape: dict[str, int]) -> list[str]:
+def job_args(device: str, shape: dict[str, int], collectives: str = "auto") -> list[str]:
     heads = shape["heads"]
     return ["--device", device, "--dim", str(shape["dim"]), "--layers", str(shape["layers"]),
-            "--heads", str(heads), "--batch", str(shape["batch"]), "--micro", "1"]  # fmt: skip
+            "--heads", str(heads), "--batch", str(shape["batch"]), "--micro", "1",
+            "--collectives", collectives]  # fmt: skip
 
 
 def env() -> dict[str, str]:
@@ -156,6 +160,7 @@ def run_elastrain(
     run_dir: Path,
     faults: list[str],
     then: list[str] | None = None,
+    collectives: str = "auto",
 ) -> tuple[Any, list[dict[str, Any]], Pacer | None]:
     """One elastrain job of `workers` on the device, paced by a `Pacer` when `then`
     lists faults to add; (its result, its events, the pacer)."""
@@ -165,7 +170,7 @@ def run_elastrain(
 
     cfg = LaunchConfig(
         script=str(JOB),
-        script_args=job_args(device, shape),
+        script_args=job_args(device, shape, collectives),
         workers=workers,
         steps=shape["steps"] if then is None else 1_000_000,
         run_dir=str(run_dir),
@@ -202,7 +207,9 @@ def single_process(device: str, shape: dict[str, int], out: Path) -> dict[str, A
     if result.status != "done":
         raise RuntimeError(f"the one-worker job ended {result.status}: {result.message}")
     ef = efficiency(events, goodput(events))
+    start = next(e for e in events if e["kind"] == "worker_start")
     return {
+        "collectives": f"{start.get('collectives')} ({start.get('collectives_why')})",
         "plain_s": med(plain[shape["warmup"] :]),
         "elastrain_s": steady_step_s(events, shape["warmup"]),
         "mfu": ef.mfu_stepping if ef.mfu_stepping is not None else ef.mfu,
@@ -222,8 +229,9 @@ def shared_device(device: str, shape: dict[str, int], out: Path) -> dict[str, An
     from elastrain.observe.recovery import recoveries
 
     faults = [f"kill@{KILL_AT}:w1", f"hang@NEXT:w2/{HANG_S}"]
+    # Four processes on one GPU: NCCL refuses two ranks on one device, so gloo.
     result, events, pacer = run_elastrain(
-        device, shape, 4, out / "four", faults[:1], then=faults[1:]
+        device, shape, 4, out / "four", faults[:1], then=faults[1:], collectives="gloo"
     )
     assert pacer is not None
     n = len(ByteBlocks(stdlib_corpus(), 64))
@@ -258,27 +266,29 @@ def shared_device(device: str, shape: dict[str, int], out: Path) -> dict[str, An
 
 
 NCCL_PROBE = r"""
-import datetime, json, os, tempfile, time
+import json, os, tempfile, time
 import torch, torch.distributed as dist
-out = {"nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+from elastrain.runtime.collectives import (build_nccl_group, choose_transport,
+                                           runtime_nccl_version, version_text)
+version = runtime_nccl_version()
+choice = choose_transport("nccl", "cuda", sharded=False, nccl_version=version)
+out = {"nccl": version_text(version), "how": "elastrain's generation group, non-blocking"}
 store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-t0 = time.perf_counter()
-dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                        device_id=torch.device("cuda", 0),
-                        timeout=datetime.timedelta(seconds=60))
-out["create_s"] = time.perf_counter() - t0
-x = torch.ones(1 << 20, device="cuda")
-t0 = time.perf_counter(); dist.all_reduce(x); torch.cuda.synchronize()
-out["first_allreduce_s"] = time.perf_counter() - t0
-t0 = time.perf_counter(); dist.all_reduce(x); torch.cuda.synchronize()
-out["allreduce_s"] = time.perf_counter() - t0
-t0 = time.perf_counter()
-abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-if abort is not None:
-    abort(); out["how"] = "_abort_process_group"
-else:
-    dist.destroy_process_group(); out["how"] = "destroy_process_group"
-out["abort_s"] = time.perf_counter() - t0
+device = torch.device("cuda", 0)
+x = torch.ones(1 << 20, device=device)
+for gen in (1, 2):  # the second generation's group is built after the first is aborted
+    t0 = time.perf_counter()
+    group = build_nccl_group(store, f"gen{gen}/nccl", 0, 1, device, op_timeout_s=60)
+    out[f"create{gen}_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter(); group.allreduce([x]).wait()
+    out[f"first_allreduce{gen}_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter(); group.allreduce([x]).wait()
+    out[f"allreduce{gen}_s"] = time.perf_counter() - t0
+    assert float(x[0]) == 1.0, float(x[0])  # a sum over one rank
+    t0 = time.perf_counter(); group.abort()
+    out[f"abort{gen}_s"] = time.perf_counter() - t0
+out.update(create_s=out["create1_s"], first_allreduce_s=out["first_allreduce1_s"],
+           allreduce_s=out["allreduce1_s"], abort_s=out["abort1_s"])
 print(json.dumps(out))
 """
 
@@ -329,6 +339,7 @@ def main() -> int:
         ["device", f"{device}: {name}"],
         ["1 process: step, plain loop / elastrain (median, s)",
          f"{fmt(one['plain_s'])} / {fmt(one['elastrain_s'])} ({ratio:.3f}x)"],
+        ["1 process: elastrain's gradient all-reduce", one["collectives"]],
         ["1 process: elastrain MFU", (f"{100 * one['mfu']:.1f}% of {fmt(one['peak'], 1)} TFLOPS"
                                      + (" (peak estimated)" if one["peak_estimate"] else ""))
          if one["mfu"] is not None else "not measured"],
@@ -338,9 +349,10 @@ def main() -> int:
         ["4 processes: kill -> survivors' next commit (s)", fmt(four["kill_s"])],
         [f"4 processes: {HANG_S} s SIGSTOP -> next commit (s)", fmt(four["hang_s"])],
         ["4 processes: replacement healed (MB)", fmt(four["healed_mb"], 1)],
-        ["NCCL world size 1: create / first all-reduce / abort (s)",
-         nccl.get("skipped") or f"{fmt(nccl['create_s'])} / {fmt(nccl['first_allreduce_s'])} / "
-         f"{fmt(nccl['abort_s'])} (NCCL {nccl['nccl']}, {nccl['how']})"],
+        *[[f"NCCL world size 1, generation {g}: create / first all-reduce / abort (s)",
+           nccl.get("skipped") or f"{fmt(nccl[f'create{g}_s'])} / "
+           f"{fmt(nccl[f'first_allreduce{g}_s'])} / {fmt(nccl[f'abort{g}_s'])} "
+           f"(NCCL {nccl['nccl']}, {nccl['how']})"] for g in (1, 2)],
     ]  # fmt: skip
     t = table(["check", "result"], rows)
     notes = [

@@ -47,7 +47,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _devices_arg(text: str) -> tuple[str, ...]:
+def _devices_arg(text: str) -> tuple[str, ...] | str:
     from elastrain.launch.devices import parse_devices
 
     try:
@@ -86,11 +86,13 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--devices",
         type=_devices_arg,
-        default=None,
+        default="auto",
         metavar="LIST",
         help="local accelerators, one per worker (e.g. 0,1,2,3): each worker gets "
         "CUDA_VISIBLE_DEVICES, LOCAL_RANK and LOCAL_WORLD_SIZE; a replacement keeps its "
-        "predecessor's device unless that device failed (exit 74), then takes a free one",
+        "predecessor's device unless that device failed (exit 74), then takes a free one. "
+        "auto (default): this node's GPUs ($CUDA_VISIBLE_DEVICES, else the driver's list) "
+        "when there is one per worker, else no placement",
     )
     ap.add_argument(
         "--spares",
@@ -239,6 +241,18 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _devices(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """--devices as LaunchConfig takes it: "auto" resolved on this node."""
+    from elastrain.launch.devices import AUTO, auto_devices, detect_devices
+
+    if args.devices != AUTO:
+        return tuple(args.devices)
+    devices, note = auto_devices(detect_devices(), args.workers + args.spares)
+    if note:
+        print(f"elastrain: {note}", file=sys.stderr)
+    return devices
+
+
 def _agent_token(args: argparse.Namespace) -> str:
     from elastrain import env
 
@@ -282,7 +296,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         resume_step=args.resume_step,
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
-        devices=args.devices,
+        devices=_devices(args),
         group_readable=args.group_readable,
         tensorboard=getattr(args, "tensorboard", None),
         **(

@@ -4,6 +4,8 @@ errors mean its device can no longer be trusted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -122,6 +124,7 @@ def test_devices_parse_and_a_bad_list_is_a_clear_error() -> None:
 
     assert parse_devices("0,1,2,3") == ("0", "1", "2", "3")
     assert parse_devices("GPU-8a1f,GPU-77c0") == ("GPU-8a1f", "GPU-77c0")
+    assert parse_devices("auto") == "auto"
     for bad, needle in (("", "comma-separated"), ("0,,1", "comma-separated"),
                         ("0, 1 2", "comma-separated"), ("0,1,0", "lists 0 more than once")):  # fmt: skip
         with pytest.raises(ValueError, match=needle):
@@ -152,3 +155,37 @@ def test_fewer_devices_than_workers_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"lists 2 device\(s\) for -n 2 \+ --spares 1 workers"):
         LaunchConfig(script="train.py", workers=2, spares=1, devices=("0", "1"))
+
+
+def test_auto_finds_the_nodes_gpus_and_places_one_per_worker_only_when_there_are_enough(
+    tmp_path: Path,
+) -> None:
+    from elastrain.launch.devices import auto_devices, detect_devices
+
+    gpus = tmp_path / "gpus"
+    for bus in ("0000:17:00.0", "0000:65:00.0", "0000:ca:00.0"):
+        (gpus / bus).mkdir(parents=True)
+    assert detect_devices({}, gpus) == ("0", "1", "2")  # the driver's list
+    # A scheduler's choice wins: Slurm or a device plugin set CUDA_VISIBLE_DEVICES.
+    assert detect_devices({"CUDA_VISIBLE_DEVICES": "4, 6"}, gpus) == ("4", "6")
+    assert detect_devices({"CUDA_VISIBLE_DEVICES": ""}, gpus) == ()
+    assert detect_devices({}, tmp_path / "absent") == ()  # no NVIDIA driver: a CPU node
+    assert auto_devices(("0", "1", "2"), 2) == (("0", "1", "2"), "")
+    assert auto_devices((), 4) == (None, "")
+    devices, note = auto_devices(("0",), 4)  # 4 workers sharing one GPU
+    assert devices is None and "found 1 GPU(s) (0) for 4 workers: not placing" in note
+
+
+def test_the_cli_resolves_auto_on_this_node_and_keeps_an_explicit_list(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain import cli
+    from elastrain.launch import devices
+
+    ap = cli.build_parser()[1]["run"]
+    monkeypatch.setattr(devices, "detect_devices", lambda: ("0", "1"))
+    assert cli._devices(ap.parse_args(["-n", "2", "train.py"])) == ("0", "1")
+    assert cli._devices(ap.parse_args(["-n", "3", "train.py"])) is None
+    assert "found 2 GPU(s) (0,1) for 3 workers" in capsys.readouterr().err
+    explicit = ap.parse_args(["-n", "3", "--devices", "5,6,7", "train.py"])
+    assert cli._devices(explicit) == ("5", "6", "7")

@@ -155,6 +155,7 @@ def test_a_poisoned_device_replaces_its_process_and_the_math_does_not_change(
     assert placed == {"w0": "0", "w1": "1", "w2": "2", "w3": "3", joiner: "4"}
     for e in job.of("worker_start"):
         assert (e["devices"], e["local_rank"]) == (placed[e["proc"]], int(placed[e["proc"]]))
+        assert e["collectives"] == "gloo" and "NCCL needs CUDA" in e["collectives_why"]
     assert "its device failed" in " ".join(ev.detail for ev in failure.evidence)
     assert_same_math(reference, job, steps)
 

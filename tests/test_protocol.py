@@ -955,3 +955,68 @@ def test_trainer_log_on_another_rank_is_checked_not_reported(tmp_path: Path) -> 
         h.release.set()
     assert h.events("user_scalar") == []
     assert h.engine.tally.take_scalars() == {}
+
+
+class FakeNccl:
+    """An NCCL generation group: the step's sums as `FakeGroup` computes them, and
+    a record of its abort."""
+
+    def __init__(self, h: Harness, gen: int, prefix: str) -> None:
+        self.inner, self.gen, self.prefix = FakeGroup(h, gen), gen, prefix
+        self.reduces = 0
+        self.aborted = threading.Event()
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> FakeWork:
+        self.reduces += 1
+        return self.inner.allreduce(tensors)
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_a_cuda_member_reduces_on_its_generations_nccl_group_and_aborts_it_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """collectives "auto" on a CUDA model with a recent NCCL: each generation builds an
+    NCCL group beside its gloo one, the step's all-reduce runs there (gloo carries
+    none of it), and a generation that breaks has its NCCL group aborted, as has
+    the last one when the worker ends."""
+    monkeypatch.setattr(FakeBackend, "device", torch.device("cuda", 0), raising=False)
+    monkeypatch.setattr(engine_module, "runtime_nccl_version", lambda: (2, 21, 5))
+    monkeypatch.setattr(engine_module, "check_device", lambda device: None)
+    built: list[FakeNccl] = []
+    gloo_reduces: list[int] = []
+
+    def build(store: Any, prefix: str, rank: int, size: int, device: Any, **kw: Any) -> FakeNccl:
+        assert device == torch.device("cuda", 0) and size == 2
+        built.append(FakeNccl(h, h.coord.gen, prefix))
+        return built[-1]
+
+    monkeypatch.setattr(engine_module, "build_nccl_group", build)
+    h = Harness(tmp_path, [gen_of(TWO, 0), gen_of(("a", "c"), 3, a=1, c=1)])
+    h.engine.session.store = lambda timeout_s: None  # type: ignore[method-assign,assignment]
+    gloo = h.engine._groups
+
+    def gloo_group(gen: int, rank: int, size: int) -> Any:
+        g = gloo(gen, rank, size)
+        g.allreduce = lambda tensors: gloo_reduces.append(gen)  # type: ignore[method-assign]
+        return g
+
+    h.engine._groups = gloo_group
+    h.reduce_modes[(1, 3)] = "error"  # b dies in step 3's all-reduce
+    results = h.run()
+    assert [r.step for r in results] == list(range(6))
+    assert float(h.backend.w[0]) == truth(6)  # step 3 applied once, on the new group
+    assert [(g.gen, g.reduces) for g in built] == [(1, 4), (2, 3)]
+    assert all(g.prefix.endswith("/nccl") for g in built) and built[0].prefix != built[1].prefix
+    assert gloo_reduces == []
+    assert all(g.aborted.wait(5.0) for g in built)
+    [start] = h.events("worker_start")
+    assert start["collectives"] == "nccl" and start["collectives_why"] == "NCCL 2.21.5 on CUDA"
+
+
+def test_collectives_nccl_on_a_cpu_model_is_refused_when_the_trainer_is_built(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match="collectives='nccl' is not possible here: the model is"):
+        Harness(tmp_path, [gen_of(TWO, 0)], collectives="nccl")

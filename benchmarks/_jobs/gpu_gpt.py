@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=Shape.heads)
     ap.add_argument("--batch", type=int, default=Shape.global_batch)
     ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    ap.add_argument("--collectives", choices=("auto", "gloo", "nccl"), default="auto")
     a = ap.parse_args()
     device = torch.device(a.device)
     if device.type == "cpu":
@@ -89,6 +90,7 @@ def main() -> None:
         micro_batch_size=shape.micro_batch,
         total_steps=a.steps,
         seed=shape.seed,
+        collectives=a.collectives,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     for r in trainer.steps():

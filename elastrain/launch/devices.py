@@ -22,14 +22,26 @@ The policy (`DevicePool.take`, pure bookkeeping, no I/O):
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from elastrain import env
 
+AUTO = "auto"
+"""`--devices auto`, the default: the node's GPUs as `detect_devices` finds them,
+placed when there is one for every worker (`auto_devices`)."""
 
-def parse_devices(text: str) -> tuple[str, ...]:
-    """`--devices`: comma-separated device indices or UUIDs ("0,1,2,3", "GPU-8a1f..."),
-    at least one, no duplicates. ValueError says what is wrong."""
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+"""One directory per GPU the NVIDIA driver exposes to this machine or container."""
+
+
+def parse_devices(text: str) -> tuple[str, ...] | str:
+    """`--devices`: "auto", or comma-separated device indices or UUIDs ("0,1,2,3",
+    "GPU-8a1f..."), at least one, no duplicates. ValueError says what is wrong."""
+    if text.strip() == AUTO:
+        return AUTO
     devices = tuple(d.strip() for d in text.split(","))
     if not devices or any(not d or any(c.isspace() for c in d) for d in devices):
         raise ValueError(f"--devices takes comma-separated device indices or UUIDs, got {text!r}")
@@ -37,6 +49,39 @@ def parse_devices(text: str) -> tuple[str, ...]:
     if dup:
         raise ValueError(f"--devices lists {', '.join(dup)} more than once")
     return devices
+
+
+def detect_devices(
+    environ: Mapping[str, str] | None = None, gpus_dir: Path = NVIDIA_GPUS
+) -> tuple[str, ...]:
+    """The GPUs this node gives its workers, found without importing torch or CUDA:
+    the entries of ``CUDA_VISIBLE_DEVICES`` when it is set (a scheduler's choice:
+    Slurm's, a device plugin's, the user's; empty: none), else one index per GPU
+    the NVIDIA driver lists, else none (a CPU machine)."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get(env.VISIBLE_DEVICES)
+    if visible is not None:
+        return tuple(d.strip() for d in visible.split(",") if d.strip())
+    try:
+        n = sum(1 for _ in gpus_dir.iterdir())
+    except OSError:
+        return ()
+    return tuple(str(i) for i in range(n))
+
+
+def auto_devices(found: tuple[str, ...], workers: int) -> tuple[tuple[str, ...] | None, str]:
+    """What `--devices auto` places for `workers` processes (-n + --spares) given the
+    detected GPUs: all of them when there is one per worker (the extra ones serve
+    replacements of a poisoned device), else nothing. Returns (devices or None, a
+    note for the user, "" when there is nothing to say)."""
+    if not found:
+        return None, ""
+    if len(found) >= workers:
+        return found, ""
+    return None, (
+        f"found {len(found)} GPU(s) ({','.join(found)}) for {workers} workers: not placing "
+        "them one per GPU (every worker sees all of them); --devices LIST places them"
+    )
 
 
 @dataclass

@@ -147,6 +147,15 @@ class TrainerConfig:
     coordinator_timeout_s: float = 10.0
     """Timeout of one coordinator call (long polls add their wait)."""
 
+    collectives: str = "auto"
+    """What carries the step's gradient all-reduce (`elastrain.runtime.collectives`).
+    "auto" (the default): NCCL when the model is on a CUDA device, the model is
+    replicated (not sharded) and torch's NCCL is new enough (>= 2.14.3), else
+    gloo. "nccl": the same, but an error naming what is missing instead of gloo.
+    "gloo": always gloo (a GPU's tensors through host copies), e.g. for several
+    processes sharing one GPU, which NCCL refuses. Either way one group per
+    generation, built when it forms; an NCCL one is aborted when the
+    generation breaks. Heals and the rest of a generation's traffic stay on gloo."""
     reduce_dtype: str = "auto"
     """What the step's gradients are summed in, on each member and across members.
     "auto" (the default): "float64" when the model's parameters are on the CPU,
@@ -277,6 +286,11 @@ class TrainerConfig:
             raise ValueError(
                 "need checkpoint_keep_last >= 1 and checkpoint_keep_every >= 0 "
                 f"(got {self.checkpoint_keep_last}, {self.checkpoint_keep_every})"
+            )
+        if self.collectives not in ("auto", "gloo", "nccl"):
+            raise ValueError(
+                "collectives must be 'auto' (NCCL for a CUDA model, else gloo), 'gloo' or "
+                f"'nccl', got {self.collectives!r}"
             )
         if self.reduce_dtype not in ("auto", "float64", "native"):
             raise ValueError(

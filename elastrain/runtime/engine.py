@@ -95,6 +95,13 @@ from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
+from elastrain.runtime.collectives import (
+    NcclGroup,
+    Transport,
+    build_nccl_group,
+    choose_transport,
+    runtime_nccl_version,
+)
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.device import check_device, is_poisoned
 from elastrain.runtime.durable import Checkpointing, PartsFn, SaveRole, StateFn
@@ -317,6 +324,15 @@ class StepEngine:
             if v is not None
         }
         """Where the launcher placed this worker (--devices), for `worker_start`."""
+        device = getattr(backend, "device", None)
+        cuda = device is not None and device.type == "cuda"
+        self.transport = choose_transport(
+            config.collectives,
+            device.type if device is not None else "cpu",
+            sharded=isinstance(backend, ShardedBackend),
+            nccl_version=runtime_nccl_version() if cuda else None,
+        )
+        """What carries the gradient all-reduce (`elastrain.runtime.collectives`)."""
         self.host = where.host
         self.run_dir = where.run_dir
         self.token = where.token or ""
@@ -373,6 +389,8 @@ class StepEngine:
         )
         self._hashing: concurrent.futures.Future[None] | None = None
         self._pg: Any = None
+        self._nccl: NcclGroup | None = None
+        """The generation's NCCL group for the gradient all-reduce (transport NCCL)."""
         self._inflight: list[Any] = []
         self.shards = (
             ShardedMember(backend, self.member, config, self.host, self.events, self.graveyard)
@@ -469,6 +487,8 @@ class StepEngine:
             EventKind.WORKER_START,
             member=self.member,
             data_workers=self.loader.worker_pids,
+            collectives=self.transport.transport,
+            collectives_why=self.transport.why,
             **self.placement,
         )
         try:
@@ -738,12 +758,24 @@ class StepEngine:
             op_timeout_s=self.config.watchdog.ceiling_s,
         )
 
+    def _nccl_group(self, rank: int, size: int) -> NcclGroup:
+        assert self._ready is not None
+        return build_nccl_group(
+            self.session.store(self.config.timeouts.rendezvous_s),
+            self.session.group_prefix(self._ready) + "/nccl",
+            rank,
+            size,
+            self.backend.device,  # type: ignore[attr-defined]
+            op_timeout_s=self.config.watchdog.ceiling_s,
+        )
+
     def _connect(self, a: m.Action) -> m.Observation:
         t0 = time.monotonic()
         try:
-            pg = self._groups(a.gen, a.rank, len(a.members))
+            self._pg = self._groups(a.gen, a.rank, len(a.members))
+            if self.transport.transport is Transport.NCCL:
+                self._nccl = self._nccl_group(a.rank, len(a.members))
             if self.shards is not None:
-                self._pg = pg
                 assert self._ready is not None
                 self.shards.connect(
                     self._ready,
@@ -754,10 +786,7 @@ class StepEngine:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
             log.warning("building group for generation %d failed: %s", a.gen, e)
-            if self._pg is not None:
-                self.graveyard.bury(self._pg, [])
-                self._pg = None
-            self._drop_shard_groups()
+            self._drop_groups()
             self.events.emit(
                 EventKind.STEP_ABORT,
                 step=a.step,
@@ -773,7 +802,6 @@ class StepEngine:
             size=len(a.members),
             build_s=time.monotonic() - t0,
         )
-        self._pg = pg
         self._joined = True
         r = self._ready
         self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
@@ -1065,7 +1093,8 @@ class StepEngine:
         kept = False
         try:
             if self.shards is None:
-                self._inflight = tensor_allreduce(self._pg, self.backend.reduce_buffers())
+                grads = self._nccl or self._pg
+                self._inflight = tensor_allreduce(grads, self.backend.reduce_buffers())
                 self._hook(s, hooks.StepPoint.ALLREDUCE)
                 self._await_reduce(gen, s, timeout)
             else:
@@ -1415,10 +1444,7 @@ class StepEngine:
         self.events.emit(
             EventKind.STEP_ABORT, step=a.step, gen=a.gen, error=a.error[:300], phase=a.phase
         )
-        if self._pg is not None:
-            self.graveyard.bury(self._pg, self._inflight)
-        self._pg = None
-        self._drop_shard_groups()
+        self._drop_groups()
         self._inflight = []
         self._step = None
         self._broken = None
@@ -1429,7 +1455,15 @@ class StepEngine:
         log.warning("%s: generation %d abandoned in %s: %s", self.member, a.gen, a.phase, a.error)
         return m.Abandoned()
 
-    def _drop_shard_groups(self) -> None:
+    def _drop_groups(self) -> None:
+        """Hand the generation's groups to the graveyard: gloo parked until its work in
+        flight ends, NCCL aborted first (`elastrain.runtime.collectives`)."""
+        if self._nccl is not None:
+            self.graveyard.bury(self._nccl, self._inflight, abort=True)
+            self._nccl = None
+        if self._pg is not None:
+            self.graveyard.bury(self._pg, self._inflight)
+            self._pg = None
         if self.shards is not None:
             self.shards.drop(self._inflight)
 
@@ -1738,10 +1772,7 @@ class StepEngine:
         self._settle_readers()
         self.loader.close()
         self.ckpt.close()
-        if self._pg is not None:
-            self.graveyard.bury(self._pg, self._inflight)
-            self._pg = None
-        self._drop_shard_groups()
+        self._drop_groups()
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)

@@ -7,7 +7,8 @@ member learns its generation broke (coordinator notice), or when the step
 watchdog expires. An aborted group may still have an operation in flight, and
 dropping such a group blocks until that operation times out (see
 ENGINE-NOTES), so it is parked in a graveyard whose reaper thread drops it once
-its pending work has ended. Groups whose work failed are dropped at once: their
+its pending work has ended (an NCCL group is aborted there first:
+`elastrain.runtime.collectives`). Groups whose work failed are dropped at once: their
 sockets closing is what unblocks peers stuck on them.
 
 A process must not exit while one of its threads is blocked in a collective
@@ -242,9 +243,16 @@ class Graveyard:
         self._lock = threading.Lock()
         self._reapers: list[threading.Thread] = []
 
-    def bury(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
+    def bury(self, pg: Any, works: list[Any], *, abort: bool = False) -> None:
+        """Drop `pg` once `works` have ended. `abort`: call `pg.abort()` first (an
+        NCCL group, `elastrain.runtime.collectives`: its kernels waiting for a dead
+        peer end only that way), on the reaper thread, so a slow abort never
+        blocks the caller."""
         t = threading.Thread(
-            target=self._reap, args=(pg, list(works)), daemon=True, name="elastrain-graveyard"
+            target=self._reap,
+            args=(pg, list(works), abort),
+            daemon=True,
+            name="elastrain-graveyard",
         )
         t.start()
         with self._lock:
@@ -256,8 +264,13 @@ class Graveyard:
             self._reapers = [r for r in self._reapers if r.is_alive()]
             return list(self._reapers)
 
-    def _reap(self, pg: ProcessGroupGloo, works: list[Any]) -> None:
+    def _reap(self, pg: Any, works: list[Any], abort: bool) -> None:
         name_native_thread(GRAVEYARD)
+        if abort:
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001 - the group is dropped either way
+                log.warning("aborting a dropped group failed: %s", e)
         for w in works:
             try:
                 w.wait()
@@ -299,6 +312,7 @@ def settle_before_exit(
     return left
 
 
-def tensor_allreduce(pg: ProcessGroupGloo, tensors: list[torch.Tensor]) -> list[Any]:
-    """Issue one sum all-reduce per tensor; returns the works (not waited)."""
-    return [pg.allreduce([t]) for t in tensors]  # type: ignore[attr-defined]
+def tensor_allreduce(pg: Any, tensors: list[torch.Tensor]) -> list[Any]:
+    """Issue one sum all-reduce per tensor on `pg` (a gloo group, or an
+    `elastrain.runtime.collectives.NcclGroup`); returns the works (not waited)."""
+    return [pg.allreduce([t]) for t in tensors]

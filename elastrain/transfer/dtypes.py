@@ -37,6 +37,13 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Like `byte_view`, but always on the CPU (copies a tensor from an accelerator)."""
+    """Like `byte_view`, but always on the CPU: a tensor on an accelerator is copied
+    into pinned (page-locked) host memory, which the device's DMA engine writes
+    directly, instead of through a pageable bounce buffer. The copy is complete
+    when this returns."""
     b = byte_view(t)
-    return b if b.device.type == "cpu" else b.cpu()
+    if b.device.type == "cpu":
+        return b
+    host = torch.empty(b.numel(), dtype=torch.uint8, pin_memory=b.device.type == "cuda")
+    host.copy_(b)
+    return host

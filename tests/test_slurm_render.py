@@ -58,6 +58,7 @@ def test_the_allocation_holds_spares_and_asks_for_the_notice_and_requeue() -> No
     assert "#SBATCH --gpus-per-node=4" in lines
     assert "#SBATCH --signal=B:TERM@90" in lines
     assert "#SBATCH --requeue" in lines
+    assert "#SBATCH --no-kill" in lines  # a failed node does not end the job
     assert "#SBATCH --time=2:00:00" in lines
     assert "AGENT_NODES=3" in text
     assert "--target 12" in text  # 3 nodes x 4 workers
@@ -105,10 +106,17 @@ def test_the_cli_writes_the_script_and_reports_errors(tmp_path: Path, capsys) ->
 
 # ---- the script, run against stand-ins ----------------------------------------
 
+# scontrol: the allocation is n[1-3], or $FAKE_NODELIST once a node has failed.
 FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
-  "show hostnames") printf 'n1\\nn2\\nn3\\n' ;;
+  "show hostnames")
+    case "$3" in
+      "n[1-3]") printf 'n1\\nn2\\nn3\\n' ;;
+      "n[1-2]") printf 'n1\\nn2\\n' ;;
+      "n[1,3]") printf 'n1\\nn3\\n' ;;
+    esac ;;
   "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=addr-$3 NodeHostName=$3" ;;
+  "-o show") echo "JobId=$3 JobName=elastrain ReqNodeList=(null) NodeList=${FAKE_NODELIST:-n[1-3]}" ;;
   *) echo "$*" >>"$FAKE/scontrol.calls" ;;
 esac
 """
@@ -124,7 +132,8 @@ exec "$@"
 
 # elastrain: the coordinator prints where it listens and ends on SIGINT (done) or
 # SIGTERM (the notice: it tells the agents, which then exit 76 as preempted ones
-# do). It is Python because bash cannot trap the SIGINT a background job ignores;
+# do). With $AGENT_FAILS the agent of that name exits $AGENT_FAIL_STATUS at once and
+# the others end 0 once the script has said what it did about it. It is Python because bash cannot trap the SIGINT a background job ignores;
 # the real coordinator, Python too, installs its handler the same way.
 FAKE_ELASTRAIN = """#!/bin/bash
 echo "$@" >>"$FAKE/argv"
@@ -146,6 +155,12 @@ touch "$FAKE/agent.$$"
 if [[ -n ${AGENT_WAITS:-} ]]; then
   until [[ -e $FAKE/notice ]]; do sleep 0.05; done
   exit 76
+fi
+if [[ -n ${AGENT_FAILS:-} ]]; then
+  prev=
+  for a in "$@"; do [[ $prev == --name ]] && name=$a; prev=$a; done
+  [[ $name == "$AGENT_FAILS" ]] && exit "$AGENT_FAIL_STATUS"
+  until grep -q "the agent step on" "$FAKE/err" 2>/dev/null; do sleep 0.05; done
 fi
 exit 0
 """
@@ -260,3 +275,51 @@ def test_status_parses_slurm_and_the_run_directory(tmp_path: Path) -> None:
     rc, text = show("77", tmp_path / "nothing", run=fake_run, which=lambda c: f"/usr/bin/{c}")
     assert [c[0] for c in calls] == ["squeue", "sacct"]  # sacct answered: no scontrol
     assert "COMPLETED" in text and "no events/" in text and rc == 0
+
+
+@pytest.mark.parametrize(
+    ("fail_status", "nodelist", "spares", "replaced", "why"),
+    [
+        # The step was killed (`scancel --signal=KILL JOB.STEP`: srun exits 137).
+        (137, "n[1-3]", 1, True, "ended with status 137"),
+        # Slurm's node failure: the node leaves the allocation and srun exits 0.
+        (0, "n[1,3]", 1, True, "ended with status 0, its node removed from the allocation"),
+        # No spare node: the status counts, as without one.
+        (137, "n[1-3]", 0, False, "ended with status 137"),
+    ],
+)
+def test_a_failed_agent_step_is_replaced_on_the_next_spare_node(
+    fail_status: int, nodelist: str, spares: int, replaced: bool, why: str, tmp_path: Path
+) -> None:
+    env = {**_fakes(tmp_path), "AGENT_FAILS": "n2-r0", "AGENT_FAIL_STATUS": str(fail_status),
+           "FAKE_NODELIST": nodelist}  # fmt: skip
+    if not spares:
+        # Every node of the allocation past the agents' is a spare to the script.
+        env["SLURM_JOB_NODELIST"] = env["FAKE_NODELIST"] = "n[1-2]"
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(cfg(run_dir=str(tmp_path / "run"), nodes=2, gpus_per_node=1,
+                                 spare_nodes=spares)))  # fmt: skip
+    with open(tmp_path / "err", "w") as err_file:
+        proc = subprocess.Popen(["bash", str(script)], env=env, cwd=tmp_path, text=True,
+                                stdout=subprocess.DEVNULL, stderr=err_file)  # fmt: skip
+        try:
+            proc.wait(timeout=30)
+        finally:
+            _stop_all(proc, tmp_path)
+    err = (tmp_path / "err").read_text()
+    assert f"the agent step on n2 {why}" in err, err
+    srun_nodes = (tmp_path / "srun.nodes").read_text().split()
+    agents = [a for a in (tmp_path / "argv").read_text().splitlines() if a.startswith("agent")]
+    if replaced:
+        assert "a replacement agent starts on spare node n3" in err, err
+        assert sorted(srun_nodes) == ["n1", "n2", "n3"]
+        # The same agent line as the first agents', with the spare's name and address.
+        spare = [a for a in agents if "--name n3-r0 " in a]
+        assert len(spare) == 1 and "--host addr-n3" in spare[0]
+        assert spare[0].replace("n3-r0 --host addr-n3", "n2-r0 --host addr-n2") in agents
+        assert proc.returncode == 0, err  # the replaced agent's status does not count
+        assert "training finished" in err
+    else:
+        assert "not replaced (no spare node left)" in err, err
+        assert sorted(srun_nodes) == ["n1", "n2"]
+        assert proc.returncode == fail_status, err

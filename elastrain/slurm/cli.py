@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="extra nodes held in the allocation without an agent (default 0)",
+        help="extra nodes held in the allocation without an agent; a lost agent node's "
+        "replacement starts on one (default 0)",
     )
     r.add_argument("--min", type=int, default=1, dest="min_workers", help="fewest members (1)")
     r.add_argument("--time", default=None, help="time limit (sbatch --time)")

@@ -68,9 +68,9 @@ class SlurmConfig:
 
     spare_nodes: int = 0
     """Extra nodes held in the allocation without an agent: the job asks for
-    nodes + spare_nodes nodes and starts agents on the first `nodes` of them
-    (a replacement agent on a spare after a node loss is the next step, see
-    docs/slurm.md)."""
+    nodes + spare_nodes nodes and starts agents on the first `nodes` of them;
+    when an agent node is lost, a replacement agent starts on the next unused
+    spare (docs/slurm.md, "Node loss")."""
 
     min_workers: int = 1
     """Fewest members that may train (the coordinator's --min)."""

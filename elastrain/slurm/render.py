@@ -10,7 +10,13 @@ script itself does, on the batch node, when the job runs:
 3. one `elastrain agent --nproc G` per node on the first `nodes` nodes, each
    its own `srun` step (one node's step can end without the others'); the
    `spare_nodes` nodes after them are held idle;
-4. on SIGTERM (`--signal=B:TERM@grace`: only the batch shell gets it) the
+4. when an agent's step ends and its agent did not (a status other than 0 and
+   the preempted status, or its node left the allocation: Slurm's node failure,
+   after which srun exits 0) while other agents run and no notice was given, a
+   replacement agent starts on the next unused spare node, through the same
+   `srun` line; its workers are healed by the survivors. `#SBATCH --no-kill`
+   keeps the allocation (and the other steps) when a node fails;
+5. on SIGTERM (`--signal=B:TERM@grace`: only the batch shell gets it) the
    coordinator is sent SIGTERM, which is the whole job's preemption notice
    (every member takes one emergency checkpoint and exits); once the agents
    have ended the script requeues the job (`scontrol requeue`) and the rerun
@@ -25,7 +31,7 @@ from __future__ import annotations
 import shlex
 
 from elastrain import env
-from elastrain.exitcodes import RUN_PREEMPTED
+from elastrain.exitcodes import RUN_FAILED, RUN_PREEMPTED
 from elastrain.slurm.config import SlurmConfig
 
 TOKEN_FILE = "token"
@@ -56,6 +62,10 @@ def directives(cfg: SlurmConfig) -> list[str]:
     # and an agent's SIGTERM means "this node is leaving" (a drain, no checkpoint).
     out.append(f"--signal=B:TERM@{cfg.grace_s}")
     out.append("--requeue" if cfg.requeue else "--no-requeue")
+    # Without it Slurm ends (and requeues) the whole job when one of its nodes fails;
+    # with it the failed node leaves the allocation, only its step is killed, and the
+    # script replaces its agent on a spare node.
+    out.append("--no-kill")
     # A requeued job writes to the same output file: keep the first run's lines.
     out.append("--open-mode=append")
     return [f"#SBATCH {d}" for d in out]
@@ -139,6 +149,11 @@ def render(cfg: SlurmConfig) -> str:
     body = f"""
 set -u
 : "${{SLURM_JOB_ID:?run this script with sbatch}}"
+# The wait loop needs `wait -n -p` (bash 5.1).
+if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501 )); then
+    echo "elastrain-slurm: bash $BASH_VERSION is too old: the script needs bash >= 5.1" >&2
+    exit 1
+fi
 
 RUN_DIR={shlex.quote(cfg.job_dir)}
 AGENT_NODES={cfg.nodes}
@@ -168,7 +183,8 @@ if (( ${{#NODES[@]}} < AGENT_NODES )); then
     say "the allocation has ${{#NODES[@]}} node(s), the job needs $AGENT_NODES"
     exit 1
 fi
-say "job $SLURM_JOB_ID run $RESTART: agents on ${{NODES[*]:0:AGENT_NODES}}; spare: ${{NODES[*]:AGENT_NODES}}"
+SPARES=("${{NODES[@]:AGENT_NODES}}")
+say "job $SLURM_JOB_ID run $RESTART: agents on ${{NODES[*]:0:AGENT_NODES}}; spare: ${{SPARES[*]}}"
 
 # The whole job's preemption notice (Slurm's --signal, before the time limit):
 # SIGTERM to the coordinator makes every member take an emergency checkpoint and exit.
@@ -213,26 +229,74 @@ COORD=$COORD_HOST:${{BASH_REMATCH[1]}}
 say "coordinator $COORD (pid $COORD_PID)"
 
 # One step per agent: a node's step can end (its node failed) while the others go on.
-AGENT_PIDS=()
-for node in "${{NODES[@]:0:AGENT_NODES}}"; do
+# AGENT_NODE maps each running step's srun pid to its node.
+declare -A AGENT_NODE=()
+start_agent() {{
+    local node=$1
     # Member ids are <node>-r<restart>-w<i>: a requeued run's members are new members.
     srun --nodes=1 --ntasks=1 --nodelist="$node"{gpus} --kill-on-bad-exit=0 \\
         --output="$LOGS/agent-$node.$SLURM_JOB_ID.$RESTART.out" \\
         {_shell_words(agent_argv(cfg))} \\
         --coordinator "$COORD" --name "$node-r$RESTART" --host "$(node_addr "$node")" \\
         "${{SCRIPT[0]}}" -- "${{SCRIPT[@]:1}}" </dev/null &
-    AGENT_PIDS+=($!)
+    AGENT_NODE[$!]=$node
+}}
+
+# Whether NODE is still in the job's allocation: Slurm removes a failed node from a
+# --no-kill job (and kills its steps; their srun exits 0). Unknown counts as yes.
+in_allocation() {{
+    local list
+    list=$(scontrol -o show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*' | head -n 1 | cut -d= -f2)
+    [[ -z $list ]] || scontrol show hostnames "$list" | grep -qxF -- "$1"
+}}
+
+for node in "${{NODES[@]:0:AGENT_NODES}}"; do
+    start_agent "$node"
 done
 
-# Wait for every agent; a wait cut short by the notice's trap is waited again.
+# Wait for whichever agent step ends first. A wait cut short by the notice's trap
+# reports no pid and is waited again. A step whose agent did not end by itself
+# (a status other than 0 and {RUN_PREEMPTED}, or its node left the allocation) is
+# replaced on the next unused spare node while other agents run and no notice was
+# given; its status then does not count. With no spare left it counts (a lost node
+# as {RUN_FAILED}).
 STATUS=0
-for pid in "${{AGENT_PIDS[@]}}"; do
-    while :; do
-        INTERRUPTED=0
-        wait "$pid"
-        rc=$?
-        (( INTERRUPTED )) || break
-    done
+NEXT_SPARE=0
+while (( ${{#AGENT_NODE[@]}} )); do
+    INTERRUPTED=0
+    wait -n -p ended "${{!AGENT_NODE[@]}}"
+    rc=$?
+    if [[ -z ${{ended:-}} ]]; then
+        (( INTERRUPTED )) && continue
+        say "wait failed with status $rc"
+        (( rc > STATUS )) && STATUS=$rc
+        break
+    fi
+    node=${{AGENT_NODE[$ended]}}
+    unset "AGENT_NODE[$ended]"
+    lost=
+    if (( rc != 0 && rc != {RUN_PREEMPTED} )); then
+        lost="ended with status $rc"
+    elif (( rc == 0 && !NOTICE )) && ! in_allocation "$node"; then
+        lost="ended with status 0, its node removed from the allocation (a node failure)"
+        rc={RUN_FAILED}
+    fi
+    if [[ -n $lost ]]; then
+        if (( NOTICE )); then
+            why="after the notice"
+        elif (( ${{#AGENT_NODE[@]}} == 0 )); then
+            why="no other agent is running"
+        elif (( NEXT_SPARE >= ${{#SPARES[@]}} )); then
+            why="no spare node left"
+        else
+            spare=${{SPARES[NEXT_SPARE]}}
+            NEXT_SPARE=$((NEXT_SPARE + 1))
+            say "the agent step on $node $lost: a replacement agent starts on spare node $spare"
+            start_agent "$spare"
+            continue
+        fi
+        say "the agent step on $node $lost: not replaced ($why)"
+    fi
     (( rc > STATUS )) && STATUS=$rc
 done
 

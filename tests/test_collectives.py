@@ -14,6 +14,7 @@ from elastrain.runtime.collectives import (
     Transport,
     choose_transport,
     parse_nccl_version,
+    settle_error_handling,
 )
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.group import Graveyard
@@ -133,3 +134,14 @@ def test_a_gloo_group_is_parked_not_aborted() -> None:
     for t in yard.blocked():
         t.join(5.0)
     assert not g.aborted.is_set() and len(yard) == 0
+
+
+def test_nccl_errors_abort_the_communicator_not_the_process_unless_the_user_chose_so() -> None:
+    environ: dict[str, str] = {}
+    assert settle_error_handling(environ) is None
+    assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert settle_error_handling({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) is None
+    chosen = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    warning = settle_error_handling(chosen)
+    assert chosen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's choice is kept
+    assert warning is not None and "will end this process too" in warning

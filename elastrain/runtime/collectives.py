@@ -37,6 +37,9 @@ CUDA build and run only in `benchmarks/gpu_check.py` on a GPU.
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -52,6 +55,19 @@ NCCL_MIN = (2, 14, 3)
 communicators can be created non-blocking (`ncclCommInitRankConfig` with
 ``blocking = 0``) and aborted while an operation is in flight; with an older one
 an abort can itself wait for the dead peer."""
+
+
+ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""torch's switch for what its NCCL watchdog does with a failed or timed-out
+collective, read when a group is built. torch's default (3) ends the process;
+elastrain survives a peer's death in the same process, so it sets 2 (abort the
+communicators, keep the process) when the variable is unset, and warns when a
+value that ends the process was chosen (1, 3): the member then dies with its
+peer and is replaced, which costs a restart, not the job."""
+
+_PROCESS_ENDING = ("1", "3")
+
+log = logging.getLogger("elastrain.collectives")
 
 
 class Transport(StrEnum):
@@ -140,6 +156,18 @@ def runtime_nccl_version() -> tuple[int, int, int] | None:
     return parse_nccl_version(torch.cuda.nccl.version())
 
 
+def settle_error_handling(environ: MutableMapping[str, str]) -> str | None:
+    """Set `ERROR_HANDLING` to 2 in ``environ`` unless it is set; returns a warning
+    when its value ends the process on a collective's failure, else None."""
+    value = environ.setdefault(ERROR_HANDLING, "2")
+    if value not in _PROCESS_ENDING:
+        return None
+    return (
+        f"{ERROR_HANDLING}={value}: a peer's death in an NCCL collective will end this "
+        "process too (2 would let it survive and abort the communicator instead)"
+    )
+
+
 class DeviceWork:
     """A collective's work whose `wait()` returns once the device has finished it
     (NCCL's own `wait()` only makes the current stream wait for it)."""
@@ -182,9 +210,13 @@ def build_nccl_group(
 ) -> NcclGroup:
     """Build and connect this member's NCCL group for one generation (every member
     of it calls this with the same prefix, after its gloo group is up). Needs a
-    CUDA build with NCCL >= `NCCL_MIN` (`choose_transport` checked it)."""
+    CUDA build with NCCL >= `NCCL_MIN` (`choose_transport` checked it).
+    ``op_timeout_s``: NCCL's own per-collective timeout, a backstop set beyond
+    elastrain's step watchdog (which aborts the group first)."""
     from torch.distributed import ProcessGroupNCCL  # absent from CPU builds
 
+    if (warning := settle_error_handling(os.environ)) is not None:
+        log.warning("%s", warning)
     opts = ProcessGroupNCCL.Options()
     opts.config.blocking = 0
     opts._timeout = datetime.timedelta(seconds=op_timeout_s)

@@ -766,7 +766,8 @@ class StepEngine:
             rank,
             size,
             self.backend.device,  # type: ignore[attr-defined]
-            op_timeout_s=self.config.watchdog.ceiling_s,
+            # A backstop only: the step's watchdog gives up and aborts first.
+            op_timeout_s=2 * self.config.watchdog.ceiling_s,
         )
 
     def _connect(self, a: m.Action) -> m.Observation:

@@ -95,6 +95,12 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "when there is one per worker, else no placement",
     )
     ap.add_argument(
+        "--no-prefork",
+        action="store_true",
+        help="start each worker as a fresh Python instead of forking it from a server "
+        "that imported torch once (the default saves each start and replacement ~1.5 s)",
+    )
+    ap.add_argument(
         "--spares",
         type=int,
         default=_default("spares"),
@@ -297,6 +303,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         grace_s=args.grace,
         hosts=getattr(args, "hosts", 0),
         devices=_devices(args),
+        prefork=not args.no_prefork,
         group_readable=args.group_readable,
         tensorboard=getattr(args, "tensorboard", None),
         **(

@@ -133,6 +133,11 @@ class LaunchConfig:
     replacement keeps its predecessor's device unless that one exited with a
     poisoned device (`elastrain.launch.devices`). Needs at least -n + --spares
     entries. None: no placement (every worker sees what this process sees)."""
+    prefork: bool = True
+    """Fork the workers from a server that has imported torch once
+    (`elastrain.launch.prefork`) instead of starting each as a fresh Python
+    (--no-prefork): a start or a replacement then skips the ~1.5 s import. Not
+    with --hosts (those workers start inside a network namespace)."""
     tensorboard: str | None = None
     """Write the job's step, loss, goodput, energy and the script's own scalars
     (`trainer.log`) as TensorBoard event files into this directory

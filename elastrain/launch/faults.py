@@ -25,13 +25,15 @@ from typing import Any, Protocol
 from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
 from elastrain.chaos.netns import Host, Network
 from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
+from elastrain.launch.prefork import Proc
 from elastrain.observe.events import EventKind, EventLog
 
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
 
 
 class _Proc(Protocol):
-    proc: subprocess.Popen[bytes]
+    @property
+    def proc(self) -> Proc: ...
 
 
 class Injector:

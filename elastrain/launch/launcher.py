@@ -52,6 +52,7 @@ from elastrain.launch.config import LaunchConfig
 from elastrain.launch.devices import DevicePool
 from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
+from elastrain.launch.prefork import Preforker, Proc
 from elastrain.launch.resume import (
     NO_CHECKPOINT,
     choose_checkpoint,
@@ -73,7 +74,7 @@ class _Failed(Exception):
 @dataclass
 class Worker:
     member: str
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     started: float
     replacement: bool
     stopped: bool = False
@@ -105,7 +106,10 @@ class Launcher:
         self.agent = config.coordinator is not None
         # Local mode: one launcher per run directory (agents of a job may share one).
         self._lock = None if self.agent else RunDirLock(self.run_dir)
-        self._child_setup = child_setup(child_umask(config.group_readable))
+        self._umask = child_umask(config.group_readable)
+        self._child_setup = child_setup(self._umask)
+        self.prefork: Preforker | None = None
+        """The prefork server the workers are forked from (`elastrain.launch.prefork`)."""
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if config.token:
             self.token = config.token
@@ -344,17 +348,24 @@ class Launcher:
             e[env.RESUME_STEP] = str(self.plain_step)
         if c.fault_points:
             e[env.FAULTS] = c.fault_points
-        log = open(self.run_dir / "logs" / f"{member}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=e,
-            start_new_session=True,
-            # Workers die with their launcher (or agent), as they would with their node.
-            preexec_fn=self._child_setup,
-        )
-        log.close()
+        log_path = self.run_dir / "logs" / f"{member}.log"
+        proc: Proc | None = None
+        if self.prefork is not None and self.net is None:
+            proc = self.prefork.spawn(
+                [c.script, *c.script_args], e, os.getcwd(), log_path, self._umask
+            )
+        forked = proc is not None
+        if proc is None:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=e,
+                    start_new_session=True,
+                    # Workers die with their launcher (or agent), as they would with their node.
+                    preexec_fn=self._child_setup,
+                )
         w = Worker(member, proc, time.monotonic(), replacement)
         self.workers[member] = w
         self.pids.setdefault(member, []).append(proc.pid)
@@ -365,6 +376,7 @@ class Launcher:
             replacement=replacement,
             replaces=replaces,
             replaces_pid=replaces_pid,
+            forked=forked,
             **({} if self.net is None else {"host": self.net.hosts[self._slot[member]].name}),
             **({"device": device[env.VISIBLE_DEVICES]} if device else {}),
         )
@@ -433,6 +445,15 @@ class Launcher:
             )
         sink = None
         try:
+            if c.prefork and self.net is None:
+                # Its imports run while the coordinator starts (on this thread: the
+                # server's death signal is tied to the thread that starts it).
+                self.prefork = Preforker()
+                self.prefork.start(
+                    {**os.environ, **c.extra_env},
+                    self.run_dir / "logs" / "prefork.log",
+                    self._child_setup,
+                )
             if c.tensorboard is not None:
                 sink = self._tensorboard(c.tensorboard)
             if self.agent:
@@ -752,6 +773,9 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pr.kill()
                 pr.wait()
+        if self.prefork is not None:
+            self.prefork.close()
+            self.prefork = None
         if self.coordinator is not None and self.coordinator.poll() is None:
             # SIGINT: stop now. (SIGTERM would be a preemption notice to drain.)
             self.coordinator.send_signal(signal.SIGINT)

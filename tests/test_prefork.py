@@ -1,0 +1,104 @@
+"""Workers forked from the prefork server (`elastrain.launch.prefork`): each runs as
+`python -m elastrain.worker SCRIPT ARGS` would (its own PID, session, environment,
+working directory, log and exit status), the launcher learns every exit, and a
+server that dies takes its children with it and lets the launcher fall back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastrain.launch.children import child_setup
+from elastrain.launch.prefork import ForkedProcess, Preforker
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    out = {"pid": os.getpid(), "sid": os.getsid(0), "argv": sys.argv, "cwd": os.getcwd(),
+           "mine": os.environ.get("ONLY_MINE"), "torch": "torch" in sys.modules,
+           "umask": os.umask(0o22)}
+    print(json.dumps(out), flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(60)  # killed by the test
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Preforker]:
+    pf = Preforker()
+    pf.start({**os.environ, "SHARED": "1"}, tmp_path / "prefork.log", child_setup(0o77))
+    yield pf
+    pf.close()
+
+
+def spawn(pf: Preforker, tmp_path: Path, name: str, *args: str) -> ForkedProcess:
+    script = tmp_path / "child.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "ONLY_MINE": name}
+    proc = pf.spawn([str(script), *args], env, str(tmp_path), tmp_path / f"{name}.log", 0o27)
+    assert proc is not None, (tmp_path / "prefork.log").read_text()
+    return proc
+
+
+def first_line(path: Path) -> dict[str, object]:
+    return dict(json.loads(path.read_text().splitlines()[0]))
+
+
+def test_a_forked_worker_runs_its_script_as_its_own_process_and_its_exit_is_reported(
+    server: Preforker, tmp_path: Path
+) -> None:
+    a = spawn(server, tmp_path, "a", "3")
+    b = spawn(server, tmp_path, "b", "0")
+    assert (a.wait(30), b.wait(30)) == (3, 0)
+    out = first_line(tmp_path / "a.log")
+    assert out["pid"] == a.pid and out["sid"] == a.pid  # its own session, as Popen's
+    assert out["argv"] == [str(tmp_path / "child.py"), "3"] and out["cwd"] == str(tmp_path)
+    assert out["mine"] == "a" and first_line(tmp_path / "b.log")["mine"] == "b"
+    assert out["torch"] is True  # imported once, by the server
+    assert out["umask"] == 0o27
+    assert os.getpid() != a.pid != b.pid
+
+
+def test_a_killed_worker_reports_the_signal_and_a_closed_server_ends(
+    server: Preforker, tmp_path: Path
+) -> None:
+    w = spawn(server, tmp_path, "w", "wait")
+    assert w.poll() is None
+    w.kill()
+    assert w.wait(30) == -signal.SIGKILL and w.poll() == -signal.SIGKILL
+    w.kill()  # after its end: nothing to signal, no error
+    server.close()
+    assert server._proc is not None and server._proc.returncode == 0
+
+
+def test_a_dead_server_takes_its_workers_and_the_launcher_falls_back(
+    server: Preforker, tmp_path: Path
+) -> None:
+    w = spawn(server, tmp_path, "w", "wait")
+    assert server._proc is not None
+    os.kill(server._proc.pid, signal.SIGKILL)
+    assert w.wait(30) == -signal.SIGKILL  # reported as Popen would
+    # And it really died (its death signal): a process that is not our child is
+    # polled for; gone, or a zombie until init reaps it.
+    tick = threading.Event()
+    for _ in range(3000):
+        try:
+            state = Path(f"/proc/{w.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        tick.wait(0.01)
+    else:
+        raise AssertionError(f"worker {w.pid} outlived its prefork server")
+    assert not server.serving
+    assert server.spawn(["x.py"], dict(os.environ), str(tmp_path), tmp_path / "x.log", 0) is None

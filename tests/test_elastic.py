@@ -336,10 +336,15 @@ def test_down_to_min_keeps_training_below_min_waits_then_resumes(run_job, refere
         workers=3,
         min_workers=2,
         name="min",
-        replace_delay_s=4.0,
+        # w2 is alone from w1's death until the first replacement registers: the
+        # replacement delay counted from w0's death, less the two steps between the
+        # kills, leaves it seconds to ask the coordinator and be told why it waits.
+        # (A later kill raced w0's replacement: with warm starts it registers in
+        # about 0.3 s, and w2 could find a whole group when it asked.)
+        replace_delay_s=5.0,
         points=[
             {"member": "w0", "step": 5, "phase": "compute", "action": "kill"},
-            {"member": "w1", "step": 15, "phase": "compute", "action": "kill"},
+            {"member": "w1", "step": 7, "phase": "compute", "action": "kill"},
         ],
     )
     assert_invariants(job, steps)

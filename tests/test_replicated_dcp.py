@@ -264,6 +264,18 @@ def test_a_registered_objects_tensors_travel_as_their_own_keys(tmp_path: Path) -
     assert torch.equal(tensors["obj/ctr/t"], torch.full((2, 3), 4.0))
 
 
+@settings(max_examples=60, deadline=None)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000))
+def test_crc32_combine_is_zlibs(a: bytes, b: bytes) -> None:
+    """The DCP writer derives a data file's CRC-32 from its chunks' block CRC-32s
+    (the bytes are read once for checksums): combining must equal zlib's own."""
+    import zlib
+
+    from elastrain.checkpoint.dcp import crc32_combine
+
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
 # ---- the flag ---------------------------------------------------------------------
 
 

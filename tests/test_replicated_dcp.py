@@ -207,6 +207,29 @@ def test_torch_dcp_load_reads_it_into_a_plain_model_and_optimizer(tmp_path: Path
             assert torch.equal(optim[trained_names[p]][key], v), (trained_names[p], key)
 
 
+def test_without_torchs_private_zip_writer_the_files_are_torch_saves_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer builds torch.save's zip writer itself (to leave out the zip's
+    own CRC-32s); where torch renamed what it uses, it falls back to torch.save,
+    and the files read the same, by torch and by elastrain."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastrain.checkpoint import dcp as ours
+
+    monkeypatch.setattr(ours, "_zip_save", lambda: None)
+    model, opt, sched = trained()
+    path = write_by_members(tmp_path, 2, state_of(model, opt, sched), 3)
+    sd = built(seed=1)[0].state_dict()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": sd}, checkpoint_id=str(path))
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
+    ckpt = latest_verified(tmp_path / "ck")
+    assert ckpt is not None
+    with ShardedReader(ckpt) as reader:
+        assert torch.equal(reader.read(model_key("a.weight")), model.a.weight.detach())
+
+
 def test_a_resuming_member_installs_model_optimizer_and_scheduler(tmp_path: Path) -> None:
     model, opt, sched = trained()
     state = state_of(model, opt, sched)

@@ -59,7 +59,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -423,13 +423,45 @@ class _BlobSink:
         """torch.save may flush; every piece is in the file already."""
 
 
+def _zip_save() -> tuple[Callable[..., None], Callable[[], int]] | None:
+    """torch.save's own pieces (``torch.serialization._save`` and the storage
+    alignment), or None where this torch has them under other names."""
+    save = getattr(torch.serialization, "_save", None)
+    align = getattr(torch.serialization, "_get_storage_alignment", None)
+    return (save, align) if callable(save) and callable(align) else None
+
+
+def _torch_save(t: torch.Tensor, sink: _BlobSink) -> None:
+    """``torch.save(t, sink)`` without the zip's own CRC-32 of each record, what
+    torch.save writes with ``torch.utils.serialization.config.save.compute_crc32
+    = False`` (torch.load and DCP's reader accept it). That CRC is a second
+    sequential pass over the bytes on the writer thread, and redundant here: the
+    block CRC-32s and the file's cover the same bytes. The config is process-wide
+    (a script's own torch.save would change with it), so the zip writer is built
+    here, as torch.save builds it; torch.save itself where those private names
+    changed."""
+    private = _zip_save()
+    if private is None:
+        torch.save(t, sink)  # type: ignore[arg-type]  # a file-like object: it only writes
+        return
+    save, align = private
+    # A file-like object that only writes, as torch.save's own buffer writer takes.
+    writer = torch._C.PyTorchFileWriter(sink, False, align())  # type: ignore[call-overload]
+    try:
+        save(t, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    finally:
+        # Always, as torch.save's context does: an unfinished writer finishes itself
+        # when collected, calling `sink.write` from wherever that happens.
+        writer.write_end_of_file()
+
+
 def _save_chunk(fd: int, t: torch.Tensor, crc: int) -> _BlobSink:
     """``torch.save(t)`` appended to the data file ``fd`` (whose CRC-32 so far is
     ``crc``). Checks that the storage's bytes went out once, as they are (so a
     reader can take rows from the file without unpickling); RuntimeError if not,
     which fails the save rather than writing what elastrain could not read."""
     sink = _BlobSink(fd, t, crc)
-    torch.save(t, sink)  # type: ignore[arg-type]  # a file-like object: it only writes
+    _torch_save(t, sink)
     if sink.nbytes and len(sink.data_at) != 1:
         raise RuntimeError(
             f"torch.save wrote a chunk's {sink.nbytes} bytes {len(sink.data_at)} times "

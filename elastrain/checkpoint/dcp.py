@@ -6,7 +6,9 @@ the model. A tensor is split along dim 0 (a 0-dim tensor counts as one row); a
 writer's piece of a tensor is a *chunk*, rows ``[lo, hi)``, which DCP describes
 as ``ChunkStorageMetadata(offsets=(lo, 0, ...), sizes=(hi - lo, ...))``. Tensors
 that are not sharded (buffers, Adam's ``step``) are one whole chunk, written by
-writer 0. For checkpoint ``step``::
+writer 0. A replicated job with ``--ckpt-format dcp`` writes the same format,
+one writer per member, each its rows of every tensor
+(`elastrain.runtime.replicated_ckpt`). For checkpoint ``step``::
 
     <directory>/step-XXXXXXXX/
         __K_0.distcp                writer K's data: DCP's data file, one torch.save
@@ -859,6 +861,7 @@ __all__ = [
     "chunk_box",
     "commit_sharded",
     "cover",
+    "crc32_combine",
     "data_file_name",
     "model_key",
     "optim_key",

@@ -184,6 +184,43 @@ def write_by_members(tmp_path: Path, members: int, state: TorchState, step: int)
     return ckpt.path
 
 
+def test_the_emergency_checkpoint_is_written_in_dcp_format_too(tmp_path: Path) -> None:
+    """A preemption notice's checkpoint (every member calls `emergency`, rank 0
+    returns once it is committed) goes the same way in DCP format."""
+    import threading
+    import time
+
+    model, opt, sched = trained()
+    state = state_of(model, opt, sched)
+    cfg = TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=10,
+                        checkpoint_fsync=False, checkpoint_format="dcp")  # fmt: skip
+    names = ["w0", "w1"]
+    cks = [
+        Checkpointing(cfg.checkpoint, str(tmp_path / "ck"), EventLog(tmp_path, n), n,
+                      format=cfg.checkpoint.format)
+        for n in names
+    ]  # fmt: skip
+    deadline = time.monotonic() + 30
+    results: dict[int, bool] = {}
+
+    def emergency(r: int) -> None:
+        parts = lambda: replicated_parts(state, {"committed": 7}, r, 2)  # noqa: E731
+        results[r] = cks[r].emergency(
+            7, 2, names, r, parts, deadline, SaveRole.replicated(r, names)
+        )
+
+    threads = [threading.Thread(target=emergency, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True}
+    ckpt = latest_verified(tmp_path / "ck")  # committed by the time rank 0 returned
+    assert ckpt is not None and ckpt.step == 7 and ckpt.kind == "dcp" and ckpt.num_shards == 2
+    for ck in cks:
+        ck.close()
+
+
 def test_torch_dcp_load_reads_it_into_a_plain_model_and_optimizer(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -228,6 +265,23 @@ def test_without_torchs_private_zip_writer_the_files_are_torch_saves_own(
     assert ckpt is not None
     with ShardedReader(ckpt) as reader:
         assert torch.equal(reader.read(model_key("a.weight")), model.a.weight.detach())
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_chaos_damage_hits_a_distcp_file_and_verification_refuses_it(
+    tmp_path: Path, how: str
+) -> None:
+    """`corrupt-ckpt`/`truncate-ckpt` damage one member's ``.distcp`` file of the
+    newest checkpoint; it then fails verification (a resume skips it)."""
+    import random
+
+    from elastrain.chaos.inject import damage_checkpoint
+
+    model, opt, sched = trained()
+    write_by_members(tmp_path, 2, state_of(model, opt, sched), 3)
+    done = damage_checkpoint(tmp_path / "ck", random.Random(1), how)
+    assert done["checkpoint_step"] == 3 and done["path"].endswith(".distcp"), done
+    assert latest_verified(tmp_path / "ck") is None
 
 
 def test_a_resuming_member_installs_model_optimizer_and_scheduler(tmp_path: Path) -> None:

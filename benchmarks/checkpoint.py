@@ -3,13 +3,20 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/checkpoint.py [--gib 1] [--shards 4] [--rounds 3] [--dir DIR]
-        [--step-tokens 128] [--no-record]
+        [--step-tokens 128] [--format flat|dcp] [--no-record]
 
 The state is ``--gib`` GiB of float32 (tensors of 128 MiB plus a few small
 ones) striped over ``--shards`` members that share this host's disk; each
 member is simulated in this process by its own `Snapshot` and
 `CheckpointWriter` (its own writer thread), as members on one host would be.
-``--shards 1`` is one member writing the whole state.
+``--shards 1`` is one member writing the whole state. ``--format`` (default
+flat): the files the members write. ``flat``: `Snapshot` stripes, `CheckpointWriter`,
+`commit`, `load`. ``dcp``: a replicated job's ``--ckpt-format dcp`` checkpoint,
+each member its rows of every tensor (`elastrain.runtime.replicated_ckpt`'s
+split: torch.chunk's rows; the one-element tensor by member 0) as a
+`ShardSnapshot` written by a `ShardedWriter` (one torch.save blob per chunk in a
+``.distcp`` file), `commit_sharded` (also writes DCP's ``.metadata``), and the
+restore reads every tensor with `ShardedReader`.
 
 1. ``df -h`` of the target directory (default: a fresh directory under
    ``benchmarks/runs/``); refuses to run with less than 3.5x the state free.
@@ -64,6 +71,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -73,6 +81,7 @@ import torch  # noqa: E402
 
 from elastrain.checkpoint import (  # noqa: E402
     CheckpointConfig,
+    CheckpointFormat,
     CheckpointWriter,
     Snapshot,
     apply_retention,
@@ -80,6 +89,16 @@ from elastrain.checkpoint import (  # noqa: E402
     latest_verified,
     load,
 )
+from elastrain.checkpoint.dcp import (  # noqa: E402
+    Chunk,
+    ShardedReader,
+    ShardedWriter,
+    ShardParts,
+    ShardSnapshot,
+    commit_sharded,
+    row_count,
+)
+from elastrain.runtime.sharded import shard_rows  # noqa: E402
 
 MIB = 1 << 20
 
@@ -89,7 +108,7 @@ def log(msg: str) -> None:
 
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
-    total = int(gib * 1024 * MIB)
+    total = int(gib * 1024 * MIB) // 4 * 4  # whole float32s (else the loop never ends)
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
     i = 0
@@ -178,34 +197,87 @@ class SaveTimes:
         return self.take + self.wait
 
 
-def one_save(
-    d: Path,
-    step: int,
+Snap = Snapshot | ShardSnapshot
+
+
+def dcp_key(name: str) -> str:
+    """This state's flat names as DCP keys (``model/x`` -> ``model.x``)."""
+    return name.replace("/", ".")
+
+
+def dcp_parts(state: dict[str, torch.Tensor], shard: int, shards: int, defer: bool) -> ShardParts:
+    """Member ``shard``'s part of a replicated DCP checkpoint of ``state``, split as
+    `elastrain.runtime.replicated_ckpt.replicated_parts` splits one: rows
+    `shard_rows` of every ``model/`` tensor (``defer``: copied in the background),
+    the rest (the one-element step) whole by member 0, copied at once."""
+    tensors = {dcp_key(n): (str(t.dtype), tuple(t.shape)) for n, t in state.items()}
+    chunks = []
+    for n, t in state.items():
+        if n.startswith("model/"):
+            lo, hi = shard_rows(row_count(tuple(t.shape)), shards, shard)
+            if hi > lo:
+                chunks.append(Chunk(dcp_key(n), lo, hi, t[lo:hi], defer=defer))
+        elif shard == 0:
+            chunks.append(Chunk(dcp_key(n), 0, 1, t))
+    return ShardParts(tensors, chunks, {})
+
+
+def take(
+    fmt: CheckpointFormat,
     state: dict[str, torch.Tensor],
+    step: int,
     shards: int,
-    prev: list[Snapshot] | None,
-    compute: Callable[[], float],
-) -> tuple[SaveTimes, list[Snapshot]]:
-    """One checkpoint by ``shards`` members with the next step's compute overlapping
-    its deferred copy, then the old synchronous take into the same buffers."""
-    members = [f"w{i}" for i in range(shards)]
-    writers = [CheckpointWriter(CheckpointConfig(directory=str(d))) for _ in range(shards)]
-    stable = frozenset(n for n in state if n.startswith("model/"))  # the parameters
-    snaps = [
+    prev: list[Snap] | None,
+    defer: bool,
+) -> list[Snap]:
+    """Every member's snapshot (``into`` its previous one: warm buffers)."""
+    if fmt == CheckpointFormat.DCP:
+        return [
+            ShardSnapshot.take(
+                dcp_parts(state, i, shards, defer),
+                shard=i,
+                num_shards=shards,
+                into=p if isinstance(p := prev[i] if prev else None, ShardSnapshot) else None,
+            )
+            for i in range(shards)
+        ]
+    stable = frozenset(n for n in state if n.startswith("model/")) if defer else frozenset()
+    return [
         Snapshot.take(
             state,
             {"step": step},
             shard=i,
             num_shards=shards,
-            into=prev[i] if prev else None,
+            into=p if isinstance(p := prev[i] if prev else None, Snapshot) else None,
             defer=stable,
         )
         for i in range(shards)
     ]
+
+
+def writers(fmt: CheckpointFormat, d: Path, shards: int) -> list[CheckpointWriter]:
+    cls = ShardedWriter if fmt == CheckpointFormat.DCP else CheckpointWriter
+    return [cls(CheckpointConfig(directory=str(d))) for _ in range(shards)]
+
+
+def one_save(
+    fmt: CheckpointFormat,
+    d: Path,
+    step: int,
+    state: dict[str, torch.Tensor],
+    shards: int,
+    prev: list[Snap] | None,
+    compute: Callable[[], float],
+) -> tuple[SaveTimes, list[Snap]]:
+    """One checkpoint by ``shards`` members with the next step's compute overlapping
+    its deferred copy, then the old synchronous take into the same buffers."""
+    members = [f"w{i}" for i in range(shards)]
+    ws = writers(fmt, d, shards)
+    snaps = take(fmt, state, step, shards, prev, defer=True)
     t_write = time.perf_counter()  # members write in parallel once each took its snapshot
     handles = [
-        w.save_async(step, snap, generation=1, members=members)
-        for w, snap in zip(writers, snaps, strict=True)
+        w.save_async(step, snap, generation=1, members=members)  # type: ignore[arg-type]
+        for w, snap in zip(ws, snaps, strict=True)
     ]
     compute_s = compute()  # the next step's forward and backward
     t_settle = time.perf_counter()
@@ -218,23 +290,21 @@ def one_save(
     if bad:
         raise SystemExit(f"save failed: {bad}")
     t0 = time.perf_counter()
-    commit(d, step, generation=1, members=members, num_shards=shards)
+    (commit_sharded if fmt == CheckpointFormat.DCP else commit)(
+        d, step, generation=1, members=members, num_shards=shards
+    )
     commit_s = time.perf_counter() - t0
-    for w in writers:
+    for w in ws:
         w.close()
     # The old way, for comparison: everything copied on the training thread (warm
     # buffers), then the same write overlapping the same compute, into a directory
     # of its own (this one keeps the new path's checkpoints only).
-    sync = [
-        Snapshot.take(state, {"step": step}, shard=i, num_shards=shards, into=snaps[i])
-        for i in range(shards)
-    ]
+    sync = take(fmt, state, step, shards, snaps, defer=False)
     old_dir = Path(tempfile.mkdtemp(prefix="sync-", dir=d.parent))
     try:
-        old_writers = [CheckpointWriter(CheckpointConfig(directory=str(old_dir)))
-                       for _ in range(shards)]  # fmt: skip
+        old_writers = writers(fmt, old_dir, shards)
         old_handles = [
-            w.save_async(step, snap, generation=1, members=members)
+            w.save_async(step, snap, generation=1, members=members)  # type: ignore[arg-type]
             for w, snap in zip(old_writers, sync, strict=True)
         ]
         sync_compute_s = compute()
@@ -251,6 +321,15 @@ def one_save(
     return times, sync
 
 
+def restore(fmt: CheckpointFormat, ckpt: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Every tensor of the checkpoint, by this state's names, and its meta."""
+    if fmt == CheckpointFormat.DCP:
+        with ShardedReader(ckpt) as reader:
+            out = {n.replace(".", "/", 1): reader.read(n) for n in reader.tensors}
+        return out, ckpt.meta
+    return load(ckpt)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
@@ -259,8 +338,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="saves, alternating with dd (>= 2)")
     ap.add_argument("--step-tokens", type=int, default=128,
                     help="tokens per member and step of the overlapping compute (default 128)")  # fmt: skip
+    ap.add_argument("--format", choices=[f.value for f in CheckpointFormat], default="flat",
+                    help="the checkpoint files: flat stripes or a replicated job's DCP format")  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
+    fmt = CheckpointFormat(args.format)
     if args.rounds < 2 or args.shards < 1 or args.gib <= 0 or args.step_tokens < 1:
         raise SystemExit(
             "need --rounds >= 2 (one cold save, then warm ones), --shards >= 1, --gib > 0, "
@@ -285,7 +367,8 @@ def main() -> None:
     try:
         state = make_state(args.gib)
         total = sum(t.numel() * t.element_size() for t in state.values())
-        log(f"state: {len(state)} tensors, {total / MIB:.0f} MiB, {args.shards} shard(s)")
+        log(f"state: {len(state)} tensors, {total / MIB:.0f} MiB, {args.shards} shard(s), "
+            f"{fmt} format")  # fmt: skip
         compute, gflop = step_compute(total, args.step_tokens)
         compute()  # warm-up
         alone = statistics.median(compute() for _ in range(3))
@@ -296,7 +379,7 @@ def main() -> None:
         log(f"next step's compute: {step_note}")
         dds: list[float] = []
         saves: list[SaveTimes] = []
-        snaps: list[Snapshot] | None = None
+        snaps: list[Snap] | None = None
         keep1 = CheckpointConfig(directory=str(d), keep_last=1)
         for r in range(args.rounds + 1):  # dd, save, dd, save, ..., dd
             dds.append(run_dd(d, total))
@@ -304,7 +387,7 @@ def main() -> None:
             if r == args.rounds:
                 break
             step = 100 * (r + 1)
-            t, snaps = one_save(d, step, state, args.shards, snaps, compute)
+            t, snaps = one_save(fmt, d, step, state, args.shards, snaps, compute)
             saves.append(t)
             log(f"save step {step} ({'cold' if r == 0 else 'warm'}): blocking {t.blocking:.3f} s "
                 f"(take {t.take:.3f} + wait {t.wait:.3f}; old sync take {t.sync:.3f}), compute "
@@ -319,9 +402,11 @@ def main() -> None:
         last = 100 * args.rounds
         assert ckpt is not None and ckpt.step == last
         t0 = time.perf_counter()
-        tensors, meta = load(ckpt)
+        tensors, meta = restore(fmt, ckpt)
         load_s = time.perf_counter() - t0
-        same = meta == {"step": last} and all(torch.equal(tensors[k], v) for k, v in state.items())
+        same = (fmt == CheckpointFormat.DCP or meta == {"step": last}) and all(
+            torch.equal(tensors[k].reshape(v.shape), v) for k, v in state.items()
+        )
         if not same:
             raise SystemExit("restored state differs from the saved one")
         del tensors
@@ -403,8 +488,13 @@ def main() -> None:
             "",
             f"Command: `{command}`",
             "",
-            f"State: {len(state)} float32 tensors, {mibs:.0f} MiB, striped over "
-            f"{args.shards} member(s) (writer threads in one process) on one disk. "
+            f"State: {len(state)} float32 tensors, {mibs:.0f} MiB, "
+            + (
+                f"in {fmt} format, each of {args.shards} member(s) writing its rows of every tensor"
+                if fmt == CheckpointFormat.DCP
+                else f"striped over {args.shards} member(s)"
+            )
+            + " (writer threads in one process) on one disk. "
             f"Next step's compute overlapping the deferred copy: {step_note}.",
             "",
             "```",

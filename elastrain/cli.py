@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastrain.checkpoint.config import CheckpointFormat
+
 
 def _default(name: str) -> Any:
     """`LaunchConfig`'s default for field `name`: the flags' defaults come from the
@@ -203,6 +205,15 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "(Young/Daly, from the measured save cost)",
     )
     ap.add_argument(
+        "--ckpt-format",
+        choices=[f.value for f in CheckpointFormat],
+        default=None,
+        help="how a replicated torch job writes its checkpoints: flat (elastrain's striped "
+        "files) or dcp (torch.distributed.checkpoint format, loadable with torch's dcp.load; "
+        "docs/formats.md); overrides the script (default: the script's, flat; sharded jobs "
+        "always write dcp)",
+    )
+    ap.add_argument(
         "--resume-from",
         default=None,
         metavar="DIR",
@@ -298,6 +309,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         seed=args.seed,
         checkpoint_every=args.ckpt_every,
         checkpoint_mtbf_s=args.ckpt_mtbf,
+        checkpoint_format=args.ckpt_format,
         resume_from=args.resume_from,
         resume_step=args.resume_step,
         grace_s=args.grace,

@@ -57,6 +57,10 @@ CKPT_EVERY = "ELASTRAIN_CKPT_EVERY"
 CKPT_MTBF = "ELASTRAIN_CKPT_MTBF"
 """Optional override of TrainerConfig.checkpoint_mtbf_s (the launcher's --ckpt-mtbf)."""
 
+CKPT_FORMAT = "ELASTRAIN_CKPT_FORMAT"
+"""Optional override of TrainerConfig.checkpoint_format, "flat" or "dcp" (the
+launcher's --ckpt-format)."""
+
 RESUME = "ELASTRAIN_RESUME"
 """Which checkpoint a worker loads before its first rendezvous: "none", "latest"
 (the newest verified one), or a step number (the one the launcher chose and

@@ -178,6 +178,89 @@ def test_every_worker_killed_then_rerun_resumes_from_the_last_checkpoint(
     assert committed_steps(ckpt_dir)[-1] == STEPS
 
 
+def _torch_loaded(path: Path, hidden: int = 256) -> dict[str, Any]:
+    """A DCP checkpoint read by torch's own loader (no process group) into
+    train_mlp.py's plain model and Adam state, by flattened name (as `load` names
+    a flat checkpoint's tensors)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Dropout(0.1), nn.Linear(hidden, 1))
+    sd = model.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    optim = {n: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                 "exp_avg_sq": torch.zeros_like(p)} for n, p in model.named_parameters()}  # fmt: skip
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load({"model": sd, "optim": {"state": optim}}, checkpoint_id=str(path))
+    out: dict[str, Any] = {f"model/{k}": v for k, v in sd.items()}
+    for i, n in enumerate(names):
+        out.update({f"optim/{i}/{k}": v for k, v in optim[n].items()})
+    return out
+
+
+def test_dcp_format_job_killed_then_rerun_resumes_and_torch_loads_its_checkpoint(
+    run_job, reference
+) -> None:  # type: ignore[no-untyped-def]
+    """--ckpt-format dcp: every member writes its rows as a DCP data file, rank 0
+    commits; every worker killed, the rerun resumes from that checkpoint and
+    follows the reference, and torch's `dcp.load` reads the last checkpoint into
+    a plain model and Adam state equal to the reference's at that step."""
+    import torch
+
+    first = run_job(
+        steps=STEPS,
+        workers=WORKERS,
+        checkpoint_every=EVERY,
+        checkpoint_format="dcp",
+        replace=False,
+        script_args=AWAIT_10,  # a checkpoint must commit before the kill (see above)
+        points=[
+            {"member": m, "step": 13, "phase": "compute", "action": "kill"} for m in ("w0", "w1")
+        ],
+    )
+    assert first.result.status == "failed"
+    ckpt_dir = first.run_dir / "checkpoints"
+    newest = latest_verified(ckpt_dir)
+    assert newest is not None and newest.step in (EVERY, 2 * EVERY)
+    assert newest.kind == "dcp" and newest.num_shards == WORKERS  # one part per member
+    files = sorted(p.name for p in newest.path.iterdir())
+    assert "__0_0.distcp" in files and "__1_0.distcp" in files and ".metadata" in files
+    assert not any(f.endswith(".safetensors") for f in files)
+    saved = [e for e in first.of("checkpoint_saved") if e["step"] == newest.step]
+    assert sorted(e["proc"] for e in saved) == ["w0", "w1"]
+    # Rerun on the same run directory, still DCP: it resumes from that checkpoint.
+    second = run_job(steps=STEPS, workers=WORKERS, checkpoint_every=EVERY,
+                     checkpoint_format="dcp")  # fmt: skip
+    assert_resumed(second, reference, newest.step)
+    last = latest_verified(ckpt_dir)
+    assert last is not None and last.step == STEPS and last.kind == "dcp"
+    ref = latest_verified(reference.run_dir / "checkpoints")
+    assert ref is not None and ref.step == STEPS and ref.kind == "flat"
+    want, _ = load(ref)
+    got = _torch_loaded(last.path)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_flat_checkpoint_resumes_into_a_dcp_format_job(
+    run_job, reference, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Old-format checkpoints still resume: a job switched to --ckpt-format dcp
+    resumes from the reference's flat step-30 checkpoint, follows the reference,
+    and writes its own checkpoints as DCP beside it (retention counts both)."""
+    ckpt_dir = tmp_path / "job" / "checkpoints"
+    shutil.copytree(reference.run_dir / "checkpoints", ckpt_dir)
+    for s in (35, 40):
+        shutil.rmtree(step_dir(ckpt_dir, s))
+    job = run_job(steps=STEPS, workers=WORKERS, checkpoint_every=EVERY, checkpoint_format="dcp")
+    assert_resumed(job, reference, 30)
+    kinds = {s: _verify(step_dir(ckpt_dir, s), verify_checksums=True).kind
+             for s in committed_steps(ckpt_dir)}  # fmt: skip
+    assert kinds == {30: "flat", 35: "dcp", 40: "dcp"}
+
+
 def test_every_worker_killed_while_the_launcher_lives_replacements_resume(
     run_job, reference
 ) -> None:  # type: ignore[no-untyped-def]

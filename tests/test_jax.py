@@ -310,3 +310,30 @@ def test_a_sharded_jax_job_is_refused_clearly(
         JaxElasticTrainer(
             params, optax.sgd(0.1), [], lambda p, b: 0.0, TrainerConfig(**base), **where
         )
+
+
+def test_a_jax_job_asked_for_dcp_checkpoints_is_refused_naming_the_flag(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JAX state has no torch names for DCP keys: `--ckpt-format dcp` (the
+    launcher's environment) or the config's `checkpoint_format` stops the job at
+    construction, saying which flag to drop (flat, the default, is what
+    `test_jax_job_killed_entirely_resumes_from_its_checkpoint` writes)."""
+    from elastrain import env
+    from elastrain.jax import JaxElasticTrainer
+    from elastrain.runtime.config import TrainerConfig
+
+    params = {"w": jnp.zeros((2,))}
+    where = {"coordinator": "127.0.0.1:1", "token": "t", "member_id": "w0",
+             "run_dir": str(tmp_path)}  # fmt: skip
+    base = {"global_batch_size": 4, "micro_batch_size": 2, "total_steps": 1}
+    with pytest.raises(ValueError, match="--ckpt-format dcp.*jax job.*--ckpt-format flat"):
+        JaxElasticTrainer(
+            params, optax.sgd(0.1), [], lambda p, b: 0.0,
+            TrainerConfig(**base, checkpoint_format="dcp"), **where,
+        )  # fmt: skip
+    monkeypatch.setenv(env.CKPT_FORMAT, "dcp")
+    with pytest.raises(ValueError, match="--ckpt-format dcp"):
+        JaxElasticTrainer(
+            params, optax.sgd(0.1), [], lambda p, b: 0.0, TrainerConfig(**base), **where
+        )

@@ -32,7 +32,8 @@ manifest, then a single commit marker**. For checkpoint ``step``::
 Every JSON document carries a sha256 of itself. No pickle anywhere: tensors
 are raw bytes, everything else is JSON. (A sharded job writes its checkpoints
 in DCP format instead, `elastrain.checkpoint.dcp`: the same commit marker and
-verification, data files torch's DCP can load, read back here without pickle.) A failed save (ENOSPC, EIO, ...)
+verification, data files torch's DCP can load, read back here without pickle; a
+replicated job does too with ``--ckpt-format dcp``, `CheckpointFormat`.) A failed save (ENOSPC, EIO, ...)
 fails only that save, removes its files and never touches a committed
 checkpoint; committed checkpoints are never rewritten.
 """
@@ -43,7 +44,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elastrain.checkpoint.config import CheckpointConfig, young_daly_interval
+    from elastrain.checkpoint.config import (
+        CheckpointConfig,
+        CheckpointFormat,
+        young_daly_interval,
+    )
     from elastrain.checkpoint.files import CheckpointCorrupt, CheckpointError, CommitError
     from elastrain.checkpoint.retention import apply_retention, discard_newer
     from elastrain.checkpoint.snapshot import Snapshot
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "CheckpointConfig": "config",
+    "CheckpointFormat": "config",
     "young_daly_interval": "config",
     "CheckpointCorrupt": "files",
     "CheckpointError": "files",
@@ -70,6 +76,7 @@ _WHERE = {
 
 __all__ = [
     "CheckpointConfig",
+    "CheckpointFormat",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointWriter",

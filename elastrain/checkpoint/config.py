@@ -5,6 +5,25 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class CheckpointFormat(StrEnum):
+    """How a job's own checkpoints are written (``--ckpt-format``).
+
+    Both have the same atomic commit (a signed marker written last, after every
+    writer's part is durable and verified), retention and schedule; they differ
+    in the files. Resume reads either, whatever the job writes now: the marker
+    says which (its ``kind``)."""
+
+    FLAT = "flat"
+    """The flattened state striped over the members (``shard-K-of-N.safetensors``
+    + JSON); carries everything a replicated job holds (JAX state, registered
+    objects). A replicated job's default."""
+    DCP = "dcp"
+    """`torch.distributed.checkpoint` format (`elastrain.checkpoint.dcp`): torch's
+    `dcp.load` reads it into a plain model and optimizer. What a sharded job
+    always writes; a replicated torch job writes it with ``--ckpt-format dcp``."""
 
 
 @dataclass(frozen=True, kw_only=True)

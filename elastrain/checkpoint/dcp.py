@@ -6,7 +6,9 @@ the model. A tensor is split along dim 0 (a 0-dim tensor counts as one row); a
 writer's piece of a tensor is a *chunk*, rows ``[lo, hi)``, which DCP describes
 as ``ChunkStorageMetadata(offsets=(lo, 0, ...), sizes=(hi - lo, ...))``. Tensors
 that are not sharded (buffers, Adam's ``step``) are one whole chunk, written by
-writer 0. For checkpoint ``step``::
+writer 0. A replicated job with ``--ckpt-format dcp`` writes the same format,
+one writer per member, each its rows of every tensor
+(`elastrain.runtime.replicated_ckpt`). For checkpoint ``step``::
 
     <directory>/step-XXXXXXXX/
         __K_0.distcp                writer K's data: DCP's data file, one torch.save
@@ -48,19 +50,18 @@ whose raw bytes are not where the writer expects them fails the save).
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import io
 import json
 import logging
 import math
 import os
 import pickle
-import struct
 import sys
+import threading
 import time
-import zipfile
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,31 +328,150 @@ class ShardSnapshot(WriterClaim):
 # ---- writing -------------------------------------------------------------------------
 
 
-def _blob(t: torch.Tensor) -> tuple[bytes, int]:
-    """``torch.save(t)`` as bytes, and where ``t``'s raw bytes start inside it.
+def _gf2_times(mat: Sequence[int], vec: int) -> int:
+    """The 32x32 GF(2) matrix ``mat`` (columns) times the 32-bit vector ``vec``."""
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
 
-    Checks that the blob stores them uncompressed, once, at that offset (so a
-    reader can take rows from it without unpickling); RuntimeError if not, which
-    fails the save rather than writing what elastrain could not read."""
-    bio = io.BytesIO()
-    torch.save(t, bio)
-    blob = bio.getvalue()
-    nbytes = t.numel() * t.element_size()
-    with zipfile.ZipFile(io.BytesIO(blob)) as z:
-        data = [i for i in z.infolist() if "/data/" in i.filename]
-    if len(data) != 1 or not data[0].filename.endswith("/data/0"):
-        raise RuntimeError(f"torch.save wrote {len(data)} storages for one chunk")
-    info = data[0]
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
-        raise RuntimeError("torch.save stored a chunk compressed or with another size")
-    head = blob[info.header_offset : info.header_offset + 30]
-    if len(head) != 30 or struct.unpack("<I", head[:4])[0] != 0x04034B50:
-        raise RuntimeError("torch.save wrote no local zip header where its index says")
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    at = info.header_offset + 30 + name_len + extra_len
-    if memoryview(blob)[at : at + nbytes] != byte_view(t).numpy().data:
-        raise RuntimeError("a chunk's bytes are not where torch.save's zip index says")
-    return blob, at
+
+@functools.lru_cache(maxsize=256)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) operator that appending ``nbytes`` zero bytes applies to a CRC-32
+    (zlib's ``crc32_combine`` construction: squares of the one-zero-bit operator).
+    Cached: the writer needs it for `BLOCK_BYTES` and a few tail lengths."""
+    odd = [0xEDB88320] + [1 << (k - 1) for k in range(1, 32)]  # one zero bit
+    even = [_gf2_times(odd, c) for c in odd]  # two zero bits
+    odd = [_gf2_times(even, c) for c in even]  # four
+    op = [1 << k for k in range(32)]  # identity
+    n = nbytes
+    while n:
+        even = [_gf2_times(odd, c) for c in odd]  # 1, 4, 16, ... zero bytes
+        if n & 1:
+            op = [_gf2_times(even, c) for c in op]
+        n >>= 1
+        if not n:
+            break
+        odd = [_gf2_times(even, c) for c in even]  # 2, 8, 32, ... zero bytes
+        if n & 1:
+            op = [_gf2_times(odd, c) for c in op]
+        n >>= 1
+    return tuple(op)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc1 = crc32(a)``, ``crc2 = crc32(b)`` and
+    ``len2 = len(b)`` (zlib's ``crc32_combine``, which Python's zlib lacks). Pure."""
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 else crc1
+
+
+class _BlobSink:
+    """Where one chunk's ``torch.save`` goes: straight into the data file.
+
+    torch.save hands its zip writer's pieces to ``write`` as memoryviews of its
+    own buffers, the storage's bytes as one view of the tensor's memory: each is
+    written at once (no blob in memory: a 128 MiB chunk saved into a BytesIO
+    was copied as the buffer grew, then again, the writer's main cost), folded
+    into the data file's CRC-32, and the storage's own piece is recognised by its
+    address and size, so the raw bytes' offset and their block CRC-32s come
+    from what was written, not from parsing the zip afterwards."""
+
+    def __init__(self, fd: int, t: torch.Tensor, crc: int) -> None:
+        self.fd = fd
+        self.crc = crc
+        self.written = 0
+        self.nbytes = t.numel() * t.element_size()
+        self._ptr = t.untyped_storage().data_ptr()
+        if t.untyped_storage().nbytes() != self.nbytes:
+            # torch.save writes a tensor's whole storage; a view into a larger one
+            # would put other bytes in the file (snapshots hold their own tensors).
+            raise RuntimeError("a chunk's tensor is a view into a larger storage")
+        self.data_at: list[int] = []
+        self.block_crc32: list[int] = [0]
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if n == self.nbytes and n and np.frombuffer(mv, np.uint8).ctypes.data == self._ptr:
+            # The raw bytes: their block CRC-32s in parallel with the write (both
+            # release the GIL), and the file's CRC-32 combined from them, so the
+            # bytes are read once for checksums, as the flat writer reads its own.
+            blocks: list[list[int]] = []
+            crc_thread = threading.Thread(
+                target=lambda: blocks.append(_block_crcs(mv, BLOCK_BYTES)), name="ckpt-crc"
+            )
+            crc_thread.start()
+            try:
+                write_all(self.fd, mv)
+            finally:
+                crc_thread.join()
+            if not blocks:
+                raise RuntimeError("the CRC-32 of a chunk's bytes failed")
+            self.data_at.append(self.written)
+            self.block_crc32 = blocks[0]
+            for i, c in enumerate(self.block_crc32):
+                self.crc = crc32_combine(self.crc, c, min(BLOCK_BYTES, n - i * BLOCK_BYTES))
+        else:
+            write_all(self.fd, mv)
+            self.crc = zlib.crc32(mv, self.crc)
+        self.written += n
+        return n
+
+    def flush(self) -> None:
+        """torch.save may flush; every piece is in the file already."""
+
+
+def _zip_save() -> tuple[Callable[..., None], Callable[[], int]] | None:
+    """torch.save's own pieces (``torch.serialization._save`` and the storage
+    alignment), or None where this torch has them under other names."""
+    save = getattr(torch.serialization, "_save", None)
+    align = getattr(torch.serialization, "_get_storage_alignment", None)
+    return (save, align) if callable(save) and callable(align) else None
+
+
+def _torch_save(t: torch.Tensor, sink: _BlobSink) -> None:
+    """``torch.save(t, sink)`` without the zip's own CRC-32 of each record, what
+    torch.save writes with ``torch.utils.serialization.config.save.compute_crc32
+    = False`` (torch.load and DCP's reader accept it). That CRC is a second
+    sequential pass over the bytes on the writer thread, and redundant here: the
+    block CRC-32s and the file's cover the same bytes. The config is process-wide
+    (a script's own torch.save would change with it), so the zip writer is built
+    here, as torch.save builds it; torch.save itself where those private names
+    changed."""
+    private = _zip_save()
+    if private is None:
+        torch.save(t, sink)  # type: ignore[arg-type]  # a file-like object: it only writes
+        return
+    save, align = private
+    # A file-like object that only writes, as torch.save's own buffer writer takes.
+    writer = torch._C.PyTorchFileWriter(sink, False, align())  # type: ignore[call-overload]
+    try:
+        save(t, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    finally:
+        # Always, as torch.save's context does: an unfinished writer finishes itself
+        # when collected, calling `sink.write` from wherever that happens.
+        writer.write_end_of_file()
+
+
+def _save_chunk(fd: int, t: torch.Tensor, crc: int) -> _BlobSink:
+    """``torch.save(t)`` appended to the data file ``fd`` (whose CRC-32 so far is
+    ``crc``). Checks that the storage's bytes went out once, as they are (so a
+    reader can take rows from the file without unpickling); RuntimeError if not,
+    which fails the save rather than writing what elastrain could not read."""
+    sink = _BlobSink(fd, t, crc)
+    _torch_save(t, sink)
+    if sink.nbytes and len(sink.data_at) != 1:
+        raise RuntimeError(
+            f"torch.save wrote a chunk's {sink.nbytes} bytes {len(sink.data_at)} times "
+            "from its own memory, not once"
+        )
+    if not sink.nbytes:
+        sink.data_at.append(0)  # nothing to read: any offset
+    return sink
 
 
 def _block_crcs(raw: memoryview, block: int) -> list[int]:
@@ -383,25 +503,21 @@ class ShardedWriter(CheckpointWriter):
                 for (fqn, lo, hi), t in zip(snap.chunks, snap.staging, strict=True):
                     if self._cancel.is_set():
                         raise RuntimeError("writer closed (close(wait=False)) during the save")
-                    blob, at = _blob(t)
-                    nbytes = t.numel() * t.element_size()
-                    write_all(fd, memoryview(blob))
+                    sink = _save_chunk(fd, t, crc)
                     entries.append(
                         {
                             "fqn": fqn,
                             "lo": lo,
                             "hi": hi,
                             "offset": off,
-                            "length": len(blob),
-                            "data_offset": off + at,
-                            "nbytes": nbytes,
-                            "block_crc32": _block_crcs(
-                                memoryview(blob)[at : at + nbytes], BLOCK_BYTES
-                            ),
+                            "length": sink.written,
+                            "data_offset": off + sink.data_at[0],
+                            "nbytes": sink.nbytes,
+                            "block_crc32": sink.block_crc32,
                         }
                     )
-                    crc = zlib.crc32(blob, crc)
-                    off += len(blob)
+                    crc = sink.crc
+                    off += sink.written
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
@@ -745,6 +861,7 @@ __all__ = [
     "chunk_box",
     "commit_sharded",
     "cover",
+    "crc32_combine",
     "data_file_name",
     "model_key",
     "optim_key",

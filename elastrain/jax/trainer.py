@@ -28,6 +28,7 @@ from elastrain.jax.backend import JaxBackend
 from elastrain.jax.state import LossFn, Tree, stack_collate
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset
+from elastrain.runtime.preflight import format_problem
 
 
 class JaxElasticTrainer(EngineTrainer):
@@ -70,6 +71,9 @@ class JaxElasticTrainer(EngineTrainer):
                 "PyTorch's FSDP2; a JAX job trains whole replicas (shard_size 1; drop "
                 "--shard-size)"
             )
+        why = format_problem(config.checkpoint.format, JaxBackend.framework, sharded=False)
+        if why is not None:  # after the overrides too: `elastrain run --ckpt-format dcp`
+            raise ValueError(why)
         backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
         self.backend: JaxBackend = backend

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastrain.chaos.schedule import Fault
+from elastrain.checkpoint.config import CheckpointFormat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,9 @@ class LaunchConfig:
     """Override the script's checkpoint interval, in steps (--ckpt-every; 0: none)."""
     checkpoint_mtbf_s: float | None = None
     """Override the script's MTBF for the automatic Young/Daly interval (--ckpt-mtbf)."""
+    checkpoint_format: str | None = None
+    """Override the script's checkpoint format, "flat" or "dcp" (--ckpt-format;
+    `TrainerConfig.checkpoint_format`). None: the script's (flat by default)."""
     resume_from: str | None = None
     """A DCP checkpoint written by a plain torch job (DDP, FSDP2) to start from
     (--resume-from; docs/formats.md, "Starting from a plain DCP checkpoint").
@@ -237,6 +241,13 @@ class LaunchConfig:
             raise ValueError("--ckpt-every must be >= 0 (0 turns periodic checkpoints off)")
         if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
+        if self.checkpoint_format is not None and self.checkpoint_format not in tuple(
+            CheckpointFormat
+        ):
+            raise ValueError(
+                f"--ckpt-format must be one of {', '.join(CheckpointFormat)}, "
+                f"got {self.checkpoint_format!r}"
+            )
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
 

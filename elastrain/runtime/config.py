@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastrain import env
+from elastrain.checkpoint.config import CheckpointFormat
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class CheckpointPolicy:
     """How long rank 0 waits for every shard of one checkpoint."""
     fsync: bool
     """fsync files and directories."""
+    format: CheckpointFormat = CheckpointFormat.FLAT
+    """How a replicated job writes its checkpoints (a sharded job: always DCP;
+    `written_format`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +231,16 @@ class TrainerConfig:
     checkpoint_fsync: bool = True
     """fsync checkpoint files and directories (turn off only on throw-away storage)."""
 
+    checkpoint_format: str = CheckpointFormat.FLAT
+    """How a replicated torch job writes its checkpoints: "flat" (elastrain's
+    striped safetensors files; the default) or "dcp" (`torch.distributed.checkpoint`
+    format: every member writes its rows of every parameter and optimizer state,
+    and torch's ``dcp.load`` reads the checkpoint into a plain model and
+    optimizer; docs/formats.md). Registered objects (LR schedulers, grad
+    scalers) travel in both. A JAX job writes "flat" only ("dcp" is refused at
+    start); a sharded job always writes "dcp". Resume reads either, whatever
+    this says. The launcher's --ckpt-format overrides it."""
+
     shard_size: int = 1
     """Members per replica group (issue 16). Inside a replica group the model is
     sharded, one shard per member; across groups the members holding the same
@@ -312,6 +326,11 @@ class TrainerConfig:
             )
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
+        if self.checkpoint_format not in tuple(CheckpointFormat):
+            raise ValueError(
+                f"checkpoint_format must be one of {[f.value for f in CheckpointFormat]}, "
+                f"got {self.checkpoint_format!r}"
+            )
 
     def _suggest(self) -> int:
         return max(
@@ -350,6 +369,7 @@ class TrainerConfig:
             keep_every=self.checkpoint_keep_every,
             commit_timeout_s=self.checkpoint_commit_timeout_s,
             fsync=self.checkpoint_fsync,
+            format=CheckpointFormat(self.checkpoint_format),
         )
 
     @property
@@ -369,7 +389,7 @@ class WorkerEnv:
     Read once, by `read_worker_env`, when a trainer is built: nothing else in
     the worker runtime reads `os.environ`. Explicit constructor arguments win
     over these; these win over the script's `TrainerConfig` where they overlap
-    (--steps, --ckpt-every, --ckpt-mtbf, --shard-size: the launcher's flags are
+    (--steps, --ckpt-every, --ckpt-mtbf, --ckpt-format, --shard-size: the launcher's flags are
     the user's last word)."""
 
     coordinator: str | None = None
@@ -387,6 +407,7 @@ class WorkerEnv:
     steps: int | None = None
     checkpoint_every: int | None = None
     checkpoint_mtbf_s: float | None = None
+    checkpoint_format: str | None = None
     shard_size: int | None = None
     visible_devices: str | None = None
     """$CUDA_VISIBLE_DEVICES: the accelerators this worker sees (the launcher's
@@ -415,6 +436,8 @@ class WorkerEnv:
             changes["checkpoint_every"] = self.checkpoint_every
         if self.checkpoint_mtbf_s is not None:
             changes["checkpoint_mtbf_s"] = self.checkpoint_mtbf_s
+        if self.checkpoint_format is not None:
+            changes["checkpoint_format"] = self.checkpoint_format
         if self.shard_size is not None:
             changes["shard_size"] = self.shard_size
         return replace(config, **changes) if changes else config  # type: ignore[arg-type]
@@ -448,6 +471,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         steps=num(env.STEPS, int),
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
+        checkpoint_format=e.get(env.CKPT_FORMAT) or None,
         shard_size=num(env.SHARD_SIZE, int),
         visible_devices=e.get(env.VISIBLE_DEVICES),
         local_rank=num(env.LOCAL_RANK, int),

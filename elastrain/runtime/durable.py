@@ -44,11 +44,14 @@ step protocol. Its distributed contract:
 A checkpoint's *step* is the committed step count it holds (the next step to
 run): ``step-00000020`` is the state after steps 0..19.
 
-A sharded job (``sharded=True``) writes sharded checkpoints instead
-(`elastrain.checkpoint.dcp`, `elastrain.runtime.sharded_ckpt`): the same
-schedule, writer thread, failure markers and committer, but its `SaveRole`s
-differ: one writer per shard index (``num_shards`` is the shard size), members
-that hold a twin's copy write nothing, and rank 0 commits whether it writes or not.
+A sharded job writes sharded checkpoints instead (`elastrain.checkpoint.dcp`,
+`elastrain.runtime.sharded_ckpt`): the same schedule, writer thread, failure
+markers and committer, but its `SaveRole`s differ: one writer per shard index
+(``num_shards`` is the shard size), members that hold a twin's copy write
+nothing, and rank 0 commits whether it writes or not. A replicated job with
+``--ckpt-format dcp`` writes the same format with the replicated roles: every
+member writes its rows of every tensor (`elastrain.runtime.replicated_ckpt`),
+``num_shards`` is the member count. `written_format` decides.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ import torch
 
 from elastrain.checkpoint import (
     CheckpointConfig,
+    CheckpointFormat,
     CheckpointWriter,
     CommitError,
     SaveHandle,
@@ -104,8 +108,15 @@ class SaveRole:
 
     @staticmethod
     def replicated(rank: int, members: list[str]) -> SaveRole:
-        """Every member writes its stripe; rank 0 commits."""
+        """Every member writes its stripe (flat) or its rows (DCP); rank 0 commits."""
         return SaveRole(rank, len(members), rank == 0)
+
+
+def written_format(configured: CheckpointFormat, *, sharded: bool) -> CheckpointFormat:
+    """The format a member writes: a sharded job's checkpoints are always DCP (the
+    only format that holds rows per shard), a replicated job's the configured one
+    (``--ckpt-format``). Pure."""
+    return CheckpointFormat.DCP if sharded else configured
 
 
 # ---- the committer (rank 0) ----------------------------------------------------
@@ -137,7 +148,7 @@ class _CommitJob:
     blocking: Callable[[], float]
     """This member's blocking time for the checkpoint (known once its copy settled)."""
     deadline: float
-    kind: str = "flat"
+    kind: CheckpointFormat = CheckpointFormat.FLAT
     submitted: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
@@ -261,7 +272,8 @@ class _Committer:
             return
         t0 = time.monotonic()
         try:
-            marker = (commit_sharded if job.kind == "dcp" else commit)(
+            dcp = job.kind == CheckpointFormat.DCP
+            marker = (commit_sharded if dcp else commit)(
                 self.config.directory,
                 job.step,
                 generation=job.generation,
@@ -269,7 +281,7 @@ class _Committer:
                 num_shards=job.num_shards,
                 fsync=self.config.fsync,
             )
-            if job.kind == "dcp":
+            if dcp:
                 job.total_bytes = int(read_signed_json(marker)["total_bytes"])
         except (CommitError, OSError, ValueError) as e:
             # Every shard is written: nobody writes here any more, so clean up.
@@ -334,14 +346,15 @@ class Checkpointing:
         events: EventLog,
         member: str,
         *,
-        sharded: bool = False,
+        format: CheckpointFormat = CheckpointFormat.FLAT,
     ) -> None:
         self.config = config
         self.directory = directory
         self.events = events
         self.member = member
-        self.sharded = sharded
-        """Sharded checkpoints (DCP format): `after_commit`'s state is then a `PartsFn`."""
+        self.format = format
+        """What this member writes (`written_format`): DCP (`after_commit`'s state is
+        then a `PartsFn`, a sharded or a replicated member's) or flat (a `StateFn`)."""
         self.schedule = Schedule(config.every, config.mtbf_s)
         self.store: CheckpointConfig | None = None
         self.writer: CheckpointWriter | None = None
@@ -353,7 +366,7 @@ class Checkpointing:
                 keep_every=config.keep_every,
                 fsync=config.fsync,
             )
-            writer = ShardedWriter if sharded else CheckpointWriter
+            writer = ShardedWriter if format == CheckpointFormat.DCP else CheckpointWriter
             self.writer = writer(self.store, events=self._writer_event)
         self._snap: Snapshot | ShardSnapshot | None = None
         self._copying: tuple[Snapshot | ShardSnapshot, float] | None = None
@@ -552,7 +565,7 @@ class Checkpointing:
             t0 = time.perf_counter()
             snap: Snapshot | ShardSnapshot
             try:
-                if self.sharded:
+                if self.format == CheckpointFormat.DCP:
                     parts = state()
                     assert isinstance(parts, ShardParts)
                     snap = ShardSnapshot.take(
@@ -605,7 +618,7 @@ class Checkpointing:
             total_bytes=total,
             blocking=lambda: self._blocking_of(n),
             deadline=limit if deadline is None else min(limit, deadline),
-            kind="dcp" if self.sharded else "flat",
+            kind=self.format,
         )
         self._committer.submit(job)
         return job

@@ -59,8 +59,8 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from elastrain.checkpoint import VerifiedCheckpoint
-from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader, ShardParts
 from elastrain.checkpoint.files import committed_steps
 from elastrain.checkpoint.plain import (
     PlainCheckpointError,
@@ -104,7 +104,13 @@ from elastrain.runtime.collectives import (
 )
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.device import check_device, is_poisoned
-from elastrain.runtime.durable import Checkpointing, PartsFn, SaveRole, StateFn
+from elastrain.runtime.durable import (
+    Checkpointing,
+    PartsFn,
+    SaveRole,
+    StateFn,
+    written_format,
+)
 from elastrain.runtime.evaluate import (
     EvalResult,
     EvalTable,
@@ -132,7 +138,8 @@ from elastrain.runtime.plain_ckpt import (
     plain_schema,
     with_script_objects,
 )
-from elastrain.runtime.preflight import batch_problems, exit_misconfigured
+from elastrain.runtime.preflight import batch_problems, exit_misconfigured, format_problem
+from elastrain.runtime.replicated_ckpt import replicated_parts, replicated_schema, saved_objects
 from elastrain.runtime.resume import (
     ResumeError,
     from_ordered_json,
@@ -155,6 +162,7 @@ from elastrain.runtime.sharded_ckpt import (
 )
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, TorchState, heal
+from elastrain.transfer.flatten import OBJECTS_KEY
 
 log = logging.getLogger("elastrain.engine")
 
@@ -346,7 +354,9 @@ class StepEngine:
             resolve_directory(config.checkpoint_dir, where.checkpoint_dir, where.run_dir),
             self.events,
             self.member,
-            sharded=isinstance(backend, ShardedBackend),
+            format=written_format(
+                config.checkpoint.format, sharded=isinstance(backend, ShardedBackend)
+            ),
         )
         self._resume_mode = parse_resume(
             where.resume, "latest" if config.checkpoints_periodic else "none"
@@ -564,8 +574,10 @@ class StepEngine:
         """Well-known mistakes only this process can see (a DDP-wrapped model, a process
         group the script made itself) end it at once with what to change."""
         cfg = self.config
-        problems = self.backend.problems() + batch_problems(
-            cfg.global_batch_size, cfg.micro_batch_size
+        problems = (
+            self.backend.problems()
+            + batch_problems(cfg.global_batch_size, cfg.micro_batch_size)
+            + self._format_problems()
         )
         if problems:
             self.events.emit(
@@ -573,6 +585,22 @@ class StepEngine:
             )
             self._shutdown()
             exit_misconfigured("; ".join(problems))
+
+    def _format_problems(self) -> list[str]:
+        """Why this job cannot write the checkpoint format it was asked for (checked
+        at start, not at the first checkpoint, which would fail every time)."""
+        fmt = self.config.checkpoint.format
+        why = format_problem(fmt, self.backend.framework, self.shards is not None)
+        if why is not None:
+            return [why]
+        if self.shards is None and self.ckpt.format == CheckpointFormat.DCP:
+            state = self.backend.state()
+            assert isinstance(state, TorchState)  # format_problem: a torch job
+            try:
+                replicated_schema(state)
+            except ValueError as e:
+                return [f"--ckpt-format {fmt}: {e}"]
+        return []
 
     def _first_batch(self) -> Any:
         # The next step's first samples (a stream may no longer hold position 0).
@@ -1496,7 +1524,10 @@ class StepEngine:
         rows if it is its shard's writer (`writer_shard`) and rank 0 commits."""
         rank, members = self.proto.rank, list(self.proto.members)
         if self.shards is None:
-            return self._state_at(committed), SaveRole.replicated(rank, members)
+            role = SaveRole.replicated(rank, members)
+            if self.ckpt.format == CheckpointFormat.DCP:
+                return (lambda: self._replicated_parts(committed, rank, len(members))), role
+            return self._state_at(committed), role
         layout = self.shards.layout
         if layout is None:  # between generations: no layout, nothing to write
             return self._state_at(committed), SaveRole(None, 1, False)
@@ -1508,6 +1539,13 @@ class StepEngine:
             lambda: shard_parts(backend, self._checkpoint_meta(committed), shard or 0),
             role,
         )
+
+    def _replicated_parts(self, committed: int, rank: int, members: int) -> ShardParts:
+        """A replicated member's rows of the DCP checkpoint of `committed` steps
+        (`elastrain.runtime.replicated_ckpt`; aliases of the live tensors)."""
+        state = self.backend.state()
+        assert isinstance(state, TorchState)  # `format_problem` refused DCP for others
+        return replicated_parts(state, self._checkpoint_meta(committed), rank, members)
 
     def _resume_hint(self) -> str:
         """Where the job can resume from (a worker ending because rows are lost)."""
@@ -1687,11 +1725,15 @@ class StepEngine:
                 raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
             try:
                 tensors, section = replicated_state(reader, schema, state)
-            except ResumeMismatch as e:
+                objects = saved_objects(reader, meta)
+            except (ResumeMismatch, ValueError) as e:
                 raise ResumeError(
                     f"checkpoint {ckpt.path} does not fit this model and optimizer: {e}. "
                     "Resume with the same script, or start in a fresh --run-dir."
                 ) from None
+            if objects is not None:  # a replicated job's: its registered objects too
+                section[OBJECTS_KEY], more = objects
+                tensors.update(more)
             install_checkpoint(state, tensors, section, str(ckpt.path))
             self.backend.adopt(state)
             return reader.bytes_read

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NoReturn
 
+from elastrain.checkpoint.config import CheckpointFormat
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 
 OWN_PROCESS_GROUP = (
@@ -78,6 +79,21 @@ def model_problems(model: Any) -> list[str]:
         if dist.is_available() and dist.is_initialized():
             out.append(OWN_PROCESS_GROUP)
     return out
+
+
+def format_problem(fmt: CheckpointFormat, framework: str, sharded: bool) -> str | None:
+    """Why a job of ``framework`` cannot write its checkpoints in format ``fmt``
+    (`TrainerConfig.checkpoint_format`, --ckpt-format), or None. DCP holds torch
+    tensors by a torch model's parameter names: a JAX job's state has neither,
+    so it writes flat checkpoints. A sharded job writes DCP whatever ``fmt``
+    says (its only format). Pure."""
+    if fmt == CheckpointFormat.DCP and not sharded and framework != "torch":
+        return (
+            f"--ckpt-format dcp (checkpoint_format) is for torch jobs: a {framework} job's "
+            "checkpoints are written in the flat format; drop the flag or pass "
+            "--ckpt-format flat"
+        )
+    return None
 
 
 def preflight(model: Any, global_batch: int, micro_batch: int, members: int | None = None) -> None:

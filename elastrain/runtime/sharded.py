@@ -58,7 +58,7 @@ import copy
 import datetime
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +139,49 @@ def grad_dtype(named: list[tuple[str, nn.Parameter]], *, native: bool) -> torch.
 def _local_name(name: str) -> str:
     # nn.Module attribute names may not contain ".".
     return name.replace(".", "/")
+
+
+def state_entries(name: str, p: torch.Tensor, state: Mapping[Any, Any]) -> list[list[Any]]:
+    """A checkpoint schema's entries for parameter ``p``'s optimizer state
+    (``state``: the optimizer's ``state``), in the optimizer's key order:
+    ``[key, "rows", dtype]`` for a tensor shaped like ``p`` (split with it),
+    ``[key, "tensor", dtype, shape]`` for a one-element tensor (Adam's ``step``),
+    ``[key, "value", v]`` for a JSON value. ValueError for anything else (the
+    checkpoint then fails; training goes on). ``p`` is the tensor the state
+    belongs to: a sharded member's local rows, a replicated member's whole
+    parameter. Shared by the sharded and the replicated DCP checkpoints."""
+    entries: list[list[Any]] = []
+    for k, v in state.get(p, {}).items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
+            entries.append([k, "rows", str(v.dtype)])
+        elif isinstance(v, torch.Tensor) and v.numel() == 1:
+            entries.append([k, "tensor", str(v.dtype), list(v.shape)])
+        elif isinstance(v, int | float | bool | str) or v is None:
+            entries.append([k, "value", v])
+        else:
+            raise ValueError(
+                f"cannot checkpoint optimizer state {k!r} of {name} ({type(v).__name__}, "
+                f"shape {getattr(v, 'shape', None)}): only tensors shaped like the "
+                "parameter, one-element tensors and JSON values"
+            )
+    return entries
+
+
+def group_entries(
+    optimizer: torch.optim.Optimizer, names: Mapping[Any, str]
+) -> list[dict[str, Any]]:
+    """A checkpoint schema's ``groups``: each param group's hyperparameters, its
+    "params" as parameter names (``names``: parameter tensor -> name). ValueError
+    for hyperparameters JSON cannot carry (a tensor ``lr``)."""
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        try:
+            json.dumps(hyper)
+        except TypeError as e:
+            raise ValueError(f"cannot checkpoint a param group's hyperparameters: {e}") from e
+        groups.append({**hyper, "params": [names[q] for q in g["params"]]})
+    return groups
 
 
 class ShardedBackend:
@@ -425,32 +468,11 @@ class ShardedBackend:
         cannot carry (the checkpoint then fails; training goes on)."""
         assert self.optimizer is not None, "checkpoint_schema() before place()"
         shapes = {e[0]: [int(x) for x in e[1]] for e in self._signature}
-        params = []
-        for n, p in self._local_params().items():
-            entries: list[list[Any]] = []
-            for k, v in self.optimizer.state.get(p, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape:
-                    entries.append([k, "rows", str(v.dtype)])
-                elif isinstance(v, torch.Tensor) and v.numel() == 1:
-                    entries.append([k, "tensor", str(v.dtype), list(v.shape)])
-                elif isinstance(v, int | float | bool | str) or v is None:
-                    entries.append([k, "value", v])
-                else:
-                    raise ValueError(
-                        f"cannot checkpoint optimizer state {k!r} of {n} ({type(v).__name__}, "
-                        f"shape {getattr(v, 'shape', None)}): only tensors shaped like the "
-                        "parameter, one-element tensors and JSON values"
-                    )
-            params.append([n, shapes[n], self._signature_dtype(n), entries])
-        by_param = {q: n for n, q in self._local_params().items()}
-        groups = []
-        for g in self.optimizer.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            try:
-                json.dumps(hyper)
-            except TypeError as e:
-                raise ValueError(f"cannot checkpoint a param group's hyperparameters: {e}") from e
-            groups.append({**hyper, "params": [by_param[q] for q in g["params"]]})
+        params = [
+            [n, shapes[n], self._signature_dtype(n), state_entries(n, p, self.optimizer.state)]
+            for n, p in self._local_params().items()
+        ]
+        groups = group_entries(self.optimizer, {q: n for n, q in self._local_params().items()})
         buffers = [[n, list(b.shape), str(b.dtype)] for n, b in self._buffers.items()]
         cls = self._opt_class
         return {

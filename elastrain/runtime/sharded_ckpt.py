@@ -34,7 +34,7 @@ from elastrain.checkpoint.dcp import ShardParts, model_key, optim_key, row_count
 from elastrain.control.layout import Layout
 from elastrain.runtime.sharded import ResumedShard, ShardedBackend, shard_rows
 from elastrain.transfer import TorchState
-from elastrain.transfer.flatten import MODEL_PREFIX, OPTIM_PREFIX
+from elastrain.transfer.flatten import MODEL_PREFIX, OBJECTS_PREFIX, OPTIM_PREFIX
 from elastrain.transfer.manifest import TENSOR_REF
 from elastrain.transfer.names import model_state, named_parameters
 
@@ -68,6 +68,15 @@ def writer_shard(layout: Layout, member: str) -> int | None:
     return slot.shard if twins and twins[0] == member else None
 
 
+def object_key(name: str) -> str:
+    """The DCP key of a registered object's tensor in a replicated job's checkpoint,
+    from its flattened name (``obj/<object>/<path>`` -> ``objects.<object>/<path>``;
+    torch's ``dcp.load`` of ``{"model", "optim"}`` leaves such keys alone)."""
+    if not name.startswith(OBJECTS_PREFIX):
+        raise ValueError(f"{name!r} is not a registered object's tensor")
+    return f"objects.{name[len(OBJECTS_PREFIX) :]}"
+
+
 def declared_tensors(schema: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor of a checkpoint with this schema: DCP key -> (dtype, shape)."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -80,6 +89,9 @@ def declared_tensors(schema: dict[str, Any]) -> dict[str, tuple[str, tuple[int, 
                 out[optim_key(name, e[0])] = (e[2], tuple(e[3]))
     for name, shape, dtype in schema["buffers"]:
         out[model_key(name)] = (dtype, tuple(shape))
+    # A replicated job's (`elastrain.runtime.replicated_ckpt`): its registered objects'.
+    for name, shape, dtype in schema.get("objects", []):
+        out[object_key(name)] = (dtype, tuple(shape))
     return out
 
 

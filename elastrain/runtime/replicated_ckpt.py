@@ -1,0 +1,176 @@
+"""A replicated job's checkpoints in DCP format (``--ckpt-format dcp``).
+
+The storage, the commit and the read side are the sharded checkpoints'
+(`elastrain.checkpoint.dcp`, `elastrain.runtime.sharded_ckpt`); this module says
+what a replicated member writes (docs/design.md, "Replicated checkpoints in DCP
+format"):
+
+- **Schema** (`replicated_schema`): the sharded checkpoint's (`ShardedBackend.
+  checkpoint_schema`, the same entry logic: `state_entries`, `group_entries`)
+  of the whole `TorchState`: the optimizer's class, its param groups with
+  parameter names, per parameter its shape, dtype and optimizer state entries,
+  the model's other ``state_dict`` tensors (buffers), and the registered
+  objects' tensors (``objects``).
+- **Who writes what** (`replicated_parts`): every member holds every tensor, so
+  the rows are split over the members as a shard size of ``n`` would split them:
+  member ``rank`` of ``n`` writes rows ``shard_rows(rows, n, rank)`` of every
+  parameter and of its row-shaped optimizer state (``defer``: copied in the
+  background until the next optimizer step, as the flat format's stripes are),
+  and member 0 also the one-element optimizer state, the buffers and the
+  registered objects' tensors (small; copied at once). No gather: each member
+  writes 1/n of the bytes. Rank 0 commits (`SaveRole.replicated`).
+- **Registered objects** (LR schedulers, grad scalers) travel as in the flat
+  format: their JSON state in the meta (``objects``, `ordered_json`), their
+  tensors, if any, as DCP keys ``objects.<name>/<path>`` (`object_key`), which
+  torch's `dcp.load` of ``{"model", "optim"}`` ignores. `saved_objects` reads
+  them back on resume.
+
+Local; no communication (the all-reduce that agreed on the checkpoint is the
+step's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint.dcp import Chunk, ShardParts, model_key, optim_key, row_count
+from elastrain.runtime.resume import from_ordered_json, ordered_json
+from elastrain.runtime.sharded import group_entries, shard_rows, state_entries
+from elastrain.runtime.sharded_ckpt import TensorReader, declared_tensors, object_key
+from elastrain.transfer import TorchState
+from elastrain.transfer.flatten import encode_object, optimizer_class
+from elastrain.transfer.manifest import tensor_refs
+from elastrain.transfer.names import model_state, named_parameters
+
+OBJECTS_META = "objects"
+"""The meta key of the registered objects' JSON state (tensors as references)."""
+
+
+def _objects(state: TorchState) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """The registered objects' JSON state (tensor references) and their tensors."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    section = {name: encode_object(name, obj, tensors) for name, obj in state.objects.items()}
+    return section, tensors
+
+
+def replicated_schema(state: TorchState) -> dict[str, Any]:
+    """What a replicated DCP checkpoint says of ``state`` besides the tensors
+    (JSON, the keys of `ShardedBackend.checkpoint_schema` plus ``objects``:
+    ``[flattened name, shape, dtype]`` of each registered object's tensor).
+
+    ``params`` in the model's parameter order (`named_parameters`: a compiled
+    model's names without ``_orig_mod.``), ``buffers`` every other
+    ``state_dict`` tensor. ValueError for what DCP cannot carry here: an
+    optimizer over tensors that are not the model's parameters, optimizer state
+    that is neither row-shaped, one-element nor JSON, hyperparameters that are
+    not JSON, or a ``state_dict`` entry that is not a tensor (the checkpoint
+    then fails with a `checkpoint_failed` event; training goes on)."""
+    params = named_parameters(state.model)
+    names = {p: n for n, p in params.items()}
+    opt = state.optimizer
+    if any(p not in names for g in opt.param_groups for p in g["params"]):
+        raise ValueError(
+            "the optimizer holds tensors that are not the model's parameters: a DCP "
+            "checkpoint names optimizer state by parameter (use --ckpt-format flat)"
+        )
+    entries = [
+        [n, [int(x) for x in p.shape], str(p.dtype), state_entries(n, p, opt.state)]
+        for n, p in params.items()
+    ]
+    buffers = []
+    for k, t in model_state(state.model).items():
+        if k in params:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"state_dict entry {k!r} is a {type(t).__name__}, not a tensor: a DCP "
+                "checkpoint carries tensors only (use --ckpt-format flat)"
+            )
+        buffers.append([k, [int(x) for x in t.shape], str(t.dtype)])
+    _, objects = _objects(state)
+    return {
+        "class": optimizer_class(opt),
+        "groups": group_entries(opt, names),
+        "params": entries,
+        "buffers": buffers,
+        "nonpersistent_buffers": [],  # only state_dict entries are written
+        "objects": [[n, [int(x) for x in t.shape], str(t.dtype)] for n, t in objects],
+    }
+
+
+def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``t`` as a view (a 0-dim tensor is one row)."""
+    return t.reshape(1)[lo:hi] if t.dim() == 0 else t[lo:hi]
+
+
+def replicated_parts(
+    state: TorchState, meta: dict[str, Any], rank: int, members: int
+) -> ShardParts:
+    """What member ``rank`` of ``members`` writes of a replicated DCP checkpoint:
+    its rows of every parameter and row-shaped optimizer state; member 0 also the
+    one-element optimizer state, the buffers and the registered objects' tensors.
+    The chunks alias the live tensors (snapshot them now); the meta gets the
+    schema and the registered objects' JSON. ValueError as `replicated_schema`."""
+    if members < 1 or not 0 <= rank < members:
+        raise ValueError(f"need 0 <= rank < members, got rank {rank} of {members}")
+    schema = replicated_schema(state)
+    params = named_parameters(state.model)
+    opt = state.optimizer
+    # Only the optimizer step writes what it updates (and its state): copied in the
+    # background until `settle`. A parameter it does not update may be written by
+    # anything (a frozen embedding a script edits): copied at once.
+    updated = {id(p) for g in opt.param_groups for p in g["params"]}
+    first = rank == 0
+    chunks: list[Chunk] = []
+    for name, shape, _, entries in schema["params"]:
+        p = params[name].detach()
+        st = opt.state.get(params[name], {})
+        lo, hi = shard_rows(row_count(shape), members, rank)
+        if hi > lo:
+            chunks.append(
+                Chunk(model_key(name), lo, hi, _rows(p, lo, hi), defer=id(params[name]) in updated)
+            )
+            chunks.extend(
+                Chunk(optim_key(name, e[0]), lo, hi, _rows(st[e[0]], lo, hi), defer=True)
+                for e in entries
+                if e[1] == "rows"
+            )
+        if first:
+            chunks.extend(
+                Chunk(optim_key(name, e[0]), 0, 1, st[e[0]]) for e in entries if e[1] == "tensor"
+            )
+    section, objects = _objects(state)
+    if first:
+        sd = model_state(state.model)
+        for name, shape, _ in schema["buffers"]:
+            chunks.append(Chunk(model_key(name), 0, row_count(shape), sd[name]))
+        for name, t in objects:
+            chunks.append(Chunk(object_key(name), 0, row_count(tuple(t.shape)), t))
+    return ShardParts(
+        declared_tensors(schema),
+        [c for c in chunks if c.hi > c.lo],
+        {**meta, "schema": schema, OBJECTS_META: ordered_json(section)},
+    )
+
+
+def saved_objects(
+    reader: TensorReader, meta: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The registered objects of a replicated DCP checkpoint, for the flattened
+    state `install_checkpoint` takes: their section (tensor references by
+    flattened name) and tensors; None if the checkpoint has none recorded (a
+    sharded job's: a script that registers objects is then refused by the
+    install's own check). ValueError if a referenced tensor is missing."""
+    raw = meta.get(OBJECTS_META)
+    if raw is None:
+        return None
+    section = from_ordered_json(raw)
+    tensors: dict[str, torch.Tensor] = {}
+    for ref in tensor_refs(section):
+        key = object_key(ref)
+        if not reader.has(key):
+            raise ValueError(f"registered object tensor {ref!r} is not in the checkpoint")
+        tensors[ref] = reader.read(key)
+    return section, tensors

@@ -168,18 +168,19 @@ def state_entries(name: str, p: torch.Tensor, state: Mapping[Any, Any]) -> list[
 
 
 def group_entries(
-    optimizer: torch.optim.Optimizer, names: Mapping[Any, str]
+    optimizer: torch.optim.Optimizer, names: Mapping[Any, str], purpose: str = "checkpoint"
 ) -> list[dict[str, Any]]:
-    """A checkpoint schema's ``groups``: each param group's hyperparameters, its
-    "params" as parameter names (``names``: parameter tensor -> name). ValueError
-    for hyperparameters JSON cannot carry (a tensor ``lr``)."""
+    """A checkpoint schema's (or a reshard's) ``groups``: each param group's
+    hyperparameters, its "params" as parameter names (``names``: parameter tensor
+    -> name). ValueError naming ``purpose`` for hyperparameters JSON cannot carry
+    (a tensor ``lr``)."""
     groups = []
     for g in optimizer.param_groups:
         hyper = {k: v for k, v in g.items() if k != "params"}
         try:
             json.dumps(hyper)
         except TypeError as e:
-            raise ValueError(f"cannot checkpoint a param group's hyperparameters: {e}") from e
+            raise ValueError(f"cannot {purpose} a param group's hyperparameters: {e}") from e
         groups.append({**hyper, "params": [names[q] for q in g["params"]]})
     return groups
 
@@ -564,15 +565,7 @@ class ShardedBackend:
                         f"shape {getattr(v, 'shape', None)}): only row-shaped tensors and scalars"
                     )
             state[n] = {"rows": sorted(rows.items()), "scalars": scalars}
-        groups = []
-        for g in self.optimizer.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            try:
-                json.dumps(hyper)
-            except TypeError as e:
-                raise ValueError(f"cannot reshard: a param group's hyperparameters: {e}") from e
-            groups.append({**hyper, "params": [by_param[q] for q in g["params"]]})
-        return {"groups": groups, "state": state}
+        return {"groups": group_entries(self.optimizer, by_param, "reshard"), "state": state}
 
     def _local_params(self) -> dict[str, nn.Parameter]:
         return {n: self.local.get_parameter(_local_name(n)) for n in self._names}

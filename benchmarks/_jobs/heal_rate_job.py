@@ -9,7 +9,8 @@ from one seed and after one AdamW step on seeded random gradients (so the
 optimizer state exists and the payload is about 3 x the params), the receiver
 from another seed with no optimizer state, as a replacement starts.
 
-After one untimed warm-up of each, each of REPS rounds runs, in this order (so
+The first heal (the receiver's first ever) is timed on its own; after it and
+one untimed warm-up broadcast, each of REPS rounds runs, in this order (so
 that a shared machine's load hits all three alike), each after a barrier of
 every rank so that they start it together:
 
@@ -118,7 +119,14 @@ def main() -> None:
         seconds[kind].append(time.perf_counter() - t0)
         cpu[kind].append(cpu_s() - c0)
 
-    do_heal()  # warm-up: connections; the receiver has optimizer state from here on
+    # The first heal of this receiver process, timed as the rounds are: what a
+    # replacement's one heal costs (cold code paths, a landing in memory this
+    # process never touched). It also warms up the connections; the receiver has
+    # optimizer state from here on.
+    barrier(pg)
+    c0, t0 = cpu_s(), time.perf_counter()
+    do_heal()
+    first = (time.perf_counter() - t0, cpu_s() - c0)
     nbytes = sum(t.numel() * t.element_size() for _, t in state.flatten().tensors)
     warm = torch.zeros(nbytes, dtype=torch.uint8)
     broadcast(warm)
@@ -130,7 +138,9 @@ def main() -> None:
         timed("heal", do_heal)
     ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rank": rank, "bytes": nbytes, "seconds": seconds, "cpu": cpu}, f)
+        json.dump(
+            {"rank": rank, "bytes": nbytes, "seconds": seconds, "cpu": cpu, "first": first}, f
+        )
     barrier(pg)
     if not ok:
         print(f"rank {rank}: the receiver's state hash differs from the senders'", file=sys.stderr)

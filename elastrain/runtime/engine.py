@@ -523,6 +523,8 @@ class StepEngine:
                     self._exit(action)
                 try:
                     obs = self._perform[action.do](action)
+                except WorkerExit:
+                    raise  # the library's own exit, whatever its message says
                 except Exception as e:  # noqa: BLE001 - only a poisoned device is handled
                     if not is_poisoned(e):
                         raise

@@ -231,9 +231,21 @@ def test_a_stopped_peer_is_confirmed_hung_well_before_the_watchdog(run_job) -> N
     then ends before the stopped process is continued; what a continued one
     does is `test_hung_peer_is_aborted_not_waited_for`'s)."""
     steps = 60
-    job = run_job(steps=steps, workers=3, min_workers=2, faults=["hang@15:w1/4"], name="stop")
+    # Paced: the launcher sends the SIGSTOP when a status poll (every 0.25 s) shows
+    # step 15; unpaced, 60 steps took 0.5 s and on a loaded machine the signal came
+    # after w1's last step (no hang to confirm). At 0.05 s a step the job has 2 s of
+    # steps left, and the survivors end well before w1 is continued 6 s later.
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=2,
+        faults=["hang@15:w1/6"],
+        name="stop",
+        script_args=["--min-step-s", "0.05"],
+    )
     assert_invariants(job, steps)
     (hang_ev,) = job.of("fault_injected", fault="hang")
+    assert hang_ev["step"] < steps - 10, hang_ev  # landed mid-job, not at its end
     (confirmed,) = job.of("hang_confirmed")
     assert confirmed["silent"] == ["w1"] and confirmed["by"] in ("w0", "w2")
     assert job.of("member_removed", member="w1", reason="suspected")

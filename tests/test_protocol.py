@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from elastrain.checkpoint import latest_verified, load
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, list_steps
+from elastrain.checkpoint.writer import CheckpointWriter
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorRefused, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, OrderKind, step_microbatches
@@ -1020,3 +1022,30 @@ def test_collectives_nccl_on_a_cpu_model_is_refused_when_the_trainer_is_built(
 ) -> None:
     with pytest.raises(ValueError, match="collectives='nccl' is not possible here: the model is"):
         Harness(tmp_path, [gen_of(TWO, 0)], collectives="nccl")
+
+
+def test_the_last_steps_checkpoint_waits_for_a_previous_save_still_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Step 3's save is still writing when step 6, the job's last, commits: a periodic
+    # checkpoint would be skipped then, the last one waits for it (no later checkpoint
+    # will hold the trained state).
+    h = Harness(tmp_path, [gen_of(("a",), 0)], checkpoint_every=3, checkpoint_keep_last=5)
+    real = CheckpointWriter._write
+    held = threading.Event()
+
+    def slow(self: CheckpointWriter, d: Path, final: Path, step: int, *a: Any) -> int:
+        if step == 3:
+            held.set()
+            # Written only once the engine has committed the last step.
+            deadline = time.monotonic() + 60
+            while h.engine.committed < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(self, d, final, step, *a)
+
+    monkeypatch.setattr(CheckpointWriter, "_write", slow)
+    h.run()
+    assert held.is_set()
+    d = tmp_path / "checkpoints"
+    assert [s for s, path in list_steps(d) if (path / MARKER).exists()] == [3, 6]
+    assert not h.events("checkpoint_skipped")

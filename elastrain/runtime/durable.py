@@ -436,6 +436,8 @@ class Checkpointing:
         rank: int,
         state: StateFn | PartsFn,
         role: SaveRole | None = None,
+        *,
+        final: bool = False,
     ) -> bool:
         """Take this member's shard of checkpoint ``n`` if one is due; returns whether it was due.
 
@@ -444,6 +446,10 @@ class Checkpointing:
         (the rest runs until `settle`). ``role``: what
         this member writes and whether it commits (default: stripe ``rank`` of
         ``len(members)``, rank 0 commits); sharded, ``state`` is a `PartsFn`.
+        ``final``: ``n`` is the job's last step. A checkpoint due there is not
+        skipped for a previous save still writing: it waits for it (at most the
+        commit timeout), since no later checkpoint will hold the trained state.
+        Every member passes the same ``final``, so they all wait or all skip.
         """
         choice = self.schedule.plan(n)
         if choice is not None and rank == 0:
@@ -455,6 +461,11 @@ class Checkpointing:
             return True
         assert self.writer is not None
         role = role or SaveRole.replicated(rank, members)
+        if final and role.shard is not None and self._handle is not None:
+            try:
+                self._handle.wait(timeout=self.config.commit_timeout_s)
+            except TimeoutError:
+                pass  # still busy: skipped below, as any other step's would be
         if role.shard is not None and self.writer.busy:
             log.warning(
                 "checkpoint step %d skipped by %s: its previous save is still writing",

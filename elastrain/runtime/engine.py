@@ -1288,7 +1288,10 @@ class StepEngine:
 
             def after_commit() -> None:
                 # Once the caller's own work on this result is done (`steps`).
-                self.ckpt.after_commit(n, a.gen, members, rank, *self._save_args(n))
+                self.ckpt.after_commit(
+                    n, a.gen, members, rank, *self._save_args(n),
+                    final=n >= self.config.total_steps,
+                )  # fmt: skip
                 self._hook(s, hooks.StepPoint.COMMIT)
 
             self._after_commit = after_commit

@@ -53,13 +53,14 @@ CONFIGS = {
         kueue_setup=True,
         command=("python", "examples/gpt.py", "--steps", "1000"),
     ),
-    # 3. Checkpoint PVC: durable checkpoints every 50 steps on a shared volume.
+    # 3. Checkpoint PVC: durable DCP checkpoints every 50 steps on a shared volume.
     "ckpt-pvc": K8sConfig(
         image="registry.example/train:1",
         token=TOKEN,
         workers=3,
         ckpt_pvc="elastrain-ckpt",
         ckpt_every=50,
+        ckpt_format="dcp",
         env=(("MY_FLAG", "1"),),
     ),
 }
@@ -454,6 +455,11 @@ def test_worker_pods(which: str, rendered: dict[str, list[Obj]]) -> None:
         assert envs["MY_FLAG"]["value"] == "1"
     else:
         assert env.CKPT_DIR not in envs
+    # The checkpoint format reaches the workers only when asked for: else the script's.
+    if cfg.ckpt_format is not None:
+        assert envs[env.CKPT_FORMAT]["value"] == cfg.ckpt_format
+    else:
+        assert env.CKPT_FORMAT not in envs
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -531,6 +537,7 @@ def test_quantities() -> None:
         ({"priority": "high"}, "pass --queue with --priority"),
         ({"kueue_setup": True}, "pass --queue too"),
         ({"ckpt_every": 10}, "pass --ckpt-pvc"),
+        ({"ckpt_format": "zip"}, r"--ckpt-format must be one of flat, dcp \(got 'zip'\)"),
         ({"retries_per_worker": 0}, "retries_per_worker must be >= 1"),
         ({"coordinator": "statefulset"}, "'deployment' or 'jobset'"),
         ({"cpu": "lots"}, "not a Kubernetes quantity"),
@@ -567,6 +574,31 @@ def test_cli_render_writes_valid_private_yaml(tmp_path: Path, validator: Any) ->
     assert find(objs, "Secret")["stringData"]["token"] == "from-a-file"
     pod = _workers_job(objs)["template"]["spec"]
     assert pod["containers"][0]["command"] == ["python", "train.py", "--lr", "1e-3"]
+
+
+def test_cli_render_forwards_the_checkpoint_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastrain.cli import main
+
+    def worker_env(*extra: str) -> dict[str, str]:
+        out = tmp_path / "job.yaml"
+        argv = ["k8s", "render", "--image", "img:2", "--ckpt-pvc", "ck", "-o", str(out)]
+        assert main([*argv, *extra]) == 0
+        (c,) = _workers_job(list(yaml.safe_load_all(out.read_text())))["template"]["spec"][
+            "containers"
+        ]
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    assert worker_env("--ckpt-format", "dcp")[env.CKPT_FORMAT] == "dcp"
+    assert worker_env("--ckpt-format", "flat")[env.CKPT_FORMAT] == "flat"
+    assert env.CKPT_FORMAT not in worker_env()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "render", "--image", "img:2", "--ckpt-format", "zip"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ckpt-format" in err and "'flat', 'dcp'" in err
 
 
 def test_cli_render_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ import secrets
 import sys
 from pathlib import Path
 
+from elastrain.checkpoint.config import CheckpointFormat
 from elastrain.cliutil import error, write_output
 
 PROG = "elastrain k8s"
@@ -96,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="STEPS",
         help="checkpoint every STEPS steps (needs --ckpt-pvc)",
+    )
+    r.add_argument(
+        "--ckpt-format",
+        choices=[f.value for f in CheckpointFormat],
+        default=None,
+        help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
+        "docs/formats.md) (default: the script's, flat)",
     )
     r.add_argument(
         "--grace",
@@ -206,6 +214,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             cluster_queue=args.cluster_queue,
             ckpt_pvc=args.ckpt_pvc,
             ckpt_every=args.ckpt_every,
+            ckpt_format=args.ckpt_format,
             grace_s=args.grace,
             prestop_s=args.prestop,
             retries_per_worker=args.retries_per_worker,

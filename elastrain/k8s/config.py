@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from elastrain.checkpoint.config import CheckpointFormat
 from elastrain.quantity import parse_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -99,6 +100,10 @@ class K8sConfig:
     ckpt_every: int | None = None
     """ELASTRAIN_CKPT_EVERY: checkpoint every N committed steps (needs `ckpt_pvc`)."""
 
+    ckpt_format: str | None = None
+    """ELASTRAIN_CKPT_FORMAT: how the workers write checkpoints, "flat" or "dcp" (a
+    `CheckpointFormat`; the launcher's --ckpt-format). None: the script's (flat by default)."""
+
     grace_s: float = 30.0
     """Seconds for the emergency checkpoint after a whole-job preemption notice
     (the coordinator's --grace)."""
@@ -188,6 +193,11 @@ class K8sConfig:
                     "checkpoints need storage every worker shares: pass --ckpt-pvc with "
                     "--ckpt-every"
                 )
+        if self.ckpt_format is not None and self.ckpt_format not in tuple(CheckpointFormat):
+            raise ValueError(
+                f"--ckpt-format must be one of {', '.join(CheckpointFormat)} "
+                f"(got {self.ckpt_format!r})"
+            )
         if not self.grace_s > 0:
             raise ValueError(f"grace_s must be > 0 (got {self.grace_s})")
         if self.prestop_s < 0 or self.margin_s < 0:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from elastrain.cli import build_parser
 from elastrain.slurm.cli import main as slurm_main
 from elastrain.slurm.config import SlurmConfig, parse_slurm_time
-from elastrain.slurm.render import render
+from elastrain.slurm.render import agent_argv, render
 from elastrain.slurm.status import current_members, parse_job_line, query, show
 
 
@@ -42,6 +43,7 @@ def bash_n(text: str, tmp_path: Path) -> None:
     [
         {},
         {"spare_nodes": 2, "time": "1-00:00:00", "partition": "gpu", "ckpt_every": 50},
+        {"ckpt_every": 20, "ckpt_format": "dcp"},
         {"gpus_per_node": 0, "workers_per_node": 3, "requeue": False, "exclusive": False},
         {"script_args": ("--name", 'it\'s a "test" $HOME `x`'), "run_dir": "/shared/my runs/a"},
         {"coordinator_host": "10.0.0.5", "http_port": 29400, "store_port": 29401},
@@ -80,11 +82,24 @@ def test_the_allocation_holds_spares_and_asks_for_the_notice_and_requeue() -> No
         ({"partition": "gpu;rm"}, "partition"),
         ({"http_port": 70000}, "port"),
         ({"script": ""}, "training script"),
+        ({"ckpt_format": "zip"}, r"--ckpt-format must be one of flat, dcp \(got 'zip'\)"),
     ],
 )
 def test_bad_input_is_refused_with_what_to_change(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cfg(**kw)
+
+
+def test_the_agents_get_the_checkpoint_format_only_when_given() -> None:
+    argv = agent_argv(cfg(ckpt_every=20, ckpt_format="dcp"))
+    assert argv[argv.index("--ckpt-format") + 1] == "dcp"
+    assert "--ckpt-format dcp" in render(cfg(ckpt_format="dcp"))
+    assert "--ckpt-format flat" in render(cfg(ckpt_format="flat"))
+    assert "--ckpt-format" not in agent_argv(cfg()) and "--ckpt-format" not in render(cfg())
+    # `elastrain agent` accepts what the script runs.
+    ap, _ = build_parser()
+    args = ap.parse_args([*argv[1:], "--coordinator", "h:1", "train.py"])
+    assert args.cmd == "agent" and args.ckpt_format == "dcp" and args.ckpt_every == 20
 
 
 def test_slurm_times_parse_in_every_format() -> None:
@@ -102,6 +117,15 @@ def test_the_cli_writes_the_script_and_reports_errors(tmp_path: Path, capsys) ->
     assert "#SBATCH --nodes=3" in text and "SCRIPT=(train.py --lr 3e-4)" in text
     assert slurm_main(["render", "--nodes", "2", "--gpus-per-node", "0", "t.py"]) == 2
     assert "--workers-per-node" in capsys.readouterr().err
+    rc = slurm_main(["render", "--nodes", "2", "--gpus-per-node", "1", "--ckpt-format", "dcp",
+                     "-o", str(out), "train.py"])  # fmt: skip
+    assert rc == 0 and "--ckpt-format dcp" in out.read_text()
+    with pytest.raises(SystemExit) as e:
+        slurm_main(["render", "--nodes", "2", "--gpus-per-node", "1", "--ckpt-format", "zip",
+                    "train.py"])  # fmt: skip
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ckpt-format" in err and "'flat', 'dcp'" in err
 
 
 # ---- the script, run against stand-ins ----------------------------------------

@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from elastrain.checkpoint.config import CheckpointFormat
 from elastrain.cliutil import error, write_output
 
 PROG = "elastrain slurm"
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         "--ckpt-every", type=int, default=None, metavar="STEPS", help="checkpoint every STEPS"
     )
     r.add_argument(
+        "--ckpt-format",
+        choices=[f.value for f in CheckpointFormat],
+        default=None,
+        help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
+        "docs/formats.md) (default: the script's, flat)",
+    )
+    r.add_argument(
         "--no-requeue", action="store_true", help="no --requeue, no requeue after the notice"
     )
     r.add_argument(
@@ -128,6 +136,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             margin_s=args.margin,
             ckpt_every=args.ckpt_every,
+            ckpt_format=args.ckpt_format,
             requeue=not args.no_requeue,
             exclusive=not args.shared_nodes,
             elastrain=elastrain,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from elastrain.checkpoint.config import CheckpointFormat
+
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """A job name that is also a safe path component and member-id prefix."""
 
@@ -103,6 +105,10 @@ class SlurmConfig:
     """Periodic checkpoints every N committed steps (the agents' --ckpt-every); None
     leaves it to the script. A requeued job can only resume from a checkpoint."""
 
+    ckpt_format: str | None = None
+    """How the workers write checkpoints, "flat" or "dcp" (a `CheckpointFormat`; the
+    agents' --ckpt-format); None leaves it to the script (flat by default)."""
+
     requeue: bool = True
     """sbatch --requeue, and after the time-limit notice the script requeues the job
     itself (`scontrol requeue`) unless training finished."""
@@ -172,6 +178,11 @@ class SlurmConfig:
                 )
         if self.ckpt_every is not None and self.ckpt_every < 1:
             raise ValueError(f"ckpt_every must be >= 1 (got {self.ckpt_every})")
+        if self.ckpt_format is not None and self.ckpt_format not in tuple(CheckpointFormat):
+            raise ValueError(
+                f"--ckpt-format must be one of {', '.join(CheckpointFormat)} "
+                f"(got {self.ckpt_format!r})"
+            )
         if not self.elastrain or any(not a or "\n" in a for a in self.elastrain):
             raise ValueError("elastrain must be a command, e.g. ('elastrain',)")
         if self.coordinator_host is not None and not re.match(

@@ -462,6 +462,7 @@ class Checkpointing:
         assert self.writer is not None
         role = role or SaveRole.replicated(rank, members)
         if final and role.shard is not None and self._handle is not None:
+            self.settle()  # the previous save may be waiting for its deferred copy
             try:
                 self._handle.wait(timeout=self.config.commit_timeout_s)
             except TimeoutError:

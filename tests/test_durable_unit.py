@@ -69,6 +69,19 @@ def test_fixed_schedule_is_a_pure_function_of_the_step() -> None:
     assert not Schedule(every=0, mtbf_s=None).due(5)
 
 
+def test_the_last_step_always_takes_a_checkpoint_when_checkpoints_are_periodic() -> None:
+    # A 23-step job checkpointing every 5 steps ends with step 23's state on disk
+    # (what `elastrain export` and a rerun read), not step 20's.
+    assert Schedule(every=5, mtbf_s=None).due(23, final=True)
+    automatic = Schedule(every=0, mtbf_s=3600.0)
+    automatic.plan(1)
+    automatic.taken(1)
+    automatic.next = 601
+    assert not automatic.due(23) and automatic.due(23, final=True)
+    # No periodic checkpoints asked for: none at the end either.
+    assert not Schedule(every=0, mtbf_s=None).due(23, final=True)
+
+
 def test_automatic_schedule_bootstraps_then_follows_young_daly() -> None:
     s = Schedule(every=0, mtbf_s=3600.0)
     first = s.plan(1)

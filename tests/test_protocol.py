@@ -1049,3 +1049,19 @@ def test_the_last_steps_checkpoint_waits_for_a_previous_save_still_writing(
     d = tmp_path / "checkpoints"
     assert [s for s, path in list_steps(d) if (path / MARKER).exists()] == [3, 6]
     assert not h.events("checkpoint_skipped")
+
+
+def test_a_job_ends_with_a_checkpoint_of_its_last_step(tmp_path: Path) -> None:
+    # 7 steps, a checkpoint every 3: 3 and 6 by the schedule, 7 because it is the
+    # last (its state is what an export or a rerun of the finished job reads).
+    h = Harness(tmp_path, [gen_of(("a",), 0)], total_steps=7, checkpoint_every=3,
+                checkpoint_keep_last=5)  # fmt: skip
+    h.run()
+    d = tmp_path / "checkpoints"
+    steps = [s for s, path in list_steps(d) if (path / MARKER).exists()]
+    # The first is never skipped; 6 may be (3 still writing: these steps take no time).
+    assert steps in ([3, 6, 7], [3, 7])
+    ckpt = latest_verified(d)
+    assert ckpt is not None and ckpt.step == 7
+    tensors, meta = load(ckpt)
+    assert meta["committed"] == 7 and float(tensors["w"][0]) == truth(7)

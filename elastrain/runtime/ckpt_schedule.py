@@ -73,10 +73,16 @@ class Schedule:
     def periodic(self) -> bool:
         return self.every > 0 or self.automatic
 
-    def due(self, n: int) -> bool:
-        """Is a checkpoint due at committed count ``n``? Same answer on every member."""
+    def due(self, n: int, *, final: bool = False) -> bool:
+        """Is a checkpoint due at committed count ``n``? Same answer on every member.
+
+        ``final``: ``n`` is the job's last step. A periodic schedule always takes
+        one there (the trained state, what `elastrain export` and a rerun read);
+        with no periodic checkpoints (``every`` 0, no MTBF) none is due."""
         if n <= 0:
             return False
+        if final and self.periodic:
+            return True
         if not self.automatic:
             return self.every > 0 and n % self.every == 0
         return self.next is not None and n >= self.next

@@ -4,7 +4,8 @@ The storage layer (`elastrain.checkpoint`) knows files; this module knows the
 step protocol. Its distributed contract:
 
 - **When.** After committing the step that makes the committed step count
-  ``n``, a checkpoint is due iff `Schedule.due(n)`. The schedule is *agreed
+  ``n``, a checkpoint is due iff `Schedule.due(n)` (periodic ones also at the
+  job's last step, where a busy writer is waited for). The schedule is *agreed
   state*: it changes only through values every member of the generation got
   from the same all-reduce (the step's gradient all-reduce carries each
   member's measured save cost and step time, see `Checkpointing.contribution`),
@@ -446,7 +447,8 @@ class Checkpointing:
         (the rest runs until `settle`). ``role``: what
         this member writes and whether it commits (default: stripe ``rank`` of
         ``len(members)``, rank 0 commits); sharded, ``state`` is a `PartsFn`.
-        ``final``: ``n`` is the job's last step. A checkpoint due there is not
+        ``final``: ``n`` is the job's last step. A periodic schedule takes a
+        checkpoint there whatever its interval (`Schedule.due`), and it is not
         skipped for a previous save still writing: it waits for it (at most the
         commit timeout), since no later checkpoint will hold the trained state.
         Every member passes the same ``final``, so they all wait or all skip.
@@ -454,7 +456,7 @@ class Checkpointing:
         choice = self.schedule.plan(n)
         if choice is not None and rank == 0:
             self._announce(choice)
-        if not self.schedule.due(n):
+        if not self.schedule.due(n, final=final):
             return False
         self.schedule.taken(n)
         if not self.enabled:

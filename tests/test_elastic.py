@@ -259,6 +259,51 @@ def test_a_stopped_peer_is_confirmed_hung_well_before_the_watchdog(run_job) -> N
     assert (failure.kind, failure.member) == ("hang", "w1")
 
 
+def test_a_peer_stopped_before_building_the_group_does_not_hold_the_others(run_job) -> None:  # type: ignore[no-untyped-def]
+    """w2 is killed at step 10; the coordinator forms a generation of w0 and w1, and
+    w1 is SIGSTOPped right before it builds that generation's group (the "connect"
+    fault point), while w0 waits in the group's constructor for it. The coordinator
+    expels w1 at its lease; w0 gives up the build at once (not at the 15 s
+    rendezvous timeout), trains on without w1, and w1, continued afterwards, rejoins
+    in the same process."""
+    steps = 300
+    continued: list[int] = []
+
+    def on_status(launcher: Launcher, status: dict[str, Any]) -> None:
+        # Continue w1 once the job trains in a generation without it.
+        w = launcher.workers.get("w1")
+        if continued or w is None or status.get("gen", 0) < 3 or "w1" in status["members"]:
+            return
+        if int(status.get("step", 0)) > 12:
+            continued.append(w.proc.pid)
+            os.kill(w.proc.pid, signal.SIGCONT)
+
+    job = run_job(
+        steps=steps,
+        workers=3,
+        min_workers=1,
+        replace=False,
+        points=[
+            {"member": "w2", "step": 10, "phase": "compute", "action": "kill"},
+            {"member": "w1", "step": 10, "phase": "connect", "action": "hang"},
+        ],
+        script_args=["--min-step-s", "0.02"],
+        name="connect",
+        on_status=on_status,
+    )
+    assert_invariants(job, steps)
+    assert continued, "the job never trained without the stopped w1"
+    (stop,) = job.of("fault_injected", member="w1")
+    # w0 gave up building that generation's group because the coordinator moved on.
+    aborts = [e for e in job.of("step_abort", proc="w0") if e["t"] > stop["t"]]
+    assert aborts and aborts[0]["phase"] == "regroup", aborts
+    assert "superseded while its group was being built" in aborts[0]["error"], aborts
+    assert job.of("member_removed", member="w1", reason="lease_expired")
+    # w1, continued, came back in the same process and trained to the end.
+    assert {e["pid"] for e in job.of("step_commit", proc="w1")} == {stop["pid"]}
+    assert job.of("step_commit", proc="w1", step=steps - 1)
+
+
 def test_a_slow_peer_that_still_heartbeats_is_not_called_hung(run_job) -> None:  # type: ignore[no-untyped-def]
     """A straggler's peers wait far past their soft deadline and ask, but every
     peer is heartbeating: nobody is expelled, no watchdog fires, one generation."""

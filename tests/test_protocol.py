@@ -914,6 +914,7 @@ def test_hooks_see_every_point_of_every_step(tmp_path: Path) -> None:
     h.run()
     assert seen == [
         (-1, "a"),
+        (0, "connect"),  # the generation's group, built before its first step
         (0, "compute"), (0, "allreduce"), (0, "commit"),
         (1, "compute"), (1, "allreduce"), (1, "commit"),
     ]  # fmt: skip

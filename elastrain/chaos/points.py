@@ -8,7 +8,8 @@ point; a matching fault fires once per process.
 
     [{"member": "w1", "step": 5, "phase": "allreduce", "action": "kill"}]
 
-phases: "compute" (between micro-batches), "allreduce" (collective issued, not
+phases: "connect" (before building the group of a generation starting at
+`step`), "compute" (between micro-batches), "allreduce" (collective issued, not
 finished), "vote" (sharded: the commit vote completed here, the step not yet
 applied), "commit" (after the optimizer step), "eval" (after this member's first
 batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
@@ -43,7 +44,7 @@ from elastrain.runtime.hooks import InjectedFailure
 
 log = logging.getLogger("elastrain.chaos")
 
-PHASES = ("compute", "allreduce", "vote", "commit", "eval")
+PHASES = ("connect", "compute", "allreduce", "vote", "commit", "eval")
 ACTIONS = {
     "kill": signal.SIGKILL,
     "hang": signal.SIGSTOP,

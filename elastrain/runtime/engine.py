@@ -257,6 +257,14 @@ class GroupFactory(Protocol):
 HealFn = Callable[..., tuple[dict[str, Any], Any]]
 
 
+BUILD_END_MARGIN_S = 2.0
+"""An abandoned group build has ended this long after its rendezvous timeout."""
+
+
+class GroupBuildAbandoned(RuntimeError):
+    """The coordinator formed a newer generation while this one's group was being built."""
+
+
 class _Aborted(Exception):
     """A collective between steps (an evaluation's, a pause's) was given up."""
 
@@ -376,6 +384,9 @@ class StepEngine:
             events=self.events,
         )
         self._groups = groups or self._gloo_group
+        self._abandoned_builds: list[tuple[threading.Thread, float]] = []
+        """Group builds given up while still waiting (`_build_until_superseded`), with
+        the monotonic time by which each has ended; an exit waits for them."""
         self._heal_fn: HealFn = heal_fn or heal
         self.hooks = hooks.installed()
         self._stream = is_stream(dataset)
@@ -779,7 +790,8 @@ class StepEngine:
     def _gloo_group(self, gen: int, rank: int, size: int) -> Any:
         assert self._ready is not None and self._ready.gen == gen
         return build_group(
-            self.session.store(self.config.timeouts.rendezvous_s),
+            # Its own client: `_build_until_superseded` may abandon this build.
+            self.session.new_store(self.config.timeouts.rendezvous_s),
             self.session.group_prefix(self._ready),
             rank,
             size,
@@ -800,10 +812,63 @@ class StepEngine:
             op_timeout_s=2 * self.config.watchdog.ceiling_s,
         )
 
+    def _build_until_superseded(self, gen: int, build: Callable[[], Any]) -> Any:
+        """``build()`` (the generation's group) on a helper thread; GroupBuildAbandoned
+        if the coordinator moves on first.
+
+        The group's constructor waits in the store for every member, up to the
+        rendezvous timeout. A member stopped after the coordinator said "ready" and
+        before its build (SIGSTOP, a paused VM) would hold the others there for all
+        of it, although the coordinator expels it at its lease and forms a
+        generation without it. The heartbeats carry `gen` during the build, so the
+        coordinator's change reaches `session.gen_broken` and wakes this wait. An
+        abandoned build ends by itself (at that timeout, or when the late member
+        arrives) and its group is dropped unused; it waits on a store client of its
+        own (`Session.new_store`), not on the one this thread uses next."""
+        box: list[Any] = []
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append(build())
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                errors.append(e)
+            finally:
+                done.set()
+                self.waiter.interrupt()
+
+        thread = threading.Thread(target=run, name="elastrain-group-build", daemon=True)
+        # It ends by then, whatever happens: every wait of the build is bounded by it.
+        ends_by = time.monotonic() + self.config.timeouts.rendezvous_s + BUILD_END_MARGIN_S
+        thread.start()
+        self.waiter.wait_until(
+            lambda: (
+                done.is_set()
+                or self.session.gen_broken(gen)
+                or self.session.leaving
+                or self.session.expelled
+            )
+        )
+        if not done.is_set():
+            self._abandoned_builds.append((thread, ends_by))
+            raise GroupBuildAbandoned(
+                f"generation {gen} was superseded while its group was being built"
+            )
+        if errors:
+            raise errors[0]
+        return box[0]
+
     def _connect(self, a: m.Action) -> m.Observation:
         t0 = time.monotonic()
+        self._hook(a.step, hooks.StepPoint.CONNECT)
+        r = self._ready
+        # The heartbeats carry the generation being built (see `_build_until_superseded`).
+        self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         try:
-            self._pg = self._groups(a.gen, a.rank, len(a.members))
+            self._pg = self._build_until_superseded(
+                a.gen, lambda: self._groups(a.gen, a.rank, len(a.members))
+            )
             if self.transport.transport is Transport.NCCL:
                 self._nccl = self._nccl_group(a.rank, len(a.members))
             if self.shards is not None:
@@ -818,6 +883,7 @@ class StepEngine:
         except Exception as e:  # noqa: BLE001 - any failure to connect means: next generation
             log.warning("building group for generation %d failed: %s", a.gen, e)
             self._drop_groups()
+            self.session.set_gen(0)
             self.events.emit(
                 EventKind.STEP_ABORT,
                 step=a.step,
@@ -834,8 +900,6 @@ class StepEngine:
             build_s=time.monotonic() - t0,
         )
         self._joined = True
-        r = self._ready
-        self.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         if a.rank == 0:
             cfg = self.config
             for problem in batch_problems(
@@ -1824,6 +1888,10 @@ class StepEngine:
         self.session.close()
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
         self._hash_pool.shutdown(wait=False)
+        # An abandoned group build must not return into Python during interpreter
+        # shutdown either (`settle_before_exit`); it ends at its own deadline.
+        for thread, ends_by in self._abandoned_builds:
+            thread.join(max(0.0, ends_by - time.monotonic()))
         settle_before_exit(self.waiter, self.graveyard, self.member)
         self.client.close()
         if self._metering is not None:

@@ -17,6 +17,9 @@ from elastrain.observe.events import EventLog
 class StepPoint(StrEnum):
     """Where in a step a hook is called (the `phase` of a fault point)."""
 
+    CONNECT = "connect"
+    """Before this member builds the process group of a generation that starts at
+    step `step` (after the coordinator said every member is ready)."""
     COMPUTE = "compute"
     """After this member's first micro-batch's backward."""
     ALLREDUCE = "allreduce"

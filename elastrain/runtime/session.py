@@ -173,18 +173,24 @@ class MemberSession:
         """The TCPStore client (made on first use, and again after a coordinator move)."""
         with self._lock:
             if self._store is None:
-                from torch.distributed import TCPStore
-
-                assert self.store_addr is not None
-                host, port = self.store_addr
-                self._store = TCPStore(
-                    host,
-                    port,
-                    is_master=False,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s),
-                )
+                self._store = self.new_store(timeout_s)
             return self._store
+
+    def new_store(self, timeout_s: float) -> Any:
+        """A TCPStore client of its own, for a call that may be abandoned while it
+        waits in the store: a client serves one call at a time, so a wait left
+        running on the shared one (`store`) would hold up every later call on it."""
+        from torch.distributed import TCPStore
+
+        assert self.store_addr is not None
+        host, port = self.store_addr
+        return TCPStore(
+            host,
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
     # ---- state shared with the training thread -------------------------------
 

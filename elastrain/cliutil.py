@@ -3,8 +3,11 @@ line and how they write a generated file."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+from elastrain.checkpoint.config import CheckpointFormat
 
 
 def error(prog: str, msg: str) -> int:
@@ -24,3 +27,14 @@ def write_output(path: str | None, text: str, mode: int) -> bool:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     return True
+
+
+def add_ckpt_format(parser: argparse.ArgumentParser) -> None:
+    """The renderers' ``--ckpt-format``: what the rendered job's workers write."""
+    parser.add_argument(
+        "--ckpt-format",
+        choices=[f.value for f in CheckpointFormat],
+        default=None,
+        help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
+        "docs/formats.md) (default: the script's, flat)",
+    )

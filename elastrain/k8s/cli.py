@@ -15,8 +15,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from elastrain.checkpoint.config import CheckpointFormat
-from elastrain.cliutil import error, write_output
+from elastrain.cliutil import add_ckpt_format, error, write_output
 
 PROG = "elastrain k8s"
 
@@ -98,13 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEPS",
         help="checkpoint every STEPS steps (needs --ckpt-pvc)",
     )
-    r.add_argument(
-        "--ckpt-format",
-        choices=[f.value for f in CheckpointFormat],
-        default=None,
-        help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
-        "docs/formats.md) (default: the script's, flat)",
-    )
+    add_ckpt_format(r)
     r.add_argument(
         "--grace",
         type=float,

@@ -13,8 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from elastrain.checkpoint.config import CheckpointFormat
-from elastrain.cliutil import error, write_output
+from elastrain.cliutil import add_ckpt_format, error, write_output
 
 PROG = "elastrain slurm"
 
@@ -75,13 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--ckpt-every", type=int, default=None, metavar="STEPS", help="checkpoint every STEPS"
     )
-    r.add_argument(
-        "--ckpt-format",
-        choices=[f.value for f in CheckpointFormat],
-        default=None,
-        help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
-        "docs/formats.md) (default: the script's, flat)",
-    )
+    add_ckpt_format(r)
     r.add_argument(
         "--no-requeue", action="store_true", help="no --requeue, no requeue after the notice"
     )

@@ -26,6 +26,13 @@ class CheckpointFormat(StrEnum):
     always writes; a replicated torch job writes it with ``--ckpt-format dcp``."""
 
 
+def check_format(value: str | None, name: str = "--ckpt-format") -> None:
+    """ValueError naming the setting ``name`` unless ``value`` is None (not set) or
+    a `CheckpointFormat`'s value: the one check of every place that takes the format."""
+    if value is not None and value not in tuple(CheckpointFormat):
+        raise ValueError(f"{name} must be one of {', '.join(CheckpointFormat)} (got {value!r})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where and how checkpoints are written and kept. Validated on construction.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from elastrain.checkpoint.config import CheckpointFormat
+from elastrain.checkpoint.config import check_format
 from elastrain.quantity import parse_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -193,11 +193,7 @@ class K8sConfig:
                     "checkpoints need storage every worker shares: pass --ckpt-pvc with "
                     "--ckpt-every"
                 )
-        if self.ckpt_format is not None and self.ckpt_format not in tuple(CheckpointFormat):
-            raise ValueError(
-                f"--ckpt-format must be one of {', '.join(CheckpointFormat)} "
-                f"(got {self.ckpt_format!r})"
-            )
+        check_format(self.ckpt_format)
         if not self.grace_s > 0:
             raise ValueError(f"grace_s must be > 0 (got {self.grace_s})")
         if self.prestop_s < 0 or self.margin_s < 0:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastrain.chaos.schedule import Fault
-from elastrain.checkpoint.config import CheckpointFormat
+from elastrain.checkpoint.config import check_format
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,13 +241,7 @@ class LaunchConfig:
             raise ValueError("--ckpt-every must be >= 0 (0 turns periodic checkpoints off)")
         if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
-        if self.checkpoint_format is not None and self.checkpoint_format not in tuple(
-            CheckpointFormat
-        ):
-            raise ValueError(
-                f"--ckpt-format must be one of {', '.join(CheckpointFormat)}, "
-                f"got {self.checkpoint_format!r}"
-            )
+        check_format(self.checkpoint_format)
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastrain import env
-from elastrain.checkpoint.config import CheckpointFormat
+from elastrain.checkpoint.config import CheckpointFormat, check_format
 
 
 @dataclass(frozen=True)
@@ -326,11 +326,7 @@ class TrainerConfig:
             )
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
-        if self.checkpoint_format not in tuple(CheckpointFormat):
-            raise ValueError(
-                f"checkpoint_format must be one of {[f.value for f in CheckpointFormat]}, "
-                f"got {self.checkpoint_format!r}"
-            )
+        check_format(self.checkpoint_format, "checkpoint_format")
 
     def _suggest(self) -> int:
         return max(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from elastrain.checkpoint.config import CheckpointFormat
+from elastrain.checkpoint.config import check_format
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """A job name that is also a safe path component and member-id prefix."""
@@ -178,11 +178,7 @@ class SlurmConfig:
                 )
         if self.ckpt_every is not None and self.ckpt_every < 1:
             raise ValueError(f"ckpt_every must be >= 1 (got {self.ckpt_every})")
-        if self.ckpt_format is not None and self.ckpt_format not in tuple(CheckpointFormat):
-            raise ValueError(
-                f"--ckpt-format must be one of {', '.join(CheckpointFormat)} "
-                f"(got {self.ckpt_format!r})"
-            )
+        check_format(self.ckpt_format)
         if not self.elastrain or any(not a or "\n" in a for a in self.elastrain):
             raise ValueError("elastrain must be a command, e.g. ('elastrain',)")
         if self.coordinator_host is not None and not re.match(

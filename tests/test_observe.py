@@ -931,6 +931,38 @@ def test_ledger_ignores_a_late_zombie_commit_that_nothing_used() -> None:
     assert any("committed in 2 generations" in v for v in bad)
 
 
+def test_ledger_ignores_a_zombie_commits_checkpoint_shard_that_was_never_committed() -> None:
+    """c's late zombie commit of step 0 in gen 1 lands on a checkpoint step: it
+    saves its shard of checkpoint 1 for gen 1, which nobody ever commits (a and b
+    re-ran step 0 in gen 2 and committed theirs), and is then healed. That save
+    used nothing: one commit of the step (the torch soak in CI, step 3879). Had
+    gen 1's checkpoint been committed, the zombie's state would be the job's."""
+    ids = expected_ids(0)
+    half, third = len(ids) // 2, len(ids) // 3
+    ev = [
+        _ev(1.0, "generation_ready", "coordinator", gen=1, members=["a", "b", "c"]),
+        _ev(2.0, "step_contrib", "a", step=0, gen=1, samples=ids[:third]),
+        _ev(2.0, "step_contrib", "b", step=0, gen=1, samples=ids[third : 2 * third]),
+        _ev(2.0, "step_contrib", "c", step=0, gen=1, samples=ids[2 * third :]),
+        _ev(5.0, "generation_ready", "coordinator", gen=2, members=["a", "b"]),
+        _ev(6.0, "step_contrib", "a", step=0, gen=2, samples=ids[:half]),
+        _ev(6.0, "step_contrib", "b", step=0, gen=2, samples=ids[half:]),
+        _ev(6.5, "step_commit", "a", step=0, gen=2, loss=1.0),
+        _ev(6.5, "step_commit", "b", step=0, gen=2, loss=1.0),
+        _ev(6.6, "checkpoint_saved", "a", step=1, generation=2, shard=0, num_shards=2),
+        _ev(6.6, "checkpoint_saved", "b", step=1, generation=2, shard=1, num_shards=2),
+        _ev(6.7, "checkpoint_committed", "a", step=1, generation=2, num_shards=2),
+        _ev(9.0, "step_commit", "c", step=0, gen=1, loss=1.0),
+        _ev(9.1, "checkpoint_saved", "c", step=1, generation=1, shard=2, num_shards=3),
+        _ev(9.8, "heal_end", "c", gen=3, role="recv", bytes=1, seconds=0.1),
+    ]
+    rep = check_exactly_once(ev, expected_ids)
+    assert rep.violations == [] and rep.committed_by_step[0] == 2
+    durable = [*ev, _ev(9.2, "checkpoint_committed", "c", step=1, generation=1, num_shards=3)]
+    bad = check_exactly_once(durable, expected_ids).violations
+    assert any("committed in 2 generations" in v for v in bad)
+
+
 def test_goodput_checkpoint_blocking_and_data_wait_have_their_buckets() -> None:
     """A checkpoint at committed count 3 blocks each member 0.1 s before step 3
     runs; every committed step spent 0.05 s in the dataset and collate."""

@@ -213,19 +213,34 @@ class _LaterStart:
 
 class _StateFates:
     """What became of each member's state after each of its commits: used (the
-    member committed again, sent its state in a heal, or saved a checkpoint),
-    replaced by a heal, or never used (the member exited or the job ended)."""
-
-    _USED = frozenset({"step_commit", "checkpoint_saved"})
+    member committed again, sent its state in a heal, or saved its part of a
+    checkpoint that was committed), replaced by a heal, or never used (the
+    member exited or the job ended)."""
 
     def __init__(self, evs: Sequence[Event]) -> None:
         self._after: dict[str, list[tuple[float, bool]]] = defaultdict(list)
         """member -> (t, used) for each event that uses (True) or replaces (False)
         its state, in time order."""
+        # A saved shard is part of the job only once its checkpoint is committed:
+        # a zombie commit that lands on a checkpoint step saves its shard too,
+        # into a step its peers committed long ago (retention has deleted it by
+        # then) or never, and nobody ever commits that generation's checkpoint.
+        durable = {
+            (_int(e.get("step")), _int(e.get("generation")))
+            for e in evs
+            if e.get("kind") == "checkpoint_committed"
+        }
         formed: dict[int, float] = {}
         for e in evs:
             k = e.get("kind")
-            used = k in self._USED or (k == "heal_end" and e.get("role") == "send")
+            used = (
+                k == "step_commit"
+                or (k == "heal_end" and e.get("role") == "send")
+                or (
+                    k == "checkpoint_saved"
+                    and (_int(e.get("step")), _int(e.get("generation"))) in durable
+                )
+            )
             if used or (k == "heal_end" and e.get("role") == "recv"):
                 self._after[str(e.get("proc"))].append((float(e["t"]), used))
             g = _int(e.get("gen"))

@@ -5,21 +5,30 @@ the event list (`read_events(run_dir)`, any order), used by the unit tests, the
 chaos tests and the soak. Each returns human-readable violation strings; an
 empty list means the invariant held. None of them raises on partial events.
 
-Exactly-once (`check_exactly_once`): for every step s with a `step_commit`,
-  - all commits of s are in one generation g;
+Exactly-once (`check_exactly_once`) is checked along the job's *lineage*: the
+chain of generations its final state descends from, followed back from the
+newest generation that committed (`_Lineage`: a generation starts from the state
+its members held, each one's last commit, a heal's senders' or a loaded
+checkpoint's, so the generation of that commit is its predecessor and
+contributed the steps below its start). Along the lineage:
+  - every step 0..S-1 has a commit (no gap), by exactly one generation g: a
+    generation of the lineage that commits a step its start state already held
+    is a violation ("committed in 2 generations");
   - the `step_contrib` events of (s, g), one per member of g, partition
     `expected_ids(s)`: no id twice, none missing, none extra;
-  - the committed steps are exactly 0..S-1.
-Rolled-back commits are not part of the job's lineage and are left out: a
-commit of step s is rolled back when a later generation became ready with a
-start step <= s (every member that held it died and the job resumed from an
-older checkpoint, so s is committed again). They are counted in
-`LedgerReport.rolled_back` (work lost, recomputed).
+  - the members of a generation started from one state: the same generation's
+    commit of the step below (the protocol heals a member whose count matches
+    but whose commit is another generation's).
+Commits outside the lineage are work the job threw away, counted in
+`LedgerReport.rolled_back` (steps recomputed): those rolled back by a resume
+from an older checkpoint, a zombie's (a member that completed an all-reduce its
+peers had given up on, then was healed or left), and those of a generation that
+ran from an older state while the only holder of the newest one was stopped,
+superseded when that holder came back.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -37,15 +46,15 @@ class LedgerReport:
 
     committed_steps: number of distinct committed steps.
     violations: one message per problem (empty: exactly-once held).
-    committed_by_step: step -> the generation that committed it (the first
-    committing generation when there were several, which is itself a violation).
+    committed_by_step: step -> the generation of the lineage that committed it.
     """
 
     committed_steps: int
     violations: list[str]
     committed_by_step: dict[int, int]
     rolled_back: int = 0
-    """Distinct steps whose commits were rolled back and committed again."""
+    """Distinct steps also committed outside the lineage (rolled back, a zombie's,
+    a superseded generation's): work thrown away and done again."""
 
     @property
     def ok(self) -> bool:
@@ -121,7 +130,8 @@ def _members_at(
 def check_exactly_once(
     events: Sequence[Event], expected_ids: Callable[[int], list[int]]
 ) -> LedgerReport:
-    """Check that every sample of every committed step was consumed exactly once.
+    """Check that every sample of every step in the job's lineage was consumed
+    exactly once.
 
     `expected_ids(s)` is the ground truth: the sample ids of step s in the global
     order (e.g. ``lambda s: order.ids(s * B, (s + 1) * B)``). Pure; for tests and
@@ -129,7 +139,7 @@ def check_exactly_once(
     """
     evs = _sorted(events)
     violations: list[str] = []
-    commits: dict[int, list[Event]] = defaultdict(list)
+    by_gen: dict[int, list[Event]] = defaultdict(list)
     contribs: dict[tuple[int, int], list[Event]] = defaultdict(list)
     for e in evs:
         k = e.get("kind")
@@ -137,53 +147,48 @@ def check_exactly_once(
         if s is None or g is None:
             continue
         if k == "step_commit":
-            commits[s].append(e)
+            by_gen[g].append(e)
         elif k == "step_contrib":
             contribs[(s, g)].append(e)
-    members_of = _gen_members(evs)
-    fates = _StateFates(evs)
-    # A generation that started below steps already committed rolls them back,
-    # if it went on to commit anything: one that broke first left the newer
-    # state with the members that had it, and the next generation heals from them.
-    trained = {_int(e.get("gen")) for e in evs if e.get("kind") == "step_commit"}
-    later_start = _LaterStart(
-        (float(e["t"]), int(e["start_step"]))
-        for e in evs
-        if e.get("kind") == "generation_ready"
-        and _int(e.get("start_step")) is not None
-        and _int(e.get("gen")) in trained
-    )
-    rolled_back: set[int] = set()
-    for s in list(commits):
-        kept = [e for e in commits[s] if later_start.min_after(float(e["t"])) > s]
-        if len(kept) < len(commits[s]):
-            rolled_back.add(s)
-            commits[s] = kept
-        if not kept:
-            del commits[s]
-    committed_by_step: dict[int, int] = {}
-    for s in sorted(commits):
-        cs = [e for e in commits[s] if not fates.discarded(e)]
-        if not cs:
-            # Nothing built on any of them (the job's last step, say): the newest
-            # generation's commits are the job's.
-            top = max(int(e["gen"]) for e in commits[s])
-            cs = [e for e in commits[s] if int(e["gen"]) == top]
-        gens: dict[int, list[str]] = {}
+    if not by_gen:
+        return LedgerReport(0, [], {})
+    lineage = _Lineage(evs, by_gen)
+    violations.extend(lineage.violations)
+    kept: dict[int, list[Event]] = defaultdict(list)
+    thrown: set[int] = set()
+    for g, cs in by_gen.items():
+        lo, end = lineage.ranges.get(g, (0, 0))
         for e in cs:
-            gens.setdefault(int(e["gen"]), []).append(str(e.get("proc")))
-        committed_by_step[s] = int(cs[0]["gen"])
-        if len(gens) > 1:
-            detail = "; ".join(f"gen {g} by {', '.join(sorted(set(p)))}" for g, p in gens.items())
-            violations.append(f"step {s} was committed in {len(gens)} generations: {detail}")
+            s = int(e["step"])
+            if lo <= s < end:
+                kept[s].append(e)
+            else:
+                thrown.add(s)
+    for g, (lo, _) in lineage.ranges.items():
+        for s in sorted({int(e["step"]) for e in by_gen[g] if int(e["step"]) < lo}):
+            if s not in kept:
+                continue
+            # A generation of the lineage committed a step that the state it
+            # started from already held: no rollback explains that.
+            again = sorted({str(e.get("proc")) for e in by_gen[g] if int(e["step"]) == s})
+            before = sorted({str(e.get("proc")) for e in kept[s]})
+            violations.append(
+                f"step {s} was committed in 2 generations: gen {int(kept[s][0]['gen'])} by "
+                f"{', '.join(before)}; gen {g} by {', '.join(again)}"
+            )
+    members_of = _gen_members(evs)
+    committed_by_step: dict[int, int] = {}
+    for s in sorted(kept):
+        g = int(kept[s][0]["gen"])
+        committed_by_step[s] = g
+        t_commit = min(float(e["t"]) for e in kept[s])
         expected = Counter(int(x) for x in expected_ids(s))
-        for g in gens:
-            t_commit = min(float(e["t"]) for e in cs if int(e["gen"]) == g)
-            violations.extend(
-                _check_partition(s, g, contribs.get((s, g), []), expected,
-                                 _members_at(members_of, g, t_commit))
-            )  # fmt: skip
-    steps = sorted(commits)
+        violations.extend(
+            _check_partition(
+                s, g, contribs.get((s, g), []), expected, _members_at(members_of, g, t_commit)
+            )
+        )
+    steps = sorted(kept)
     if steps:
         missing = sorted(set(range(steps[-1] + 1)) - set(steps))
         if missing:
@@ -191,81 +196,123 @@ def check_exactly_once(
                 f"steps never committed (gap): {_ranges(missing)} "
                 f"(committed {len(steps)} steps up to {steps[-1]})"
             )
-    return LedgerReport(len(steps), violations, committed_by_step, len(rolled_back))
+    return LedgerReport(len(steps), violations, committed_by_step, len(thrown & set(steps)))
 
 
-class _LaterStart:
-    """The lowest start step of the generations that became ready after a time."""
+class _Lineage:
+    """The generations the job's final state descends from, and the steps each one
+    contributed to it (`ranges`: gen -> [first step, end)).
 
-    def __init__(self, starts: Iterable[tuple[float, int]]) -> None:
-        pairs = sorted(starts)
-        self.times = [t for t, _ in pairs]
-        self.suffix_min = [0] * len(pairs)
-        low = math.inf
-        for i in range(len(pairs) - 1, -1, -1):
-            low = min(low, pairs[i][1])
-            self.suffix_min[i] = int(low)
+    Followed backwards from the newest generation that committed: a generation
+    starts from the state its members held (each one's own last commit, the heal
+    that replaced it, or the checkpoint it loaded), and the generation of that
+    commit is its predecessor, which contributed the steps below the start. Commits
+    outside the lineage are work the job threw away: a zombie's (a member that
+    completed an all-reduce its peers had given up on), those of a generation that
+    started from an older state and was superseded by one that held the newer
+    state again (the only holder of the newest state was stopped for longer than
+    its lease, then came back), and those rolled back by a resume from an older
+    checkpoint."""
 
-    def min_after(self, t: float) -> float:
-        i = bisect.bisect_right(self.times, t)
-        return self.suffix_min[i] if i < len(self.times) else math.inf
+    def __init__(self, evs: Sequence[Event], by_gen: Mapping[int, Sequence[Event]]) -> None:
+        self.violations: list[str] = []
+        self.ranges: dict[int, tuple[int, float]] = {}
+        starts = self._starts(evs)
+        announced: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        for e in evs:
+            g, s = _int(e.get("gen")), _int(e.get("start_step"))
+            if e.get("kind") == "generation_ready" and g is not None and s is not None:
+                announced[g].append((float(e["t"]), s))
+        gen: int | None = max(by_gen)
+        end = math.inf
+        first = {g: min(float(e["t"]) for e in cs) for g, cs in by_gen.items()}
+        while gen is not None and gen not in self.ranges:
+            t_first = first[gen]
+            # Where the coordinator said it starts (its last word before the first
+            # commit), else its first committed step (a log without that word).
+            said = [s for t, s in announced.get(gen, []) if t <= t_first]
+            lo = said[-1] if said else min(int(e["step"]) for e in by_gen[gen])
+            self.ranges[gen] = (lo, end)
+            end = lo
+            if lo <= 0:
+                break
+            gen = self._predecessor(gen, lo, starts.get(gen, {}), by_gen, t_first)
+            if gen is not None and not (gen in by_gen and first[gen] < t_first):
+                # A checkpoint of another run (a requeued job numbers its generations
+                # from 1 again) or of a generation whose commits are not in this
+                # log: the lineage starts here, and the steps below are a gap.
+                gen = None
 
-
-class _StateFates:
-    """What became of each member's state after each of its commits: used (the
-    member committed again, sent its state in a heal, or saved its part of a
-    checkpoint that was committed), replaced by a heal, or never used (the
-    member exited or the job ended)."""
-
-    def __init__(self, evs: Sequence[Event]) -> None:
-        self._after: dict[str, list[tuple[float, bool]]] = defaultdict(list)
-        """member -> (t, used) for each event that uses (True) or replaces (False)
-        its state, in time order."""
-        # A saved shard is part of the job only once its checkpoint is committed:
-        # a zombie commit that lands on a checkpoint step saves its shard too,
-        # into a step its peers committed long ago (retention has deleted it by
-        # then) or never, and nobody ever commits that generation's checkpoint.
-        durable = {
-            (_int(e.get("step")), _int(e.get("generation")))
-            for e in evs
-            if e.get("kind") == "checkpoint_committed"
-        }
-        formed: dict[int, float] = {}
+    @staticmethod
+    def _starts(evs: Sequence[Event]) -> dict[int, dict[str, tuple[int, int]]]:
+        """gen -> member -> (step count, gen) of the state the member held when it
+        first committed in gen: what its own last commit made, a heal's senders'
+        state, a kept step it applied, or a loaded checkpoint's. Members whose
+        state is not known (a log without those events) are left out."""
+        origin: dict[str, tuple[int, int]] = {}
+        senders: dict[int, list[str]] = defaultdict(list)
+        out: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
+        seen: set[tuple[int, str]] = set()
         for e in evs:
             k = e.get("kind")
-            used = (
-                k == "step_commit"
-                or (k == "heal_end" and e.get("role") == "send")
-                or (
-                    k == "checkpoint_saved"
-                    and (_int(e.get("step")), _int(e.get("generation"))) in durable
-                )
-            )
-            if used or (k == "heal_end" and e.get("role") == "recv"):
-                self._after[str(e.get("proc"))].append((float(e["t"]), used))
-            g = _int(e.get("gen"))
-            if k in ("generation_formed", "generation_ready") and g is not None:
-                formed[g] = min(formed.get(g, math.inf), float(e["t"]))
-        # gen -> when the first generation newer than it formed.
-        self._newer: dict[int, float] = {}
-        first = math.inf
-        for g in sorted(formed, reverse=True):
-            self._newer[g] = first
-            first = min(first, formed[g])
+            p = str(e.get("proc"))
+            g, s = _int(e.get("gen")), _int(e.get("step"))
+            if k in ("step_commit", "step_rolled_forward") and s is not None and g is not None:
+                if k == "step_commit" and (g, p) not in seen:
+                    seen.add((g, p))
+                    if p in origin:
+                        out[g][p] = origin[p]
+                origin[p] = (s + 1, g)
+            elif k == "checkpoint_loaded" and s is not None:
+                ck = _int(e.get("generation"))
+                if ck is not None:
+                    origin[p] = (s, ck)
+            elif k in ("heal_begin", "heal_end") and g is not None:
+                if e.get("role") == "send":
+                    senders[g].append(p)
+                elif e.get("role") == "recv" and k == "heal_end":
+                    src = next((origin[q] for q in senders[g] if q in origin), None)
+                    if src is None:
+                        origin.pop(p, None)
+                    else:
+                        origin[p] = src
+        return out
 
-    def discarded(self, commit: Event) -> bool:
-        """A commit whose state is not part of the job's lineage. Its member
-        completed an all-reduce its peers did not (a hung one continued after the
-        others had re-run the step without it), and then either a heal replaced
-        its state before anything used it, or nothing ever used it and it came
-        after a newer generation had formed (the job ended, or the member left,
-        before it rejoined)."""
-        proc, t = str(commit.get("proc")), float(commit["t"])
-        nxt = next(((tt, used) for tt, used in self._after.get(proc, []) if tt > t), None)
-        if nxt is not None:
-            return not nxt[1]
-        g = _int(commit.get("gen"))
-        return g is not None and self._newer.get(g, math.inf) < t
+    def _predecessor(
+        self,
+        gen: int,
+        lo: int,
+        starts: Mapping[str, tuple[int, int]],
+        by_gen: Mapping[int, Sequence[Event]],
+        t_first: float,
+    ) -> int | None:
+        """The generation whose commit of step lo - 1 `gen` started from."""
+        froms = sorted({g for s, g in starts.values() if s == lo})
+        if len(froms) > 1:
+            detail = "; ".join(
+                f"gen {g} at {', '.join(sorted(m for m, o in starts.items() if o == (lo, g)))}"
+                for g in froms
+            )
+            self.violations.append(
+                f"gen {gen}: its members started from step {lo - 1} as committed in "
+                f"different generations: {detail}"
+            )
+        if froms:
+            return froms[-1]
+        # Its members' state is known but not at the step it started from: that
+        # state's generation all the same (the steps in between are a gap).
+        known = sorted({g for _, g in starts.values()})
+        if known:
+            return known[-1]
+        # Nothing known of its members' state (a log without those events): the
+        # newest commit of the step below, before it started.
+        best: tuple[float, int] | None = None
+        for g, cs in by_gen.items():
+            for e in cs:
+                t = float(e["t"])
+                if int(e["step"]) == lo - 1 and t < t_first and (best is None or t > best[0]):
+                    best = (t, g)
+        return None if best is None else best[1]
 
 
 def _check_partition(

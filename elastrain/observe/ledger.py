@@ -233,7 +233,10 @@ class _Lineage:
             said = [s for t, s in announced.get(gen, []) if t <= t_first]
             lo = said[-1] if said else min(int(e["step"]) for e in by_gen[gen])
             self.ranges[gen] = (lo, end)
-            end = lo
+            # Ranges never overlap, even for a predecessor that said it started
+            # above its successor (a log that makes no sense gets gaps, not two
+            # generations' commits of one step).
+            end = min(end, lo)
             if lo <= 0:
                 break
             gen = self._predecessor(gen, lo, starts.get(gen, {}), by_gen, t_first)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import elastrain.checkpoint.files as files_mod
 import elastrain.checkpoint.writer as writer_mod
 from elastrain.checkpoint import (
     CheckpointConfig,
@@ -28,7 +30,7 @@ from elastrain.checkpoint import (
     load,
     young_daly_interval,
 )
-from elastrain.checkpoint.files import MARKER, read_signed_json, write_signed_json
+from elastrain.checkpoint.files import MARKER, DurableFile, read_signed_json, write_signed_json
 from elastrain.checkpoint.layout import Layout
 from elastrain.transfer.dtypes import byte_view
 
@@ -418,3 +420,90 @@ def test_events_callback_errors_do_not_break_the_writer(tmp_path: Path) -> None:
         snap = Snapshot.take({"x": torch.ones(4)}, {}, shard=0, num_shards=1)
         assert w.save_async(step, snap, generation=0, members=["w0"]).wait(30).ok
     w.close()
+
+
+# ---- DurableFile: the kernel's writeback started as the bytes go out ----------
+
+
+def _fake_sync_file_range(calls: list[tuple[int, int, int]], fail: int = 0) -> Any:
+    def fn(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append((offset, nbytes, flags))
+        if fail:
+            ctypes.set_errno(fail)
+            return -1
+        return 0
+
+    return fn
+
+
+def test_a_durable_file_hands_every_byte_to_writeback_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(files_mod, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(files_mod, "_sync_file_range", _fake_sync_file_range(calls))
+    pieces = [os.urandom(n) for n in (10, 990, 2500, 1, 3000, 7)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        out = DurableFile(fd, writeback=True)
+        for p in pieces:
+            out.write(p)
+        out.sync()
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces) and out.size == 6508
+    # From offset 0, back to back, at least 1000 bytes at a time, never waiting
+    # (flags 2: SYNC_FILE_RANGE_WRITE); what is left to the fsync is under 1000.
+    assert calls and calls[0][0] == 0 and {f for _, _, f in calls} == {2}
+    assert all(o + n == calls[i + 1][0] for i, (o, n, _) in enumerate(calls[:-1]))
+    assert all(n >= 1000 for _, n, _ in calls)
+    assert 0 <= out.size - (calls[-1][0] + calls[-1][1]) < 1000
+
+
+def test_a_durable_file_without_writeback_or_with_a_file_system_that_refuses_it_only_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "WRITEBACK_BYTES", 100)
+    for writeback, fail, want_calls in ((False, 0, 0), (True, errno.EINVAL, 1)):
+        calls: list[tuple[int, int, int]] = []
+        monkeypatch.setattr(files_mod, "_sync_file_range", _fake_sync_file_range(calls, fail))
+        path = tmp_path / f"f-{writeback}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            out = DurableFile(fd, writeback=writeback)
+            out.write(b"x" * 1000)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == b"x" * 1000
+        assert len(calls) == want_calls  # refused once: not asked again
+
+
+def test_a_durable_file_raises_a_writeback_io_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "WRITEBACK_BYTES", 100)
+    monkeypatch.setattr(files_mod, "_sync_file_range", _fake_sync_file_range([], errno.EIO))
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        with pytest.raises(OSError, match="sync_file_range") as e:
+            DurableFile(fd, writeback=True).write(b"x" * 1000)
+        assert e.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(files_mod._sync_file_range is None, reason="no sync_file_range here")
+def test_a_durable_file_calls_the_real_sync_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "WRITEBACK_BYTES", 4096)
+    data = os.urandom(5 * 4096 + 17)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        out = DurableFile(fd, writeback=True)
+        out.write(data)
+        out.sync()
+        assert out._sync_file_range is not None  # accepted by this file system
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == data

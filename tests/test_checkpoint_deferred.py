@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint import load as dcp_load
 
 from elastrain.checkpoint import (
     CheckpointConfig,
@@ -21,9 +23,12 @@ from elastrain.checkpoint import (
     latest_verified,
     load,
 )
+from elastrain.checkpoint import dcp as dcp_module
 from elastrain.checkpoint import deferred as deferred_module
-from elastrain.checkpoint.deferred import DeferredCopy
-from elastrain.checkpoint.files import step_dir
+from elastrain.checkpoint import writer as writer_module
+from elastrain.checkpoint.dcp import Chunk, ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
+from elastrain.checkpoint.deferred import CopyFailed, DeferredCopy
+from elastrain.checkpoint.files import DurableFile, step_dir
 from elastrain.observe.events import EventLog, read_events
 from elastrain.runtime.durable import Checkpointing
 from elastrain.runtime.resume import ordered_json
@@ -217,3 +222,130 @@ def test_a_failed_copy_fails_that_save_only(
     assert ckpt is not None and ckpt.step == 2
     got, _ = load(ckpt)
     assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_wait_span_returns_once_its_chunks_are_copied_not_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = torch.arange(1024, dtype=torch.uint8)
+    dst = torch.zeros(1024, dtype=torch.uint8)
+    second = threading.Event()
+    real = deferred_module.copy_chunk
+
+    def copy(d: torch.Tensor, s: torch.Tensor) -> None:
+        if d.data_ptr() != dst.data_ptr():
+            assert second.wait(30), "the test never let the second chunk be copied"
+        real(d, s)
+
+    monkeypatch.setattr(deferred_module, "copy_chunk", copy)
+    deferred = DeferredCopy([(dst, src)], chunk_bytes=512)
+    deferred.start()
+    deferred.wait_span(dst.data_ptr(), 512)  # the first chunk only: its copy is done
+    assert torch.equal(dst[:512], src[:512]) and not deferred.done
+    deferred.wait_span(dst.data_ptr() + 100, 0)  # an empty span waits for nothing
+    second.set()
+    deferred.wait_span(dst.data_ptr() + 500, 24)  # overlaps both chunks
+    assert torch.equal(dst, src)
+    deferred.wait()
+
+
+def test_wait_span_raises_when_a_chunk_under_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(d: torch.Tensor, s: torch.Tensor) -> None:
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(deferred_module, "copy_chunk", failing)
+    dst = torch.zeros(1024, dtype=torch.uint8)
+    deferred = DeferredCopy([(dst, torch.ones(1024, dtype=torch.uint8))], chunk_bytes=512)
+    deferred.start()
+    with pytest.raises(CopyFailed, match="injected copy failure"):
+        deferred.wait_span(dst.data_ptr() + 600, 10)  # never copied: the copy gave up
+
+
+class _RecordingFile(DurableFile):
+    """A `DurableFile` that says when the first ``after`` bytes were appended."""
+
+    after = 0
+    reached = threading.Event()
+
+    def write(self, data: Any) -> None:
+        super().write(data)
+        if self.size >= self.after:
+            self.reached.set()
+
+
+def _state_of_two() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4096), torch.randn(4096)  # 16 KiB each: one deferred chunk each
+
+
+@pytest.mark.parametrize("fmt", ["flat", "dcp"])
+def test_the_writer_writes_what_is_copied_while_the_rest_is_still_being_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The writer follows the deferred copy chunk by chunk: the first tensor's
+    bytes go out while the second's copy has not run (it runs only once they
+    did; a writer that waited for the whole copy first would wait here)."""
+    a, b = _state_of_two()
+    real = deferred_module.copy_chunk
+    overlapped: list[bool] = []
+
+    def copy(d: torch.Tensor, s: torch.Tensor) -> None:
+        if s.data_ptr() == b.data_ptr():
+            overlapped.append(_RecordingFile.reached.wait(30))
+        real(d, s)
+
+    monkeypatch.setattr(deferred_module, "copy_chunk", copy)
+    monkeypatch.setattr(_RecordingFile, "reached", threading.Event())
+    monkeypatch.setattr(_RecordingFile, "after", a.numel() * a.element_size())
+    monkeypatch.setattr(writer_module, "CHUNK_BYTES", 4096)
+    config = CheckpointConfig(directory=str(tmp_path), fsync=False)
+    if fmt == "flat":
+        monkeypatch.setattr(writer_module, "DurableFile", _RecordingFile)
+        writer: CheckpointWriter = CheckpointWriter(config)
+        snap: Any = Snapshot.take({"a": a, "b": b}, {}, shard=0, num_shards=1, defer={"a", "b"})
+    else:
+        monkeypatch.setattr(dcp_module, "DurableFile", _RecordingFile)
+        writer = ShardedWriter(config)
+        declared = {"a": ("torch.float32", (4096,)), "b": ("torch.float32", (4096,))}
+        chunks = [Chunk("a", 0, 4096, a, defer=True), Chunk("b", 0, 4096, b, defer=True)]
+        snap = ShardSnapshot.take(ShardParts(declared, chunks, {}), shard=0, num_shards=1)
+    assert writer.save_async(3, snap, generation=1, members=["w0"]).wait(timeout=60).ok
+    writer.close()
+    assert overlapped == [True]
+    if fmt == "flat":
+        commit(tmp_path, 3, generation=1, members=["w0"], num_shards=1, fsync=False)
+        ckpt = latest_verified(tmp_path)
+        assert ckpt is not None
+        got, _ = load(ckpt)
+    else:
+        commit_sharded(str(tmp_path), 3, generation=1, members=["w0"], num_shards=1, fsync=False)
+        got = {"a": torch.zeros(4096), "b": torch.zeros(4096)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # no process group: one process
+            dcp_load(got, checkpoint_id=str(step_dir(tmp_path, 3)))
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+
+
+def test_a_copy_failing_after_the_writes_began_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = _state_of_two()
+    real = deferred_module.copy_chunk
+
+    def copy(d: torch.Tensor, s: torch.Tensor) -> None:
+        if s.data_ptr() == b.data_ptr():
+            assert _RecordingFile.reached.wait(30)  # the first tensor's bytes are out
+            raise RuntimeError("injected copy failure")
+        real(d, s)
+
+    monkeypatch.setattr(deferred_module, "copy_chunk", copy)
+    monkeypatch.setattr(_RecordingFile, "reached", threading.Event())
+    monkeypatch.setattr(_RecordingFile, "after", a.numel() * a.element_size())
+    monkeypatch.setattr(writer_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(writer_module, "DurableFile", _RecordingFile)
+    writer = CheckpointWriter(CheckpointConfig(directory=str(tmp_path), fsync=False))
+    snap = Snapshot.take({"a": a, "b": b}, {}, shard=0, num_shards=1, defer={"a", "b"})
+    res = writer.save_async(3, snap, generation=1, members=["w0"]).wait(timeout=60)
+    writer.close()
+    assert not res.ok and res.error is not None and "injected copy failure" in res.error
+    assert list(step_dir(tmp_path, 3).iterdir()) == []  # neither the data file nor a temp file

@@ -76,13 +76,13 @@ from elastrain.checkpoint.files import (
     CheckpointCorrupt,
     CheckpointError,
     CommitError,
+    DurableFile,
     fsync_dir,
     read_signed_json,
     remove_quietly,
     shard_manifest_name,
     step_dir,
     temp_name,
-    write_all,
     write_atomically,
     write_signed_json,
 )
@@ -254,10 +254,14 @@ class ShardSnapshot(WriterClaim):
         """True once a newer snapshot took this one's staging tensors (``into=``)."""
         return self._handed
 
-    def wait_copied(self) -> None:
-        """Block until the deferred copy is done (the writer, before reading the
-        staging tensors); `CopyFailed` if it failed."""
-        self.deferred.wait()
+    def wait_copied(self, part: torch.Tensor | None = None) -> None:
+        """Block until the deferred copy into ``part`` (one of the staging tensors;
+        None: all of them) is done (the writer, before reading it); `CopyFailed`
+        if it failed."""
+        if part is None:
+            self.deferred.wait()
+        else:
+            self.deferred.wait_span(part.data_ptr(), part.numel() * part.element_size())
 
     @staticmethod
     def take(
@@ -380,8 +384,8 @@ class _BlobSink:
     address and size, so the raw bytes' offset and their block CRC-32s come
     from what was written, not from parsing the zip afterwards."""
 
-    def __init__(self, fd: int, t: torch.Tensor, crc: int) -> None:
-        self.fd = fd
+    def __init__(self, out: DurableFile, t: torch.Tensor, crc: int) -> None:
+        self.out = out
         self.crc = crc
         self.written = 0
         self.nbytes = t.numel() * t.element_size()
@@ -406,7 +410,7 @@ class _BlobSink:
             )
             crc_thread.start()
             try:
-                write_all(self.fd, mv)
+                self.out.write(mv)
             finally:
                 crc_thread.join()
             if not blocks:
@@ -416,7 +420,7 @@ class _BlobSink:
             for i, c in enumerate(self.block_crc32):
                 self.crc = crc32_combine(self.crc, c, min(BLOCK_BYTES, n - i * BLOCK_BYTES))
         else:
-            write_all(self.fd, mv)
+            self.out.write(mv)
             self.crc = zlib.crc32(mv, self.crc)
         self.written += n
         return n
@@ -457,12 +461,12 @@ def _torch_save(t: torch.Tensor, sink: _BlobSink) -> None:
         writer.write_end_of_file()
 
 
-def _save_chunk(fd: int, t: torch.Tensor, crc: int) -> _BlobSink:
-    """``torch.save(t)`` appended to the data file ``fd`` (whose CRC-32 so far is
+def _save_chunk(out: DurableFile, t: torch.Tensor, crc: int) -> _BlobSink:
+    """``torch.save(t)`` appended to the data file ``out`` (whose CRC-32 so far is
     ``crc``). Checks that the storage's bytes went out once, as they are (so a
     reader can take rows from the file without unpickling); RuntimeError if not,
     which fails the save rather than writing what elastrain could not read."""
-    sink = _BlobSink(fd, t, crc)
+    sink = _BlobSink(out, t, crc)
     _torch_save(t, sink)
     if sink.nbytes and len(sink.data_at) != 1:
         raise RuntimeError(
@@ -500,10 +504,12 @@ class ShardedWriter(CheckpointWriter):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
+                out = DurableFile(fd, writeback=self.config.fsync)
                 for (fqn, lo, hi), t in zip(snap.chunks, snap.staging, strict=True):
                     if self._cancel.is_set():
                         raise RuntimeError("writer closed (close(wait=False)) during the save")
-                    sink = _save_chunk(fd, t, crc)
+                    snap.wait_copied(t)  # the copy runs during the next step; follow it
+                    sink = _save_chunk(out, t, crc)
                     entries.append(
                         {
                             "fqn": fqn,
@@ -519,7 +525,7 @@ class ShardedWriter(CheckpointWriter):
                     crc = sink.crc
                     off += sink.written
                 if self.config.fsync:
-                    os.fsync(fd)
+                    out.sync()
             finally:
                 os.close(fd)
             if (d / MARKER).exists():

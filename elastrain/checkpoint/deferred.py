@@ -15,8 +15,10 @@ claiming them one at a time under a lock, so a training thread that reaches its
 mutation point finishes what the copier has not started instead of waiting
 idle (and torch's ``copy_`` releases the GIL between chunks). `wait` (the
 writer thread) blocks until every chunk is copied and raises `CopyFailed` if
-one failed; `waited` (event emitters, any thread) is the time the training
-thread was blocked in `settle`.
+one failed, and `wait_span` until the chunks under one range of the snapshot's
+memory are, so the writer writes the first bytes while the rest are still being
+copied; `waited` (event emitters, any thread) is the time the training thread
+was blocked in `settle`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class DeferredCopy:
                 chunks.append((dst[i : i + chunk_bytes], src[i : i + chunk_bytes]))
         self.nbytes = sum(int(s.numel()) for _, s in chunks)
         """Bytes this copy moves (0: nothing was deferred)."""
+        self._spans = [(d.data_ptr(), d.data_ptr() + int(d.numel())) for d, _ in chunks]
+        """Each chunk's destination, as addresses ``[lo, hi)`` (`wait_span` looks them up)."""
+        self._copied = [False] * len(chunks)
         self._chunks = chunks
         self._cond = threading.Condition()
         self._next = 0
@@ -93,7 +98,8 @@ class DeferredCopy:
             with self._cond:
                 if self._next >= len(self._chunks):
                     return
-                dst, src = self._chunks[self._next]
+                index = self._next
+                dst, src = self._chunks[index]
                 self._next += 1
                 self._claimed += 1
             err: BaseException | None = None
@@ -105,7 +111,9 @@ class DeferredCopy:
                 if err is not None and self._error is None:
                     self._error = err
                     self._next = len(self._chunks)  # nobody copies the rest
+                self._copied[index] = err is None
                 self._finished += 1
+                self._cond.notify_all()  # a `wait_span` may be waiting for this chunk
                 if self._next >= len(self._chunks) and self._finished == self._claimed:
                     self._chunks = []  # drop the views of the live state
                     self._done.set()
@@ -154,6 +162,21 @@ class DeferredCopy:
         """Block until the copy is done (the writer, before reading the buffers);
         CopyFailed if a chunk failed."""
         self._done.wait()
+        self._raise_failed()
+
+    def wait_span(self, address: int, nbytes: int) -> None:
+        """Block until every chunk copied into addresses ``[address, address +
+        nbytes)`` is done (the writer, before reading those bytes; other bytes
+        may still be in flight); CopyFailed if any chunk failed."""
+        end = address + nbytes
+        under = [i for i, (lo, hi) in enumerate(self._spans) if lo < end and address < hi]
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._error is not None or all(self._copied[i] for i in under)
+            )
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
         if self._error is not None:
             raise CopyFailed(
                 f"the deferred snapshot copy failed: {type(self._error).__name__}: {self._error}"

@@ -46,7 +46,7 @@ import torch
 
 from elastrain.checkpoint.dcp import KIND as DCP_KIND
 from elastrain.checkpoint.dcp import ShardedReader
-from elastrain.checkpoint.files import CHECKPOINTS, CheckpointError, fsync_dir, write_all
+from elastrain.checkpoint.files import CHECKPOINTS, CheckpointError, DurableFile, fsync_dir
 from elastrain.checkpoint.layout import Layout, safetensors_dtype, safetensors_header
 from elastrain.checkpoint.store import VerifiedCheckpoint, latest_verified, load
 from elastrain.transfer.dtypes import byte_view
@@ -254,17 +254,18 @@ def write_safetensors(
     total, done = len(head) + layout.total, 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        write_all(fd, memoryview(head))
+        out = DurableFile(fd, writeback=True)
+        out.write(head)
         done += len(head)
         for t in contiguous.values():
             raw = byte_view(t).numpy().data
             for i in range(0, len(raw), _WRITE_CHUNK):
                 part = raw[i : i + _WRITE_CHUNK]
-                write_all(fd, part)
+                out.write(part)
                 done += len(part)
                 if progress is not None:
                     progress(done, total)
-        os.fsync(fd)
+        out.sync()
     finally:
         os.close(fd)
     if progress is not None:

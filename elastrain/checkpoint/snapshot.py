@@ -107,12 +107,16 @@ class Snapshot(WriterClaim):
         """The tensor slices inside this shard's range."""
         return self.layout.pieces(self.lo, self.hi)
 
-    def wait_copied(self) -> None:
-        """Block until every copy into ``buffer`` is done: the deferred one, and
-        asynchronous device-to-host ones. Called by the writer thread before it
-        reads the buffer; raises `CopyFailed` if the deferred copy failed.
+    def wait_copied(self, part: torch.Tensor | None = None) -> None:
+        """Block until every copy into ``part`` (a slice of ``buffer``; None: all of
+        it) is done: the deferred one, and asynchronous device-to-host ones. Called
+        by the writer thread before it reads those bytes; raises `CopyFailed` if the
+        deferred copy failed.
         """
-        self.deferred.wait()
+        if part is None:
+            self.deferred.wait()
+        else:
+            self.deferred.wait_span(part.data_ptr(), part.numel() * part.element_size())
         for ev in self._cuda_events:
             ev.synchronize()
 

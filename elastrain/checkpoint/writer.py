@@ -26,13 +26,13 @@ from elastrain.checkpoint.deferred import CopyFailed
 from elastrain.checkpoint.files import (
     FORMAT,
     MARKER,
+    DurableFile,
     fsync_dir,
     remove_quietly,
     shard_file_name,
     shard_manifest_name,
     step_dir,
     temp_name,
-    write_all,
     write_signed_json,
 )
 from elastrain.checkpoint.layout import safetensors_header
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 EventSink = Callable[[str, dict[str, Any]], None]
 
 CHUNK_BYTES = 32 << 20
-"""Bytes per ``os.write``; a cancelled save (``close(wait=False)``) stops between chunks."""
+"""Bytes per `DurableFile.write`; a cancelled save (``close(wait=False)``) stops between chunks."""
 
 
 class SnapshotLike(Protocol):
@@ -56,7 +56,7 @@ class SnapshotLike(Protocol):
     @property
     def handed_over(self) -> bool: ...
 
-    def wait_copied(self) -> None: ...
+    def wait_copied(self, part: Any = None) -> None: ...
 
     def _acquire(self) -> bool: ...
 
@@ -122,10 +122,12 @@ class CheckpointWriter:
     `save_async` from the training thread, and reports the handle's result
     to whoever calls `commit` for the step (rank 0 / the coordinator).
 
-    Per save, in the writer thread: wait until the snapshot's copies are done
-    (`Snapshot.wait_copied`), create ``step-XXXXXXXX/``, write the
+    Per save, in the writer thread: create ``step-XXXXXXXX/``, write the
     shard as a safetensors file to a hidden temp file while a second thread
-    computes its CRC-32, fsync it, rename it to ``shard-KKKKK-of-NNNNN.safetensors``,
+    computes its CRC-32, each chunk once the snapshot's copy of it is done
+    (`Snapshot.wait_copied`: the copy runs during the next step and the writes
+    follow it), with the kernel's writeback started as the bytes go out
+    (`DurableFile`), fsync it, rename it to ``shard-KKKKK-of-NNNNN.safetensors``,
     fsync the directory, then write the shard's JSON manifest (step,
     generation, members, size, crc32, layout, meta) the same way. The manifest
     appears only after the data is durable, so its presence means "this shard
@@ -253,8 +255,8 @@ class CheckpointWriter:
             "path": str(final),
         }
         try:
-            # A snapshot's copy may still be running (deferred, or queued on a device).
-            snap.wait_copied()
+            # A snapshot's copy may still be running (deferred, or queued on a device):
+            # `_write` waits for each part before it reads it.
             size = self._write(d, final, step, snap, generation, members)
         except Exception as e:
             err = getattr(e, "errno", None)
@@ -329,29 +331,38 @@ class CheckpointWriter:
             "range": f"{snap.lo}:{snap.hi}",
         }
         header = safetensors_header(snap.pieces(), snap.lo, meta)
-        data = snap.buffer.numpy().data if snap.nbytes else memoryview(b"")
-        crc_box = [zlib.crc32(header)]
+        buf = snap.buffer
+        data = buf.numpy().data if snap.nbytes else memoryview(b"")
+        spans = [(i, min(i + CHUNK_BYTES, len(data))) for i in range(0, len(data), CHUNK_BYTES)]
+        crc = _ChunkCrc(zlib.crc32(header))
         tmp = temp_name(final)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            # CRC-32 of the data in parallel with the writes (both release the GIL).
+            # CRC-32 of the data in parallel with the writes (both release the GIL),
+            # each chunk once it is copied, as the writes below.
             crc_thread = threading.Thread(
-                target=lambda: crc_box.append(zlib.crc32(data, crc_box[0])), name="ckpt-crc"
+                target=crc.run, args=(snap, buf, data, spans), name="ckpt-crc"
             )
             crc_thread.start()
             try:
-                write_all(fd, memoryview(header))
-                for i in range(0, len(data), CHUNK_BYTES):
+                out = DurableFile(fd, writeback=self.config.fsync)
+                out.write(header)
+                for lo, hi in spans:
                     if self._cancel.is_set():
                         raise RuntimeError("writer closed (close(wait=False)) during the save")
-                    write_all(fd, data[i : i + CHUNK_BYTES])
+                    snap.wait_copied(buf[lo:hi])
+                    out.write(data[lo:hi])
                 if self.config.fsync:
-                    os.fsync(fd)
+                    out.sync()
+            except BaseException:
+                crc.stop()
+                raise
             finally:
                 try:
                     crc_thread.join()
                 finally:
                     os.close(fd)
+            checksum = crc.result()
             if (d / MARKER).exists():
                 raise RuntimeError(f"{d} was committed while this shard was being written")
             os.replace(tmp, final)
@@ -360,4 +371,39 @@ class CheckpointWriter:
             raise
         if self.config.fsync:
             fsync_dir(d)
-        return len(header) + len(data), crc_box[-1]
+        return len(header) + len(data), checksum
+
+
+class _ChunkCrc:
+    """The CRC-32 of a shard's data, chunk by chunk as the snapshot's copy
+    finishes them, on a thread of its own beside the writes (`run`)."""
+
+    def __init__(self, initial: int) -> None:
+        self._crc = initial
+        self._done = False
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+
+    def run(self, snap: Snapshot, buf: Any, data: memoryview, spans: list[tuple[int, int]]) -> None:
+        try:
+            for lo, hi in spans:
+                if self._stop.is_set():
+                    return
+                snap.wait_copied(buf[lo:hi])
+                self._crc = zlib.crc32(data[lo:hi], self._crc)
+            self._done = True
+        except BaseException as e:  # noqa: BLE001 - `result` raises it on the writer thread
+            self._error = e
+
+    def stop(self) -> None:
+        """Stop at the next chunk (the writes failed; nobody needs the CRC)."""
+        self._stop.set()
+
+    def result(self) -> int:
+        """The CRC-32 of the header and all chunks, once `run` returned; raises
+        what `run` raised."""
+        if self._error is not None:
+            raise self._error
+        if not self._done:
+            raise RuntimeError("the shard's CRC-32 was not computed")
+        return self._crc

@@ -224,7 +224,7 @@ def test_a_failed_copy_fails_that_save_only(
     assert all(torch.equal(got[n], t) for n, t in want.items())
 
 
-def test_wait_span_returns_once_its_chunks_are_copied_not_the_rest(
+def test_waiting_on_a_part_returns_once_its_chunks_are_copied_not_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     src = torch.arange(1024, dtype=torch.uint8)
@@ -240,16 +240,18 @@ def test_wait_span_returns_once_its_chunks_are_copied_not_the_rest(
     monkeypatch.setattr(deferred_module, "copy_chunk", copy)
     deferred = DeferredCopy([(dst, src)], chunk_bytes=512)
     deferred.start()
-    deferred.wait_span(dst.data_ptr(), 512)  # the first chunk only: its copy is done
+    deferred.wait(dst[:512])  # the first chunk only: its copy is done
     assert torch.equal(dst[:512], src[:512]) and not deferred.done
-    deferred.wait_span(dst.data_ptr() + 100, 0)  # an empty span waits for nothing
+    deferred.wait(dst[100:100])  # an empty span waits for nothing
     second.set()
-    deferred.wait_span(dst.data_ptr() + 500, 24)  # overlaps both chunks
+    deferred.wait(dst[500:524])  # overlaps both chunks
     assert torch.equal(dst, src)
     deferred.wait()
 
 
-def test_wait_span_raises_when_a_chunk_under_it_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waiting_on_a_part_raises_when_a_chunk_under_it_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def failing(d: torch.Tensor, s: torch.Tensor) -> None:
         raise RuntimeError("injected copy failure")
 
@@ -258,7 +260,7 @@ def test_wait_span_raises_when_a_chunk_under_it_failed(monkeypatch: pytest.Monke
     deferred = DeferredCopy([(dst, torch.ones(1024, dtype=torch.uint8))], chunk_bytes=512)
     deferred.start()
     with pytest.raises(CopyFailed, match="injected copy failure"):
-        deferred.wait_span(dst.data_ptr() + 600, 10)  # never copied: the copy gave up
+        deferred.wait(dst[600:610])  # never copied: the copy gave up
 
 
 class _RecordingFile(DurableFile):

@@ -258,10 +258,7 @@ class ShardSnapshot(WriterClaim):
         """Block until the deferred copy into ``part`` (one of the staging tensors;
         None: all of them) is done (the writer, before reading it); `CopyFailed`
         if it failed."""
-        if part is None:
-            self.deferred.wait()
-        else:
-            self.deferred.wait_span(part.data_ptr(), part.numel() * part.element_size())
+        self.deferred.wait(part)
 
     @staticmethod
     def take(

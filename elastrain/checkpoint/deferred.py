@@ -14,10 +14,9 @@ Thread contract: the snapshot's taker calls `start` once; the copier thread and
 claiming them one at a time under a lock, so a training thread that reaches its
 mutation point finishes what the copier has not started instead of waiting
 idle (and torch's ``copy_`` releases the GIL between chunks). `wait` (the
-writer thread) blocks until every chunk is copied and raises `CopyFailed` if
-one failed, and `wait_span` until the chunks under one range of the snapshot's
-memory are, so the writer writes the first bytes while the rest are still being
-copied; `waited` (event emitters, any thread) is the time the training thread
+writer thread) blocks until the chunks under one part of the snapshot's memory
+(or every chunk) are copied, so the writer writes the first bytes while the
+rest are still being copied, and raises `CopyFailed` if one failed; `waited` (event emitters, any thread) is the time the training thread
 was blocked in `settle`.
 """
 
@@ -67,7 +66,7 @@ class DeferredCopy:
         self.nbytes = sum(int(s.numel()) for _, s in chunks)
         """Bytes this copy moves (0: nothing was deferred)."""
         self._spans = [(d.data_ptr(), d.data_ptr() + int(d.numel())) for d, _ in chunks]
-        """Each chunk's destination, as addresses ``[lo, hi)`` (`wait_span` looks them up)."""
+        """Each chunk's destination, as addresses ``[lo, hi)`` (`wait` looks them up)."""
         self._copied = [False] * len(chunks)
         self._chunks = chunks
         self._cond = threading.Condition()
@@ -113,7 +112,7 @@ class DeferredCopy:
                     self._next = len(self._chunks)  # nobody copies the rest
                 self._copied[index] = err is None
                 self._finished += 1
-                self._cond.notify_all()  # a `wait_span` may be waiting for this chunk
+                self._cond.notify_all()  # a `wait` may be waiting for this chunk
                 if self._next >= len(self._chunks) and self._finished == self._claimed:
                     self._chunks = []  # drop the views of the live state
                     self._done.set()
@@ -158,22 +157,21 @@ class DeferredCopy:
                 return self._waited + time.perf_counter() - self._settling_since
             return self._waited
 
-    def wait(self) -> None:
-        """Block until the copy is done (the writer, before reading the buffers);
-        CopyFailed if a chunk failed."""
-        self._done.wait()
-        self._raise_failed()
-
-    def wait_span(self, address: int, nbytes: int) -> None:
-        """Block until every chunk copied into addresses ``[address, address +
-        nbytes)`` is done (the writer, before reading those bytes; other bytes
-        may still be in flight); CopyFailed if any chunk failed."""
-        end = address + nbytes
-        under = [i for i, (lo, hi) in enumerate(self._spans) if lo < end and address < hi]
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._error is not None or all(self._copied[i] for i in under)
-            )
+    def wait(self, part: torch.Tensor | None = None) -> None:
+        """Block until every chunk copied into ``part``'s memory (a slice of one
+        destination; None: every chunk) is done. The writer calls it before it
+        reads those bytes; other bytes may still be in flight. CopyFailed if a
+        chunk failed."""
+        if part is None:
+            self._done.wait()
+        else:
+            lo = part.data_ptr()
+            hi = lo + part.numel() * part.element_size()
+            under = [i for i, (a, b) in enumerate(self._spans) if a < hi and lo < b]
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._error is not None or all(self._copied[i] for i in under)
+                )
         self._raise_failed()
 
     def _raise_failed(self) -> None:

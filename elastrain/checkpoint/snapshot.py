@@ -113,10 +113,7 @@ class Snapshot(WriterClaim):
         by the writer thread before it reads those bytes; raises `CopyFailed` if the
         deferred copy failed.
         """
-        if part is None:
-            self.deferred.wait()
-        else:
-            self.deferred.wait_span(part.data_ptr(), part.numel() * part.element_size())
+        self.deferred.wait(part)
         for ev in self._cuda_events:
             ev.synchronize()
 

@@ -37,7 +37,9 @@ hash against the senders' after the last round.
 
 Reported per S: median MB/s of each, the heal's rate against the warm and the
 fresh broadcast (ratio of medians; and the median of per-round ratios, which a
-load swing between rounds moves less), CPU milliseconds of all processes per
+load swing between rounds moves less), the heal's payload phase alone
+(`HealStats.payload_s`) as a rate and against the warm broadcast, the
+milliseconds of the heal outside it (flatten, manifest rounds, install), CPU milliseconds of all processes per
 operation, the receiver process's first heal (timed alone, before the rounds:
 what a replacement's one heal meets, cold code paths and untouched landing
 memory) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
@@ -141,7 +143,19 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for ref in ("warm", "fresh")
     }
     first = nbytes / 1e6 / recv["first"][0]
-    return {"bytes": nbytes, "rates": rates, "cpu": cpu, "per_round": per_round, "first": first}
+    # The receiver's heal split in two: moving the payload, and the rest (flatten,
+    # manifest rounds, install), from `HealStats.payload_s`.
+    payload = [nbytes / 1e6 / s for s in recv["payload_s"]]
+    outside = [h - s for h, s in zip(recv["seconds"]["heal"], recv["payload_s"], strict=True)]
+    return {
+        "bytes": nbytes,
+        "rates": rates,
+        "cpu": cpu,
+        "per_round": per_round,
+        "first": first,
+        "payload": payload,
+        "outside": outside,
+    }
 
 
 def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
@@ -158,6 +172,8 @@ def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
             fmt(ratio, 2),
             fmt(med(r["per_round"]["warm"]), 2),
             fmt(m["heal"] / m["fresh"], 2),
+            f"{fmt(med(r['payload']), 0)} ({fmt(med(r['payload']) / m['warm'], 2)})",
+            fmt(med(r["outside"]) * 1e3, 1),
             " / ".join(fmt(med(r["cpu"][k]) * 1e3, 1) for k in KINDS),
             f"{fmt(r['first'], 0)} ({fmt(r['first'] / m['warm'], 2)})",
             "PASS" if ratio >= TARGET else "FAIL",
@@ -175,6 +191,8 @@ HEADER = [
     "heal / warm",
     "per-round heal / warm",
     "heal / fresh",
+    "heal payload MB/s (/ warm)",
+    "heal outside payload ms",
     "CPU ms warm / fresh / heal",
     "first heal MB/s (/ warm)",
     f">= {TARGET:.0%} of warm",
@@ -243,6 +261,10 @@ def main() -> int:
         f"every process: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (large allocations are "
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",
+        "heal payload: the payload bytes over the receiver's payload phase alone "
+        "(HealStats.payload_s: landing allocated, stripes and seals sent, received and "
+        "checked, the outcome); outside payload: the rest of its heal (flatten, the "
+        "manifest rounds, the install), medians over rounds",
         "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
         "operation, median over rounds",
         "first heal: the receiver process's first heal (one per sender count, timed from a "

@@ -902,6 +902,9 @@ def _assert_healed(res: list[dict[str, Any]], senders: list[int], receivers: lis
         assert res[r]["meta"] == json.loads(json.dumps(SENT_META))
         assert res[r]["stats"]["role"] == "recv"
         assert res[r]["stats"]["bytes"] == res[r]["total_bytes"] > 0
+        # The payload phase is a part of the call, not all of it: the manifest
+        # rounds come before it and the install after it.
+        assert 0 < res[r]["stats"]["payload_s"] < res[r]["stats"]["seconds"]
         assert res[r]["lr"] == 1e-2
     for s in senders:
         assert res[s]["meta"] == json.loads(json.dumps(SENT_META))

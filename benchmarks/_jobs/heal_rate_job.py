@@ -24,7 +24,9 @@ every rank so that they start it together:
 
 Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
 the wall seconds (from the barrier to its own end of it) and the CPU seconds of
-its process (every thread, gloo's included). After the last round the ranks
+its process (every thread, gloo's included), and per heal the part of its own
+call that moved the payload (`HealStats.payload_s`; the rest is the flatten,
+the manifest rounds and the install). After the last round the ranks
 check that the receiver's state hash equals the senders' (exit 3 if not).
 Run it with MALLOC_MMAP_THRESHOLD_ set (heal_rate.py does) so that every large
 allocation is fresh memory, as in a replacement's first heal.
@@ -99,8 +101,13 @@ def main() -> None:
     )
     state = build(dim, layers, heads, rank < senders)
 
+    payload_s: list[float] = []
+
     def do_heal() -> None:
-        heal(pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY)
+        _, stats = heal(
+            pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY
+        )
+        payload_s.append(stats.payload_s)
 
     def broadcast(t: torch.Tensor) -> None:
         if bcast is None:
@@ -126,7 +133,7 @@ def main() -> None:
     barrier(pg)
     c0, t0 = cpu_s(), time.perf_counter()
     do_heal()
-    first = (time.perf_counter() - t0, cpu_s() - c0)
+    first = (time.perf_counter() - t0, cpu_s() - c0, payload_s.pop())
     nbytes = sum(t.numel() * t.element_size() for _, t in state.flatten().tensors)
     warm = torch.zeros(nbytes, dtype=torch.uint8)
     broadcast(warm)
@@ -139,7 +146,15 @@ def main() -> None:
     ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(
-            {"rank": rank, "bytes": nbytes, "seconds": seconds, "cpu": cpu, "first": first}, f
+            {
+                "rank": rank,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "cpu": cpu,
+                "payload_s": payload_s,
+                "first": first,
+            },
+            f,
         )
     barrier(pg)
     if not ok:

@@ -943,6 +943,7 @@ class StepEngine:
                 role=role,
                 bytes=stats.bytes,
                 seconds=stats.seconds,
+                payload_s=stats.payload_s,
                 rate_mb_s=stats.rate_mb_s,
             )
         return self._healed(a, committed, received)

@@ -295,6 +295,7 @@ class ShardedMember:
             role=role,
             bytes=stats.bytes,
             seconds=stats.seconds,
+            payload_s=stats.payload_s,
             rate_mb_s=stats.rate_mb_s,
         )
         return HealOutcome(committed, received)
@@ -333,9 +334,12 @@ class ShardedMember:
         )
         row_bytes = backend.row_bytes() if holds else [0] * len(backend.rows())
         counted: list[tuple[int, int]] = []
+        moving = [0.0]  # seconds in the exchange: heal_end's payload_s
 
         def exchange(old: Any, new: Any) -> None:
+            t = time.monotonic()
             counted.append(exchange_rows(world_pg, rank_of, me, pieces, old, new))
+            moving[0] += time.monotonic() - t
 
         slot = layout.slots[me]
         backend.reshard(layout.shard_size, slot.shard, what["schema"], exchange, holds=holds)
@@ -350,6 +354,7 @@ class ShardedMember:
             role=role,
             bytes=received_bytes if not holds else sent,
             seconds=seconds,
+            payload_s=moving[0],
             rate_mb_s=(received_bytes + sent) / 1e6 / max(seconds, 1e-9),
         )
         self.events.emit(

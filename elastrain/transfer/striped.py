@@ -118,17 +118,22 @@ class HealStats:
     again); the manifest is not counted. seconds: wall time of the whole `heal`
     call here. refused: sender ranks whose manifest or stripe was refused
     (malformed, or a seal mismatch) and replaced by another sender's; the
-    same on every rank.
+    same on every rank. payload_s: the part of ``seconds`` spent moving the
+    payload (steps 4-5: the receiver's landing allocated, the stripes and their
+    seals sent, received and checked, the outcome, any stripe sent again); the
+    rest is the flatten, the manifest rounds (steps 1-3) and the install.
     """
 
     role: str
     bytes: int
     seconds: float
     refused: tuple[int, ...] = ()
+    payload_s: float = 0.0
 
     @property
     def rate_mb_s(self) -> float:
-        """Payload throughput in MB/s (1 MB = 1e6 bytes); 0.0 for an instant heal."""
+        """Payload throughput in MB/s (1 MB = 1e6 bytes) over the whole call; 0.0
+        for an instant heal."""
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -658,11 +663,13 @@ def heal(
 
     # 4-5. payload, sealed, with refused stripes sent again by trusted senders
     rd = _Round(manifest, seal, key)
+    t_payload = time.perf_counter()
     landing = Landing.allocate(manifest.entries) if role == Role.RECV else None
     nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper)
+    payload_s = time.perf_counter() - t_payload
     if landing is not None:
         state.install(landing.tensors, manifest.section)
 
-    stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused))
+    stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s)
     out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
     return out_meta, stats

@@ -38,8 +38,13 @@ slurm:
 	command -v slurmctld >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge)
 
+# Two pytest workers (pytest-xdist), one per core of the 2-core machines CI uses,
+# each taking whole files (--dist loadfile): a file's module fixtures (the local
+# Slurm cluster, the heal processes) are set up once, and a file's tests never run
+# beside each other. Every test is hermetic (temp dirs, port 0, its own processes
+# stopped by PID), so two files may run side by side.
 test: lint browser slurm
-	$(BIN)/pytest -q --durations=15 tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -39,8 +39,8 @@ Reported per S: median MB/s of each, the heal's rate against the warm and the
 fresh broadcast (ratio of medians; and the median of per-round ratios, which a
 load swing between rounds moves less), the heal's payload phase alone
 (`HealStats.payload_s`) as a rate and against the warm broadcast, the
-milliseconds of the heal outside it (flatten, manifest rounds, install), CPU milliseconds of all processes per
-operation, the receiver process's first heal (timed alone, before the rounds:
+milliseconds of the heal outside it (flatten, manifest rounds, install), CPU
+milliseconds of all processes per operation, the receiver process's first heal (timed alone, before the rounds:
 what a replacement's one heal meets, cold code paths and untouched landing
 memory) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
 rounds' median). Prints the table and appends

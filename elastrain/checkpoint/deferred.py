@@ -16,8 +16,9 @@ mutation point finishes what the copier has not started instead of waiting
 idle (and torch's ``copy_`` releases the GIL between chunks). `wait` (the
 writer thread) blocks until the chunks under one part of the snapshot's memory
 (or every chunk) are copied, so the writer writes the first bytes while the
-rest are still being copied, and raises `CopyFailed` if one failed; `waited` (event emitters, any thread) is the time the training thread
-was blocked in `settle`.
+rest are still being copied, and raises `CopyFailed` if one failed; `waited`
+(event emitters, any thread) is the time the training thread was blocked in
+`settle`.
 """
 
 from __future__ import annotations

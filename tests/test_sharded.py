@@ -348,7 +348,7 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     # While w1's slot was empty its group-mate was a shadow: it took part in every
     # step (its shard's update) and computed no sample; the other group computed all.
     mate = next(m for m, (r, _) in slots.items() if r == slots["w1"][0] and m != "w1")
-    gen2 = job.of("step_contrib", gen=2)
+    gen2 = job.of("step_contrib", gen=_first_started_after(job, 1))
     assert gen2 and all(e["samples"] == [] for e in gen2 if e["proc"] == mate)
     assert {e["proc"] for e in gen2 if e["samples"]} == set(slots) - {"w1", mate}
     state = _state_bytes()
@@ -524,7 +524,10 @@ def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
     (victim,) = killed
     slots = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=1)}
     (spare,) = {e["member"] for e in job.of("worker_spawned") if not e["replacement"]} - set(slots)
-    after = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=2)}
+    after = {
+        e["proc"]: (e["replica"], e["shard"])
+        for e in job.of("generation_start", gen=_first_started_after(job, 1))
+    }
     assert after == {**{m: rs for m, rs in slots.items() if m != victim}, spare: slots[victim]}
     # Only the dead rank's shard moved, from its twin, to the spare.
     recv = _received(job.events)
@@ -539,6 +542,15 @@ def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
     for m in set(slots) - {victim}:
         pids = {e["pid"] for e in job.events if e["proc"] == m and e["kind"] == "step_commit"}
         assert pids == {spawned[m]}, f"{m} changed process"
+
+
+def _first_started_after(job: Job, gen: int) -> int:
+    """The first generation after ``gen`` that members started. Not always gen + 1:
+    a survivor that sees its dead peer's connection reset may ask for a new
+    generation before the launcher has reported the exit, and the coordinator then
+    forms one that still lists the dead rank; the exit report supersedes it at once,
+    before anyone starts it (one such generation, 4 ms long, in a suite run)."""
+    return min(e["gen"] for e in job.of("generation_start") if e["gen"] > gen)
 
 
 def _state_bytes() -> int:

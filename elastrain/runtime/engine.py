@@ -937,15 +937,7 @@ class StepEngine:
                 if is_poisoned(e):
                     raise
                 return m.HealFailed(str(e))
-            self.events.emit(
-                EventKind.HEAL_END,
-                gen=a.gen,
-                role=role,
-                bytes=stats.bytes,
-                seconds=stats.seconds,
-                payload_s=stats.payload_s,
-                rate_mb_s=stats.rate_mb_s,
-            )
+            self.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
         return self._healed(a, committed, received)
 
     def _heal_shards(self, a: m.Action) -> m.Observation:

@@ -289,15 +289,7 @@ class ShardedMember:
         if received:
             backend.adopt(state)
             committed = load_meta(got)
-        self.events.emit(
-            EventKind.HEAL_END,
-            gen=gen,
-            role=role,
-            bytes=stats.bytes,
-            seconds=stats.seconds,
-            payload_s=stats.payload_s,
-            rate_mb_s=stats.rate_mb_s,
-        )
+        self.events.emit(EventKind.HEAL_END, gen=gen, **stats.event_fields())
         return HealOutcome(committed, received)
 
     def _reshard(

@@ -136,6 +136,16 @@ class HealStats:
         for an instant heal."""
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
+    def event_fields(self) -> dict[str, Any]:
+        """This heal's fields of a ``heal_end`` event (docs/events.md)."""
+        return {
+            "role": self.role,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "payload_s": self.payload_s,
+            "rate_mb_s": self.rate_mb_s,
+        }
+
 
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()

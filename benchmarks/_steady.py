@@ -36,6 +36,7 @@ from common import Shape  # noqa: E402
 
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
+from elastrain.runtime.threadnames import WORKER_THREADS  # noqa: E402
 
 # ---- small report helpers ----------------------------------------------------------------
 
@@ -110,6 +111,60 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def thread_cpu(
+    pids: list[int], coordinator: int | None
+) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU seconds (utime + stime) of every thread of the given live processes, by
+    (pid, tid), with what the thread is (`thread_kind`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                base = Path(f"/proc/{pid}/task/{tid}")
+                comm = (base / "comm").read_text().strip()
+                fields = (base / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            kind = thread_kind(comm, pid == int(tid), pid == coordinator)
+            out[(pid, int(tid))] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+THREAD_KINDS = ("main", "gloo", *WORKER_THREADS, "other", "coordinator")
+"""The columns of the CPU-per-thread tables, in order."""
+
+
+def thread_kind(comm: str, main: bool, coordinator: bool) -> str:
+    """What a thread of a side is, from its native name: "coordinator" (any thread of
+    elastrain's coordinator), "main" (a worker's first thread: the training loop),
+    "gloo" (gloo's transport loop and work threads), one of the worker's own named
+    threads (`elastrain.runtime.threadnames`), else "other"."""
+    if coordinator:
+        return "coordinator"
+    if main:
+        return "main"
+    if comm.startswith(("gloo", "pt_gloo")):
+        return "gloo"
+    return comm if comm in WORKER_THREADS else "other"
+
+
+def cpu_delta(
+    before: dict[tuple[int, int], tuple[str, float]],
+    after: dict[tuple[int, int], tuple[str, float]],
+) -> dict[str, float]:
+    """CPU seconds by thread kind between two `thread_cpu` samples (a thread born
+    in between counts whole; one that ended in between is lost)."""
+    out: dict[str, float] = {}
+    for key, (kind, t) in after.items():
+        out[kind] = out.get(kind, 0.0) + t - before.get(key, (kind, 0.0))[1]
+    return out
+
+
 # ---- the sides of a comparison -----------------------------------------------------------
 
 
@@ -132,6 +187,9 @@ class LauncherSide:
         lc = self.launcher
         coord = [lc.coordinator.pid] if lc.coordinator else []
         return [w.proc.pid for w in lc.workers.values()] + coord
+
+    def coordinator_pid(self) -> int | None:
+        return self.launcher.coordinator.pid if self.launcher.coordinator else None
 
     def failed(self) -> bool:
         return not self.thread.is_alive()
@@ -173,6 +231,9 @@ class ProcSide:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def coordinator_pid(self) -> int | None:
+        return None
 
     def failed(self) -> bool:
         return any(p.poll() not in (None, 0) for p in self.procs)
@@ -251,6 +312,7 @@ def interleave(
             idle = [x for x in live if x is not side and (k < blocks - 1 or x in order[j + 1 :])]
             c0 = {x.key: cpu_seconds(x.pids()) for x in idle}
             a0 = cpu_seconds(side.pids())
+            th0 = thread_cpu(side.pids(), side.coordinator_pid())
             t_go = time.time()
             store.set(f"{side.key}/go/{k}", repr(t_go))
             t_done = wait_key(side, f"{side.key}/ready_all/{k + 1}")
@@ -259,6 +321,7 @@ def interleave(
             out.append(
                 {"k": k, "side": side.key, "t0": t_go, "t1": t_done,
                  "cpu_s": cpu_seconds(side.pids()) - a0,
+                 "thread_cpu_s": cpu_delta(th0, thread_cpu(side.pids(), side.coordinator_pid())),
                  "idle_cpu_s": {x.key: cpu_seconds(x.pids()) - c0[x.key]
                                 for x in idle if x in live}}
             )  # fmt: skip
@@ -287,13 +350,22 @@ def block_stats(
     """Per side: `wall` (a block's wall seconds / its steps, median over blocks), `cpu`
     (CPU seconds per step of all the side's processes, median over its blocks but the
     last, when its processes start exiting: far less sensitive than wall time to other
-    work on a shared machine) and `idle` (CPU it burned while waiting its turn, as a
-    share of one core)."""
-    out: dict[str, dict[str, float]] = {"wall": {}, "cpu": {}, "idle": {}}
+    work on a shared machine), `threads` (the same by thread kind, `THREAD_KINDS`, a
+    dict per side: the mean over those blocks) and `idle` (CPU it burned while waiting its turn, as a share of
+    one core)."""
+    out: dict[str, dict[str, Any]] = {"wall": {}, "cpu": {}, "idle": {}, "threads": {}}
     for x in keys:
         mine = [b for b in blocks_out if b["side"] == x]
         out["wall"][x] = med([(b["t1"] - b["t0"]) / block for b in mine])
         out["cpu"][x] = med([b["cpu_s"] / block for b in mine if b["k"] < blocks - 1])
+        # Summed over the blocks, not a median of each: a thread using a clock tick
+        # (10 ms) per block would otherwise read 0 or a tick.
+        counted = [b for b in mine if b["k"] < blocks - 1]
+        out["threads"][x] = {
+            kind: sum(b["thread_cpu_s"].get(kind, 0.0) for b in counted) / (block * len(counted))
+            if counted else math.nan
+            for kind in THREAD_KINDS
+        }  # fmt: skip
         cpu = sum(b["idle_cpu_s"][x] for b in blocks_out if x in b["idle_cpu_s"])
         dur = sum(b["t1"] - b["t0"] for b in blocks_out if x in b["idle_cpu_s"])
         out["idle"][x] = cpu / dur if dur > 0 else math.nan

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
 from _steady import (  # noqa: E402
+    THREAD_KINDS,
     LoadSampler,
     append_section,
     block_stats,
@@ -226,6 +227,23 @@ BREAKDOWN_HEADER = [
 ]  # fmt: skip
 
 
+def thread_rows(res: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """One row per size and side: CPU ms per step by thread kind, and their sum."""
+    rows = []
+    for name, r in res.items():
+        for side in ("E", "D"):
+            th = r["threads"][side]
+            rows.append(
+                [name, SIDE_NAMES[side], *(fmt(th[k] * 1e3, 2) for k in THREAD_KINDS),
+                 fmt(sum(v for v in th.values() if not math.isnan(v)) * 1e3, 2)]
+            )  # fmt: skip
+    return rows
+
+
+SIDE_NAMES = {"E": "elastrain", "D": "DDP"}
+THREAD_HEADER = ["step size", "side", *THREAD_KINDS, "sum"]
+
+
 # ---- one size --------------------------------------------------------------------------
 
 
@@ -254,6 +272,7 @@ def measure(
         "step_s": step_s,
         "between": {"E": med(e_between), "D": med(d_between)},
         "cpu": bs["cpu"],
+        "threads": bs["threads"],
         "wall": bs["wall"],
         "n": {"E": len(e_cycles), "D": len(d_cycles)},
         "breakdown": breakdown(ev["commits"]),
@@ -335,6 +354,7 @@ def main() -> int:
 
     t1 = table(SUMMARY_HEADER, summary_rows(res))
     t2 = table(BREAKDOWN_HEADER, breakdown_rows(res))
+    t_threads = table(THREAD_HEADER, thread_rows(res))
     t3 = table(
         ["size", "block", "side", "wall per step (ms)", "CPU ms per step", "load avg (1 min)"],
         [[name, str(b["k"]), b["side"], fmt((b["t1"] - b["t0"]) / r["block"] * 1e3, 1),
@@ -353,13 +373,20 @@ def main() -> int:
         "measured steps (they need not add up to the median step_s); between steps: the "
         "median over steps of cycle - step_s (elastrain: the loop outside step_s, i.e. the "
         "trainer's yield, the commit hook, the protocol's next action).",
+        "CPU by thread: utime + stime of each thread of the side's processes over each "
+        "block (/proc/<pid>/task), by its native name: main (a worker's training thread), "
+        "gloo (gloo's transport and work threads), el-* (elastrain's own worker threads: "
+        "the quorum request, heartbeats, the collective waiter, the state hash, the energy "
+        "sampler, the graveyard), other (unnamed threads), coordinator (all of its "
+        "threads); per step, the mean over every block but the last (one clock tick is "
+        "10 ms: a median of blocks would round small threads to 0 or a tick).",
         f"machine load (1-min load average, {cores} cores): "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
         f"total benchmark runtime {time.monotonic() - t_start:.0f} s",
     ]
     anomalies = [a for r in res.values() for a in r["anomalies"]]
     print()
-    print("\n\n".join([t1, t2, t3]))
+    print("\n\n".join([t1, t2, t_threads, t3]))
     print()
     print_notes(notes, anomalies)
     if args.quick:
@@ -380,6 +407,10 @@ def main() -> int:
             "Where a step goes (median ms):",
             "",
             t2,
+            "",
+            "CPU ms per step by thread, all processes of the side (median over blocks):",
+            "",
+            t_threads,
             "",
             t3,
             "",

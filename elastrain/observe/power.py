@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from elastrain import env
 from elastrain.observe.events import EventKind
+from elastrain.runtime.threadnames import METER, name_native_thread
 
 ESTIMATE_PREFIX = "ESTIMATE"
 """Every label of an estimated (not measured) power figure starts with this."""
@@ -356,6 +357,7 @@ class Sampler:
         return self
 
     def _loop(self) -> None:
+        name_native_thread(METER)
         while not self._stop.wait(self.interval_s):
             self.sample()
 

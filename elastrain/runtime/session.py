@@ -35,6 +35,7 @@ from elastrain.control.client import (
 )
 from elastrain.control.store import group_prefix
 from elastrain.observe.events import EventKind, EventLog
+from elastrain.runtime.threadnames import HEARTBEAT, name_native_thread
 
 log = logging.getLogger("elastrain.session")
 
@@ -281,6 +282,7 @@ class MemberSession:
     # ---- heartbeat thread ----------------------------------------------------
 
     def _beat(self) -> None:
+        name_native_thread(HEARTBEAT)
         while not self._stop.is_set():
             with self._lock:
                 gen, inc = self._gen, self.incarnation

@@ -1,6 +1,8 @@
-"""Native thread names the worker gives its threads that wait out abandoned collectives.
+"""Native thread names the worker gives its own threads (``/proc/<pid>/task/<tid>/comm``).
 
-Torch-free, so the launcher side (the soak's leak check) can read the names
+What `top -H`, `ps -L` and profilers show, and what tells the threads that wait
+out abandoned collectives apart in a leak check. Torch-free, so the launcher
+side (the soak's leak check, the benchmarks' CPU per thread) can read the names
 without importing torch.
 """
 
@@ -20,6 +22,18 @@ collective: each ends when its operation does (at the latest at the group's op
 timeout), so there are never more of them than generations abandoned within that
 time, plus the one `Waiter` helper kept for the next wait; a leak check counts them
 apart (elastrain.chaos.soak)."""
+
+QUORUM = "el-quorum"
+"""The engine's quorum thread: the step's verdict request to the coordinator."""
+HASH = "el-hash"
+"""The engine's state-hash thread (a generation start's hash, off the critical path)."""
+HEARTBEAT = "el-heartbeat"
+"""The member session's heartbeats to the coordinator."""
+METER = "el-meter"
+"""The energy and CPU sampler (`elastrain.observe.power`)."""
+
+WORKER_THREADS = (QUORUM, HEARTBEAT, COLLECTIVE_WAIT, HASH, METER, GRAVEYARD)
+"""Every name above: the worker's threads a per-thread CPU account tells apart."""
 
 PR_SET_NAME = 15
 

@@ -127,18 +127,22 @@ def test_threads_waiting_out_abandoned_collectives_are_not_counted_as_leaks() ->
             t.join()
 
 
-@pytest.mark.parametrize(("slowed", "computed", "want"), [(True, 40, True), (False, 40, False),
-                                                          (True, 6, None)])  # fmt: skip
+@pytest.mark.parametrize(("slowed", "computed", "alone", "want"),
+                         [(True, 40, False, True), (False, 40, False, False),
+                          (True, 6, False, None), (True, 40, True, None)])  # fmt: skip
 def test_a_slow_fault_is_judged_by_whether_its_victim_was_flagged(
-    slowed: bool, computed: int, want: bool | None
+    slowed: bool, computed: int, alone: bool, want: bool | None
 ) -> None:
     """The soak's row for a slow fault says whether the straggler score saw the
-    victim within its slowed steps; no verdict when it computed too few of them."""
+    victim within its slowed steps; no verdict when it computed too few of them,
+    or computed them with no other member to compare with (seen in a soak: earlier
+    faults had left the slowed member the only one of its generation)."""
     from elastrain.chaos.soak import recoveries
 
     from .test_stragglers import run
 
-    ev = run(40, {"w0": 4, "w1": 4, "w2": 4}, slow={"w1": (10, 39, 0.05)} if slowed else None)
+    members = {"w1": 12} if alone else {"w0": 4, "w1": 4, "w2": 4}
+    ev = run(40, members, slow={"w1": (10, 39, 0.05)} if slowed else None)
     # w1 computed only `computed` steps from step 10 on (killed or expelled after).
     ev = [e for e in ev if e["proc"] != "w1" or e["step"] < 10 + computed]
     for i, e in enumerate(ev):

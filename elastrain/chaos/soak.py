@@ -61,7 +61,7 @@ from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 from elastrain.observe.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
 from elastrain.observe.stragglers import WINDOW as STRAGGLER_WINDOW
-from elastrain.observe.stragglers import straggler_episodes
+from elastrain.observe.stragglers import step_ratios, straggler_episodes
 from elastrain.runtime.threadnames import TRANSIENT_THREADS
 
 DEFAULT_KINDS = tuple(KINDS)
@@ -291,18 +291,15 @@ def _straggler_seen(
     events: list[dict[str, Any]], episodes: list[Any], member: Any, before: int, steps: int | None
 ) -> bool | None:
     """Whether the straggler score flagged a slowed `member` within the steps it was
-    slowed (after the last commit `before` the order); None when it computed in
-    fewer than a window's worth of them (killed, expelled or done first): no verdict."""
+    slowed (after the last commit `before` the order); None when fewer than a
+    window's worth of them could be scored: it was killed, expelled or done first,
+    or it computed them alone (the score compares a member with the others
+    computing the same step, and earlier faults may have left it the only one)."""
     if steps is None or not isinstance(member, str):
         return None
     first, last = before + 1, before + steps
-    computed = {
-        e["step"]
-        for e in events
-        if e["kind"] == "step_contrib" and e["proc"] == member and e.get("samples")
-        and first <= e["step"] <= last
-    }  # fmt: skip
-    if len(computed) < STRAGGLER_WINDOW:
+    scored = {r.step for r in step_ratios(events) if r.member == member and first <= r.step <= last}
+    if len(scored) < STRAGGLER_WINDOW:
         return None
     return any(ep.member == member and ep.first <= last and ep.last >= first for ep in episodes)
 

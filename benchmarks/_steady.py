@@ -351,8 +351,8 @@ def block_stats(
     (CPU seconds per step of all the side's processes, median over its blocks but the
     last, when its processes start exiting: far less sensitive than wall time to other
     work on a shared machine), `threads` (the same by thread kind, `THREAD_KINDS`, a
-    dict per side: the mean over those blocks) and `idle` (CPU it burned while waiting its turn, as a share of
-    one core)."""
+    dict per side: the mean over those blocks) and `idle` (CPU it burned while
+    waiting its turn, as a share of one core)."""
     out: dict[str, dict[str, Any]] = {"wall": {}, "cpu": {}, "idle": {}, "threads": {}}
     for x in keys:
         mine = [b for b in blocks_out if b["side"] == x]

@@ -408,7 +408,7 @@ def main() -> int:
             "",
             t2,
             "",
-            "CPU ms per step by thread, all processes of the side (median over blocks):",
+            "CPU ms per step by thread, all processes of the side (mean over every block but the last):",
             "",
             t_threads,
             "",

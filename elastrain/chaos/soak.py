@@ -61,7 +61,7 @@ from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 from elastrain.observe.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
 from elastrain.observe.stragglers import WINDOW as STRAGGLER_WINDOW
-from elastrain.observe.stragglers import step_ratios, straggler_episodes
+from elastrain.observe.stragglers import StepRatio, step_ratios, straggler_episodes
 from elastrain.runtime.threadnames import TRANSIENT_THREADS
 
 DEFAULT_KINDS = tuple(KINDS)
@@ -260,6 +260,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         causes = kind in FAILURE_KINDS and not e.get("skipped")
         rows.append((t, kind, e.get("member"), e.get("skipped"), False if causes else None))
     episodes = straggler_episodes(events)
+    ratios = step_ratios(events)
     out = []
     seen_job_wide: set[float] = set()
     for t0, kind, member, skipped, recognised in sorted(rows, key=lambda r: r[0]):
@@ -279,7 +280,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "recognised": recognised,
                 "recovery_s": None if after is None else after - t0,
                 "bound_s": round(BOUND_S + STARTUPS.get(kind, 0.0) * startup, 1),
-                "straggler": _straggler_seen(events, episodes, member, before, slowed.get(t0))
+                "straggler": _straggler_seen(ratios, episodes, member, before, slowed.get(t0))
                 if kind == "slow" and not skipped
                 else None,
             }
@@ -288,7 +289,7 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _straggler_seen(
-    events: list[dict[str, Any]], episodes: list[Any], member: Any, before: int, steps: int | None
+    ratios: list[StepRatio], episodes: list[Any], member: Any, before: int, steps: int | None
 ) -> bool | None:
     """Whether the straggler score flagged a slowed `member` within the steps it was
     slowed (after the last commit `before` the order); None when fewer than a
@@ -298,7 +299,7 @@ def _straggler_seen(
     if steps is None or not isinstance(member, str):
         return None
     first, last = before + 1, before + steps
-    scored = {r.step for r in step_ratios(events) if r.member == member and first <= r.step <= last}
+    scored = {r.step for r in ratios if r.member == member and first <= r.step <= last}
     if len(scored) < STRAGGLER_WINDOW:
         return None
     return any(ep.member == member and ep.first <= last and ep.last >= first for ep in episodes)

@@ -91,7 +91,7 @@ from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.scalars import check_scalar
 from elastrain.observe.tally import WorkerTally
 from elastrain.observe.worker import WorkerMetering
-from elastrain.runtime import hooks, threadnames
+from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.backend import Backend, SkipReason, Update
 from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
@@ -160,7 +160,7 @@ from elastrain.runtime.sharded_ckpt import (
     shard_source,
     writer_shard,
 )
-from elastrain.runtime.threadnames import name_native_thread
+from elastrain.runtime.threadnames import HASH, QUORUM, name_native_thread
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.transfer import HealError, TorchState, heal
 from elastrain.transfer.flatten import OBJECTS_KEY
@@ -404,10 +404,10 @@ class StepEngine:
         self.graveyard = Graveyard()
         self.proto = m.MemberProtocol(self.member, config.total_steps, config.global_batch_size)
         self._quorum_pool = concurrent.futures.ThreadPoolExecutor(
-            1, "elastrain-quorum", name_native_thread, (threadnames.QUORUM,)
+            1, "elastrain-quorum", name_native_thread, (QUORUM,)
         )
         self._hash_pool = concurrent.futures.ThreadPoolExecutor(
-            1, "elastrain-hash", name_native_thread, (threadnames.HASH,)
+            1, "elastrain-hash", name_native_thread, (HASH,)
         )
         self._hashing: concurrent.futures.Future[None] | None = None
         self._pg: Any = None

@@ -67,8 +67,7 @@ def load_torch_meta(
 WIDEN_CHUNK = 1 << 16
 """Elements of a micro-batch's gradient converted to float64 at a time (`widen_into`):
 512 KiB of float64, so the converted chunk is still in the core's cache when it is
-added (a chunk of 1M elements went out to memory and back: ~1.4x the time for a
-10M-parameter gradient here)."""
+added (a chunk of 1M elements, 8 MiB, went out to memory and back)."""
 
 KEEP_GRAD_BYTES = 16 << 20
 """Gradients at least this large are kept and cleared after each micro-batch

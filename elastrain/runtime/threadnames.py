@@ -8,8 +8,8 @@ without importing torch.
 
 from __future__ import annotations
 
-import ctypes
 import sys
+import threading
 
 COLLECTIVE_WAIT = "el-collective"
 """A `Waiter` helper: blocked in a collective's wait, or idle until the next one
@@ -35,14 +35,19 @@ METER = "el-meter"
 WORKER_THREADS = (QUORUM, HEARTBEAT, COLLECTIVE_WAIT, HASH, METER, GRAVEYARD)
 """Every name above: the worker's threads a per-thread CPU account tells apart."""
 
-PR_SET_NAME = 15
-
 
 def name_native_thread(name: str) -> None:
-    """Give the calling thread `name` (at most 15 bytes) in /proc, on Linux."""
+    """Give the calling thread `name` (at most 15 bytes) in /proc, on Linux.
+
+    Written to ``/proc/self/task/<tid>/comm``, not through ``prctl`` by ctypes:
+    ``ctypes.CDLL`` takes the dynamic loader's lock, and a library load in one
+    thread while another forks (the launcher starts its children with a
+    `preexec_fn`, Python code between fork and exec) can leave the child with
+    the loader half-updated. A file write takes no such lock."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15])
-    except (OSError, AttributeError):
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write(name[:15])
+    except OSError:
         pass

@@ -22,6 +22,7 @@ import sys
 import traceback
 
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.launch.children import die_with_parent
 from elastrain.runtime.preflight import explain
 
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print("usage: python -m elastrain.worker SCRIPT [ARGS...]", file=sys.stderr)
         return 2
+    die_with_parent()
     script = args[0]
     sys.argv = list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -123,6 +123,21 @@ def small_fs(tmp_path: Path) -> Any:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def sigint_default(cmd: list[str]) -> list[str]:
+    """`cmd` run with SIGINT at its default action. A test runner started in the
+    background (`cmd &` in a script) runs with SIGINT ignored and a child inherits
+    that, so a launcher would never see the Ctrl-C a test sends it. Reset in a
+    small exec'd Python, not a `preexec_fn`: Python code between fork and exec
+    in a test process with torch's threads can crash or deadlock."""
+    return [sys.executable, "-c", _SIGINT_DEFAULT, *cmd]
+
+
 def stop_processes(proc: subprocess.Popen[str], pids: set[int] | list[int]) -> None:
     """Teardown: stop a launcher subprocess and, by PID, every process it started."""
     if proc.poll() is None:

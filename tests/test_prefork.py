@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from elastrain.launch.children import child_setup
 from elastrain.launch.prefork import ForkedProcess, Preforker
 
 SCRIPT = textwrap.dedent(
@@ -35,7 +34,7 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Preforker]:
     pf = Preforker()
-    pf.start({**os.environ, "SHARED": "1"}, tmp_path / "prefork.log", child_setup(0o77))
+    pf.start({**os.environ, "SHARED": "1"}, tmp_path / "prefork.log", 0o77)
     yield pf
     pf.close()
 

@@ -41,7 +41,7 @@ from elastrain.transfer import TorchState, heal, state_hash
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.tamper import Tamper
 from tests import netns
-from tests.conftest import MLP, ROOT, stop_processes
+from tests.conftest import MLP, ROOT, sigint_default, stop_processes
 from tests.test_transfer import KEY, fresh, run_threads, trained
 
 TOKEN = "s3cret-token"
@@ -78,16 +78,12 @@ def _launch(run_dir: Path, *extra: str, prefix: list[str] | None = None) -> subp
     cmd = [sys.executable, "-m", "elastrain.cli", "run", "-n", "2", "--plain"]
     cmd += ["--steps", "100000", "--run-dir", str(run_dir), *extra, MLP, "--min-step-s", "0.05"]
     return subprocess.Popen(
-        [*(prefix or []), *cmd],
+        [*(prefix or []), *sigint_default(cmd)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        # A test runner started in the background (`cmd &` in a script) runs with
-        # SIGINT ignored and a child inherits that: the launcher would never see
-        # the Ctrl-C a test sends it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -46,6 +46,7 @@ from elastrain.control.layout import Layout, slots_from_wire
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
+from elastrain.launch.children import die_with_parent
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.failures import EVIDENCE_KINDS
 from elastrain.observe.metrics import CONTENT_TYPE, CoordinatorMetrics, failure_counts
@@ -810,6 +811,7 @@ def parse_args(
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
     ap, args, cfg = parse_args(argv)
     host, _, port = args.bind.rpartition(":")
     token = env.read_token()

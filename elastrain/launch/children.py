@@ -1,11 +1,19 @@
 """How the launcher's children start: they die with it, and keep their files private.
 
-Nothing outlives its supervisor: every child (the coordinator, each worker)
-asks the kernel for SIGKILL when the thread that spawned it dies
-(`PR_SET_PDEATHSIG`), so a launcher killed with SIGKILL takes the whole local
-job with it instead of leaving it training unsupervised. The request is made
-in the child between fork and exec and survives the exec; a launcher that
-died before the request was made is caught by comparing the parent PID.
+Nothing outlives its supervisor: every child (the coordinator, the prefork
+server, each worker) asks the kernel for SIGKILL when the thread that spawned
+it dies (`PR_SET_PDEATHSIG`), so a launcher killed with SIGKILL takes the whole
+local job with it instead of leaving it training unsupervised.
+
+The child makes that request itself, first thing after it starts
+(`die_with_parent`), not in a `preexec_fn` between fork and exec: Python code
+run in the forked copy of a launcher that has torch or JAX loaded, with their
+threads, can crash or deadlock there (it did: "Fatal Python error:
+Segmentation fault" in `_execute_child`), and without a `preexec_fn`
+`subprocess` can use `vfork`, which runs nothing of ours in the child at all.
+The umask is `Popen`'s own argument. A launcher that died before the request
+was made is caught by comparing the parent PID with the one the launcher put
+in the child's environment (`spawn_env`).
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+
+from elastrain import env
 
 PR_SET_PDEATHSIG = 1
 
@@ -25,19 +35,23 @@ def _prctl() -> Callable[..., int] | None:
     return ctypes.CDLL(None, use_errno=True).prctl
 
 
-def child_setup(umask: int) -> Callable[[], None]:
-    """A `preexec_fn`: set `umask`, and SIGKILL on the death of the spawning
-    thread (Linux). Built in the parent, so the child calls nothing that
-    loads a library or allocates much between fork and exec."""
+def spawn_env(base: Mapping[str, str]) -> dict[str, str]:
+    """`base` plus this process's PID as the parent the child must die with
+    (`die_with_parent`). Only for a child this process starts itself."""
+    return {**base, env.PARENT_PID: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with `spawn_env`: SIGKILL this process when the thread
+    that started it dies, and at once if its parent is already gone. Removes
+    the variable, so this process's own children do not inherit a parent that
+    is not theirs. Does nothing in a process started otherwise (by hand)."""
+    expected = os.environ.pop(env.PARENT_PID, "")
+    if not expected:
+        return
     prctl = _prctl()
-    parent = os.getpid()
-
-    def setup() -> None:
-        os.umask(umask)
-        if prctl is None:
-            return
+    if prctl is not None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the launcher died before the request above
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return setup
+    # After the request: a parent that dies later is covered by the signal.
+    if os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGKILL)

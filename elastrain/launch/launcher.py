@@ -47,7 +47,7 @@ from elastrain.checkpoint.files import CHECKPOINTS
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
-from elastrain.launch.children import child_setup
+from elastrain.launch.children import spawn_env
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.devices import DevicePool
 from elastrain.launch.faults import Injector
@@ -107,7 +107,6 @@ class Launcher:
         # Local mode: one launcher per run directory (agents of a job may share one).
         self._lock = None if self.agent else RunDirLock(self.run_dir)
         self._umask = child_umask(config.group_readable)
-        self._child_setup = child_setup(self._umask)
         self.prefork: Preforker | None = None
         """The prefork server the workers are forked from (`elastrain.launch.prefork`)."""
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -211,9 +210,9 @@ class Launcher:
             cmd,
             stdout=subprocess.PIPE,
             stderr=log,
-            env=e,
+            env=spawn_env(e),  # dies with the launcher
             start_new_session=True,
-            preexec_fn=self._child_setup,  # dies with the launcher
+            umask=self._umask,
         )
         assert self.coordinator.stdout is not None
         line = self.coordinator.stdout.readline()
@@ -363,10 +362,10 @@ class Launcher:
                     argv,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=e,
-                    start_new_session=True,
                     # Workers die with their launcher (or agent), as they would with their node.
-                    preexec_fn=self._child_setup,
+                    env=spawn_env(e),
+                    start_new_session=True,
+                    umask=self._umask,
                 )
         w = Worker(member, proc, time.monotonic(), replacement)
         self.workers[member] = w
@@ -454,7 +453,7 @@ class Launcher:
                 self.prefork.start(
                     {**os.environ, **c.extra_env},
                     self.run_dir / "logs" / "prefork.log",
-                    self._child_setup,
+                    self._umask,
                 )
             if c.tensorboard is not None:
                 sink = self._tensorboard(c.tensorboard)

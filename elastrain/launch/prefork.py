@@ -47,9 +47,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
+
+from elastrain.launch.children import PR_SET_PDEATHSIG, _prctl, die_with_parent, spawn_env
 
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the server's imports before starting the worker with
@@ -121,20 +122,21 @@ class Preforker:
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
 
-    def start(self, env: dict[str, str], log: Path, preexec_fn: Callable[[], None] | None) -> None:
-        """Start the server with the environment the workers share (`env`), its
-        stderr appended to `log`. Returns at once; the imports run meanwhile."""
+    def start(self, env: dict[str, str], log: Path, umask: int) -> None:
+        """Start the server with the environment the workers share (`env`) and
+        `umask`, its stderr appended to `log`; it dies with the calling thread.
+        Returns at once; the imports run meanwhile."""
         with open(log, "ab") as err:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "elastrain.launch.prefork"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
-                env=env,
+                env=spawn_env(env),
                 # Its own session, as the workers have: a terminal's Ctrl-C reaches the
                 # launcher, which stops the workers in order, not the server.
                 start_new_session=True,
-                preexec_fn=preexec_fn,
+                umask=umask,
             )
         self._reader = threading.Thread(target=self._read, daemon=True, name="prefork-reader")
         self._reader.start()
@@ -280,8 +282,6 @@ def serve() -> dict[str, Any] | None:
 
 def become_worker(request: dict[str, Any], server: int) -> int:
     """In a forked child: become the worker `request` describes; its exit status."""
-    from elastrain.launch.children import PR_SET_PDEATHSIG, _prctl
-
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -307,6 +307,7 @@ def become_worker(request: dict[str, Any], server: int) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()
     server_pid = os.getpid()
     child_request = serve()
     if child_request is None:

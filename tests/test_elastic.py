@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from elastrain.chaos.inject import send_slow
 from elastrain.chaos.schedule import parse_fault
 from elastrain.data import GlobalOrder
 from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, RUN_INTERRUPTED
@@ -26,7 +27,7 @@ from elastrain.observe.events import read_events
 from elastrain.observe.failures import recognise_failures
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
-from .conftest import MLP, ROOT, Job, stop_processes
+from .conftest import MLP, ROOT, Job, sigint_default, stop_processes
 
 B, SEED, DATASET = 32, 7, 4096
 
@@ -508,10 +509,8 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     )
     cmd = [sys.executable, "-m", "elastrain.cli", "run", "--config", str(job), "--steps", "100000"]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        # A test runner started in the background (`cmd &` in a script) runs
-        # with SIGINT ignored, and a child inherits that; Ctrl-C is the point here.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        sigint_default(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )  # fmt: skip
     pids: set[int] = set()
     try:
@@ -534,37 +533,58 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 
 
 class AfterRecovery:
-    """Adds each next fault to the launcher's schedule only once the coordinator
-    killed by the previous one is back and its generation has all `workers` ready
-    again, `gap` steps later: a fixed step number would land while the previous
-    restart is still under way whenever the restart (mostly `import torch`, 3 s
-    quiet, 14 s on a loaded machine) outlasts the steps between the two. Runs on
-    the launcher's thread (its `on_status`)."""
+    """Adds each fault of `faults` to the launcher's schedule, `gap` steps after
+    the job has all `workers` ready: the first at once, each next only once the
+    coordinator killed by the previous one is back and its generation ready
+    again. A fixed step number would land while the previous restart is still
+    under way whenever the restart (mostly `import torch`, 3 s quiet, 14 s on a
+    loaded machine) outlasts the steps between the two.
 
-    def __init__(self, then: list[str], workers: int, gap: int = 20) -> None:
-        self.then, self.workers, self.gap = list(then), workers, gap
-        self.fired = 1
-        """Faults that must have fired before the next is added (the first is the job's)."""
+    From the moment a coordinator kill is scheduled until the restarted
+    coordinator has the generation ready, the members are held slow
+    (`HOLD_DELAY_S` more per step, through their chaos inbox), so the job cannot
+    run out of steps while the coordinator is down, however long the restart
+    takes; the hold is lifted when it is back. Runs on the launcher's thread
+    (its `on_status`)."""
+
+    HOLD_DELAY_S = 0.1
+    HOLD_STEPS = 1_000_000
+
+    def __init__(self, faults: list[str], workers: int, gap: int = 20) -> None:
+        self.faults, self.workers, self.gap = list(faults), workers, gap
+        self.scheduled = 0
 
     def __call__(self, launcher: Launcher, st: dict[str, Any]) -> None:
         log = launcher.fault_log
-        if not self.then or len(log) < self.fired or log[-1]["fault"] != "kill-coordinator":
+        if not self.faults or len(log) < self.scheduled:
+            return  # all done, or the last one scheduled has not fired yet
+        if self.scheduled:
+            if log[-1]["fault"] != "kill-coordinator":
+                return
+            coordinator = launcher.coordinator
+            if coordinator is None or coordinator.pid == log[-1]["pid"]:
+                return  # the status came before the kill took effect
+        members = st.get("members") or []
+        if len(members) != self.workers or not st.get("ready"):
             return
-        coordinator = launcher.coordinator
-        if coordinator is None or coordinator.pid == log[-1]["pid"]:
-            return  # the status came before the kill took effect
-        if len(st.get("members") or []) != self.workers or not st.get("ready"):
-            return
-        step = int(st.get("step", 0))
-        launcher.schedule.pending.append(parse_fault(self.then.pop(0).format(step=step + self.gap)))
-        self.fired += 1
+        fault = self.faults.pop(0).format(step=int(st.get("step", 0)) + self.gap)
+        hold = fault.startswith("kill-coordinator@")
+        for m in members:  # an order replaces the member's previous one
+            if hold:
+                send_slow(launcher.run_dir, m, self.HOLD_DELAY_S, self.HOLD_STEPS)
+            else:
+                send_slow(launcher.run_dir, m, 0.0, 0)
+        launcher.schedule.pending.append(parse_fault(fault))
+        self.scheduled += 1
 
 
 def test_coordinator_killed_twice_training_goes_on_and_nothing_is_lost(run_job, reference) -> None:  # type: ignore[no-untyped-def]
-    # Steps take ~30 ms here; each fault after the first waits for the previous
-    # recovery (AfterRecovery), so 1200 steps leave room for two restarts of up to
-    # ~15 s each (a heavily loaded machine) before the job ends.
-    steps = 1200
+    # Each fault waits for the previous recovery (AfterRecovery), which also holds
+    # the members slow while the coordinator is down, so however long a restart
+    # takes the job is still running when it is back. Held, a step takes at least
+    # 0.1 s: 800 steps cover two outages of over 30 s each, then the worker kill and
+    # its replacement's heal.
+    steps = 800
     job = run_job(
         steps=steps,
         workers=3,
@@ -573,8 +593,9 @@ def test_coordinator_killed_twice_training_goes_on_and_nothing_is_lost(run_job, 
         min_workers=3,
         name="coordkill",
         replace_delay_s=0.5,
-        faults=["kill-coordinator@10"],
-        on_status=AfterRecovery(["kill-coordinator@{step}", "kill@{step}:w1"], workers=3),
+        on_status=AfterRecovery(
+            ["kill-coordinator@{step}", "kill-coordinator@{step}", "kill@{step}:w1"], workers=3
+        ),
     )
     assert_invariants(job, steps)
     kills = job.of("fault_injected", fault="kill-coordinator")

@@ -40,10 +40,8 @@ def name_native_thread(name: str) -> None:
     """Give the calling thread `name` (at most 15 bytes) in /proc, on Linux.
 
     Written to ``/proc/self/task/<tid>/comm``, not through ``prctl`` by ctypes:
-    ``ctypes.CDLL`` takes the dynamic loader's lock, and a library load in one
-    thread while another forks (the launcher starts its children with a
-    `preexec_fn`, Python code between fork and exec) can leave the child with
-    the loader half-updated. A file write takes no such lock."""
+    ``ctypes.CDLL`` takes the dynamic loader's lock at every call, and a file
+    write needs no library and no lock that a fork elsewhere could catch held."""
     if not sys.platform.startswith("linux"):
         return
     try:

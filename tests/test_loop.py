@@ -22,6 +22,7 @@ from torch import nn
 
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 from elastrain.observe.ledger import check_same_state, loss_curve
+from elastrain.runtime import torch_backend
 from elastrain.runtime.backend import SkipReason
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.engine import EXTRA_SLOTS
@@ -189,6 +190,47 @@ def _one_step(be: TorchBackend, x: torch.Tensor) -> Any:
     be.begin_step(EXTRA_SLOTS)
     be.compute(0, 0, (x, torch.ones(4, 1)), 4)
     return be.apply()
+
+
+@pytest.mark.parametrize("zero_grad_in_loss", [False, True])
+def test_the_float64_reduction_sums_each_micro_batch_exactly(zero_grad_in_loss: bool) -> None:
+    # Small parameters are widened together after each backward, a large one by its
+    # own hook: both must give the float64 sum of each micro-batch's gradient, over
+    # steps, even when the loss function sets the gradients to None itself.
+    def build() -> nn.Module:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(600, 600), nn.Tanh(), nn.Linear(600, 3), nn.Linear(3, 1))
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if zero_grad_in_loss:
+            m.zero_grad(set_to_none=True)
+        return _loss(m, batch)
+
+    model, ref = build(), build()
+    assert model[0].weight.numel() > torch_backend.SMALL_GRAD_ELEMENTS
+    assert all(q.numel() < torch_backend.SMALL_GRAD_ELEMENTS for q in list(model.parameters())[1:])
+    cfg = TrainerConfig(
+        global_batch_size=3, micro_batch_size=1, total_steps=2, reduce_dtype="float64"
+    )
+    be = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.0), loss, cfg)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batches = [
+            (torch.randn(1, 600, generator=gen), torch.randn(1, 1, generator=gen)) for _ in range(3)
+        ]
+        be.begin_step(EXTRA_SLOTS)
+        for i, b in enumerate(batches):
+            be.compute(0, i, b, 1)
+        be.apply()
+        want = [torch.zeros(q.shape, dtype=torch.float64) for q in ref.parameters()]
+        for b in batches:
+            ref.zero_grad(set_to_none=True)
+            _loss(ref, b).backward()
+            for w, q in zip(want, ref.parameters(), strict=True):
+                w.add_(q.grad.double())
+        for w, q in zip(want, model.parameters(), strict=True):
+            assert q.grad is not None and torch.equal(q.grad, (w / 3).float())
+        model.zero_grad(set_to_none=True)  # a script's loop may do this between steps
 
 
 def test_clipping_follows_torchs_rule() -> None:

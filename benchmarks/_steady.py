@@ -12,6 +12,7 @@ not come from step timings (wall per step, CPU per step, CPU while idle).
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -585,6 +586,30 @@ def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks"
         shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
         f"commit {head}" + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
     )
+
+
+def section_head(script: str, ctx: RunContext, software: str) -> list[str]:
+    """A RESULTS.md section's first lines: the script and date, the machine, the
+    `software` it ran on ("torch 2.13.0, gloo over loopback"), the code, the command."""
+    return [
+        "",
+        f"## {script} — {ctx.date}",
+        "",
+        f"Machine: `{ctx.uname}`, {ctx.cores} cores (shared with other work). {software}. "
+        f"Code: {ctx.code}.",
+        "",
+        f"Command: `{ctx.command}`",
+        "",
+    ]
+
+
+def pick_sizes(ap: argparse.ArgumentParser, text: str, sizes: Mapping[str, Any]) -> list[str]:
+    """The names in the comma list `text`, each a key of `sizes` (else `ap.error`)."""
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in sizes]
+    if unknown or not names:
+        ap.error(f"unknown size(s) {unknown}: choose from {', '.join(sizes)}")
+    return names
 
 
 def print_notes(notes: list[str], anomalies: list[str]) -> None:

@@ -75,6 +75,7 @@ from _steady import (  # noqa: E402
     med,
     print_notes,
     run_context,
+    section_head,
     table,
 )
 
@@ -292,14 +293,7 @@ def main() -> int:
         import torch
 
         sec = [
-            "",
-            f"## heal_rate.py — {ctx.date}",
-            "",
-            f"Machine: `{ctx.uname}`, {ctx.cores} cores (shared with other work). torch "
-            f"{torch.__version__}, gloo over loopback. Code: {ctx.code}.",
-            "",
-            f"Command: `{ctx.command}`",
-            "",
+            *section_head("heal_rate.py", ctx, f"torch {torch.__version__}, gloo over loopback"),
             t,
             "",
         ]

@@ -69,6 +69,7 @@ from _steady import (  # noqa: E402
     measured_step,
     med,
     pct,
+    pick_sizes,
     print_notes,
     run_context,
     steady_anomalies,
@@ -298,10 +299,7 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
-    names = [x for x in args.sizes.split(",") if x]
-    unknown = [x for x in names if x not in SIZES]
-    if unknown or not names:
-        ap.error(f"unknown size(s) {unknown}: choose from {', '.join(SIZES)}")
+    names = pick_sizes(ap, args.sizes, SIZES)
     record = not (args.no_record or args.quick)
 
     t_start = time.monotonic()

@@ -40,7 +40,16 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
-from _steady import LoadSampler, append_section, log, print_notes, run_context, table  # noqa: E402
+from _steady import (  # noqa: E402
+    LoadSampler,
+    append_section,
+    log,
+    pick_sizes,
+    print_notes,
+    run_context,
+    section_head,
+    table,
+)
 from common import Shape, build, param_count  # noqa: E402
 
 WORKERS = 2
@@ -146,16 +155,13 @@ def main() -> int:
     ap.add_argument("--sizes", default="20ms,1s", help="comma list of 20ms, 1s")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     args = ap.parse_args()
-    names = [x for x in args.sizes.split(",") if x]
-    unknown = [x for x in names if x not in SIZES]
-    if unknown or not names:
-        ap.error(f"unknown size(s) {unknown}: choose from {', '.join(SIZES)}")
+    names = pick_sizes(ap, args.sizes, SIZES)
 
     import torch
 
     torch.set_num_threads(1)
     load = LoadSampler()
-    date, uname, cores, command, code = run_context("widen.py")
+    ctx = run_context("widen.py")
     t_start = time.time()
     results = []
     for name in names:
@@ -206,18 +212,7 @@ def main() -> int:
     notes.append(f"total runtime {time.time() - t_start:.0f} s")
     print_notes(notes, anomalies)
     if not args.no_record:
-        sec = [
-            "",
-            f"## widen.py — {date}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work). torch "
-            f"{torch.__version__}. Code: {code}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            t,
-            "",
-        ]
+        sec = [*section_head("widen.py", ctx, f"torch {torch.__version__}"), t, ""]
         append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
     return 0
 

@@ -41,17 +41,22 @@ def spawn_env(base: Mapping[str, str]) -> dict[str, str]:
     return {**base, env.PARENT_PID: str(os.getpid())}
 
 
-def die_with_parent() -> None:
-    """In a child started with `spawn_env`: SIGKILL this process when the thread
-    that started it dies, and at once if its parent is already gone. Removes
-    the variable, so this process's own children do not inherit a parent that
-    is not theirs. Does nothing in a process started otherwise (by hand)."""
-    expected = os.environ.pop(env.PARENT_PID, "")
-    if not expected:
-        return
+def die_with(parent: int) -> None:
+    """SIGKILL this process when the thread of `parent` that started it dies, and
+    at once if `parent` is already gone (Linux's `PR_SET_PDEATHSIG`)."""
     prctl = _prctl()
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     # After the request: a parent that dies later is covered by the signal.
-    if os.getppid() != int(expected):
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent() -> None:
+    """In a child started with `spawn_env`: `die_with` the parent named there.
+    Removes the variable, so this process's own children do not inherit a
+    parent that is not theirs. Does nothing in a process started otherwise (by
+    hand)."""
+    expected = os.environ.pop(env.PARENT_PID, "")
+    if expected:
+        die_with(int(expected))

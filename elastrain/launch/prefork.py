@@ -50,7 +50,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastrain.launch.children import PR_SET_PDEATHSIG, _prctl, die_with_parent, spawn_env
+from elastrain.launch.children import die_with, die_with_parent, spawn_env
 
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the server's imports before starting the worker with
@@ -291,11 +291,7 @@ def become_worker(request: dict[str, Any], server: int) -> int:
     os.close(null)
     os.setsid()
     os.umask(int(request["umask"]))
-    prctl = _prctl()
-    if prctl is not None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != server:  # the server died before the request above
-            os.kill(os.getpid(), signal.SIGKILL)
+    die_with(server)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

@@ -457,40 +457,38 @@ class TorchBackend:
             for group in by_dtype.values():
                 group.sort(key=lambda q: q.numel() >= SMALL_GRAD_ELEMENTS)
         flats: list[torch.Tensor] = []
-        views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        grouped: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
         for i, (dtype, group) in enumerate(by_dtype.items()):
             pad = extra if i == 0 and self.native else 0
             flat = torch.zeros(sum(q.numel() for q in group) + pad, dtype=dtype, device=self.device)
+            mine = []
             off = 0
             for q in group:
                 v = flat[off : off + q.numel()].view_as(q)
                 q.grad = v
-                views.append((q, v))
+                mine.append((q, v))
                 off += q.numel()
             flats.append(flat)
-        self._flats, self._views = flats, views
+            grouped.append(mine)
+        self._flats, self._views = flats, [qv for mine in grouped for qv in mine]
         if self.native:
             self._reduce = flats
         else:
             n = sum(f.numel() for f in flats)
             wide = torch.zeros(n + extra, dtype=torch.float64, device=self.device)
             self._reduce = [wide]
-            off, i = 0, 0
-            for flat in flats:
-                small: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-                for q, v in views[i : i + len(by_dtype[flat.dtype])]:
-                    if q.numel() < SMALL_GRAD_ELEMENTS:
-                        small.append((q, v))
-                    else:
-                        self._captures.append(_GradCapture(q, v, wide[off : off + q.numel()], self))
-                    off += q.numel()
+            off = 0  # wide holds each flat's elements in turn, at the same offsets
+            for flat, mine in zip(flats, grouped, strict=True):
+                small = [(q, v) for q, v in mine if q.numel() < SMALL_GRAD_ELEMENTS]
+                n_small = sum(q.numel() for q, _ in small)
                 if small:
-                    n_small = sum(q.numel() for q, _ in small)
-                    start = off - flat.numel()
                     self._small.append(
-                        _SmallGrads(small, flat[:n_small], wide[start : start + n_small])
+                        _SmallGrads(small, flat[:n_small], wide[off : off + n_small])
                     )
-                i += len(by_dtype[flat.dtype])
+                off += n_small
+                for q, v in mine[len(small) :]:  # the large ones, laid out after
+                    self._captures.append(_GradCapture(q, v, wide[off : off + q.numel()], self))
+                    off += q.numel()
             self._param_ids = [id(q) for q in params]
         return self._flats, self._reduce
 

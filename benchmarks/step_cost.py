@@ -72,6 +72,7 @@ from _steady import (  # noqa: E402
     pick_sizes,
     print_notes,
     run_context,
+    section_head,
     steady_anomalies,
     steady_elastrain_vs,
     table,
@@ -305,9 +306,9 @@ def main() -> int:
     t_start = time.monotonic()
     t_wall0 = time.time()
     load = LoadSampler()
-    date, uname, cores, command, code = run_context("step_cost.py")
+    ctx = run_context("step_cost.py")
     base = HERE / "runs" / f"step-cost-{time.strftime('%Y%m%d-%H%M%S')}"
-    log(f"load average now {os.getloadavg()[0]:.1f} on {cores} cores; run dirs under {base}")
+    log(f"load average now {os.getloadavg()[0]:.1f} on {ctx.cores} cores; run dirs under {base}")
 
     import torch
 
@@ -378,7 +379,7 @@ def main() -> int:
         "sampler, the graveyard), other (unnamed threads), coordinator (all of its "
         "threads); per step, the mean over every block but the last (one clock tick is "
         "10 ms: a median of blocks would round small threads to 0 or a tick).",
-        f"machine load (1-min load average, {cores} cores): "
+        f"machine load (1-min load average, {ctx.cores} cores): "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
         f"total benchmark runtime {time.monotonic() - t_start:.0f} s",
     ]
@@ -392,14 +393,7 @@ def main() -> int:
     if record:
         res_md = HERE / "RESULTS.md"
         sec = [
-            "",
-            f"## step_cost.py — {date}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work). torch "
-            f"{torch.__version__}, gloo over loopback. Code: {code}.",
-            "",
-            f"Command: `{command}`",
-            "",
+            *section_head("step_cost.py", ctx, f"torch {torch.__version__}, gloo over loopback"),
             t1,
             "",
             "Where a step goes (median ms):",

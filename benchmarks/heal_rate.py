@@ -16,8 +16,8 @@ its dead rank's shard from its one twin; a replicated job stripes across all
 survivors), S + 1 processes (_jobs/heal_rate_job.py) hold the demo GPT with
 AdamW (default dim 256, 4 layers, 4 heads: about 39 MB of model and optimizer
 state, the shard a 2x2 sharded.py replacement heals). After one warm-up each,
-`--reps` rounds run, each of three measurements after a barrier (so the
-machine's load hits all three alike):
+`--reps` rounds run, each of four measurements after a barrier (so the
+machine's load hits all four alike):
 
 - warm: a plain gloo broadcast of a uint8 tensor of the heal's payload bytes
   from a sender to the receiver (their own 2-rank group), into memory the
@@ -27,7 +27,11 @@ machine's load hits all three alike):
 - heal: `elastrain.transfer.heal` of the TorchState from the S senders into
   the receiver (manifest, seals, verdicts, stripes, install: the code the
   trainers run, under a job key), timed on the receiver from the barrier to
-  the end of its call.
+  the end of its call. It lands in a `LandingReserve` the receiver mapped
+  and touched before the barrier (untimed: the trainer's joiner prepares it
+  while it waits to be admitted; its preparation time is reported apart);
+- cold: the same heal without a reserve, landing in memory the receiver has
+  not touched (what every heal did before the reserve).
 
 Every process runs with MALLOC_MMAP_THRESHOLD_=131072 (glibc's default, pinned)
 so that each large allocation is fresh memory, as in a replacement's first heal
@@ -35,14 +39,14 @@ so that each large allocation is fresh memory, as in a replacement's first heal
 would land in recycled, already touched pages). The receiver checks its state
 hash against the senders' after the last round.
 
-Reported per S: median MB/s of each, the heal's rate against the warm and the
-fresh broadcast (ratio of medians; and the median of per-round ratios, which a
-load swing between rounds moves less), the heal's payload phase alone
+Reported per S: median MB/s of each, the heal's rate against the warm broadcast
+(ratio of medians; and the median of per-round ratios, which a load swing
+between rounds moves less), the cold heal's against the warm broadcast, the heal's payload phase alone
 (`HealStats.payload_s`) as a rate and against the warm broadcast, the
-milliseconds of the heal outside it (flatten, manifest rounds, install), CPU
-milliseconds of all processes per operation, the receiver process's first heal (timed alone, before the rounds:
-what a replacement's one heal meets, cold code paths and untouched landing
-memory) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
+milliseconds of the heal outside it (flatten, manifest rounds, install), the
+reserve's preparation in milliseconds, CPU milliseconds of all processes per
+operation, the receiver process's first heal (timed alone, before the rounds:
+what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
 rounds' median). Prints the table and appends
 it to benchmarks/RESULTS.md with date, machine, load, command and commit
 (unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
@@ -81,7 +85,7 @@ from _steady import (  # noqa: E402
 
 TARGET = 0.5
 """The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
-KINDS = ("warm", "fresh", "heal")
+KINDS = ("warm", "fresh", "heal", "cold")
 FULL: dict[str, int | str] = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
 QUICK: dict[str, int | str] = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
 MMAP_THRESHOLD = "131072"
@@ -146,8 +150,10 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     first = nbytes / 1e6 / recv["first"][0]
     # The receiver's heal split in two: moving the payload, and the rest (flatten,
     # manifest rounds, install), from `HealStats.payload_s`.
-    payload = [nbytes / 1e6 / s for s in recv["payload_s"]]
-    outside = [h - s for h, s in zip(recv["seconds"]["heal"], recv["payload_s"], strict=True)]
+    payload = [nbytes / 1e6 / s for s in recv["payload_s"]["heal"]]
+    outside = [
+        h - s for h, s in zip(recv["seconds"]["heal"], recv["payload_s"]["heal"], strict=True)
+    ]
     return {
         "bytes": nbytes,
         "rates": rates,
@@ -156,6 +162,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "first": first,
         "payload": payload,
         "outside": outside,
+        "prepare_s": recv["prepare_s"],
     }
 
 
@@ -172,9 +179,10 @@ def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
             f"{fmt(min(r['rates']['heal']), 0)} / {fmt(max(r['rates']['heal']), 0)}",
             fmt(ratio, 2),
             fmt(med(r["per_round"]["warm"]), 2),
-            fmt(m["heal"] / m["fresh"], 2),
+            f"{fmt(m['cold'], 0)} ({fmt(m['cold'] / m['warm'], 2)})",
             f"{fmt(med(r['payload']), 0)} ({fmt(med(r['payload']) / m['warm'], 2)})",
             fmt(med(r["outside"]) * 1e3, 1),
+            f"{fmt(med(r['prepare_s']) * 1e3, 1)} / {fmt(r['prepare_s'][0] * 1e3, 1)}",
             " / ".join(fmt(med(r["cpu"][k]) * 1e3, 1) for k in KINDS),
             f"{fmt(r['first'], 0)} ({fmt(r['first'] / m['warm'], 2)})",
             "PASS" if ratio >= TARGET else "FAIL",
@@ -191,10 +199,11 @@ HEADER = [
     "heal min / max",
     "heal / warm",
     "per-round heal / warm",
-    "heal / fresh",
+    "cold heal MB/s (/ warm)",
     "heal payload MB/s (/ warm)",
     "heal outside payload ms",
-    "CPU ms warm / fresh / heal",
+    "reserve touched ms: rounds / first",
+    "CPU ms warm / fresh / heal / cold",
     "first heal MB/s (/ warm)",
     f">= {TARGET:.0%} of warm",
 ]
@@ -250,15 +259,20 @@ def main() -> int:
         f"state: the demo GPT, dim {dim}, {layers} layers, {heads} heads, context 64, with "
         "AdamW after one step (model + optimizer state, as a heal moves it); the receiver "
         "starts from another seed with no optimizer state",
-        f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal, each "
-        "after a barrier; rates are the payload bytes over the receiver's wall time from the "
+        f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal, cold "
+        "heal, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
         "barrier to its end of the operation; medians over rounds",
         "broadcast: one uint8 tensor of the payload's bytes, from sender rank 0 to the "
         "receiver in a 2-rank gloo group of their own; warm: into memory touched before; "
         "fresh: into a tensor allocated just before",
         "heal: elastrain.transfer.heal (sealed under a job key) of model + optimizer from "
-        "the senders, striped, into the receiver, landing in fresh memory and installed; "
-        "the receiver's state hash equals the senders' after the last round (checked)",
+        "the senders, striped, into the receiver, installed; the receiver's state hash equals "
+        "the senders' after the last round (checked). The heal lands in a LandingReserve "
+        "the receiver mapped and touched before the barrier, sized by its "
+        "TorchState.landing_estimate() (what a joiner does while it waits to be admitted; "
+        "'reserve touched': that preparation's time, off the clock, median over rounds and "
+        "the first's); the cold heal lands in memory the receiver has not touched (no "
+        "reserve, as every heal did before)",
         f"every process: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (large allocations are "
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",
@@ -269,8 +283,9 @@ def main() -> int:
         "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
         "operation, median over rounds",
         "first heal: the receiver process's first heal (one per sender count, timed from a "
-        "barrier like the rounds, before them): cold code paths and a landing in memory the "
-        "process never touched, as in a replacement; the rounds' heals come after it",
+        "barrier like the rounds, before them), with a reserve estimated from its fresh "
+        "optimizer as a replacement's: cold code paths, as in a replacement; the rounds' "
+        "heals come after it",
         "machine load (1-min load average): "
         + ", ".join(f"{loads[s]:.1f} during {s} sender(s)" for s in res)
         + f"; {load.mean(t_wall0, time.time()):.1f} mean over the benchmark",

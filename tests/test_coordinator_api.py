@@ -143,6 +143,13 @@ def test_restarted_coordinator_adopts_the_generation_workers_report(
     assert c.quorum(p.QuorumRequest("w0", 1, 5, 30)).verdict == "unknown"
     st = c.status()
     assert st["gen"] == 5 and st["members"] == members and st["step"] == 30
+    # A newcomer learns how far the job is: it will be healed, and prepares for it.
+    assert c.register(p.RegisterRequest("w2", 3, "h", SIG)).progress_step == 30
+
+
+def test_registration_in_a_fresh_job_says_nobody_is_ahead(server: CoordinatorServer) -> None:
+    c = CoordinatorClient(server.address, TOKEN)
+    assert c.register(p.RegisterRequest("w0", 1, "h", SIG)).progress_step == 0
 
 
 def test_decode_is_strict() -> None:

@@ -315,6 +315,9 @@ class FakeState:
     def flatten(self) -> FakeFlat:
         return FakeFlat([("w", self.backend.w)], {})
 
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        return [("model/w", 4 << 20)]  # two huge pages: a section the reserve maps
+
 
 class FakeBackend:
     """One float64 parameter; micro-batch gradient = sum of its sample ids; loss 1 per sample."""
@@ -440,6 +443,8 @@ class FakeCoordinator:
     timeout_s: float = 5.0
     down: bool = False
     incarnation: int = 0
+    progress_step: int = 0
+    """What `register` says the job's progress is."""
     registrations: int = 0
     gen: int = 0
     broken: int = 0
@@ -453,7 +458,9 @@ class FakeCoordinator:
             raise CoordinatorRefused(409, "model_mismatch", "the model does not match the job's")
         self.registrations += 1
         self.incarnation += 1
-        return p.RegisterResponse(self.incarnation, "127.0.0.1", 1, "job", 0.02)
+        return p.RegisterResponse(
+            self.incarnation, "127.0.0.1", 1, "job", 0.02, progress_step=self.progress_step
+        )
 
     def heartbeat(self, req: p.HeartbeatRequest) -> p.HeartbeatResponse:
         with self.cond:
@@ -863,6 +870,31 @@ def test_a_joiner_heals_from_its_peers_and_resumes_at_their_step(tmp_path: Path)
     assert h.engine.proto.commit_gen == 1
     assert float(h.backend.w[0]) == truth(6)
     assert h.backend.computed[0][0] == 4  # never recomputed steps 0-3
+
+
+@pytest.mark.parametrize("progress", [0, 4])
+def test_a_joiner_behind_the_job_reserves_its_landing_and_hands_it_to_its_heal(
+    tmp_path: Path, progress: int
+) -> None:
+    members = ("b", "c", "a")
+    got: list[Any] = []
+
+    def heal(*args: Any, reserve: Any = None, **kw: Any) -> tuple[dict[str, Any], HealStats]:
+        got.append(reserve)
+        return h.heal_from_truth(*args, **kw)
+
+    h = Harness(
+        tmp_path, [(members, {"b": 4, "c": 4, "a": 0}, {"b": 3, "c": 3, "a": 0})], heal=heal
+    )
+    h.coord.progress_step = progress  # registration says how far the job is
+    results = h.run()
+    assert [r.step for r in results] == [4, 5]
+    if progress:
+        # Mapped and touched at registration, used by the one heal, then let go.
+        assert len(got) == 1 and got[0] is not None and got[0].nbytes == 4 << 20
+    else:
+        assert got == [None]  # a fresh job: nobody is behind at registration
+    assert h.engine._reserve is None
 
 
 def test_the_zombie_commit_member_is_healed_to_the_jobs_state(tmp_path: Path) -> None:

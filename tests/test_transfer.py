@@ -45,7 +45,7 @@ from elastrain.transfer import (
 )
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
 from elastrain.transfer.flatten import flatten_state
-from elastrain.transfer.landing import Landing
+from elastrain.transfer.landing import Landing, LandingReserve, section_bytes
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
@@ -415,6 +415,53 @@ def test_landing_falls_back_to_torch_empty_when_no_mapping_can_be_made(
     assert landing.fresh_bytes(landing.HUGE_PAGE).numel() == landing.HUGE_PAGE
 
 
+def _resident(addr: int) -> int:
+    """Resident bytes of the mapping of this process that holds ``addr`` (smaps Rss)."""
+    hit = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            hit = lo <= addr < hi
+        elif hit and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+def _region_start(reserve: LandingReserve, section: str) -> int:
+    r = reserve._regions[section]  # the address only; the test does not touch it
+    return torch.frombuffer(r.mapping, dtype=torch.uint8, count=1, offset=r.base).data_ptr()
+
+
+@pytest.mark.skipif(
+    landing._MADV_HUGEPAGE is None or not Path("/proc/self/smaps").exists(),
+    reason="needs Linux mappings",
+)
+def test_landing_reserve_is_resident_before_the_heal_and_gives_back_its_surplus() -> None:
+    mib = 1 << 20
+    reserve = LandingReserve({"optim": 16 * mib, "obj": 4096})  # obj: too small to map
+    reserve.wait()
+    assert reserve.nbytes == 16 * mib
+    at = _region_start(reserve, "optim")
+    assert _resident(at) >= 16 * mib  # touched in the background, before any heal
+    m = build_manifest("torch", [("optim/0/a", torch.zeros(mib // 4))], {}, [0], {}, 1)
+    land = Landing.allocate(m.entries, reserve)
+    assert land.tensors["optim/0/a"].data_ptr() == at  # landed in the reserved pages
+    # Only what the entries use stays resident (the estimate's surplus went back);
+    # 2 MiB: a huge page may hold the tail of the used part.
+    assert _resident(at) <= 3 * mib
+    with pytest.raises(KeyError):
+        _region_start(reserve, "optim")  # single use
+
+
+def test_landing_reserve_too_small_for_a_section_lands_it_in_fresh_memory() -> None:
+    reserve = LandingReserve({"optim": 2 << 20})
+    m = build_manifest("torch", [("optim/0/a", torch.zeros(1 << 20))], {}, [0], {}, 1)  # 4 MiB
+    land = Landing.allocate(m.entries, reserve)
+    assert land.tensors["optim/0/a"].shape == (1 << 20,)
+    assert reserve._regions == {}  # the short region was let go, not kept for later
+
+
 def test_fresh_bytes_is_writable_and_huge_page_aligned() -> None:
     for n in (0, 1000, landing.HUGE_PAGE + 3):
         t = landing.fresh_bytes(n)
@@ -580,6 +627,39 @@ def test_heal_threads_large_state_lands_in_mappings_and_saves_compactly(
         torch.save(opt.state_dict(), buf)
         sizes.append(len(buf.getvalue()))
     assert abs(sizes[1] - sizes[0]) < 4096, sizes
+    train_step(*states[1], seed=9)  # the healed state trains like any other
+    train_step(*states[0], seed=9)
+    assert state_hash(*states[1]) == state_hash(*states[0])
+
+
+def test_heal_threads_a_joiners_reserve_is_estimated_exactly_and_receives_the_state(
+    master_store: TCPStore,
+) -> None:
+    """A fresh Adam's state is estimated before its first step as exactly what a heal
+    brings; the heal lands model and optimizer in the reserve's touched pages, and
+    the optimizer state lives on there."""
+    width = 1 << 16  # 2 MiB of weights: every section is mapped
+    states = [trained(width, steps=1), fresh(width)]
+    want = state_hash(*states[0])
+    joiner = TorchState(*states[1])
+    sender_bytes = section_bytes((n, t.nbytes) for n, t in flatten_state(*states[0]).tensors)
+    assert section_bytes(joiner.landing_estimate()) == sender_bytes
+    reserve = LandingReserve(section_bytes(joiner.landing_estimate()))
+    reserve.wait()
+    start = {sec: _region_start(reserve, sec) for sec in ("model", "optim")}
+
+    def fn(rank: int, pg: Any) -> HealStats:
+        state = TorchState(*states[0]) if rank == 0 else joiner
+        mine = reserve if rank == 1 else None
+        return heal(pg, rank, [0], [1], state, {}, 20.0, key=KEY, reserve=mine)[1]
+
+    res = run_threads(master_store, 2, fn)
+    assert all(isinstance(r, HealStats) for r in res), res
+    assert state_hash(*states[1]) == want
+    model, opt = states[1]
+    held = [t.data_ptr() for s in opt.state.values() for t in s.values() if t.numel() > 1]
+    lo, hi = start["optim"], start["optim"] + sender_bytes["optim"]
+    assert held and all(lo <= a < hi for a in held)
     train_step(*states[1], seed=9)  # the healed state trains like any other
     train_step(*states[0], seed=9)
     assert state_hash(*states[1]) == state_hash(*states[0])

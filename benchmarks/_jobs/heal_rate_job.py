@@ -20,13 +20,18 @@ every rank so that they start it together:
 2. ``fresh``: the same into a tensor the receiver allocated just before it;
 3. ``heal``: `elastrain.transfer.heal` of the `TorchState` (the code the
    trainers run, sealed under a job key) from the senders into the receiver,
-   which lands it in memory it has not touched yet and installs it.
+   which lands it in a `LandingReserve` it prepared before the barrier (mapped
+   and touched, untimed: a joiner does it while it waits to be admitted) and
+   installs it;
+4. ``cold``: the same heal without a reserve: the receiver lands it in memory
+   it has not touched yet (what every heal did before the reserve).
 
 Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
 the wall seconds (from the barrier to its own end of it) and the CPU seconds of
-its process (every thread, gloo's included), and per heal the part of its own
+its process (every thread, gloo's included), per heal the part of its own
 call that moved the payload (`HealStats.payload_s`; the rest is the flatten,
-the manifest rounds and the install). After the last round the ranks
+the manifest rounds and the install), and per reserve the seconds its touching
+took (off the clock, as in a joiner). After the last round the ranks
 check that the receiver's state hash equals the senders' (exit 3 if not).
 Run it with MALLOC_MMAP_THRESHOLD_ set (heal_rate.py does) so that every large
 allocation is fresh memory, as in a replacement's first heal.
@@ -47,11 +52,11 @@ import torch
 import torch.distributed as dist
 
 from elastrain.demo.gpt import GPT
-from elastrain.transfer import TorchState, heal, state_hash
+from elastrain.transfer import LandingReserve, TorchState, heal, section_bytes, state_hash
 
 KEY = b"heal-rate-benchmark-key"
 TIMEOUT = datetime.timedelta(seconds=120)
-KINDS = ("warm", "fresh", "heal")
+KINDS = ("warm", "fresh", "heal", "cold")
 
 
 def build(dim: int, layers: int, heads: int, sender: bool) -> TorchState:
@@ -101,13 +106,27 @@ def main() -> None:
     )
     state = build(dim, layers, heads, rank < senders)
 
-    payload_s: list[float] = []
+    payload_s: dict[str, list[float]] = {"heal": [], "cold": []}
+    prepare_s: list[float] = []
+    reserve: LandingReserve | None = None
 
-    def do_heal() -> None:
+    def prepare() -> None:
+        """The receiver's landing, mapped and touched before the barrier (untimed)."""
+        nonlocal reserve
+        if rank == receiver:
+            t0 = time.perf_counter()
+            reserve = LandingReserve(section_bytes(state.landing_estimate()))
+            reserve.wait()
+            prepare_s.append(time.perf_counter() - t0)
+
+    def do_heal(kind: str = "heal") -> None:
+        nonlocal reserve
         _, stats = heal(
-            pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY
-        )
-        payload_s.append(stats.payload_s)
+            pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
+            reserve=reserve if kind == "heal" else None,
+        )  # fmt: skip
+        reserve = None
+        payload_s[kind].append(stats.payload_s)
 
     def broadcast(t: torch.Tensor) -> None:
         if bcast is None:
@@ -127,13 +146,14 @@ def main() -> None:
         cpu[kind].append(cpu_s() - c0)
 
     # The first heal of this receiver process, timed as the rounds are: what a
-    # replacement's one heal costs (cold code paths, a landing in memory this
-    # process never touched). It also warms up the connections; the receiver has
-    # optimizer state from here on.
+    # replacement's one heal costs (cold code paths; its landing reserved from its
+    # own fresh optimizer's estimate, as the trainer's joiner does). It also warms
+    # up the connections; the receiver has optimizer state from here on.
+    prepare()
     barrier(pg)
     c0, t0 = cpu_s(), time.perf_counter()
     do_heal()
-    first = (time.perf_counter() - t0, cpu_s() - c0, payload_s.pop())
+    first = (time.perf_counter() - t0, cpu_s() - c0, payload_s["heal"].pop())
     nbytes = sum(t.numel() * t.element_size() for _, t in state.flatten().tensors)
     warm = torch.zeros(nbytes, dtype=torch.uint8)
     broadcast(warm)
@@ -142,7 +162,9 @@ def main() -> None:
         fresh = torch.empty(nbytes, dtype=torch.uint8) if rank == receiver else warm
         timed("fresh", functools.partial(broadcast, fresh))
         del fresh
+        prepare()
         timed("heal", do_heal)
+        timed("cold", functools.partial(do_heal, "cold"))
     ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(
@@ -152,6 +174,7 @@ def main() -> None:
                 "seconds": seconds,
                 "cpu": cpu,
                 "payload_s": payload_s,
+                "prepare_s": prepare_s,
                 "first": first,
             },
             f,

@@ -496,6 +496,10 @@ class RegisterResponse:
     store_port: int
     job_id: str
     heartbeat_s: float
+    progress_step: int = 0
+    """The most steps the job has voted to proceed past (0: none yet, or a
+    coordinator restarted since): a registrant that has committed fewer will be
+    healed when admitted, and prepares its landing while it waits."""
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,12 @@ class Coordinator:
             )
             self._flush()
             return p.RegisterResponse(
-                inc, self.store_host, self.store_port, self.job_id, self.config.heartbeat_s
+                inc,
+                self.store_host,
+                self.store_port,
+                self.job_id,
+                self.config.heartbeat_s,
+                progress_step=self.state.progress_step,
             )
 
     def heartbeat(self, req: p.HeartbeatRequest, deadline: float) -> p.HeartbeatResponse | None:

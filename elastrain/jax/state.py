@@ -146,6 +146,10 @@ class JaxState:
     def manifest_limit(self) -> int:
         return manifest_limit(len(self._leaves))
 
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        # Exact: every leaf (the optimizer's state included) exists from the start.
+        return [(name, int(a.nbytes)) for name, a in self._leaves]
+
     def bound(self, m: Manifest) -> str | None:
         total = sum(int(a.nbytes) for _, a in self._leaves)
         if m.total_bytes > total or len(m.entries) > len(self._leaves):

@@ -162,7 +162,7 @@ from elastrain.runtime.sharded_ckpt import (
 )
 from elastrain.runtime.threadnames import HASH, QUORUM, name_native_thread
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealError, TorchState, heal
+from elastrain.transfer import HealError, LandingReserve, TorchState, heal, section_bytes
 from elastrain.transfer.flatten import OBJECTS_KEY
 
 log = logging.getLogger("elastrain.engine")
@@ -426,6 +426,8 @@ class StepEngine:
         self._after_commit: Callable[[], None] | None = None
         self._joined = False
         """This member has built a generation's group once: no longer a standby."""
+        self._reserve: LandingReserve | None = None
+        """The landing a joiner prepared for its heal (`_reserve_landing`)."""
         self.evaluation: Evaluation | None = None
         """The evaluation the script asked for (`set_evaluation`), if any."""
         self.eval_result: EvalResult | None = None
@@ -709,7 +711,27 @@ class StepEngine:
                 f"[{self.member}] cannot reach the coordinator after "
                 f"{self.session.register_timeout_s:g} s: {e}",
             )
+        self._reserve_landing()
         return m.Registered(self.session.incarnation)
+
+    def _reserve_landing(self) -> None:
+        """A joiner (never yet in a generation) that has committed fewer steps than
+        the job will be healed when it is admitted: it maps and touches its landing
+        now, in the background, while it waits (`LandingReserve`), so the heal lands
+        in resident memory. Replicated members only (a sharded joiner learns its
+        shard's size when it takes a slot)."""
+        if self._joined or self._reserve is not None or self.shards is not None:
+            return
+        if self.session.progress_step <= self.proto.committed:
+            return
+        self._reserve = LandingReserve(section_bytes(self.backend.state().landing_estimate()))
+        log.info(
+            "%s: the job is at step %d, this member at %d: reserving %.1f MB of landing",
+            self.member,
+            self.session.progress_step,
+            self.proto.committed,
+            self._reserve.nbytes / 1e6,
+        )
 
     def _register_again(self, a: m.Action) -> m.Observation:
         if self.session.expelled:
@@ -920,6 +942,8 @@ class StepEngine:
             role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
             self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
             state = self.backend.state()
+            # Used up by this heal (or dropped unused): a retry lands in fresh memory.
+            reserve, self._reserve = self._reserve, None
             try:
                 got, stats = self._heal_fn(
                     self._pg,
@@ -930,6 +954,7 @@ class StepEngine:
                     self._meta(committed) if role == "send" else None,
                     self.config.timeouts.heal_s,
                     key=self.token.encode() or None,
+                    reserve=reserve if role == "recv" else None,
                 )
                 if role == "recv":
                     self.backend.adopt(state)

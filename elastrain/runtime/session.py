@@ -69,6 +69,8 @@ class MemberSession:
         self.incarnation = 0
         self.job_id = ""
         self.heartbeat_s = 0.25
+        self.progress_step = 0
+        """The job's progress when this member last registered (`RegisterResponse`)."""
         self.store_addr: tuple[str, int] | None = None
         self._lock = threading.Lock()
         self._reg_lock = threading.Lock()
@@ -152,6 +154,7 @@ class MemberSession:
         with self._lock:
             self.incarnation = r.incarnation
             self.job_id = r.job_id
+            self.progress_step = r.progress_step
             self.heartbeat_s = r.heartbeat_s
             # A new registration may mean a new store server behind the same
             # address (a restarted coordinator): old clients never recover.

@@ -16,12 +16,16 @@ COLLECTIVE_WAIT = "el-collective"
 (`elastrain.runtime.group`)."""
 GRAVEYARD = "el-graveyard"
 """A `Graveyard` reaper waiting for a dropped group's work to end."""
-TRANSIENT_THREADS = frozenset({COLLECTIVE_WAIT, GRAVEYARD})
-"""Names (``/proc/<pid>/task/<tid>/comm``) of the threads that wait out an abandoned
-collective: each ends when its operation does (at the latest at the group's op
-timeout), so there are never more of them than generations abandoned within that
-time, plus the one `Waiter` helper kept for the next wait; a leak check counts them
-apart (elastrain.chaos.soak)."""
+LANDING = "el-landing"
+"""A joiner's `LandingReserve` being touched while it waits to be admitted
+(`elastrain.transfer.landing`); it ends once every page is resident."""
+TRANSIENT_THREADS = frozenset({COLLECTIVE_WAIT, GRAVEYARD, LANDING})
+"""Names (``/proc/<pid>/task/<tid>/comm``) of the threads that end on their own:
+those that wait out an abandoned collective end when its operation does (at the
+latest at the group's op timeout), so there are never more of them than
+generations abandoned within that time, plus the one `Waiter` helper kept for the
+next wait; the landing's ends when its pages are touched. A leak check counts
+them apart (elastrain.chaos.soak)."""
 
 QUORUM = "el-quorum"
 """The engine's quorum thread: the step's verdict request to the coordinator."""
@@ -32,7 +36,7 @@ HEARTBEAT = "el-heartbeat"
 METER = "el-meter"
 """The energy and CPU sampler (`elastrain.observe.power`)."""
 
-WORKER_THREADS = (QUORUM, HEARTBEAT, COLLECTIVE_WAIT, HASH, METER, GRAVEYARD)
+WORKER_THREADS = (QUORUM, HEARTBEAT, COLLECTIVE_WAIT, HASH, METER, GRAVEYARD, LANDING)
 """Every name above: the worker's threads a per-thread CPU account tells apart."""
 
 

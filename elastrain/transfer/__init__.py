@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from elastrain.transfer.errors import HealError
 from elastrain.transfer.flatten import state_digest, state_hash
+from elastrain.transfer.landing import LandingReserve, section_bytes
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.striped import HealStats, Role, heal
@@ -19,11 +20,13 @@ __all__ = [
     "FlatState",
     "HealError",
     "HealStats",
+    "LandingReserve",
     "NamedState",
     "Role",
     "TorchState",
     "heal",
     "model_signature",
+    "section_bytes",
     "signature_mismatch",
     "state_digest",
     "state_hash",

@@ -77,6 +77,15 @@ class NamedState(Protocol):
         length, before the manifest buffer is allocated)."""
         ...
 
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        """``(name, nbytes)`` of the entries a heal into this state is expected to
+        carry: a joiner maps and touches that much landing ahead of its heal
+        (`elastrain.transfer.landing.LandingReserve`). Exact for what the state
+        holds; an estimate (stated by the kind) for state that appears only once
+        training ran. Only speed depends on it: a short estimate lands the rest in
+        fresh memory, a long one gives the surplus back at the heal."""
+        ...
+
     def bound(self, m: Manifest) -> str | None:
         """None if a correct peer of this state could have sent ``m``, else why not.
 

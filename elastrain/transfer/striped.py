@@ -70,7 +70,7 @@ import torch.distributed as dist
 from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag
 from elastrain.transfer.dtypes import cpu_bytes
 from elastrain.transfer.errors import HealError, ManifestUnavailable
-from elastrain.transfer.landing import Landing, fresh_bytes
+from elastrain.transfer.landing import Landing, LandingReserve, fresh_bytes
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
@@ -537,6 +537,7 @@ def heal(
     *,
     key: bytes | None = None,
     tamper: Tamper | None = None,
+    reserve: LandingReserve | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
     """Copy senders' ``state`` onto receivers, striped over all senders, sealed by ``key``.
 
@@ -571,6 +572,10 @@ def heal(
     (`NamedState.install`) only after every stripe arrived and matched its
     seal. After a HealError from a transport failure or timeout, drop the
     process group.
+
+    ``reserve``: a receiver's landing memory, mapped and touched ahead of the heal
+    (`LandingReserve`; its sections are used up here). Without one, or for a
+    section it does not fit, the payload lands in fresh memory.
 
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
@@ -674,7 +679,7 @@ def heal(
     # 4-5. payload, sealed, with refused stripes sent again by trusted senders
     rd = _Round(manifest, seal, key)
     t_payload = time.perf_counter()
-    landing = Landing.allocate(manifest.entries) if role == Role.RECV else None
+    landing = Landing.allocate(manifest.entries, reserve) if role == Role.RECV else None
     nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper)
     payload_s = time.perf_counter() - t_payload
     if landing is not None:

@@ -49,6 +49,10 @@ MAX_GROUP_TENSORS = 16
 """Most tensor-valued hyperparameters (e.g. a tensor ``lr``) one param group may have."""
 MAX_GROUP_TENSOR_NUMEL = 1024
 """Most elements of one tensor-valued hyperparameter."""
+FRESH_OPTIMIZER_TENSORS = 2
+"""A param without optimizer state yet (a fresh optimizer: torch builds it at the
+first step) is expected to get this many param-shaped tensors and a 0-dim step
+counter: Adam's and AdamW's state, the common case (`TorchState.landing_estimate`)."""
 OPTIM_STATE_FACTOR = 8
 """The optimizer state may hold at most this many times the params' bytes (plus
 16 bytes per permitted tensor, for 0-dim ``step`` counters): Adam in float32 over
@@ -121,6 +125,19 @@ class TorchState:
             + len(self._own_object_entries())
             + MAX_GROUP_TENSORS
         )
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        """What the state holds now, plus for every param the optimizer has no
+        state for `FRESH_OPTIMIZER_TENSORS` param-shaped tensors and a step counter
+        (named as its first step would name them, in the optimizer's section)."""
+        out = [(name, t.numel() * t.element_size()) for name, t in self.flatten().tensors]
+        held = self.optimizer.state
+        for i, p in enumerate(self._params()):
+            if p not in held:
+                out += [(f"{OPTIM_PREFIX}{i}/{k}", p.numel() * p.element_size())
+                        for k in range(FRESH_OPTIMIZER_TENSORS)]  # fmt: skip
+                out.append((f"{OPTIM_PREFIX}{i}/step", 8))
+        return out
 
     def payload_limit(self) -> int:
         """The most payload bytes this state accepts: its model's bytes plus

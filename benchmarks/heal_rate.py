@@ -277,9 +277,10 @@ def main() -> int:
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",
         "heal payload: the payload bytes over the receiver's payload phase alone "
-        "(HealStats.payload_s: landing allocated, stripes and seals sent, received and "
-        "checked, the outcome); outside payload: the rest of its heal (flatten, the "
-        "manifest rounds, the install), medians over rounds",
+        "(HealStats.payload_s: stripes and seals sent, received and checked, the "
+        "outcome); outside payload: the rest of its heal (flatten, the manifest rounds "
+        "with the senders' staging and the landing's allocation overlapping the verdict's, "
+        "the install), medians over rounds",
         "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
         "operation, median over rounds",
         "first heal: the receiver process's first heal (one per sender count, timed from a "

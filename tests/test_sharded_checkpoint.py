@@ -64,7 +64,7 @@ from elastrain.runtime.sharded_ckpt import (
     shard_source,
     writer_shard,
 )
-from elastrain.transfer import TorchState
+from elastrain.transfer import TorchState, section_bytes
 
 from .conftest import ROOT, Job
 
@@ -165,7 +165,24 @@ def _trained_shards(size: int, steps: int = 3) -> list[ShardedBackend]:
     return members
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_sharded_joiner_estimates_the_largest_shard_a_heal_brings(size: int) -> None:
+    """Before it holds a shard, a joiner's landing estimate covers, section by
+    section, what a heal of any shard of the job's shard size brings, and equals
+    the largest one's (shard 0: `torch.chunk` rows)."""
+    model, opt = _fresh(size)
+    joiner = ShardedBackend(model, opt, SCRIPT.loss_fn, _config(size))
+    want = section_bytes(joiner.landing_estimate())
+    got = [
+        section_bytes((n, t.nbytes) for n, t in b.state().flatten().tensors)
+        for b in _trained_shards(size, steps=1)
+    ]
+    assert got[0] == want
+    assert all(g[sec] <= want[sec] for g in got for sec in g)
+
+
 def _write(directory: Path, members: list[ShardedBackend], step: int = 7) -> Path:
+
     writer = ShardedWriter(CheckpointConfig(directory=str(directory), fsync=False))
     names = [f"m{k}" for k in range(len(members))]
     for k, b in enumerate(members):

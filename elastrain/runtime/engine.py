@@ -718,13 +718,18 @@ class StepEngine:
         """A joiner (never yet in a generation) that has committed fewer steps than
         the job will be healed when it is admitted: it maps and touches its landing
         now, in the background, while it waits (`LandingReserve`), so the heal lands
-        in resident memory. Replicated members only (a sharded joiner learns its
-        shard's size when it takes a slot)."""
-        if self._joined or self._reserve is not None or self.shards is not None:
+        in resident memory. A sharded joiner does not hold a shard yet: it reserves
+        for the largest shard of the configured shard size."""
+        if self._joined or self._reserve is not None:
             return
         if self.session.progress_step <= self.proto.committed:
             return
-        self._reserve = LandingReserve(section_bytes(self.backend.state().landing_estimate()))
+        estimate = (
+            self.shards.backend.landing_estimate()
+            if self.shards is not None
+            else self.backend.state().landing_estimate()
+        )
+        self._reserve = LandingReserve(section_bytes(estimate))
         log.info(
             "%s: the job is at step %d, this member at %d: reserving %.1f MB of landing",
             self.member,
@@ -971,6 +976,7 @@ class StepEngine:
         (`ShardedMember.heal`). Rows nobody holds end the worker: nothing in memory
         restores them."""
         assert self.shards is not None and self._ready is not None
+        reserve, self._reserve = self._reserve, None  # as in `_heal`
         try:
             out = self.shards.heal(
                 a.gen,
@@ -981,6 +987,7 @@ class StepEngine:
                 self._load_meta,
                 self._heal_fn,
                 self.token.encode() or None,
+                reserve,
             )
         except ShardLost as e:
             self.events.emit(

@@ -50,6 +50,7 @@ from elastrain.runtime.reshard import (
     plan_reshard,
 )
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
+from elastrain.transfer import LandingReserve
 
 log = logging.getLogger("elastrain.shards")
 
@@ -148,6 +149,7 @@ class ShardedMember:
         load_meta: Callable[[dict[str, Any]], int],
         heal_fn: HealFn,
         key: bytes | None,
+        reserve: LandingReserve | None = None,
     ) -> HealOutcome:
         """Bring this member's shard up to date (apply the step it kept if
         `roll_forward`, heal from twins, or reshard), then build its replica
@@ -169,7 +171,7 @@ class ShardedMember:
         if any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items()):
             outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
         else:
-            outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key)
+            outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key, reserve)
         self._form_group()
         if roll_forward and not outcome.received:
             # Its rows are the step's; its meta (data position, the script's state)
@@ -234,8 +236,10 @@ class ShardedMember:
         load_meta: Callable[[dict[str, Any]], int],
         heal_fn: HealFn,
         key: bytes | None,
+        reserve: LandingReserve | None,
     ) -> HealOutcome:
-        """Same shard size as before: each shard index heals inside its twins."""
+        """Same shard size as before: each shard index heals inside its twins;
+        a receiver lands its shard in ``reserve`` when it has one."""
         layout = self.layout
         assert layout is not None
         slot = layout.slots[self.member]
@@ -284,6 +288,7 @@ class ShardedMember:
             meta(committed) if role == "send" else None,
             self.config.timeouts.heal_s,
             key=key,
+            reserve=reserve if role == "recv" else None,
         )
         received = role == "recv"
         if received:

@@ -58,6 +58,7 @@ import copy
 import datetime
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,8 @@ from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
+from elastrain.transfer.flatten import MODEL_PREFIX, OPTIM_PREFIX
+from elastrain.transfer.torch_state import FRESH_OPTIMIZER_TENSORS
 
 log = logging.getLogger("elastrain.sharded")
 
@@ -368,6 +371,22 @@ class ShardedBackend:
                 lo, hi = shard_rows(self._shapes[n][0], size, shard)
                 rows[n] = params[n].detach().reshape(self._shapes[n])[lo:hi].clone()
         self._install(size, shard, rows, {}, self._opt_groups)
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        """What a heal of this member's shard is expected to bring, before it holds
+        one (`NamedState.landing_estimate`): shard 0 of the configured shard size
+        (it holds the most rows), each parameter's rows with a fresh optimizer's
+        state estimated as `TorchState.landing_estimate` does, and every buffer."""
+        out: list[tuple[str, int]] = []
+        for i, n in enumerate(self._names):
+            lo, hi = shard_rows(self._shapes[n][0], self.shard_size, 0)
+            dtype = getattr(torch, self._signature_dtype(n).removeprefix("torch."))
+            nbytes = (hi - lo) * math.prod(self._shapes[n][1:]) * dtype.itemsize
+            out.append((MODEL_PREFIX + _local_name(n), nbytes))
+            out += [(f"{OPTIM_PREFIX}{i}/{k}", nbytes) for k in range(FRESH_OPTIMIZER_TENSORS)]
+            out.append((f"{OPTIM_PREFIX}{i}/step", 8))
+        out += [(MODEL_PREFIX + _local_name(n), b.nbytes) for n, b in self._buffers.items()]
+        return out
 
     def reset(self, shard: int, size: int) -> None:
         """Hold zeroed rows of `shard` of `size` and no optimizer state: a member

@@ -31,8 +31,9 @@ Every rank of the process group calls `heal` with the same ``senders`` and
 4. **payload** -- each trusted sender sends its stripe of the concatenated
    payload to every receiver, split into messages by `plan_chunks` (large
    tensor pieces straight from the live tensors, small ones packed), then the
-   stripe's seal (HMAC-SHA256 bound to the manifest seal, the sender's rank and
-   the stripe's range). Receivers post every receive at once (each entry into
+   stripe's seal (Poly1305 under a key bound to the manifest seal, the sender's
+   rank and the stripe's range). A sender packs and seals its stripe before
+   the verdict round, while the receivers judge the manifest. Receivers post every receive at once (each entry into
    its own fresh tensor, `Landing`) and check each stripe's seal once all of
    it landed.
 5. **outcome** -- one all-reduce of (receiver, stripe) seal failures. A sender
@@ -119,9 +120,10 @@ class HealStats:
     call here. refused: sender ranks whose manifest or stripe was refused
     (malformed, or a seal mismatch) and replaced by another sender's; the
     same on every rank. payload_s: the part of ``seconds`` spent moving the
-    payload (steps 4-5: the receiver's landing allocated, the stripes and their
-    seals sent, received and checked, the outcome, any stripe sent again); the
-    rest is the flatten, the manifest rounds (steps 1-3) and the install.
+    payload (steps 4-5: the stripes and their seals sent, received and checked,
+    the outcome, any stripe sent again); the rest is the flatten, the manifest
+    rounds (steps 1-3; the senders' staging of their stripes and the
+    receivers' landing allocation overlap the verdict's) and the install.
     """
 
     role: str
@@ -236,21 +238,32 @@ class Verdict(IntEnum):
     """It is well-formed but does not fit this rank's state: a divergence."""
 
 
+class _Flags:
+    """An all-reduce (sum) of an int64 flag vector in which each rank set only its
+    own slots, posted: `result` waits for it. Local work can run in between."""
+
+    def __init__(self, pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        opts.timeout = dl.remaining()
+        self.flags, self.what, self.dl = flags, what, dl
+        self.work = dl.call(lambda: pg.allreduce([flags], opts), what)
+
+    def result(self) -> list[int]:
+        self.dl.wait(self.work, self.what)
+        return [int(f) for f in self.flags.tolist()]
+
+
 def _sum_flags(pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> list[int]:
     """All-reduce (sum) of an int64 flag vector in which each rank set only its own slots."""
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-    opts.timeout = dl.remaining()
-    work = dl.call(lambda: pg.allreduce([flags], opts), what)
-    dl.wait(work, what)
-    return [int(f) for f in flags.tolist()]
+    return _Flags(pg, flags, what, dl).result()
 
 
-def _verdict(pg: Group, rank: int, code: Verdict, dl: _Deadline) -> list[int]:
-    """All-reduce of verdict codes; returns every rank's code (collective)."""
+def _post_verdict(pg: Group, rank: int, code: Verdict, dl: _Deadline) -> _Flags:
+    """Post the all-reduce of verdict codes; its result is every rank's code (collective)."""
     flags = torch.zeros(pg.size(), dtype=torch.int64)
     flags[rank] = code
-    return _sum_flags(pg, flags, "verdict all-reduce", dl)
+    return _Flags(pg, flags, "verdict all-reduce", dl)
 
 
 def _outcome(
@@ -369,20 +382,23 @@ class _Round:
     key: bytes | None
 
 
-def _send_range(
-    pg: Group,
-    dl: _Deadline,
-    rd: _Round,
-    flat: FlatState,
-    a: _Assignment,
-    tag_id: int,
-    tamper: Tamper | None,
-) -> list[tuple[int, Any]]:
-    """Post the messages of one assignment and its seal; returns (receiver, work) pairs."""
+@dataclass(frozen=True)
+class _Staged:
+    """A sender's stripe, ready to go: its messages as they will be sent, and its seal."""
+
+    wire: list[torch.Tensor]
+    seal: torch.Tensor
+
+
+def _stage(rd: _Round, flat: FlatState, stripe: Stripe, tamper: Tamper | None) -> _Staged:
+    """Cut a stripe into its messages (large pieces as views of the live tensors,
+    small ones packed) and seal it. Local: a sender does it while the receivers
+    judge the manifest, so that neither the packing nor the seal's pass over the
+    bytes competes with the transfer for the CPU."""
     m = rd.m
     sources: dict[int, torch.Tensor] = {}
     bufs: list[torch.Tensor] = []
-    for chunk in plan_chunks(m.entries, a.stripe):
+    for chunk in plan_chunks(m.entries, stripe):
         parts = []
         for p in chunk.pieces:
             if p.entry not in sources:
@@ -391,17 +407,24 @@ def _send_range(
             parts.append(sources[p.entry][rel : rel + p.nbytes])
         bufs.append(torch.cat(parts) if chunk.packed else parts[0])
     wire = tamper.stripe(bufs) if tamper is not None else bufs
+    key = tamper.sealing_key(rd.key) if tamper is not None else rd.key
+    digest = seal_stripe(key, rd.seal, stripe, bufs)
+    return _Staged(wire, torch.frombuffer(bytearray(digest), dtype=torch.uint8))
+
+
+def _send_range(
+    pg: Group, dl: _Deadline, staged: _Staged, receivers: Sequence[int], tag_id: int
+) -> list[tuple[int, Any]]:
+    """Post the messages of one staged stripe and its seal to every receiver;
+    returns (receiver, work) pairs."""
     works = []
-    for r in a.receivers:
-        for i, buf in enumerate(wire):
+    for r in receivers:
+        for i, buf in enumerate(staged.wire):
             tag = data_tag(tag_id, i)
             works.append((r, dl.call(lambda b=buf, r=r, t=tag: pg.send([b], r, t), f"send to {r}")))
-    key = tamper.sealing_key(rd.key) if tamper is not None else rd.key
-    digest = seal_stripe(key, rd.seal, a.stripe, bufs)  # overlaps the transfer
-    seal = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    for r in a.receivers:
+    for r in receivers:
         tag = seal_tag(tag_id)
-        works.append((r, dl.call(lambda r=r, t=tag: pg.send([seal], r, t), f"send to {r}")))
+        works.append((r, dl.call(lambda r=r, t=tag: pg.send([staged.seal], r, t), f"send to {r}")))
     return works
 
 
@@ -471,10 +494,13 @@ def _payload(
     trusted: list[int],
     refused: list[int],
     tamper: Tamper | None,
+    staged: dict[Stripe, _Staged],
 ) -> int:
     """Steps 3-4 of the module docstring: send/receive stripes, retry the refused ones
     from other trusted senders. Collective over pg; returns this rank's payload bytes.
-    Mutates ``trusted`` and ``refused``; HealError when no trusted sender is left."""
+    ``staged``: this sender's stripes staged ahead (`_stage`); the others (stripes
+    sent again) are staged here. Mutates ``trusted`` and ``refused``; HealError when
+    no trusted sender is left."""
     m = rd.m
     work = [_Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes and receivers]
     nbytes = 0
@@ -485,7 +511,8 @@ def _payload(
             tag_id = _tag_id(m.heal_id, j)
             if a.stripe.sender_rank == rank:
                 assert flat is not None
-                sends += _send_range(pg, dl, rd, flat, a, tag_id, tamper)
+                st = staged.pop(a.stripe, None) or _stage(rd, flat, a.stripe, tamper)
+                sends += _send_range(pg, dl, st, a.receivers, tag_id)
                 nbytes += a.stripe.nbytes * len(a.receivers)
             elif rank in a.receivers:
                 assert landing is not None
@@ -653,8 +680,19 @@ def heal(
                 elif role != Role.IDLE:
                     code, problem = _local_problem(manifest, role, trusted, flat, state)
 
-        # 3. verdict
-        codes = _verdict(pg, rank, code, dl)
+        # 3. verdict. While the round completes, a sender stages its stripe (packed
+        # and sealed) and a receiver allocates its landing: both are local, and
+        # wasted only when some rank refuses.
+        verdict = _post_verdict(pg, rank, code, dl)
+        staged: dict[Stripe, _Staged] = {}
+        landing: Landing | None = None
+        if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
+            rd = _Round(manifest, seal, key)
+            staged = {s: _stage(rd, flat, s, tamper) for s in manifest.stripes
+                      if s.sender_rank == rank and s.nbytes}  # fmt: skip
+        elif code == Verdict.OK and role == Role.RECV:
+            landing = Landing.allocate(manifest.entries, reserve)  # within `bound`
+        codes = verdict.result()
         malformed = [r for r, c in enumerate(codes) if c == Verdict.MALFORMED]
         if malformed:
             refused.append(root)
@@ -679,8 +717,7 @@ def heal(
     # 4-5. payload, sealed, with refused stripes sent again by trusted senders
     rd = _Round(manifest, seal, key)
     t_payload = time.perf_counter()
-    landing = Landing.allocate(manifest.entries, reserve) if role == Role.RECV else None
-    nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper)
+    nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper, staged)
     payload_s = time.perf_counter() - t_payload
     if landing is not None:
         state.install(landing.tensors, manifest.section)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+import elastrain.transfer.landing as landing
 from elastrain.checkpoint import latest_verified, load
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, list_steps
@@ -872,6 +873,7 @@ def test_a_joiner_heals_from_its_peers_and_resumes_at_their_step(tmp_path: Path)
     assert h.backend.computed[0][0] == 4  # never recomputed steps 0-3
 
 
+@pytest.mark.skipif(landing._MADV_HUGEPAGE is None, reason="needs huge-page mappings")
 @pytest.mark.parametrize("progress", [0, 4])
 def test_a_joiner_behind_the_job_reserves_its_landing_and_hands_it_to_its_heal(
     tmp_path: Path, progress: int
@@ -890,10 +892,31 @@ def test_a_joiner_behind_the_job_reserves_its_landing_and_hands_it_to_its_heal(
     results = h.run()
     assert [r.step for r in results] == [4, 5]
     if progress:
-        # Mapped and touched at registration, used by the one heal, then let go.
+        # Mapped and touched at registration, handed to the one heal, then what
+        # it did not take let go.
         assert len(got) == 1 and got[0] is not None and got[0].nbytes == 4 << 20
+        assert got[0]._regions == {} and not got[0]._touched.is_alive()
     else:
         assert got == [None]  # a fresh job: nobody is behind at registration
+    assert h.engine._reserve is None
+
+
+def test_a_reserve_no_heal_takes_is_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby that caught up from a checkpoint reserved at registration (the job
+    was ahead then) and is in no heal when admitted: its reserve goes at once."""
+    made: list[Any] = []
+
+    class Spy(engine_module.LandingReserve):
+        def __init__(self, sizes: Any) -> None:
+            super().__init__(sizes)
+            made.append(self)
+
+    monkeypatch.setattr(engine_module, "LandingReserve", Spy)
+    h = Harness(tmp_path, [gen_of(TWO, 0)])
+    h.coord.progress_step = 4
+    assert [r.step for r in h.run()] == list(range(6))
+    assert h.heals == []  # nobody was behind in the generation
+    assert len(made) == 1 and made[0]._regions == {} and not made[0]._touched.is_alive()
     assert h.engine._reserve is None
 
 

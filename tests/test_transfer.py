@@ -454,6 +454,33 @@ def test_landing_reserve_is_resident_before_the_heal_and_gives_back_its_surplus(
         _region_start(reserve, "optim")  # single use
 
 
+@pytest.mark.skipif(landing._MADV_HUGEPAGE is None, reason="needs huge-page mappings")
+def test_a_heal_does_not_wait_for_pages_the_toucher_has_not_reached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started, go = threading.Event(), threading.Event()
+    chunks_touched: list[int] = []
+
+    def held(chunk: torch.Tensor) -> None:
+        chunks_touched.append(chunk.numel())
+        started.set()
+        go.wait(30)
+
+    monkeypatch.setattr(landing, "_touch_pages", held)
+    monkeypatch.setattr(landing, "TOUCH_CHUNK", 2 << 20)
+    reserve = LandingReserve({"optim": 8 << 20})  # four chunks to touch
+    assert started.wait(30)
+    got: list[Any] = []
+    taker = threading.Thread(target=lambda: got.append(reserve.take("optim", 4 << 20)))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # the chunk being touched is not raced by the payload
+    go.set()
+    taker.join(30)
+    assert got and got[0] is not None
+    assert chunks_touched == [2 << 20]  # the toucher stopped there: the heal has come
+
+
 def test_landing_reserve_too_small_for_a_section_lands_it_in_fresh_memory() -> None:
     reserve = LandingReserve({"optim": 2 << 20})
     m = build_manifest("torch", [("optim/0/a", torch.zeros(1 << 20))], {}, [0], {}, 1)  # 4 MiB
@@ -632,6 +659,29 @@ def test_heal_threads_large_state_lands_in_mappings_and_saves_compactly(
     assert state_hash(*states[1]) == state_hash(*states[0])
 
 
+def test_a_fresh_optimizers_state_is_estimated_for_the_classes_known() -> None:
+    """Adam (with and without amsgrad) and SGD (with and without momentum): the
+    estimate before the first step is the state after it, section by section.
+    Another class's state is not guessed."""
+    for make in (
+        lambda ps: torch.optim.Adam(ps),
+        lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ):
+        torch.manual_seed(0)
+        model = Net()
+        opt = make(model.parameters())
+        state = TorchState(model, opt)
+        want = section_bytes(state.landing_estimate())
+        train_step(model, opt, seed=1)
+        assert section_bytes((n, t.nbytes) for n, t in state.flatten().tensors) == want, opt
+    model = Net()
+    held = TorchState(model, torch.optim.RMSprop(model.parameters()))
+    assert set(section_bytes(held.landing_estimate())) == {"model"}
+
+
+@pytest.mark.skipif(landing._MADV_HUGEPAGE is None, reason="needs huge-page mappings")
 def test_heal_threads_a_joiners_reserve_is_estimated_exactly_and_receives_the_state(
     master_store: TCPStore,
 ) -> None:

@@ -940,43 +940,53 @@ class StepEngine:
     # ---- heal -----------------------------------------------------------------------
 
     def _heal(self, a: m.Action) -> m.Observation:
-        if self.shards is not None:
-            return self._heal_shards(a)
+        # The first heal after registration uses the landing reserve up, whatever
+        # this member's role in it (a retry lands in fresh memory); what the heal
+        # did not take is let go.
+        reserve, self._reserve = self._reserve, None
+        try:
+            if self.shards is not None:
+                return self._heal_shards(a, reserve)
+            if not a.receivers:
+                return self._healed(a, a.step, False)
+            return self._heal_replicated(a, reserve)
+        finally:
+            if reserve is not None:
+                reserve.release()
+
+    def _heal_replicated(self, a: m.Action, reserve: LandingReserve | None) -> m.Observation:
         committed, received = a.step, False
-        if a.receivers:
-            role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
-            self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
-            state = self.backend.state()
-            # Used up by this heal (or dropped unused): a retry lands in fresh memory.
-            reserve, self._reserve = self._reserve, None
-            try:
-                got, stats = self._heal_fn(
-                    self._pg,
-                    a.rank,
-                    list(a.senders),
-                    list(a.receivers),
-                    state,
-                    self._meta(committed) if role == "send" else None,
-                    self.config.timeouts.heal_s,
-                    key=self.token.encode() or None,
-                    reserve=reserve if role == "recv" else None,
-                )
-                if role == "recv":
-                    self.backend.adopt(state)
-                    committed, received = self._load_meta(got), True
-            except (HealError, RuntimeError, ValueError) as e:
-                if is_poisoned(e):
-                    raise
-                return m.HealFailed(str(e))
-            self.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
+        role = "send" if a.rank in a.senders else "recv" if a.rank in a.receivers else "idle"
+        self.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
+        state = self.backend.state()
+        landing = {"reserve": reserve} if role == "recv" and reserve is not None else {}
+        try:
+            got, stats = self._heal_fn(
+                self._pg,
+                a.rank,
+                list(a.senders),
+                list(a.receivers),
+                state,
+                self._meta(committed) if role == "send" else None,
+                self.config.timeouts.heal_s,
+                key=self.token.encode() or None,
+                **landing,
+            )
+            if role == "recv":
+                self.backend.adopt(state)
+                committed, received = self._load_meta(got), True
+        except (HealError, RuntimeError, ValueError) as e:
+            if is_poisoned(e):
+                raise
+            return m.HealFailed(str(e))
+        self.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
         return self._healed(a, committed, received)
 
-    def _heal_shards(self, a: m.Action) -> m.Observation:
+    def _heal_shards(self, a: m.Action, reserve: LandingReserve | None) -> m.Observation:
         """Sharded: heal inside twins' groups, or reshard to a new shard size
         (`ShardedMember.heal`). Rows nobody holds end the worker: nothing in memory
         restores them."""
         assert self.shards is not None and self._ready is not None
-        reserve, self._reserve = self._reserve, None  # as in `_heal`
         try:
             out = self.shards.heal(
                 a.gen,

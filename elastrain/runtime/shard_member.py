@@ -288,7 +288,7 @@ class ShardedMember:
             meta(committed) if role == "send" else None,
             self.config.timeouts.heal_s,
             key=key,
-            reserve=reserve if role == "recv" else None,
+            **({"reserve": reserve} if role == "recv" and reserve is not None else {}),
         )
         received = role == "recv"
         if received:

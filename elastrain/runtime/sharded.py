@@ -73,8 +73,8 @@ from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
-from elastrain.transfer.flatten import MODEL_PREFIX, OPTIM_PREFIX
-from elastrain.transfer.torch_state import FRESH_OPTIMIZER_TENSORS
+from elastrain.transfer.flatten import MODEL_PREFIX
+from elastrain.transfer.torch_state import fresh_entries, fresh_param_state
 
 log = logging.getLogger("elastrain.sharded")
 
@@ -375,16 +375,19 @@ class ShardedBackend:
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What a heal of this member's shard is expected to bring, before it holds
         one (`NamedState.landing_estimate`): shard 0 of the configured shard size
-        (it holds the most rows), each parameter's rows with a fresh optimizer's
-        state estimated as `TorchState.landing_estimate` does, and every buffer."""
+        (it holds the most rows), each parameter's rows with its optimizer state's
+        first step (`fresh_param_state`, as `TorchState.landing_estimate`), and
+        every buffer."""
+        group_of = {n: g for g in self._opt_groups for n in g["params"]}
         out: list[tuple[str, int]] = []
         for i, n in enumerate(self._names):
             lo, hi = shard_rows(self._shapes[n][0], self.shard_size, 0)
             dtype = getattr(torch, self._signature_dtype(n).removeprefix("torch."))
             nbytes = (hi - lo) * math.prod(self._shapes[n][1:]) * dtype.itemsize
             out.append((MODEL_PREFIX + _local_name(n), nbytes))
-            out += [(f"{OPTIM_PREFIX}{i}/{k}", nbytes) for k in range(FRESH_OPTIMIZER_TENSORS)]
-            out.append((f"{OPTIM_PREFIX}{i}/step", 8))
+            fresh = fresh_param_state(self._opt_class, group_of[n]) if n in group_of else None
+            if fresh is not None:
+                out += fresh_entries(i, nbytes, *fresh)
         out += [(MODEL_PREFIX + _local_name(n), b.nbytes) for n, b in self._buffers.items()]
         return out
 

@@ -105,18 +105,31 @@ class _Region:
     nbytes: int
 
 
+TOUCH_CHUNK = 64 * 1024 * 1024
+"""The reserve's toucher checks between chunks of this many bytes whether the heal
+has come (`LandingReserve.take`): the pages it has not reached by then are
+faulted in by the payload itself, as without a reserve."""
+
+
+def _touch_pages(chunk: torch.Tensor) -> None:
+    """Write one byte of every page of ``chunk`` (page-aligned): a strided write
+    faults each page in; torch drops the GIL for it."""
+    chunk[:: mmap.PAGESIZE].fill_(0)
+
+
 class LandingReserve:
     """Landing memory for one future heal, mapped and touched ahead of it.
 
     ``sizes`` are the bytes each section's entries are expected to need
     (`section_bytes` of `NamedState.landing_estimate`); a section under one huge
     page is not reserved (it lands in ordinary memory, cheaply). A background
-    thread writes one byte of every page of each mapping, so the pages are
-    resident when the payload arrives. `Landing.allocate` takes a section's
-    mapping when the manifest's entries of that section fit in it; a section
-    that does not fit (the estimate was short) lands in fresh memory as without
-    a reserve. Single use: a section's mapping is given away once, and its
-    unused tail goes back to the kernel at that moment. Local; no communication.
+    thread writes one byte of every page of each mapping, `TOUCH_CHUNK` at a
+    time, so the pages are resident when the payload arrives. `Landing.allocate`
+    takes a section's mapping when the manifest's entries of that section fit
+    in it; a section that does not fit (the estimate was short) lands in fresh
+    memory as without a reserve. Single use: a section's mapping is given away
+    once, and its unused tail goes back to the kernel at that moment; `release`
+    lets go of what no heal took. Local; no communication.
     """
 
     def __init__(self, sizes: Mapping[str, int]) -> None:
@@ -127,25 +140,34 @@ class LandingReserve:
                 self._regions[section] = _Region(got[0], got[1], nbytes)
         self.nbytes = sum(r.nbytes for r in self._regions.values())
         """Bytes reserved over every section."""
+        self._stop = threading.Event()
         self._touched = threading.Thread(target=self._touch, name="elastrain-landing", daemon=True)
         self._touched.start()
 
     def _touch(self) -> None:
         name_native_thread(LANDING)
-        for r in self._regions.values():
-            # A strided write faults every page in; torch drops the GIL for it.
+        for r in list(self._regions.values()):
             pages = torch.frombuffer(r.mapping, dtype=torch.uint8, count=r.nbytes, offset=r.base)
-            pages[:: mmap.PAGESIZE].fill_(0)
+            for at in range(0, r.nbytes, TOUCH_CHUNK):
+                if self._stop.is_set():
+                    return
+                _touch_pages(pages[at : at + TOUCH_CHUNK])
 
     def wait(self) -> None:
         """Block until every reserved page was touched."""
         self._touched.join()
 
+    def _halt(self) -> None:
+        """Stop the toucher after its current chunk, and wait for it: its writes
+        must not race the payload's."""
+        self._stop.set()
+        self._touched.join()
+
     def take(self, section: str, nbytes: int) -> _Region | None:
-        """The section's touched mapping if it holds ``nbytes``, else None; either way
-        the section is no longer reserved. Waits for the touching to end (its
-        writes must not race the payload's)."""
-        self.wait()
+        """The section's mapping if it holds ``nbytes``, else None; either way the
+        section is no longer reserved. The toucher stops first: a heal does not
+        wait for pages it has not reached (the payload faults them in)."""
+        self._halt()
         r = self._regions.pop(section, None)
         if r is None or r.nbytes < nbytes:
             return None
@@ -156,6 +178,12 @@ class LandingReserve:
             except (OSError, ValueError):
                 pass  # only memory held longer
         return _Region(r.mapping, r.base, nbytes)
+
+    def release(self) -> None:
+        """Let go of every section no heal took (the member was not a receiver, or
+        the manifest had no such section): the toucher stops, the mappings go."""
+        self._halt()
+        self._regions.clear()
 
 
 def _allocate_section(

@@ -56,6 +56,7 @@ else. A whole earlier heal replayed on the wire fails the manifest seal
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import secrets
@@ -686,17 +687,23 @@ def heal(
         verdict = _post_verdict(pg, rank, code, dl)
         staged: dict[Stripe, _Staged] = {}
         landing: Landing | None = None
-        if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
-            rd = _Round(manifest, seal, key)
-            staged = {s: _stage(rd, flat, s, tamper) for s in manifest.stripes
-                      if s.sender_rank == rank and s.nbytes}  # fmt: skip
-        elif code == Verdict.OK and role == Role.RECV:
-            landing = Landing.allocate(manifest.entries, reserve)  # within `bound`
+        try:
+            if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
+                rd = _Round(manifest, seal, key)
+                staged = {s: _stage(rd, flat, s, tamper) for s in manifest.stripes
+                          if s.sender_rank == rank and s.nbytes}  # fmt: skip
+            elif code == Verdict.OK and role == Role.RECV:
+                landing = Landing.allocate(manifest.entries, reserve)  # within `bound`
+        except BaseException:
+            with contextlib.suppress(HealError):
+                verdict.result()  # the posted round completes; its peers go on to fail
+            raise
         codes = verdict.result()
         malformed = [r for r, c in enumerate(codes) if c == Verdict.MALFORMED]
         if malformed:
             refused.append(root)
             trusted.remove(root)
+            staged, landing = {}, None  # this root's; the next lands in fresh memory
             if trusted:
                 continue
             why = f"; here: {problem}" if problem is not None else ""

@@ -49,14 +49,17 @@ MAX_GROUP_TENSORS = 16
 """Most tensor-valued hyperparameters (e.g. a tensor ``lr``) one param group may have."""
 MAX_GROUP_TENSOR_NUMEL = 1024
 """Most elements of one tensor-valued hyperparameter."""
-FRESH_OPTIMIZER_TENSORS = 2
-"""A param without optimizer state yet (a fresh optimizer: torch builds it at the
-first step) is expected to get this many param-shaped tensors and a 0-dim step
-counter: Adam's and AdamW's state, the common case (`TorchState.landing_estimate`)."""
 OPTIM_STATE_FACTOR = 8
 """The optimizer state may hold at most this many times the params' bytes (plus
 16 bytes per permitted tensor, for 0-dim ``step`` counters): Adam in float32 over
 bfloat16 params with float32 master weights needs 6."""
+
+
+def fresh_entries(index: int, nbytes: int, tensors: int, step: bool) -> list[tuple[str, int]]:
+    """``(name, nbytes)`` of param ``index``'s first-step state (`fresh_param_state`)
+    for a param of ``nbytes`` bytes."""
+    out = [(f"{OPTIM_PREFIX}{index}/{k}", nbytes) for k in range(tensors)]
+    return out + [(f"{OPTIM_PREFIX}{index}/step", 8)] if step else out
 
 
 class Owner(Enum):
@@ -65,6 +68,21 @@ class Owner(Enum):
 
     PARAM = "param"
     GROUP = "group"
+
+
+def fresh_param_state(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
+) -> tuple[int, bool] | None:
+    """What one param of ``group`` gets at an optimizer's first step (torch builds
+    the state then): ``(param-shaped tensors, whether a step counter too)``, for
+    the classes known here: Adam and AdamW two moments (three with ``amsgrad``)
+    and a step; SGD a momentum buffer when ``momentum`` is set. None for any other
+    class: its state is not estimated, and lands in fresh memory."""
+    if issubclass(cls, torch.optim.Adam | torch.optim.AdamW):
+        return (3 if group.get("amsgrad") else 2), True
+    if issubclass(cls, torch.optim.SGD):
+        return (1 if group.get("momentum") else 0), False
+    return None
 
 
 def _owner(name: str) -> tuple[Owner, int] | None:
@@ -128,15 +146,16 @@ class TorchState:
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What the state holds now, plus for every param the optimizer has no
-        state for `FRESH_OPTIMIZER_TENSORS` param-shaped tensors and a step counter
-        (named as its first step would name them, in the optimizer's section)."""
+        state for what its first step will give it (`fresh_param_state`; named as
+        that step would name it, in the optimizer's section)."""
         out = [(name, t.numel() * t.element_size()) for name, t in self.flatten().tensors]
-        held = self.optimizer.state
-        for i, p in enumerate(self._params()):
-            if p not in held:
-                out += [(f"{OPTIM_PREFIX}{i}/{k}", p.numel() * p.element_size())
-                        for k in range(FRESH_OPTIMIZER_TENSORS)]  # fmt: skip
-                out.append((f"{OPTIM_PREFIX}{i}/step", 8))
+        held, i = self.optimizer.state, 0
+        for group in self.optimizer.param_groups:
+            fresh = fresh_param_state(type(self.optimizer), group)
+            for p in group["params"]:
+                if fresh is not None and p not in held:
+                    out += fresh_entries(i, p.numel() * p.element_size(), *fresh)
+                i += 1
         return out
 
     def payload_limit(self) -> int:

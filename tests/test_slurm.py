@@ -20,6 +20,7 @@ slurm status` shows the job and its members.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -176,8 +177,15 @@ def test_a_lost_node_is_replaced_on_the_spare_and_the_requeued_rerun_resumes(
     out = (tmp_path / f"slurm-{job_id}.out").read_text()
     assert job_fields(cluster, job_id)["JobState"] == "COMPLETED", out
     assert f"spare: {spare}" in out
-    assert (f"the agent step on {n1} ended with status 0, its node removed from the allocation "
-            f"(a node failure): a replacement agent starts on spare node {spare}") in out, out  # fmt: skip
+    # How srun reports the step Slurm killed on the failed node is a race inside Slurm:
+    # status 0 once the node has left the allocation, or the kill's (137, "task 0:
+    # Killed") when slurmd's kill reaches srun first. The script replaces it either way.
+    replaced = (
+        re.escape(f"the agent step on {n1} ended with status ")
+        + (r"(0, its node removed from the allocation \(a node failure\)|137)")
+        + re.escape(f": a replacement agent starts on spare node {spare}")
+    )
+    assert re.search(replaced, out), out
     assert "requeueing job" in out and "training finished" in out
     first, second = runs(read_events(run_dir))
 

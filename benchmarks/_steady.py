@@ -56,6 +56,21 @@ def pct(x: float, y: float) -> str:
     return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
 
 
+def verdict(ok: bool | None) -> str:
+    """PASS, FAIL, or n/a where nothing was measured (None)."""
+    return "n/a" if ok is None else "PASS" if ok else "FAIL"
+
+
+def at_most(x: float, target: float) -> bool | None:
+    """Whether ``x <= target``; None for a NaN (nothing measured)."""
+    return None if math.isnan(x) else x <= target
+
+
+def at_least(x: float, target: float) -> bool | None:
+    """Whether ``x >= target``; None for a NaN (nothing measured)."""
+    return None if math.isnan(x) else x >= target
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]

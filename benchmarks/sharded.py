@@ -152,6 +152,7 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
+from _loopback import measure_loopback  # noqa: E402
 from _steady import (  # noqa: E402
     LauncherSide,
     LoadSampler,
@@ -169,6 +170,7 @@ from _steady import (  # noqa: E402
     run_context,
     shape_args,
     table,
+    verdict,
 )
 from common import Shape, build, param_count  # noqa: E402
 from recovery import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
@@ -948,42 +950,6 @@ def tft_recovery_table(
     )
 
 
-def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """A plain gloo broadcast of `nbytes` between two processes over loopback, `reps`
-    times (_jobs/loopback_bcast.py): MB/s per broadcast."""
-    import torch.distributed as dist
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, 3, is_master=True, timeout=dt.timedelta(seconds=120),
-        wait_for_workers=False,
-    )  # fmt: skip
-    out = out_dir / "bcast.json"
-    procs = []
-    for r in range(2):
-        with open(out_dir / f"bcast-r{r}.log", "wb") as logf:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(JOBS / "loopback_bcast.py"), str(r), str(store.port),
-                     str(nbytes), str(reps), str(out)],
-                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                )
-            )  # fmt: skip
-    try:
-        rcs = [p.wait(timeout=timeout_s) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(rcs):
-        raise RuntimeError(f"loopback broadcast failed (exit {rcs}); see {out_dir}")
-    got = json.loads(out.read_text())
-    rates = [got["bytes"] / 1e6 / s for s in got["seconds"] if s > 0]
-    fresh = [got["bytes"] / 1e6 / s for s in got.get("fresh_seconds", []) if s > 0]
-    return {"bytes": got["bytes"], "rates": rates, "seconds": got["seconds"], "fresh": fresh}
-
-
 def torchft_status() -> tuple[bool, str]:
     """Whether torchft and its lighthouse are installed here (this benchmark installs
     nothing), and a line saying so."""
@@ -1161,10 +1127,6 @@ def recovery_tables(
         "heal_s": float(h["seconds"]) if h else None,
     }
     return t1, t2, derived
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else "PASS" if ok else "FAIL"
 
 
 # ---- main --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The reference rate for a heal in benchmarks/sharded.py: a plain gloo broadcast over loopback.
+"""The reference rate for a heal in benchmarks/recovery.py and sharded.py: a plain gloo broadcast over loopback.
 
     python loopback_bcast.py RANK STORE_PORT NBYTES REPS OUT_JSON
 

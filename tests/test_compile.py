@@ -161,9 +161,9 @@ def compiled() -> tuple[nn.Module, Net, torch.optim.Optimizer]:
         import torch._inductor.config as inductor_config
 
         with inductor_config.patch(fallback_random=True):
-            be.warm_up(_batch())
+            be.warm_up(_batch(), EXTRA_SLOTS)
     else:
-        be.warm_up(_batch())
+        be.warm_up(_batch(), EXTRA_SLOTS)
     return wrapped, model, opt
 
 

@@ -28,7 +28,13 @@ from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.engine import EXTRA_SLOTS
 from elastrain.runtime.torch_backend import TorchBackend
 from elastrain.runtime.trainer import ElasticTrainer
-from elastrain.runtime.update import Decision, StepGrads, grad_norm, scheduler_problems
+from elastrain.runtime.update import (
+    NORM_CHUNK,
+    Decision,
+    StepGrads,
+    grad_norm,
+    scheduler_problems,
+)
 from elastrain.transfer import HealError, TorchState, state_digest
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest
@@ -231,6 +237,33 @@ def test_the_float64_reduction_sums_each_micro_batch_exactly(zero_grad_in_loss: 
         for w, q in zip(want, model.parameters(), strict=True):
             assert q.grad is not None and torch.equal(q.grad, (w / 3).float())
         model.zero_grad(set_to_none=True)  # a script's loop may do this between steps
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float64", "native"])
+def test_warm_up_builds_the_buffers_the_first_step_uses(reduce_dtype: str) -> None:
+    # A replacement builds (and faults in) its gradient buffers and work space before
+    # it registers, not inside its first step; the step is the same either way.
+    def run(warm: bool) -> tuple[TorchBackend, list[int], list[torch.Tensor]]:
+        model, opt = _net(3)
+        cfg = TrainerConfig(
+            global_batch_size=4, micro_batch_size=4, total_steps=1, reduce_dtype=reduce_dtype
+        )
+        be = TorchBackend(model, opt, _loss, cfg)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+        built: list[int] = []
+        if warm:
+            be.warm_up((x, torch.ones(4, 1)), EXTRA_SLOTS)
+            built = [b.data_ptr() for b in [*be._flats, *be.reduce_buffers(), be._scratch]]
+            assert all(q.grad is not None and not q.grad.any() for q in model.parameters())
+        _one_step(be, x)
+        return be, built, [q.detach().clone() for q in model.parameters()]
+
+    be, built, after = run(True)
+    assert built and be._scratch.numel() >= NORM_CHUNK
+    # The first step reused them: nothing was rebuilt or grown.
+    assert built == [b.data_ptr() for b in [*be._flats, *be.reduce_buffers(), be._scratch]]
+    _, _, cold = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(after, cold, strict=True))
 
 
 def test_clipping_follows_torchs_rule() -> None:

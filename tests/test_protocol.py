@@ -349,7 +349,7 @@ class FakeBackend:
     def load_meta(self, meta: dict[str, Any]) -> None:
         pass
 
-    def warm_up(self, batch: Any) -> None:
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
         pass
 
     def problems(self) -> list[str]:

@@ -116,7 +116,7 @@ class JaxBackend:
     def problems(self) -> list[str]:
         return []
 
-    def warm_up(self, batch: Any) -> None:
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Compile the gradient and update functions before registering, so that a
         replacement's compile time does not stall its peers' first step with it."""
         _, flat = self._grad(self.params, batch, self.step_key(0, 0))

@@ -74,8 +74,9 @@ class Backend(Protocol):
     def problems(self) -> list[str]:
         """Well-known mistakes in how the script set this backend up (empty: none)."""
 
-    def warm_up(self, batch: Any) -> None:
-        """Compile or warm up once before registering (a joiner must not stall its peers)."""
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
+        """Compile or warm up once before registering (a joiner must not stall its peers);
+        ``extra_slots``: what `begin_step` will be given, for buffers built ahead."""
 
     def begin_step(self, extra_slots: int) -> None:
         """Ready zeroed gradient buffers with `extra_slots` values at the end of the first

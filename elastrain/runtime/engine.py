@@ -695,7 +695,7 @@ class StepEngine:
 
     def _warm_up(self, batch: Any) -> None:
         t0 = time.monotonic()
-        self.backend.warm_up(batch)
+        self.backend.warm_up(batch, EXTRA_SLOTS)
         log.debug("%s: warm-up %.2f s", self.member, time.monotonic() - t0)
 
     # ---- registration and rendezvous -------------------------------------------------

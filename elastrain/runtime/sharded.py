@@ -801,7 +801,7 @@ class ShardedBackend:
     def problems(self) -> list[str]:
         return self._problems
 
-    def warm_up(self, batch: Any) -> None:
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Nothing to compile in eager mode."""
 
     def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:

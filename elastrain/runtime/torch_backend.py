@@ -316,13 +316,25 @@ class TorchBackend:
     def problems(self) -> list[str]:
         return model_problems(self.model) + scheduler_problems(self.optimizer, self.objects)
 
-    def warm_up(self, batch: Any) -> None:
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Compile a compiled model (`torch.compile(model)` or `model.compile()`) now:
         one micro-batch's forward and backward that leave no trace
         (`elastrain.runtime.compiled`), so that a replacement does not compile
-        inside its first step while its peers wait. Nothing to do in eager mode."""
+        inside its first step while its peers wait.
+
+        Then build the step's gradient buffers (`_ensure_grad_views`: the flat
+        .grad views and, with float64 reductions, the float64 sum, three times the
+        parameters' bytes together) and the float64 work space, written through, so
+        the first step finds them resident. A replacement built them inside its
+        first step before, while its peers waited in the all-reduce: fresh memory
+        that the VM's host had taken back costs 100-300 ms per 40 MB to fault in
+        here (docs/design.md, "A joiner's landing is reserved while it waits").
+        The .grad of each trainable parameter is then its zeroed view, as after
+        any `begin_step`."""
         if is_compiled(self.model):
             compile_now(self.model, self.loss_fn, batch)
+        self._ensure_grad_views(extra_slots)
+        self.work(NORM_CHUNK).zero_()
 
     # ---- one step ------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _steady import kill_all
+
 JOBS = Path(__file__).resolve().parent / "_jobs"
 
 
@@ -40,10 +42,7 @@ def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) ->
     try:
         rcs = [p.wait(timeout=timeout_s) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     if any(rcs):
         raise RuntimeError(f"loopback broadcast failed (exit {rcs}); see {out_dir}")
     got = json.loads(out.read_text())

@@ -56,6 +56,14 @@ def pct(x: float, y: float) -> str:
     return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
 
 
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL and reap each of ``procs`` still running (a benchmark's cleanup)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def verdict(ok: bool | None) -> str:
     """PASS, FAIL, or n/a where nothing was measured (None)."""
     return "n/a" if ok is None else "PASS" if ok else "FAIL"
@@ -262,10 +270,7 @@ class ProcSide:
                 break
 
     def abort(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(self.procs)
 
     @property
     def status(self) -> str:

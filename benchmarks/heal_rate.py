@@ -75,6 +75,7 @@ from _steady import (  # noqa: E402
     LoadSampler,
     append_section,
     fmt,
+    kill_all,
     log,
     med,
     print_notes,
@@ -126,10 +127,7 @@ def run_one(
             time.sleep(0.1)
         rcs = [p.poll() for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     if any(rcs):
         raise RuntimeError(f"{senders} sender(s): job exit codes {rcs}; see {out_dir}")
     ranks = [json.loads(Path(f"{prefix}.{r}").read_text()) for r in range(senders + 1)]

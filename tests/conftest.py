@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
 import signal
 import subprocess
@@ -22,6 +23,20 @@ from elastrain.observe.metrics import FAILURES
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "tests" / "scripts" / "train_mlp.py")
+
+
+def load_benchmark(script: str) -> Any:
+    """``benchmarks/<script>`` loaded as a module (as ``bench_<name>``), for tests of its
+    pure arithmetic; its own imports (`_steady.py`, `recovery.py`, ...) live beside it."""
+    bench = ROOT / "benchmarks"
+    sys.path.insert(0, str(bench))
+    name = "bench_" + Path(script).stem
+    spec = importlib.util.spec_from_file_location(name, bench / script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class Job:

@@ -3,26 +3,17 @@ no jobs, no processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def rb() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benchmark's own imports (_steady.py) live there
-    spec = importlib.util.spec_from_file_location("bench_recovery", BENCH / "recovery.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_recovery"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("recovery.py")
 
 
 def built(proc: str, gen: int, t: float) -> dict[str, Any]:

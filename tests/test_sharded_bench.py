@@ -3,25 +3,16 @@ hand-built records: no jobs, no processes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sharded() -> Any:
-    sys.path.insert(0, str(BENCH))  # where the benchmark's own imports (recovery.py) live
-    spec = importlib.util.spec_from_file_location("bench_sharded", BENCH / "sharded.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_sharded"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("sharded.py")
 
 
 def rec(t: float, kind: str, group: int, rank: int, inc: int = 0, **kw: Any) -> dict[str, Any]:

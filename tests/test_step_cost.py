@@ -3,26 +3,17 @@ the verdict and the summary) on hand-built records: no jobs, no processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sc() -> Any:
-    sys.path.insert(0, str(BENCH))  # the benchmark's own imports (_steady.py) live there
-    spec = importlib.util.spec_from_file_location("bench_step_cost", BENCH / "step_cost.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step_cost"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("step_cost.py")
 
 
 def commit(proc: str, step: int, t: float, **kw: Any) -> dict[str, Any]:

@@ -29,7 +29,8 @@ def load_benchmark(script: str) -> Any:
     """``benchmarks/<script>`` loaded as a module (as ``bench_<name>``), for tests of its
     pure arithmetic; its own imports (`_steady.py`, `recovery.py`, ...) live beside it."""
     bench = ROOT / "benchmarks"
-    sys.path.insert(0, str(bench))
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
     name = "bench_" + Path(script).stem
     spec = importlib.util.spec_from_file_location(name, bench / script)
     assert spec is not None and spec.loader is not None

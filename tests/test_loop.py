@@ -239,12 +239,42 @@ def test_the_float64_reduction_sums_each_micro_batch_exactly(zero_grad_in_loss: 
         model.zero_grad(set_to_none=True)  # a script's loop may do this between steps
 
 
+def _wide_net() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Small parameters and one above SMALL_GRAD_ELEMENTS (widened by its own hook),
+    with an optimizer that moves a parameter even when its gradient is zero."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 400), nn.Tanh(), nn.Linear(400, 400), nn.Linear(400, 1))
+    assert model[2].weight.numel() >= torch_backend.SMALL_GRAD_ELEMENTS
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float64", "native"])
+def test_a_parameter_frozen_after_its_view_was_built_is_not_stepped(reduce_dtype: str) -> None:
+    # Frozen between warm_up and the first step (a registered object a heal loads may
+    # do it), or between two steps: the optimizer must not touch it.
+    model, opt = _wide_net()
+    cfg = TrainerConfig(
+        global_batch_size=4, micro_batch_size=4, total_steps=2, reduce_dtype=reduce_dtype
+    )
+    be = TorchBackend(model, opt, _loss, cfg)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    be.warm_up((x, torch.ones(4, 1)), EXTRA_SLOTS)
+    for frozen in ([model[0].bias, model[2].weight], [model[3].weight]):
+        for q in frozen:
+            q.requires_grad_(False)
+        kept = [q.detach().clone() for q in frozen]
+        moving = model[0].weight.detach().clone()
+        _one_step(be, x)
+        assert all(q.grad is None and torch.equal(q, k) for q, k in zip(frozen, kept, strict=True))
+        assert not torch.equal(model[0].weight, moving)
+
+
 @pytest.mark.parametrize("reduce_dtype", ["float64", "native"])
 def test_warm_up_builds_the_buffers_the_first_step_uses(reduce_dtype: str) -> None:
     # A replacement builds (and faults in) its gradient buffers and work space before
     # it registers, not inside its first step; the step is the same either way.
     def run(warm: bool) -> tuple[TorchBackend, list[int], list[torch.Tensor]]:
-        model, opt = _net(3)
+        model, opt = _wide_net()
         cfg = TrainerConfig(
             global_batch_size=4, micro_batch_size=4, total_steps=1, reduce_dtype=reduce_dtype
         )

@@ -323,14 +323,15 @@ class TorchBackend:
         inside its first step while its peers wait.
 
         Then build the step's gradient buffers (`_ensure_grad_views`: the flat
-        .grad views and, with float64 reductions, the float64 sum, three times the
-        parameters' bytes together) and the float64 work space, written through, so
+        .grad views and, with float64 reductions, the float64 sum: three times the
+        bytes of float32 parameters) and the float64 work space, written through, so
         the first step finds them resident. A replacement built them inside its
         first step before, while its peers waited in the all-reduce: fresh memory
         that the VM's host had taken back costs 100-300 ms per 40 MB to fault in
         here (docs/design.md, "A joiner's landing is reserved while it waits").
-        The .grad of each trainable parameter is then its zeroed view, as after
-        any `begin_step`."""
+        Each trainable parameter's .grad is then a zeroed view into them, until
+        the first `begin_step` sets the .grads as a step wants them (a parameter
+        frozen in between loses its view there)."""
         if is_compiled(self.model):
             compile_now(self.model, self.loss_fn, batch)
         self._ensure_grad_views(extra_slots)
@@ -444,21 +445,27 @@ class TorchBackend:
         into: by a `_GradCapture` per large parameter, and for the small ones of
         each dtype, laid out first, by one `_SmallGrads`. Rebuilt when the
         trainable parameters or the extras change (or, native, when something
-        replaced a .grad)."""
+        replaced a .grad). A parameter no longer trainable (frozen since: by the
+        script, or a registered object a heal loaded) loses its view: with a
+        .grad left, the optimizer would still step it."""
         params = [q for q in self.model.parameters() if q.requires_grad]
+        ids = [id(q) for q in params]
         if (
             self._flats
             and extra == self._extra_slots
+            and self._param_ids == ids
             and (
-                all(
+                not self.native
+                or all(
                     prm.grad is not None and prm.grad.data_ptr() == v.data_ptr()
                     for prm, v in self._views
                 )
-                if self.native
-                else self._param_ids == [id(q) for q in params]
             )
         ):
             return self._flats, self._reduce
+        for q, v in self._views:
+            if not q.requires_grad and q.grad is not None and q.grad.data_ptr() == v.data_ptr():
+                q.grad = None
         self._release_captures()
         self._extra_slots = extra
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -501,7 +508,7 @@ class TorchBackend:
                 for q, v in mine[len(small) :]:  # the large ones, laid out after
                     self._captures.append(_GradCapture(q, v, wide[off : off + q.numel()], self))
                     off += q.numel()
-            self._param_ids = [id(q) for q in params]
+        self._param_ids = ids
         return self._flats, self._reduce
 
     def work(self, n: int) -> torch.Tensor:

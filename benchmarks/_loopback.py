@@ -13,14 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _steady import kill_all
+from _steady import kill_all, med
 
 JOBS = Path(__file__).resolve().parent / "_jobs"
 
 
 def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) -> dict[str, Any]:
     """A plain gloo broadcast of `nbytes` between two processes over loopback, `reps`
-    times (_jobs/loopback_bcast.py): MB/s per broadcast."""
+    times (_jobs/loopback_bcast.py): MB/s per broadcast into memory touched before
+    (``rates``) and into fresh memory (``fresh``), and the median of each (NaN for
+    none)."""
     import torch.distributed as dist
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -48,4 +50,11 @@ def measure_loopback(nbytes: int, reps: int, out_dir: Path, timeout_s: float) ->
     got = json.loads(out.read_text())
     rates = [got["bytes"] / 1e6 / s for s in got["seconds"] if s > 0]
     fresh = [got["bytes"] / 1e6 / s for s in got.get("fresh_seconds", []) if s > 0]
-    return {"bytes": got["bytes"], "rates": rates, "seconds": got["seconds"], "fresh": fresh}
+    return {
+        "bytes": got["bytes"],
+        "rates": rates,
+        "seconds": got["seconds"],
+        "fresh": fresh,
+        "median": med(rates),
+        "fresh_median": med(fresh),
+    }

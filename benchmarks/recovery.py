@@ -485,8 +485,8 @@ def main() -> int:
             lb = measure_loopback(heal_nbytes, args.bcast_reps, base / "loopback", timeout_s=120)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             anomalies.append(f"loopback broadcast failed: {err}")
-    lb_med = med(lb["rates"]) if lb else math.nan
-    lb_fresh = med(lb["fresh"]) if lb and lb["fresh"] else math.nan
+    lb_med = lb["median"] if lb else math.nan
+    lb_fresh = lb["fresh_median"] if lb else math.nan
     heal_vs_lb = med(rates) / lb_med if rates and lb_med > 0 else math.nan
     join_rows += [
         ["loopback gloo broadcast of the heal's bytes, 2 processes (MB/s)", fmt(lb_med, 1),
@@ -494,8 +494,8 @@ def main() -> int:
          fmt(max(lb["rates"], default=None) if lb else None, 1),
          str(len(lb["rates"]) if lb else 0)],
         ["  the same into fresh memory each time (MB/s)", fmt(lb_fresh, 1),
-         fmt(min(lb["fresh"]) if lb and lb["fresh"] else None, 1),
-         fmt(max(lb["fresh"]) if lb and lb["fresh"] else None, 1),
+         fmt(min(lb["fresh"], default=None) if lb else None, 1),
+         fmt(max(lb["fresh"], default=None) if lb else None, 1),
          str(len(lb["fresh"]) if lb else 0)],
         ["heal rate / loopback broadcast rate (medians)", fmt(heal_vs_lb, 2), "", "", ""],
         ["heal rate / fresh-memory loopback rate (medians)",

@@ -1080,8 +1080,8 @@ def recovery_tables(
     send = [e for e in rc["heal_ends"] if e.get("role") == "send" and e["gen"] in {x["gen"] for x in recv}]  # fmt: skip
     h = recv[0] if recv else None
     expect = sizes["shard"][vslot[1]] if vslot[1] is not None else max(sizes["shard"])
-    lb_med = med(lb["rates"]) if lb else math.nan
-    lb_fresh = med(lb["fresh"]) if lb and lb.get("fresh") else math.nan
+    lb_med = lb["median"] if lb else math.nan
+    lb_fresh = lb["fresh_median"] if lb else math.nan
     rate = float(h["rate_mb_s"]) if h else math.nan
     jrows = [
         [f"victim {victim} (replica {vslot[0]}, shard {vslot[1]}); replacement", str(repl)],

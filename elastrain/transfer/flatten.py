@@ -185,12 +185,12 @@ def state_digest(state: NamedState) -> str:
     heuristic with this fixed one (a key per job would make it hold per job,
     but digests are compared across jobs, a run against its reference). It is
     not a defence against someone who chooses a state to collide (knowing the
-    key, that is easy); nothing here trusts it for that: what a heal installs is checked by seals keyed with the
-    job token (`elastrain.transfer.seal`). Why not SHA-256: every member hashes
-    its whole state at every generation start, beside the first step, and
-    SHA-256 ran at 1.1 GB/s here against Poly1305's 7 GB/s (for the recovery
-    benchmark's 120 MB of model and AdamW: 0.11 s against 0.02 s, 37 ms with
-    the flattening).
+    key, that is easy); nothing here trusts it for that: what a heal installs
+    is checked by seals keyed with the job token (`elastrain.transfer.seal`).
+    Why not SHA-256: every member hashes its whole state at every generation
+    start, beside the first step, and SHA-256 ran at 1.1 GB/s here against
+    Poly1305's 7 GB/s (for the recovery benchmark's 120 MB of model and AdamW:
+    0.11 s against 0.02 s, 37 ms with the flattening).
     """
     flat = state.flatten()
     header = {

@@ -86,6 +86,40 @@ def test_gradient_and_reduction_buffers_live_on_the_parameters_device(reduce_dty
     assert cpu.reduce_buffers()[0].dtype == (torch.float32 if cpu.native else torch.float64)
 
 
+def test_a_micro_batch_leaves_its_loss_on_the_device_for_the_step_to_read_once() -> None:
+    """`compute` returns the loss sum as a float64 device scalar, not a float: reading a
+    CUDA loss to the host after each micro-batch would wait for the device before the
+    next one's kernels are queued. The meta device has no values to read, so a compute
+    that read one would fail here; on the CPU the float64 sum equals Python's."""
+    cfg = TrainerConfig(global_batch_size=4, micro_batch_size=2, total_steps=1)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    backend = TorchBackend(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, cfg)
+    backend.begin_step(3)
+    got = backend.compute(0, 0, torch.ones(2, 4, device="meta"), 2)
+    assert got.device.type == "meta" and got.dtype == torch.float64 and got.dim() == 0
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 1)
+    cpu = TorchBackend(lin, torch.optim.SGD(lin.parameters(), lr=0.1), _loss, cfg)
+    cpu.begin_step(3)
+    batch = torch.randn(2, 4)
+    total = cpu.compute(0, 0, batch, 2) + cpu.compute(0, 1, batch * 3, 2)
+    with torch.no_grad():
+        want = 0.0 + float(_loss(lin, batch)) * 2 + float(_loss(lin, batch * 3)) * 2
+    assert float(total) == want
+
+
+def test_the_demo_gpt_builds_its_positions_and_mask_where_its_input_is() -> None:
+    """The demo model on an accelerator: positions and the causal mask are made on
+    the input's device (meta stands in for CUDA; both were made on the CPU before,
+    which failed the first GPU run)."""
+    from elastrain.demo.gpt import GPT
+
+    model = GPT(d=32, layers=1, heads=2).to("meta")
+    out = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 8, 256)
+
+
 def test_sticky_device_errors_are_poison_and_a_dead_peer_is_not() -> None:
     illegal = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     assert is_poisoned(illegal)

@@ -35,3 +35,24 @@ def test_the_gpu_check_runs_on_the_cpu_and_its_checks_pass(tmp_path: Path) -> No
     assert float(plain) > 0 and float(elastic) > 0
     assert float(rows["4 processes: kill -> survivors' next commit (s)"]) > 0
     assert float(rows["4 processes: 4 s SIGSTOP -> next commit (s)"]) > 0
+
+
+def test_a_failed_part_is_a_row_naming_its_error_and_the_other_parts_still_report() -> None:
+    """A lent GPU is scarce: one run reports every part, a failed one as FAILED with
+    its error's last line (the first GPU run failed in part 1 on a device mismatch)."""
+    from .conftest import load_benchmark
+
+    g = load_benchmark("gpu_check.py")
+
+    def broken(x: int) -> int:
+        raise RuntimeError(f"plain loop failed (1):\nTraceback ...\nindex is on cpu ({x})")
+
+    assert g.attempt(lambda x: x + 1, 1) == (2, None)
+    got, err = g.attempt(broken, 7)
+    assert got is None and err == "RuntimeError: index is on cpu (7)"
+    assert g.part1_rows(None, err) == [["1 process", f"FAILED: {err}"]]
+    assert g.part2_rows(None, err, 4.0) == [
+        [f"4 processes: kill@{g.KILL_AT}:w1, then a 4 s SIGSTOP of w2", f"FAILED: {err}"]
+    ]
+    rows = g.nccl_rows({"failed": "the probe exited 1: boom"})
+    assert [r[1] for r in rows] == ["FAILED: the probe exited 1: boom"] * 2

@@ -65,7 +65,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
         h = self.ln1(x)
         a, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
         x = x + a
@@ -84,7 +84,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for b in self.blocks:
             x = b(x)

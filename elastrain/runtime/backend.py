@@ -82,10 +82,12 @@ class Backend(Protocol):
         """Ready zeroed gradient buffers with `extra_slots` values at the end of the first
         reduce buffer (loss sum, sample count, the checkpoint schedule's measurements)."""
 
-    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float | torch.Tensor:
         """Forward and backward of one micro-batch (the gradient of the loss *sum*
-        added into the step's buffers); returns its loss sum. Its randomness depends
-        only on (seed, step, microbatch), never on membership."""
+        added into the step's buffers); returns its loss sum, a float or a float64
+        0-dim tensor that the engine adds up and reads once per step (reading a
+        CUDA tensor waits for the device: once a step, not once a micro-batch). Its
+        randomness depends only on (seed, step, microbatch), never on membership."""
 
     def reduce_buffers(self) -> list[torch.Tensor]:
         """The CPU tensors the step's all-reduce sums in place, in a fixed order."""

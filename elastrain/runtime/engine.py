@@ -283,7 +283,8 @@ class _Step:
     incarnation: int
     verdict: concurrent.futures.Future[p.QuorumResponse]
     samples: list[int]
-    loss_sum: float = 0.0
+    loss_sum: float | torch.Tensor = 0.0
+    """The member's micro-batches' loss sums (`Backend.compute`), read at the reduce."""
     data_s: float = 0.0
     t_compute: float = 0.0
     verdict_s: float = 0.0
@@ -1214,7 +1215,7 @@ class StepEngine:
         extras = self.backend.extras()
         extras.copy_(
             torch.tensor(
-                [st.loss_sum, float(len(st.samples)), *self.ckpt.contribution()],
+                [float(st.loss_sum), float(len(st.samples)), *self.ckpt.contribution()],
                 dtype=extras.dtype,
             )
         )

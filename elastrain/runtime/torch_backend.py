@@ -356,7 +356,7 @@ class TorchBackend:
             # no micro-batch of this step must have it too, for unscale_ in apply.
             self.grad_scaler.scale(torch.zeros(()))
 
-    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float | torch.Tensor:
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
             loss = self.loss_fn(self.model, batch)
@@ -372,7 +372,11 @@ class TorchBackend:
                 work = self.work(WIDEN_CHUNK)
                 for sg in self._small:
                     sg.widen(work)
-        return float(loss.detach()) * samples
+        # Not float(loss): that waits for a GPU to finish this micro-batch before the
+        # host queues the next one's kernels. float64 keeps the sum what Python's
+        # floats made it (the same roundings, in the same order); MPS has no float64.
+        value = loss.detach()
+        return value.to(torch.float32 if value.device.type == "mps" else torch.float64) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:
         return self._reduce

@@ -3,13 +3,15 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/gpu_check.py [--device auto|cuda|cpu] [--quick] [--no-record]
+        [--parts 1,2,3,4]
 
-77-94 s on a lent H200 with 16 cores (2026-12-04), about 7 minutes on this
-2-core CPU machine (under a minute with --quick). Each part runs even when an
-earlier one failed; a failed part's rows say FAILED and name its error. `--device cpu` runs every part that does not need a GPU, so the
-test suite exercises this script (tests/test_gpu_check.py runs it with
-`--device cpu --quick --no-record`); parts that need CUDA, NCCL or NVML say
-"not run" and why. Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
+Parts 1-3 took 77-94 s on a lent H200 with 16 cores (2026-12-04); the whole
+check takes about 7 minutes on this 2-core CPU machine (under a minute with
+--quick). Each part runs even when an earlier one failed; a failed part's rows
+say FAILED and name its error. `--device cpu` runs every part that does not
+need a GPU, so the test suite exercises this script (tests/test_gpu_check.py
+runs it with `--device cpu --quick --no-record`); parts that need CUDA, NCCL or
+NVML say "not run" and why. Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
 
 1. **One process**: the plain loop (`--plain`: the same model, micro-batches,
    data order and AdamW in an ordinary loop) and a one-worker elastrain job
@@ -33,10 +35,15 @@ test suite exercises this script (tests/test_gpu_check.py runs it with
    (the second generation's group is built after the first was aborted);
    seconds of each, and the NCCL version. Part 1's one-worker job runs its
    gradient all-reduce on such a group too (collectives "auto" on CUDA).
+4. **A sticky device error**: two workers on the device over gloo; the chaos
+   action `poison` breaks w1's CUDA context for real at step 4 (a device-side
+   assert; on the CPU, CUDA's message is raised instead). Checked: w1 leaves
+   with exit 74, a fresh process is healed and trains to the end, w0 keeps its
+   PID, every sample once, identical state at every generation start.
 
 Prints a table and appends it to benchmarks/RESULTS.md (date, machine, device,
-command, commit) unless --no-record or --quick. Exits 1 if a check of part 2
-fails.
+command, commit) unless --no-record or --quick. Exits 1 if a part failed or
+one of its checks did.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from _steady import append_section, fmt, log, med, print_notes, run_context, tab
 JOB = HERE / "_jobs" / "gpu_gpt.py"
 FULL: dict[str, int] = {"dim": 512, "layers": 8, "heads": 8, "batch": 16, "steps": 60, "warmup": 10}
 QUICK: dict[str, int] = {"dim": 64, "layers": 2, "heads": 2, "batch": 8, "steps": 12, "warmup": 2}
-KILL_AT, HANG_S, SETTLE = 5, 4, 3
+KILL_AT, HANG_S, SETTLE, POISON_AT = 5, 4, 3, 4
 """Part 2: w1 killed at step KILL_AT; w2 stopped for HANG_S s (at least 5 steady steps
 of part 1: a stop shorter than the watchdog's deadline is a slow step, not a hang) once the replacement
 has trained SETTLE steps beside the others; the job stopped once w2 has too."""
@@ -162,6 +169,34 @@ class Pacer:
             lc.stop()
 
 
+class UntilJoined:
+    """Part 4's end, on the launcher's status callback: once a member other than
+    `first` (the replacement) is in a ready generation that committed SETTLE steps,
+    the job is stopped; also when no step was committed for STALL_S."""
+
+    def __init__(self, launcher: Any, first: set[str]) -> None:
+        self.launcher, self.first = launcher, first
+        self.done = self.stalled = False
+        self._seen: dict[int, int] = {}
+        self._last = (-1, time.monotonic())
+
+    def __call__(self, st: dict[str, Any]) -> None:
+        step, gen = int(st.get("step", 0)), int(st.get("gen") or 0)
+        if self.done:
+            return
+        if step != self._last[0]:
+            self._last = (step, time.monotonic())
+        elif time.monotonic() - self._last[1] > STALL_S:
+            self.stalled = self.done = True
+            self.launcher.stop()
+            return
+        if not st.get("ready") or not set(st.get("members") or []) - self.first:
+            return
+        if step - self._seen.setdefault(gen, step) >= SETTLE:
+            self.done = True
+            self.launcher.stop()
+
+
 def run_elastrain(
     device: str,
     shape: dict[str, int],
@@ -170,9 +205,13 @@ def run_elastrain(
     faults: list[str],
     then: list[str] | None = None,
     collectives: str = "auto",
-) -> tuple[Any, list[dict[str, Any]], Pacer | None]:
+    points: list[dict[str, Any]] | None = None,
+    until_joined: bool = False,
+) -> tuple[Any, list[dict[str, Any]], Pacer | UntilJoined | None]:
     """One elastrain job of `workers` on the device, paced by a `Pacer` when `then`
-    lists faults to add; (its result, its events, the pacer)."""
+    lists faults to add, or stopped by `UntilJoined` once a replacement trains, with
+    the in-worker fault `points` (`elastrain.chaos.points`); (its result, its events,
+    the pacer)."""
     from elastrain.chaos.schedule import parse_fault
     from elastrain.launch.launcher import LaunchConfig, Launcher
     from elastrain.observe.events import read_events
@@ -181,13 +220,14 @@ def run_elastrain(
         script=str(JOB),
         script_args=job_args(device, shape, collectives),
         workers=workers,
-        steps=shape["steps"] if then is None else 1_000_000,
+        steps=shape["steps"] if then is None and not until_joined else 1_000_000,
         run_dir=str(run_dir),
         faults=[parse_fault(f) for f in faults],
+        fault_points=json.dumps(points) if points else None,
         progress=False,
         extra_env=env(),
     )
-    pacer: Pacer | None = None
+    pacer: Pacer | UntilJoined | None = None
 
     def on_status(st: dict[str, Any]) -> None:
         if pacer is not None:
@@ -196,6 +236,8 @@ def run_elastrain(
     launcher = Launcher(cfg, on_status=on_status)
     if then is not None:
         pacer = Pacer(launcher, then)
+    elif until_joined:
+        pacer = UntilJoined(launcher, {f"w{i}" for i in range(workers)})
     result = launcher.run()
     return result, read_events(run_dir), pacer
 
@@ -271,6 +313,61 @@ def shared_device(device: str, shape: dict[str, int], out: Path, hang_s: float) 
         "healed_mb": healed[0]["bytes"] / 1e6 if healed else None,
         "status": f"{result.status} after {led.committed_steps} steps "
         f"({'stalled' if pacer.stalled else 'stopped by the check'})",
+    }
+
+
+def poisoned_device(device: str, shape: dict[str, int], out: Path) -> dict[str, Any]:
+    """Part 4: two workers on the device; w1 breaks its CUDA context for real at step
+    POISON_AT (`poison` in `elastrain.chaos.points`: a device-side assert; on the CPU,
+    CUDA's message raised instead) and must leave with exit 74 for a fresh process,
+    which w0 heals while it trains on alone."""
+    from elastrain.data import GlobalOrder
+    from elastrain.demo.gpt import ByteBlocks, stdlib_corpus
+    from elastrain.exitcodes import EXIT_DEVICE_POISONED
+    from elastrain.observe.ledger import check_exactly_once, check_same_state
+
+    result, events, stopper = run_elastrain(
+        device, shape, 2, out / "poison", [], collectives="gloo", until_joined=True,
+        points=[{"member": "w1", "step": POISON_AT, "phase": "compute", "action": "poison"}],
+    )  # fmt: skip
+    assert isinstance(stopper, UntilJoined)
+    order = GlobalOrder(len(ByteBlocks(stdlib_corpus(), 64)), 0)
+    b = shape["batch"]
+    led = check_exactly_once(events, lambda s: order.ids(s * b, (s + 1) * b))
+    spawned = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+    gone = [e for e in events if e["kind"] == "worker_exit" and e.get("proc") == "w1"]
+    exited = [e for e in events if e["kind"] == "worker_exited" and e.get("member") == "w1"]
+    joiner = next((m for m in spawned if m not in ("w0", "w1")), None)
+    final = max((e["step"] for e in events if e["kind"] == "step_commit"), default=-1)
+    last = {e["proc"] for e in events if e["kind"] == "step_commit" and e["step"] == final}
+    t_exit = next((e["mono"] for e in gone), None)
+    later = [e["mono"] for e in events if e["kind"] == "step_commit" and e.get("proc") == "w0"
+             and t_exit is not None and e["mono"] > t_exit]  # fmt: skip
+    error = str(gone[0].get("error", "")) if gone else ""
+    return {
+        "checks": {
+            "w1 left with exit 74 (device poisoned)": bool(exited)
+            and exited[0].get("returncode") == EXIT_DEVICE_POISONED
+            and bool(gone)
+            and gone[0].get("reason") == "device_poisoned",
+            "ran until a fresh process trained": stopper.done and not stopper.stalled,
+            "the fresh process was healed and trained to the last step": joiner is not None
+            and joiner in last
+            and any(
+                e["kind"] == "heal_end" and e.get("proc") == joiner and e.get("role") == "recv"
+                for e in events
+            ),
+            "w0 kept its PID": {
+                e["pid"] for e in events if e.get("proc") == "w0" and e["kind"] == "step_commit"
+            }
+            == {spawned.get("w0")},
+            "every sample used once": not led.violations and led.committed_steps > POISON_AT,
+            "identical state at every generation start": check_same_state(events) == [],
+        },  # fmt: skip
+        "error": error,
+        "exit_to_commit_s": (min(later) - t_exit) if later and t_exit is not None else None,
+        "status": f"{result.status} after {led.committed_steps} steps "
+        f"({'stalled' if stopper.stalled else 'stopped by the check'})",
     }
 
 
@@ -357,6 +454,18 @@ def part2_rows(four: dict[str, Any] | None, err: str | None, hang_s: float) -> l
     ]
 
 
+def part4_rows(poison: dict[str, Any] | None, err: str | None) -> list[list[str]]:
+    head = f"2 processes: poison@{POISON_AT}:w1 (a sticky device error in w1's step)"
+    if poison is None:
+        return [[head, f"FAILED: {err}"]]
+    return [
+        [head, poison["status"]],
+        ["2 processes: the error w1 met", poison["error"][:120] or "none"],
+        *[[f"2 processes: {k}", "yes" if ok else "NO"] for k, ok in poison["checks"].items()],
+        ["2 processes: w1's exit -> w0's next commit (s)", fmt(poison["exit_to_commit_s"])],
+    ]
+
+
 def nccl_rows(nccl: dict[str, Any]) -> list[list[str]]:
     return [
         [f"NCCL world size 1, generation {g}: create / first all-reduce / abort (s)",
@@ -373,7 +482,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a small model and few steps; no record")
     ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument("--runs-dir", default=str(HERE / "runs"), help="where the run dirs go")
+    ap.add_argument("--parts", default="1,2,3,4", help="which parts to run (default: all)")
     args = ap.parse_args()
+    try:
+        parts = {int(x) for x in args.parts.split(",")}
+    except ValueError:
+        ap.error(f"--parts: comma-separated part numbers 1-4, got {args.parts!r}")
+    if not parts or not parts <= {1, 2, 3, 4}:
+        ap.error(f"--parts: comma-separated part numbers 1-4, got {args.parts!r}")
     shape = QUICK if args.quick else FULL
     device, why = pick_device(args.device)
     ctx = run_context("gpu_check.py")
@@ -385,34 +501,56 @@ def main() -> int:
 
     # Each part runs even when an earlier one failed: a lent GPU is scarce, and one
     # run should say everything it can (a failed part's rows name its error).
-    log("part 1: one process, the plain loop, then a one-worker elastrain job")
-    one, one_err = attempt(single_process, device, shape, out)
-    if one is not None:
-        log(f"plain {fmt(one['plain_s'])} s, elastrain {fmt(one['elastrain_s'])} s per step")
-    log("part 2: four workers sharing the device, a kill and a hang")
-    hang_s = round(max(HANG_S, 5 * one["elastrain_s"] if one else HANG_S), 1)
-    four, four_err = attempt(shared_device, device, shape, out, hang_s)
-    if four is not None:
-        log(f"part 2: {four['status']}; checks {four['checks']}")
-    log("part 3: NCCL at world size 1")
-    nccl = nccl_world_1(device)
-    rows = [["device", f"{device}: {name}"], *part1_rows(one, one_err),
-            *part2_rows(four, four_err, hang_s), *nccl_rows(nccl)]  # fmt: skip
+    rows: list[list[str]] = [["device", f"{device}: {name}"]]
+    anomalies: list[str] = []
+
+    def judge(n: int, got: dict[str, Any] | None, err: str | None) -> None:
+        if err:
+            anomalies.append(f"part {n} failed: {err}")
+        if got is not None and "checks" in got:
+            anomalies.extend(f"part {n} check failed: {k}"
+                             for k, ok in got["checks"].items() if not ok)  # fmt: skip
+
+    one: dict[str, Any] | None = None
+    if 1 in parts:
+        log("part 1: one process, the plain loop, then a one-worker elastrain job")
+        one, err = attempt(single_process, device, shape, out)
+        if one is not None:
+            log(f"plain {fmt(one['plain_s'])} s, elastrain {fmt(one['elastrain_s'])} s per step")
+        rows += part1_rows(one, err)
+        judge(1, one, err)
+    if 2 in parts:
+        log("part 2: four workers sharing the device, a kill and a hang")
+        hang_s = round(max(HANG_S, 5 * one["elastrain_s"] if one else HANG_S), 1)
+        four, err = attempt(shared_device, device, shape, out, hang_s)
+        if four is not None:
+            log(f"part 2: {four['status']}; checks {four['checks']}")
+        rows += part2_rows(four, err, hang_s)
+        judge(2, four, err)
+    if 3 in parts:
+        log("part 3: NCCL at world size 1")
+        nccl = nccl_world_1(device)
+        rows += nccl_rows(nccl)
+        judge(3, None, nccl.get("failed"))
+    if 4 in parts:
+        log("part 4: two workers, a sticky device error in one")
+        poison, err = attempt(poisoned_device, device, shape, out)
+        if poison is not None:
+            log(f"part 4: {poison['status']}; checks {poison['checks']}")
+        rows += part4_rows(poison, err)
+        judge(4, poison, err)
     t = table(["check", "result"], rows)
     notes = [
         f"model: demo GPT dim {shape['dim']}, {shape['layers']} layers, {shape['heads']} heads, "
         f"context 64; global batch {shape['batch']} in micro-batches of 1; {shape['steps']} "
         f"steps, the first {shape['warmup']} left out of the medians",
-        "elastrain's reduce_dtype: auto (float64 on the CPU, native on a GPU); 4 processes share "
-        "the one device over gloo (CUDA tensors through host copies)",
-        f"total runtime {time.monotonic() - t_start:.0f} s; run dirs "
+        "elastrain's reduce_dtype: auto (float64 on the CPU, native on a GPU); parts 2 and 4 "
+        "share the one device among 4 and 2 processes over gloo (CUDA tensors through host "
+        "copies); part 4 runs until its replacement trains, not a fixed number of steps",
+        f"parts run: {', '.join(map(str, sorted(parts)))}; total runtime "
+        f"{time.monotonic() - t_start:.0f} s; run dirs "
         f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}",
     ]
-    anomalies = [f"part {n} failed: {err}" for n, err in ((1, one_err), (2, four_err)) if err]
-    if four is not None:
-        anomalies += [f"part 2 check failed: {k}" for k, ok in four["checks"].items() if not ok]
-    if nccl.get("failed"):
-        anomalies.append(f"part 3 failed: {nccl['failed']}")
     print()
     print(t)
     print()

@@ -65,10 +65,17 @@ class WorkerExit(Exception):
     worker entry point (`python -m elastrain.worker`, what `elastrain run`
     starts) maps it to the process exit status; `reason` is the `worker_exit`
     event's reason and `message` is printed on stderr when not empty.
+    `immediate`: the entry point ends the process at once (`os._exit`), running no
+    destructor, atexit hook or thread: a device with a sticky error makes torch
+    abort the process when a CUDA tensor is freed, which would turn `code` into
+    SIGABRT.
     """
 
-    def __init__(self, code: int, reason: str, message: str = "") -> None:
+    def __init__(
+        self, code: int, reason: str, message: str = "", *, immediate: bool = False
+    ) -> None:
         super().__init__(message or f"worker exit: {reason} (status {code})")
         self.code = code
         self.reason = reason
         self.message = message
+        self.immediate = immediate

@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerExit as e:
         if e.message:
             print(e.message, file=sys.stderr, flush=True)
+        if e.immediate:
+            # Still inside the handler: the traceback holds the script's frames, so
+            # none of its CUDA tensors has been freed yet (see WorkerExit).
+            sys.stdout.flush()
+            os._exit(e.code)
         return e.code
     except Exception as e:
         # A well-known mistake that torch reports in words pointing the wrong way

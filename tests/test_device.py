@@ -223,3 +223,42 @@ def test_the_cli_resolves_auto_on_this_node_and_keeps_an_explicit_list(
     assert "found 2 GPU(s) (0,1) for 3 workers" in capsys.readouterr().err
     explicit = ap.parse_args(["-n", "3", "--devices", "5,6,7", "train.py"])
     assert cli._devices(explicit) == ("5", "6", "7")
+
+
+_LEAVES = """
+import atexit, sys, threading
+from pathlib import Path
+from elastrain.exitcodes import WorkerExit
+
+out = Path(sys.argv[1])
+
+class Held:  # stands in for a CUDA tensor: freeing one after a sticky error aborts
+    def __del__(self):
+        (out / "freed").write_text("x")
+
+held = Held()
+atexit.register(lambda: (out / "atexit").write_text("x"))
+raise WorkerExit(74, "device_poisoned", "elastrain: w1's device failed", immediate=sys.argv[2] == "1")
+"""
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_a_poisoned_worker_ends_before_anything_is_freed(tmp_path: Path, immediate: bool) -> None:
+    """After a sticky CUDA error, freeing a CUDA tensor makes torch abort the process
+    (seen on an H200: exit 74 became SIGABRT), so the entry point ends a poisoned
+    worker with `os._exit`: exit 74, its message printed, and no destructor or atexit
+    hook run. The orderly exit (immediate=False) runs both, which shows the test sees
+    them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    got = subprocess.run(
+        [sys.executable, "-m", "elastrain.worker", str(script), str(tmp_path), str(int(immediate))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert got.returncode == 74, got.stderr
+    assert "w1's device failed" in got.stderr
+    ran = {p.name for p in tmp_path.iterdir()} - {"leaves.py"}
+    assert ran == (set() if immediate else {"freed", "atexit"})

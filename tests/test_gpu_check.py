@@ -26,6 +26,13 @@ def test_the_gpu_check_runs_on_the_cpu_and_its_checks_pass(tmp_path: Path) -> No
         "the replacement and the continued w2 were healed",
     ):
         assert f"| 4 processes: {check} " in text and "| NO " not in text, (check, text[-3000:])
+    for check in (
+        "w1 left with exit 74 (device poisoned)",
+        "ran until a fresh process trained",
+        "the fresh process was healed and trained to the last step",
+        "w0 kept its PID",
+    ):
+        assert f"| 2 processes: {check} " in text, (check, text[-3000:])
     assert "NCCL world size 1" in text and "no CUDA device: NCCL needs one" in text
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
             for line in text.splitlines() if line.startswith("| ") and line.count("|") >= 3}  # fmt: skip

@@ -17,8 +17,10 @@ batch of the evaluation that follows step `step`). actions: "kill" (SIGKILL),
 graceful leave), "fail" ("vote" only: this member's answer is lost, so it
 waits on until a deadline or the generation's end while its peers commit the
 step: `hooks.InjectedFailure`), "poison" ("compute" and "allreduce" only: a
-sticky device error as CUDA reports an illegal memory access, so the worker
-leaves with EXIT_DEVICE_POISONED for a fresh process: `elastrain.runtime.device`).
+sticky device error, so the worker leaves with EXIT_DEVICE_POISONED for a fresh
+process: `elastrain.runtime.device`; in a process that uses CUDA a real one, a
+device-side assert from an out-of-range index, else the error CUDA reports for
+an illegal memory access, raised).
 
 The launcher can also send orders while the job runs, through the member's
 chaos inbox (`elastrain.chaos.inject.send_slow`): a JSON list of orders in
@@ -56,6 +58,23 @@ RAISED_AT = {"fail": ("vote",), "poison": ("compute", "allreduce")}
 """The actions that raise in the training thread instead of sending a signal, and the
 phases where the engine meets what they raise."""
 POISON_MESSAGE = "CUDA error: an illegal memory access was encountered (injected)"
+
+
+def poison_device() -> None:
+    """Raise a sticky device error: in a process that has initialised CUDA, break its
+    device for real (an out-of-range gather; the synchronisation raises CUDA's
+    "device-side assert triggered", and every later CUDA call in this process fails
+    too), so that what the engine meets is what a faulty kernel leaves; elsewhere
+    (the CPU tests) raise CUDA's message for an illegal memory access."""
+    import sys
+
+    torch = sys.modules.get("torch")  # a JAX worker never imported it
+    if torch is not None and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+        table = torch.zeros(1, device=device)
+        table[torch.full((1,), 1 << 20, device=device)].sum()
+        torch.cuda.synchronize(device)
+    raise RuntimeError(POISON_MESSAGE)
 
 
 @dataclass(frozen=True)
@@ -144,7 +163,7 @@ class FaultPoints:
                 if p.action == "fail":
                     raise InjectedFailure(f"injected: {p.phase} answer lost at step {step}")
                 if p.action == "poison":
-                    raise RuntimeError(POISON_MESSAGE)
+                    poison_device()
                 sig = ACTIONS[p.action]
                 assert sig is not None
                 os.kill(os.getpid(), sig)

@@ -563,25 +563,35 @@ class StepEngine:
 
     def _leave_poisoned(self, why: str) -> NoReturn:
         """End this worker for good (`EXIT_DEVICE_POISONED`): its device cannot be
-        trusted again in this process, and its launcher or agent replaces it."""
+        trusted again in this process, and its launcher or agent replaces it.
+
+        No orderly shutdown: freeing a CUDA tensor after a sticky error makes torch
+        abort the process (seen on an H200: a helper thread dropping a tensor turned
+        exit 74 into SIGABRT), and the engine's threads, loader and checkpoint writer
+        all hold some. So the coordinator is told, the event written, and the entry
+        point ends the process at once (`WorkerExit.immediate`): what it leaves
+        undone is what a SIGKILL leaves, which the peers and the checkpoints already
+        survive."""
         log.error("%s: device poisoned (%s); leaving for a fresh process", self.member, why)
+        # Tell the coordinator the exit status first: the peers regroup at once, and
+        # the failure is recorded as a failed device, not suspected as a hang. (The
+        # launcher reports the same exit again; harmless.)
+        with contextlib.suppress(CoordinatorError):
+            self.client.exit(p.ExitRequest(self.member, os.getpid(), EXIT_DEVICE_POISONED))
         self.events.emit(
             EventKind.WORKER_EXIT,
             reason=m.ExitReason.DEVICE_POISONED,
             committed=self.committed,
             error=why[:300],
         )
-        # Tell the coordinator the exit status now: the peers regroup at once, and the
-        # failure is recorded as a failed device, not suspected as a hang while this
-        # process winds down. (The launcher reports the same exit again; harmless.)
-        with contextlib.suppress(CoordinatorError):
-            self.client.exit(p.ExitRequest(self.member, os.getpid(), EXIT_DEVICE_POISONED))
-        self._shutdown()
+        self.events.close()
+        self._closed = True  # steps()' `finally` must not shut down in order either
         raise WorkerExit(
             EXIT_DEVICE_POISONED,
             m.ExitReason.DEVICE_POISONED,
             f"elastrain: {self.member}'s device failed ({why}); a fresh process takes its "
             "place (this one is never reused)",
+            immediate=True,
         )
 
     def _flags(self) -> m.Flags:

@@ -226,7 +226,7 @@ def test_the_cli_resolves_auto_on_this_node_and_keeps_an_explicit_list(
 
 
 _LEAVES = """
-import atexit, sys, threading
+import atexit, sys
 from pathlib import Path
 from elastrain.exitcodes import WorkerExit
 

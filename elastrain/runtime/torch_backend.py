@@ -356,7 +356,7 @@ class TorchBackend:
             # no micro-batch of this step must have it too, for unscale_ in apply.
             self.grad_scaler.scale(torch.zeros(()))
 
-    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float | torch.Tensor:
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
             loss = self.loss_fn(self.model, batch)

@@ -118,15 +118,38 @@ def run_plain(device: str, shape: dict[str, int], timeout_s: float) -> list[floa
     return [float(x) for x in json.loads(out.stdout.strip().splitlines()[-1])["step_s"]]
 
 
-class Pacer:
+class Stopper:
+    """A status callback that stops the launcher's job: `stop` once it is done, or
+    when no step was committed for STALL_S (`stalled`)."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+        self.done = self.stalled = False
+        self._last = (-1, time.monotonic())
+
+    def stop(self) -> None:
+        self.done = True
+        self.launcher.stop()
+
+    def stalling(self, step: int) -> bool:
+        """Whether the job has stalled (then it is stopped); call on every status."""
+        if step != self._last[0]:
+            self._last = (step, time.monotonic())
+        elif time.monotonic() - self._last[1] > STALL_S:
+            self.stalled = True
+            self.stop()
+        return self.stalled
+
+
+class Pacer(Stopper):
     """Part 2's schedule, on the launcher's status callback: once a fault has fired,
     a newer generation has all 4 workers again and it committed SETTLE steps,
     the next fault (the hang) is added; after the last one settles, the job is
     stopped. Stops it too when no step was committed for STALL_S."""
 
     def __init__(self, launcher: Any, then: list[str]) -> None:
-        self.launcher, self.then = launcher, list(then)
-        self.done = self.stalled = False
+        super().__init__(launcher)
+        self.then = list(then)
         self._fired = 1
         """Entries of the launcher's fault log that mean the current fault fired."""
         self._fault_gen: int | None = None
@@ -135,19 +158,12 @@ class Pacer:
         """... or, when the fault passed without a regroup (a hang shorter than the
         watchdog's deadline, as with long CPU steps), 2 x SETTLE steps after it."""
         self._seen: dict[int, int] = {}
-        self._last = (-1, time.monotonic())
 
     def __call__(self, st: dict[str, Any]) -> None:
         from elastrain.chaos.schedule import parse_fault
 
         lc, step, gen = self.launcher, int(st.get("step", 0)), int(st.get("gen") or 0)
-        if self.done:
-            return
-        if step != self._last[0]:
-            self._last = (step, time.monotonic())
-        elif time.monotonic() - self._last[1] > STALL_S:
-            self.stalled = self.done = True
-            lc.stop()
+        if self.done or self.stalling(step):
             return
         if len(lc.fault_log) < self._fired:
             return
@@ -165,36 +181,27 @@ class Pacer:
             lc.schedule.pending.append(parse_fault(fault))
             self._fired, self._fault_gen = len(lc.fault_log) + 1, None
         else:
-            self.done = True
-            lc.stop()
+            self.stop()
 
 
-class UntilJoined:
+class UntilJoined(Stopper):
     """Part 4's end, on the launcher's status callback: once a member other than
     `first` (the replacement) is in a ready generation that committed SETTLE steps,
     the job is stopped; also when no step was committed for STALL_S."""
 
     def __init__(self, launcher: Any, first: set[str]) -> None:
-        self.launcher, self.first = launcher, first
-        self.done = self.stalled = False
+        super().__init__(launcher)
+        self.first = first
         self._seen: dict[int, int] = {}
-        self._last = (-1, time.monotonic())
 
     def __call__(self, st: dict[str, Any]) -> None:
         step, gen = int(st.get("step", 0)), int(st.get("gen") or 0)
-        if self.done:
-            return
-        if step != self._last[0]:
-            self._last = (step, time.monotonic())
-        elif time.monotonic() - self._last[1] > STALL_S:
-            self.stalled = self.done = True
-            self.launcher.stop()
+        if self.done or self.stalling(step):
             return
         if not st.get("ready") or not set(st.get("members") or []) - self.first:
             return
         if step - self._seen.setdefault(gen, step) >= SETTLE:
-            self.done = True
-            self.launcher.stop()
+            self.stop()
 
 
 def run_elastrain(
@@ -207,7 +214,7 @@ def run_elastrain(
     collectives: str = "auto",
     points: list[dict[str, Any]] | None = None,
     until_joined: bool = False,
-) -> tuple[Any, list[dict[str, Any]], Pacer | UntilJoined | None]:
+) -> tuple[Any, list[dict[str, Any]], Stopper | None]:
     """One elastrain job of `workers` on the device, paced by a `Pacer` when `then`
     lists faults to add, or stopped by `UntilJoined` once a replacement trains, with
     the in-worker fault `points` (`elastrain.chaos.points`); (its result, its events,
@@ -227,7 +234,7 @@ def run_elastrain(
         progress=False,
         extra_env=env(),
     )
-    pacer: Pacer | UntilJoined | None = None
+    pacer: Stopper | None = None
 
     def on_status(st: dict[str, Any]) -> None:
         if pacer is not None:
@@ -504,41 +511,36 @@ def main() -> int:
     rows: list[list[str]] = [["device", f"{device}: {name}"]]
     anomalies: list[str] = []
 
-    def judge(n: int, got: dict[str, Any] | None, err: str | None) -> None:
+    def run_part(n: int, what: str, part: Any, *args: Any) -> tuple[Any, str | None]:
+        log(f"part {n}: {what}")
+        got, err = attempt(part, *args)
         if err:
             anomalies.append(f"part {n} failed: {err}")
         if got is not None and "checks" in got:
+            log(f"part {n}: {got['status']}; checks {got['checks']}")
             anomalies.extend(f"part {n} check failed: {k}"
                              for k, ok in got["checks"].items() if not ok)  # fmt: skip
+        return got, err
 
     one: dict[str, Any] | None = None
     if 1 in parts:
-        log("part 1: one process, the plain loop, then a one-worker elastrain job")
-        one, err = attempt(single_process, device, shape, out)
-        if one is not None:
-            log(f"plain {fmt(one['plain_s'])} s, elastrain {fmt(one['elastrain_s'])} s per step")
+        one, err = run_part(1, "one process, the plain loop, then a one-worker elastrain job",
+                            single_process, device, shape, out)  # fmt: skip
         rows += part1_rows(one, err)
-        judge(1, one, err)
     if 2 in parts:
-        log("part 2: four workers sharing the device, a kill and a hang")
         hang_s = round(max(HANG_S, 5 * one["elastrain_s"] if one else HANG_S), 1)
-        four, err = attempt(shared_device, device, shape, out, hang_s)
-        if four is not None:
-            log(f"part 2: {four['status']}; checks {four['checks']}")
+        four, err = run_part(2, "four workers sharing the device, a kill and a hang",
+                             shared_device, device, shape, out, hang_s)  # fmt: skip
         rows += part2_rows(four, err, hang_s)
-        judge(2, four, err)
     if 3 in parts:
-        log("part 3: NCCL at world size 1")
-        nccl = nccl_world_1(device)
+        nccl, _ = run_part(3, "NCCL at world size 1", nccl_world_1, device)
         rows += nccl_rows(nccl)
-        judge(3, None, nccl.get("failed"))
+        if nccl.get("failed"):
+            anomalies.append(f"part 3 failed: {nccl['failed']}")
     if 4 in parts:
-        log("part 4: two workers, a sticky device error in one")
-        poison, err = attempt(poisoned_device, device, shape, out)
-        if poison is not None:
-            log(f"part 4: {poison['status']}; checks {poison['checks']}")
+        poison, err = run_part(4, "two workers, a sticky device error in one",
+                               poisoned_device, device, shape, out)  # fmt: skip
         rows += part4_rows(poison, err)
-        judge(4, poison, err)
     t = table(["check", "result"], rows)
     notes = [
         f"model: demo GPT dim {shape['dim']}, {shape['layers']} layers, {shape['heads']} heads, "

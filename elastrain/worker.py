@@ -16,6 +16,7 @@ library free of process-level decisions:
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -53,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             print(e.message, file=sys.stderr, flush=True)
         if e.immediate:
             # Still inside the handler: the traceback holds the script's frames, so
-            # none of its CUDA tensors has been freed yet (see WorkerExit).
+            # none of its CUDA tensors has been freed yet (see WorkerExit). Buffered
+            # output and log records are written first; nothing else runs.
             sys.stdout.flush()
+            logging.shutdown()
             os._exit(e.code)
         return e.code
     except Exception as e:

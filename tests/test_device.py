@@ -226,11 +226,16 @@ def test_the_cli_resolves_auto_on_this_node_and_keeps_an_explicit_list(
 
 
 _LEAVES = """
-import atexit, sys
+import atexit, logging, logging.handlers, sys
 from pathlib import Path
 from elastrain.exitcodes import WorkerExit
 
 out = Path(sys.argv[1])
+# Records held in memory until the handler is flushed (at logging.shutdown at the latest).
+held_log = logging.handlers.MemoryHandler(100, target=logging.FileHandler(out / "log"))
+logging.getLogger().addHandler(held_log)
+logging.getLogger().setLevel(logging.INFO)
+logging.warning("written before the exit")
 
 class Held:  # stands in for a CUDA tensor: freeing one after a sticky error aborts
     def __del__(self):
@@ -246,8 +251,8 @@ raise WorkerExit(74, "device_poisoned", "elastrain: w1's device failed", immedia
 def test_a_poisoned_worker_ends_before_anything_is_freed(tmp_path: Path, immediate: bool) -> None:
     """After a sticky CUDA error, freeing a CUDA tensor makes torch abort the process
     (seen on an H200: exit 74 became SIGABRT), so the entry point ends a poisoned
-    worker with `os._exit`: exit 74, its message printed, and no destructor or atexit
-    hook run. The orderly exit (immediate=False) runs both, which shows the test sees
+    worker with `os._exit`: exit 74, its message printed and its log records written,
+    and no destructor or atexit hook run. The orderly exit (immediate=False) runs both, which shows the test sees
     them."""
     import subprocess
     import sys
@@ -260,5 +265,6 @@ def test_a_poisoned_worker_ends_before_anything_is_freed(tmp_path: Path, immedia
     )  # fmt: skip
     assert got.returncode == 74, got.stderr
     assert "w1's device failed" in got.stderr
-    ran = {p.name for p in tmp_path.iterdir()} - {"leaves.py"}
+    ran = {p.name for p in tmp_path.iterdir()} - {"leaves.py", "log"}
     assert ran == (set() if immediate else {"freed", "atexit"})
+    assert "written before the exit" in (tmp_path / "log").read_text()  # log records kept

@@ -279,11 +279,31 @@ def single_process(device: str, shape: dict[str, int], out: Path) -> dict[str, A
     }
 
 
-def shared_device(device: str, shape: dict[str, int], out: Path, hang_s: float) -> dict[str, Any]:
-    """Part 2: four workers on the device, a kill and a hang; the checks and the times."""
+def sample_ledger_and_pids(
+    events: list[dict[str, Any]], shape: dict[str, int], survivors: tuple[str, ...]
+) -> tuple[Any, dict[str, int], bool]:
+    """What the fault parts check alike: the exactly-once ledger of the job's samples
+    (`observe.ledger`), each spawned member's PID, and whether every one of
+    `survivors` committed its steps from the PID it was spawned with."""
     from elastrain.data import GlobalOrder
     from elastrain.demo.gpt import ByteBlocks, stdlib_corpus
-    from elastrain.observe.ledger import check_exactly_once, check_same_state
+    from elastrain.observe.ledger import check_exactly_once
+
+    order = GlobalOrder(len(ByteBlocks(stdlib_corpus(), 64)), 0)
+    b = shape["batch"]
+    led = check_exactly_once(events, lambda s: order.ids(s * b, (s + 1) * b))
+    spawned = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+    kept = all(
+        {e["pid"] for e in events if e.get("proc") == m and e["kind"] == "step_commit"}
+        == {spawned.get(m)}
+        for m in survivors
+    )
+    return led, spawned, kept
+
+
+def shared_device(device: str, shape: dict[str, int], out: Path, hang_s: float) -> dict[str, Any]:
+    """Part 2: four workers on the device, a kill and a hang; the checks and the times."""
+    from elastrain.observe.ledger import check_same_state
     from elastrain.observe.recovery import recoveries
 
     faults = [f"kill@{KILL_AT}:w1", f"hang@NEXT:w2/{hang_s:g}"]
@@ -292,16 +312,7 @@ def shared_device(device: str, shape: dict[str, int], out: Path, hang_s: float) 
         device, shape, 4, out / "four", faults[:1], then=faults[1:], collectives="gloo"
     )
     assert pacer is not None
-    n = len(ByteBlocks(stdlib_corpus(), 64))
-    order = GlobalOrder(n, 0)
-    b = shape["batch"]
-    led = check_exactly_once(events, lambda s: order.ids(s * b, (s + 1) * b))
-    spawned = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
-    kept = all(
-        {e["pid"] for e in events if e.get("proc") == m and e["kind"] == "step_commit"}
-        == {spawned.get(m)}
-        for m in ("w0", "w2", "w3")
-    )
+    led, _, kept = sample_ledger_and_pids(events, shape, ("w0", "w2", "w3"))
     healed = [e for e in events if e["kind"] == "heal_end" and e.get("role") == "recv"]
     by = {e["proc"] for e in healed}
     recs = {r.fault: r for r in recoveries(events)}
@@ -328,20 +339,15 @@ def poisoned_device(device: str, shape: dict[str, int], out: Path) -> dict[str, 
     POISON_AT (`poison` in `elastrain.chaos.points`: a device-side assert; on the CPU,
     CUDA's message raised instead) and must leave with exit 74 for a fresh process,
     which w0 heals while it trains on alone."""
-    from elastrain.data import GlobalOrder
-    from elastrain.demo.gpt import ByteBlocks, stdlib_corpus
     from elastrain.exitcodes import EXIT_DEVICE_POISONED
-    from elastrain.observe.ledger import check_exactly_once, check_same_state
+    from elastrain.observe.ledger import check_same_state
 
     result, events, stopper = run_elastrain(
         device, shape, 2, out / "poison", [], collectives="gloo", until_joined=True,
         points=[{"member": "w1", "step": POISON_AT, "phase": "compute", "action": "poison"}],
     )  # fmt: skip
     assert isinstance(stopper, UntilJoined)
-    order = GlobalOrder(len(ByteBlocks(stdlib_corpus(), 64)), 0)
-    b = shape["batch"]
-    led = check_exactly_once(events, lambda s: order.ids(s * b, (s + 1) * b))
-    spawned = {e["member"]: e["pid"] for e in events if e["kind"] == "worker_spawned"}
+    led, spawned, kept = sample_ledger_and_pids(events, shape, ("w0",))
     gone = [e for e in events if e["kind"] == "worker_exit" and e.get("proc") == "w1"]
     exited = [e for e in events if e["kind"] == "worker_exited" and e.get("member") == "w1"]
     joiner = next((m for m in spawned if m not in ("w0", "w1")), None)
@@ -364,10 +370,7 @@ def poisoned_device(device: str, shape: dict[str, int], out: Path) -> dict[str, 
                 e["kind"] == "heal_end" and e.get("proc") == joiner and e.get("role") == "recv"
                 for e in events
             ),
-            "w0 kept its PID": {
-                e["pid"] for e in events if e.get("proc") == "w0" and e["kind"] == "step_commit"
-            }
-            == {spawned.get("w0")},
+            "w0 kept its PID": kept,
             "every sample used once": not led.violations and led.committed_steps > POISON_AT,
             "identical state at every generation start": check_same_state(events) == [],
         },  # fmt: skip
@@ -414,7 +417,7 @@ def nccl_world_1(device: str) -> dict[str, Any]:
                          timeout=120)  # fmt: skip
     if got.returncode != 0:
         print(got.stderr, file=sys.stderr)
-        return {"failed": f"the probe exited {got.returncode}: {got.stderr.strip()[-300:]}"}
+        raise RuntimeError(f"the probe exited {got.returncode}: {got.stderr.strip()[-300:]}")
     return dict(json.loads(got.stdout.strip().splitlines()[-1]))
 
 
@@ -473,12 +476,12 @@ def part4_rows(poison: dict[str, Any] | None, err: str | None) -> list[list[str]
     ]
 
 
-def nccl_rows(nccl: dict[str, Any]) -> list[list[str]]:
+def nccl_rows(nccl: dict[str, Any] | None, err: str | None) -> list[list[str]]:
     return [
         [f"NCCL world size 1, generation {g}: create / first all-reduce / abort (s)",
-         nccl.get("skipped") or (f"FAILED: {nccl['failed']}" if nccl.get("failed") else
+         f"FAILED: {err}" if nccl is None else nccl.get("skipped") or
          f"{fmt(nccl[f'create{g}_s'])} / {fmt(nccl[f'first_allreduce{g}_s'])} / "
-         f"{fmt(nccl[f'abort{g}_s'])} (NCCL {nccl['nccl']}, {nccl['how']})")]
+         f"{fmt(nccl[f'abort{g}_s'])} (NCCL {nccl['nccl']}, {nccl['how']})"]
         for g in (1, 2)
     ]  # fmt: skip
 
@@ -533,10 +536,8 @@ def main() -> int:
                              shared_device, device, shape, out, hang_s)  # fmt: skip
         rows += part2_rows(four, err, hang_s)
     if 3 in parts:
-        nccl, _ = run_part(3, "NCCL at world size 1", nccl_world_1, device)
-        rows += nccl_rows(nccl)
-        if nccl.get("failed"):
-            anomalies.append(f"part 3 failed: {nccl['failed']}")
+        nccl, err = run_part(3, "NCCL at world size 1", nccl_world_1, device)
+        rows += nccl_rows(nccl, err)
     if 4 in parts:
         poison, err = run_part(4, "two workers, a sticky device error in one",
                                poisoned_device, device, shape, out)  # fmt: skip

@@ -62,5 +62,5 @@ def test_a_failed_part_is_a_row_naming_its_error_and_the_other_parts_still_repor
         [f"4 processes: kill@{g.KILL_AT}:w1, then a 4 s SIGSTOP of w2", f"FAILED: {err}"]
     ]
     assert g.part4_rows(None, err)[0][1] == f"FAILED: {err}"
-    rows = g.nccl_rows({"failed": "the probe exited 1: boom"})
-    assert [r[1] for r in rows] == ["FAILED: the probe exited 1: boom"] * 2
+    rows = g.nccl_rows(None, "RuntimeError: the probe exited 1: boom")
+    assert [r[1] for r in rows] == ["FAILED: RuntimeError: the probe exited 1: boom"] * 2

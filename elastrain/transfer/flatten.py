@@ -23,13 +23,12 @@ is the `NamedState` built on them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+import xxhash
 
 from elastrain.transfer.dtypes import byte_view, cpu_bytes
 from elastrain.transfer.manifest import TENSOR_REF
@@ -154,12 +153,9 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return state_digest(TorchState(model, optimizer))
 
 
-DIGEST_KEY = hashlib.sha256(b"elastrain/state-digest/1").digest()
-"""The fixed, public key of `state_digest` (Poly1305's r and s): part of the
-digest's definition, the same in every process of every job."""
-DIGEST_PIECE = 1 << 20
-"""Bytes fed to the digest per call: Poly1305 holds the GIL while it runs, and the
-digest runs on a thread beside the training thread (~0.15 ms per piece here)."""
+DIGEST_LABEL = b"elastrain/state-digest/2\0"
+"""What `state_digest` hashes first: names the digest's definition (2: XXH3-128;
+1 was a Poly1305 tag under a fixed key), so that no two definitions share a value."""
 
 
 def state_digest(state: NamedState) -> str:
@@ -177,31 +173,26 @@ def state_digest(state: NamedState) -> str:
 
     What it is for: showing that members hold the same state (the
     `generation_start` events, `elastrain.observe.ledger`), where a state that
-    diverged by a bug or a lost update must not pass for the same one. It is a
-    Poly1305 tag under a fixed, public key (`DIGEST_KEY`): a polynomial hash
-    modulo 2^130 - 5, which two different states of L 16-byte blocks share with
-    a probability of at most 8L / 2^106 (2^-77 for 1 GB) when what made them
-    differ does not depend on the key: Poly1305's bound for a random key, so a
-    heuristic with this fixed one (a key per job would make it hold per job,
-    but digests are compared across jobs, a run against its reference). It is
-    not a defence against someone who chooses a state to collide (knowing the
-    key, that is easy); nothing here trusts it for that: what a heal installs
-    is checked by seals keyed with the job token (`elastrain.transfer.seal`).
-    Why not SHA-256: every member hashes its whole state at every generation
-    start, beside the first step, and SHA-256 ran at 1.1 GB/s here against
-    Poly1305's 7 GB/s (for the recovery benchmark's 120 MB of model and AdamW:
-    0.11 s against 0.02 s, 37 ms with the flattening).
+    diverged by a bug or a lost update must not pass for the same one. It is
+    XXH3-128 (the ``xxhash`` package), a non-cryptographic hash built for
+    exactly that: telling apart data that differ by accident, with 128 bits of
+    output. It is not a defence against someone who chooses a state to collide,
+    and nothing here trusts it for that: what a heal installs is checked by
+    seals keyed with the job token (`elastrain.transfer.seal`). Why XXH3: every
+    member hashes its whole state at every generation start, on a thread beside
+    the first step. XXH3 runs at about 11 GB/s here and releases the GIL while
+    it hashes, so the training thread's Python is not held up by it; SHA-256
+    ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
+    holding the GIL (docs/design.md, "A recovery's first step").
     """
     flat = state.flatten()
     header = {
         "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in flat.tensors],
         "optimizer": flat.section,
     }
-    h = Poly1305(DIGEST_KEY)
+    h = xxhash.xxh3_128(DIGEST_LABEL)
     h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
     for _, t in flat.tensors:
         if t.numel():
-            data = cpu_bytes(t).numpy().data
-            for at in range(0, len(data), DIGEST_PIECE):
-                h.update(data[at : at + DIGEST_PIECE])
-    return h.finalize().hex()
+            h.update(cpu_bytes(t).numpy().data)
+    return h.hexdigest()

@@ -155,7 +155,8 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 DIGEST_LABEL = b"elastrain/state-digest/2\0"
 """What `state_digest` hashes first: names the digest's definition (2: XXH3-128;
-1 was a Poly1305 tag under a fixed key), so that no two definitions share a value."""
+1 was a Poly1305 tag under a fixed key), so that digests of different definitions
+are not taken for one another."""
 
 
 def state_digest(state: NamedState) -> str:
@@ -183,7 +184,7 @@ def state_digest(state: NamedState) -> str:
     the first step. XXH3 runs at about 11 GB/s here and releases the GIL while
     it hashes, so the training thread's Python is not held up by it; SHA-256
     ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
-    holding the GIL (docs/design.md, "A recovery's first step").
+    holding the GIL (docs/design.md, "The first step after a join"; benchmarks/digest.py).
     """
     flat = state.flatten()
     header = {

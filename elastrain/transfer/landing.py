@@ -187,11 +187,15 @@ class LandingReserve:
 
 
 def _allocate_section(
-    entries: Sequence[Entry], out: dict[str, torch.Tensor], reserve: LandingReserve | None
+    entries: Sequence[Entry],
+    out: dict[str, torch.Tensor],
+    raw: dict[str, torch.Tensor],
+    reserve: LandingReserve | None,
 ) -> None:
-    """Fresh tensors for ``entries`` (one section), over one shared mapping if they
-    add up to a huge page (the reserve's for the section, if it has one that
-    fits): each tensor's storage is exactly its own bytes."""
+    """Fresh tensors for ``entries`` (one section) into ``out``, and a flat uint8 view
+    of each into ``raw``; over one shared mapping if they add up to a huge page (the
+    reserve's for the section, if it has one that fits): each tensor's storage is
+    exactly its own bytes."""
     need = sum(_padded(e.nbytes) for e in entries)
     taken = (
         reserve.take(_section(entries[0].name), need) if reserve is not None and entries else None
@@ -202,18 +206,23 @@ def _allocate_section(
         dtype = dtype_from_name(e.dtype)
         if got is None or e.nbytes == 0:
             out[e.name] = torch.empty(tuple(e.shape), dtype=dtype)
+            raw[e.name] = byte_view(out[e.name])
             continue
         mapping, base = got
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=e.nbytes, offset=base + at)
         out[e.name] = flat.view(dtype).reshape(tuple(e.shape))
+        raw[e.name] = flat
         at += _padded(e.nbytes)
 
 
 @dataclass(frozen=True)
 class Landing:
-    """One fresh tensor per manifest entry, by entry name."""
+    """One fresh tensor per manifest entry, by entry name (``tensors``), and a flat
+    uint8 view of each over the same bytes (``raw``: what the payload is written
+    through, made once rather than per message)."""
 
     tensors: dict[str, torch.Tensor]
+    raw: dict[str, torch.Tensor]
 
     @classmethod
     def allocate(cls, entries: Sequence[Entry], reserve: LandingReserve | None = None) -> Landing:
@@ -224,16 +233,17 @@ class Landing:
         `NamedState.install` copies and drops (torch: the model's tensors) goes
         back as a whole when the heal ends."""
         tensors: dict[str, torch.Tensor] = {}
+        raw: dict[str, torch.Tensor] = {}
         run: list[Entry] = []
         for e in entries:
             if run and _section(run[0].name) != _section(e.name):
-                _allocate_section(run, tensors, reserve)
+                _allocate_section(run, tensors, raw, reserve)
                 run = []
             run.append(e)
-        _allocate_section(run, tensors, reserve)
-        return cls(tensors)
+        _allocate_section(run, tensors, raw, reserve)
+        return cls(tensors, raw)
 
     def target(self, entry: Entry, offset: int, nbytes: int) -> torch.Tensor:
         """The writable uint8 view for payload bytes ``[offset, offset + nbytes)`` of ``entry``."""
         rel = offset - entry.offset
-        return byte_view(self.tensors[entry.name])[rel : rel + nbytes]
+        return self.raw[entry.name][rel : rel + nbytes]

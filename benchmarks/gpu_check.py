@@ -11,7 +11,12 @@ check takes about 7 minutes on this 2-core CPU machine (under a minute with
 say FAILED and name its error. `--device cpu` runs every part that does not
 need a GPU, so the test suite exercises this script (tests/test_gpu_check.py
 runs it with `--device cpu --quick --no-record`); parts that need CUDA, NCCL or
-NVML say "not run" and why. Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
+NVML say "not run" and why. On a lent machine, whose python3 has its own torch
+(2.11.0+cu130 on 2026-12-04) but not all of elastrain's dependencies, run it
+from the working tree with those it lacks installed beside it: on 2026-12-04
+`cryptography` (with `cffi` and `pycparser`) and, since the state digest moved
+to XXH3 that day, `xxhash`, from carried cp312 wheels (`pip install --no-index
+--no-deps --target /tmp/site`, then `PYTHONPATH=/tmp/site`). Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
 
 1. **One process**: the plain loop (`--plain`: the same model, micro-batches,
    data order and AdamW in an ordinary loop) and a one-worker elastrain job

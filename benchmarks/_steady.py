@@ -672,3 +672,20 @@ def append_section(
     with open(path, "a") as f:
         f.write("\n".join(sec) + "\n")
     log(f"appended to {path}")
+
+
+def finish(
+    script: str,
+    ctx: RunContext,
+    software: str,
+    table_text: str,
+    notes: list[str],
+    anomalies: list[str],
+    record: bool,
+) -> None:
+    """A one-table benchmark's ending: its notes and anomalies on the console, then,
+    when ``record``, its RESULTS.md section (`section_head`, the table, the notes)."""
+    print_notes(notes, anomalies)
+    if record:
+        sec = [*section_head(script, ctx, software), table_text, ""]
+        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)

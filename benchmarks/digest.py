@@ -46,11 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from _steady import (  # noqa: E402
     LoadSampler,
-    append_section,
+    finish,
     log,
-    print_notes,
     run_context,
-    section_head,
     table,
 )
 
@@ -189,10 +187,7 @@ def main() -> int:
         "(a Poly1305 tag under a fixed key, 1 MiB per call), rebuilt in the benchmark",
         f"one process, torch.set_num_threads(1); {seconds:.0f} s at load average {mean_load:.1f}",
     ]
-    print_notes(notes, anomalies)
-    if not args.no_record:
-        sec = [*section_head("digest.py", ctx, f"torch {torch.__version__}"), t, ""]
-        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
+    finish("digest.py", ctx, f"torch {torch.__version__}", t, notes, anomalies, not args.no_record)
     return 0
 
 

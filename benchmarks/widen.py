@@ -42,12 +42,10 @@ sys.path.insert(0, str(HERE / "_jobs"))
 
 from _steady import (  # noqa: E402
     LoadSampler,
-    append_section,
+    finish,
     log,
     pick_sizes,
-    print_notes,
     run_context,
-    section_head,
     table,
 )
 from common import Shape, build, param_count  # noqa: E402
@@ -210,10 +208,7 @@ def main() -> int:
         "the way's median less native's"
     )
     notes.append(f"total runtime {time.time() - t_start:.0f} s")
-    print_notes(notes, anomalies)
-    if not args.no_record:
-        sec = [*section_head("widen.py", ctx, f"torch {torch.__version__}"), t, ""]
-        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
+    finish("widen.py", ctx, f"torch {torch.__version__}", t, notes, anomalies, not args.no_record)
     return 0
 
 

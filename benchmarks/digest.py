@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import sys
 import threading
@@ -60,23 +59,15 @@ POLY_PIECE = 1 << 20
 
 def poly1305_digest(state: Any) -> str:
     """The digest's previous definition: a Poly1305 tag under a fixed key over the
-    same header and tensor bytes, 1 MiB per call."""
+    same input as `state_digest` (`digest_input`), 1 MiB per call."""
     from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-    from elastrain.transfer.dtypes import cpu_bytes
+    from elastrain.transfer.flatten import digest_input
 
-    flat = state.flatten()
-    header = {
-        "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in flat.tensors],
-        "optimizer": flat.section,
-    }
     h = Poly1305(hashlib.sha256(b"elastrain/state-digest/1").digest())
-    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
-    for _, t in flat.tensors:
-        if t.numel():
-            data = cpu_bytes(t).numpy().data
-            for at in range(0, len(data), POLY_PIECE):
-                h.update(data[at : at + POLY_PIECE])
+    for part in digest_input(state):
+        for at in range(0, len(part), POLY_PIECE):
+            h.update(part[at : at + POLY_PIECE])
     return h.finalize().hex()
 
 

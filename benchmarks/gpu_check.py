@@ -16,7 +16,9 @@ NVML say "not run" and why. On a lent machine, whose python3 has its own torch
 from the working tree with those it lacks installed beside it: on 2026-12-04
 `cryptography` (with `cffi` and `pycparser`) and, since the state digest moved
 to XXH3 that day, `xxhash`, from carried cp312 wheels (`pip install --no-index
---no-deps --target /tmp/site`, then `PYTHONPATH=/tmp/site`). Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
+--no-deps --target /tmp/site`, then `PYTHONPATH=/tmp/site`).
+
+Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
 
 1. **One process**: the plain loop (`--plain`: the same model, micro-batches,
    data order and AdamW in an ordinary loop) and a one-worker elastrain job

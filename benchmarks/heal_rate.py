@@ -73,14 +73,12 @@ sys.path.insert(0, str(HERE))
 from _steady import (  # noqa: E402
     JOBS,
     LoadSampler,
-    append_section,
+    finish,
     fmt,
     kill_all,
     log,
     med,
-    print_notes,
     run_context,
-    section_head,
     table,
 )
 
@@ -300,18 +298,12 @@ def main() -> int:
     print()
     print(t)
     print()
-    print_notes(notes, anomalies)
+    import torch
+
+    finish("heal_rate.py", ctx, f"torch {torch.__version__}, gloo over loopback", t, notes,
+           anomalies, record)  # fmt: skip
     if args.quick:
         print("\n(--quick smoke run: not recorded, and no number in it means anything)")
-    if record:
-        import torch
-
-        sec = [
-            *section_head("heal_rate.py", ctx, f"torch {torch.__version__}, gloo over loopback"),
-            t,
-            "",
-        ]
-        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
     return 0
 
 

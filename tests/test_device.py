@@ -252,8 +252,8 @@ def test_a_poisoned_worker_ends_before_anything_is_freed(tmp_path: Path, immedia
     """After a sticky CUDA error, freeing a CUDA tensor makes torch abort the process
     (seen on an H200: exit 74 became SIGABRT), so the entry point ends a poisoned
     worker with `os._exit`: exit 74, its message printed and its log records written,
-    and no destructor or atexit hook run. The orderly exit (immediate=False) runs both, which shows the test sees
-    them."""
+    and no destructor or atexit hook run. The orderly exit (immediate=False) runs
+    both, which shows the test sees them."""
     import subprocess
     import sys
 

@@ -24,7 +24,7 @@ is the `NamedState` built on them.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -186,14 +186,22 @@ def state_digest(state: NamedState) -> str:
     ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
     holding the GIL (docs/design.md, "The first step after a join"; benchmarks/digest.py).
     """
+    h = xxhash.xxh3_128(DIGEST_LABEL)
+    for part in digest_input(state):
+        h.update(part)
+    return h.hexdigest()
+
+
+def digest_input(state: NamedState) -> Iterator[bytes | memoryview]:
+    """What `state_digest` hashes, in order: a JSON header (every tensor's name,
+    dtype and shape, and the section), then each non-empty tensor's raw bytes
+    (in place for a contiguous CPU tensor)."""
     flat = state.flatten()
     header = {
         "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in flat.tensors],
         "optimizer": flat.section,
     }
-    h = xxhash.xxh3_128(DIGEST_LABEL)
-    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    yield json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     for _, t in flat.tensors:
         if t.numel():
-            h.update(cpu_bytes(t).numpy().data)
-    return h.hexdigest()
+            yield cpu_bytes(t).numpy().data

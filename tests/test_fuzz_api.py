@@ -145,6 +145,41 @@ def test_decode_returns_a_valid_message_or_raises_protocol_error(data: st.DataOb
     _assert_valid_message(cls, msg)
 
 
+def _decode_generic(cls: type, body: Any) -> Any:
+    """`p.decode` with every field taking `_check`'s path (no fast path)."""
+    plan, names = p._plan(cls)
+    slow = tuple((*f[:4], p._GENERIC, *f[5:]) for f in plan)
+    saved = p._plans[cls]
+    p._plans[cls] = (slow, names)
+    try:
+        return p.decode(cls, body)
+    finally:
+        p._plans[cls] = saved
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    try:
+        return ("ok", json.dumps(p.encode(fn(*args)), sort_keys=True))
+    except p.ProtocolError as e:
+        return ("refused", str(e))
+
+
+@FUZZ
+@given(data=st.data())
+def test_decodes_fast_paths_answer_as_the_generic_check_does(data: st.DataObject) -> None:
+    # The fast paths (exact types, in-range ints and durations, empty containers,
+    # null) are a shortcut of `_check`, never a looser rule: same message, or
+    # the same refusal, for any body.
+    cls = data.draw(st.sampled_from(sorted(VALID, key=lambda c: c.__name__)))
+    field = data.draw(st.sampled_from([f.name for f in dataclasses.fields(cls)]))
+    value = data.draw(
+        st.sampled_from([None, {}, [], "", "x" * 300, 0, -1, 2**63, 1.5, -1.5, math.nan, True])
+        | json_values
+    )
+    body = {**VALID[cls], field: value}
+    assert _outcome(p.decode, cls, body) == _outcome(_decode_generic, cls, body)
+
+
 @pytest.mark.parametrize(
     "cls, field, value, needle",
     [

@@ -5,12 +5,20 @@ per calling thread, so the trainer's main thread and its heartbeat thread never
 share a socket. Every call raises `CoordinatorUnavailable` when the coordinator
 cannot be reached (the caller decides whether to retry) and `CoordinatorRefused`
 when it answers with an error.
+
+The connection speaks the HTTP/1.1 the coordinator's server speaks
+(`control/http.py`), by hand: each member asks for a verdict every step, and
+`http.client` spent most of a call's CPU building headers one `putheader` at a
+time, sending head and body in two writes (two wake-ups of the server's loop)
+and parsing the answer's headers with the `email` package. A request here is
+one write; an answer is read with one buffered read loop and framed by its
+Content-Length (or by the end of the stream when it says `Connection: close`).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
+import socket
 import threading
 from typing import Any, TypeVar
 
@@ -57,25 +65,123 @@ def backoff_s(attempt: int, *, base_s: float, cap_s: float, jitter: float) -> fl
     return min(cap_s, base_s * (2.0 ** min(attempt, 30))) * jitter
 
 
+MAX_ANSWER_HEAD = 16 * 1024
+"""Bytes an answer's status line and headers may take (the server's are ~90)."""
+
+MAX_ANSWER_BODY = 64 * 1024 * 1024
+"""Bytes an answer's body may take (a status of 100k members is a few MB)."""
+
+
+class BadAnswer(ConnectionError):
+    """The bytes on the connection are not an HTTP/1.1 answer this client reads:
+    the connection is dropped (and the call tried once more, like a stale one)."""
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection to the coordinator, used by one thread."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray()
+        self.reusable = True
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def exchange(self, request: bytes, timeout: float) -> tuple[int, bytes]:
+        """Send one request, return (status, body) of its answer."""
+        self.sock.settimeout(timeout)
+        if self.buf:
+            raise BadAnswer(f"{len(self.buf)} bytes arrived unasked for")
+        self.sock.sendall(request)
+        end = self._fill_until_head()
+        head = bytes(self.buf[:end])
+        del self.buf[: end + 4]
+        status, length, close = _read_head(head)
+        if length is None:  # framed by the end of the stream
+            while self._recv():
+                if len(self.buf) > MAX_ANSWER_BODY:
+                    raise BadAnswer(f"answer body over {MAX_ANSWER_BODY} bytes")
+            body = bytes(self.buf)
+            self.buf.clear()
+            self.reusable = False
+            return status, body
+        while len(self.buf) < length:
+            if not self._recv():
+                raise BadAnswer(f"answer body ended after {len(self.buf)} of {length} bytes")
+        body = bytes(self.buf[:length])
+        del self.buf[:length]
+        self.reusable = not close
+        return status, body
+
+    def _fill_until_head(self) -> int:
+        start = 0
+        while True:
+            end = self.buf.find(b"\r\n\r\n", start)
+            if end >= 0:
+                return end
+            if len(self.buf) > MAX_ANSWER_HEAD:
+                raise BadAnswer(f"answer headers over {MAX_ANSWER_HEAD} bytes")
+            start = max(0, len(self.buf) - 3)
+            if not self._recv():
+                if self.buf:
+                    raise BadAnswer("the connection closed inside an answer's headers")
+                raise ConnectionResetError("the coordinator closed the connection")
+
+    def _recv(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buf += chunk
+        return bool(chunk)
+
+
+def _read_head(head: bytes) -> tuple[int, int | None, bool]:
+    """(status, Content-Length or None, Connection: close) of an answer's head."""
+    lines = head.split(b"\r\n")
+    words = lines[0].split(None, 2)
+    if len(words) < 2 or not words[0].startswith(b"HTTP/1.") or not words[1].isdigit():
+        raise BadAnswer(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    length: int | None = None
+    close = words[0] == b"HTTP/1.0"
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        value = value.strip()
+        if name == b"content-length":
+            if not value.isdigit() or int(value) > MAX_ANSWER_BODY:
+                raise BadAnswer(f"answer Content-Length {value[:40]!r}")
+            length = int(value)
+        elif name == b"connection":
+            close = value.lower() == b"close"
+        elif name == b"transfer-encoding":
+            raise BadAnswer(f"answer Transfer-Encoding {value[:40]!r} is not read here")
+    if length is None and not close:
+        raise BadAnswer("answer has neither Content-Length nor Connection: close")
+    return int(words[1]), length, close
+
+
 class CoordinatorClient:
     def __init__(self, address: str, token: str, *, timeout_s: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+        if any(c in host for c in "\r\n /") or any(c in token for c in "\r\n"):
+            raise ValueError(f"coordinator address or token has a line break or space: {address!r}")
         self.host = host
         self.port = int(port)
         self.token = token
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._request_head = (
+            f"Host: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Type: application/json\r\n"
+        ).encode("latin-1")
 
-    def _conn(self, timeout: float) -> http.client.HTTPConnection:
-        c: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _conn(self, timeout: float) -> _Connection:
+        c: _Connection | None = getattr(self._local, "conn", None)
         if c is None:
-            c = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            c = _Connection(self.host.strip("[]"), self.port, timeout)
             self._local.conn = c
-        c.timeout = timeout
-        if c.sock is not None:
-            c.sock.settimeout(timeout)
         return c
 
     def _drop_conn(self) -> None:
@@ -88,16 +194,23 @@ class CoordinatorClient:
         self, method: str, op: str, body: dict[str, Any] | None, *, timeout: float | None = None
     ) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else b""
-        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        request = b"%s %s%s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (
+            method.encode("ascii"),
+            p.PREFIX.encode("ascii"),
+            op.encode("ascii"),
+            self._request_head,
+            len(data),
+            data,
+        )
         t = timeout if timeout is not None else self.timeout_s
         for attempt in (0, 1):
-            conn = self._conn(t)
             try:
-                conn.request(method, p.PREFIX + op, body=data, headers=headers)
-                resp = conn.getresponse()
-                raw = resp.read()
+                conn = self._conn(t)
+                status, raw = conn.exchange(request, t)
+                if not conn.reusable:
+                    self._drop_conn()
                 break
-            except (ConnectionError, OSError, http.client.HTTPException) as e:
+            except OSError as e:  # ConnectionError, TimeoutError and BadAnswer among them
                 self._drop_conn()
                 # A stale keep-alive socket fails once; a dead server fails twice.
                 if attempt == 1 or isinstance(e, TimeoutError):
@@ -106,8 +219,8 @@ class CoordinatorClient:
             out = json.loads(raw)
         except json.JSONDecodeError as e:
             raise CoordinatorError(f"coordinator sent invalid JSON: {raw[:200]!r}") from e
-        if resp.status != 200:
-            raise CoordinatorRefused(resp.status, str(out.get("error")), str(out.get("message")))
+        if status != 200:
+            raise CoordinatorRefused(status, str(out.get("error")), str(out.get("message")))
         if not isinstance(out, dict):
             raise CoordinatorError("coordinator response is not an object")
         return out

@@ -245,19 +245,21 @@ def decode(cls: type[T], body: Any) -> T:
         unknown = sorted(str(k)[:40] for k in set(body) - set(names))
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown[:5]}")
     kwargs: dict[str, Any] = {}
-    for name, tp, required, where, fast, extra, limit in plan:
+    for name, tp, required, where, fast, extra, limit, fast_tp in plan:
         if name not in body:
             if required:
                 raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
             continue
         value = body[name]
-        # The common cases inline (the per-request cost of a heartbeat); the same
-        # rules as `_check`, which answers everything else and raises the errors.
-        # NaN fails every comparison, so it falls through to `_check` too.
-        if type(value) is tp and (
-            (fast == _EXACT and (tp is not str or len(value) <= limit))
+        # The common cases inline (the per-request cost of a heartbeat or a
+        # verdict); the same rules as `_check`, which answers everything else and
+        # raises the errors. NaN fails every comparison, so it falls through too.
+        if type(value) is fast_tp and (
+            (fast == _EXACT and (fast_tp is not str or len(value) <= limit))
             or (fast == _INT and INT_MIN <= value <= INT_MAX)
             or (fast == _DURATION and 0.0 <= value < math.inf)
+            or (fast == _EMPTY and not value)
+            or (fast == _NULL)
         ):
             kwargs[name] = value
         else:
@@ -269,20 +271,21 @@ def decode(cls: type[T], body: Any) -> T:
     return cls(**kwargs)
 
 
-_GENERIC, _EXACT, _INT, _DURATION = range(4)
-_FieldPlan = tuple[str, Any, bool, str, int, "Callable[[Any, str], None] | None", int]
+_GENERIC, _EXACT, _INT, _DURATION, _EMPTY, _NULL = range(6)
+_FieldPlan = tuple[str, Any, bool, str, int, "Callable[[Any, str], None] | None", int, Any]
 _plans: dict[type, tuple[tuple[_FieldPlan, ...], Any]] = {}
 
 
 def _plan(cls: type) -> tuple[tuple[_FieldPlan, ...], Any]:
     """Per field of `cls`, resolved once: (name, type, required, where, fast
-    path, extra check, longest string); and the set of field names."""
+    path, extra check, longest string, the value's type the fast path takes);
+    and the set of field names."""
     out = _plans.get(cls)
     if out is None:
         hints, fields = _schema(cls)
         plan = []
         for name, f in fields.items():
-            tp = hints[name]
+            tp = fast_tp = hints[name]
             fast = _GENERIC
             if tp in (str, bool) or (tp is float and not name.endswith("_s")):
                 fast = _EXACT
@@ -290,11 +293,17 @@ def _plan(cls: type) -> tuple[tuple[_FieldPlan, ...], Any]:
                 fast = _INT
             elif tp is float:
                 fast = _DURATION
+            elif typing.get_origin(tp) in (list, dict):
+                fast, fast_tp = _EMPTY, typing.get_origin(tp)  # an empty one needs no look inside
+            elif typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in (
+                typing.get_args(tp)
+            ):
+                fast, fast_tp = _NULL, type(None)  # null; a value takes `_check`
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             where = f"{cls.__name__}.{name}"
             extra = FIELD_CHECKS.get((cls.__name__, name))
             limit = STRING_LIMITS.get(where, MAX_STRING)
-            plan.append((name, tp, required, where, fast, extra, limit))
+            plan.append((name, tp, required, where, fast, extra, limit, fast_tp))
         out = _plans[cls] = (tuple(plan), fields.keys())
     return out
 

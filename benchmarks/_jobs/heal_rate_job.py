@@ -11,7 +11,7 @@ from another seed with no optimizer state, as a replacement starts.
 
 The first heal (the receiver's first ever) is timed on its own; after it and
 one untimed warm-up broadcast, each of REPS rounds runs, in this order (so
-that a shared machine's load hits all three alike), each after a barrier of
+that a shared machine's load hits them all alike), each after a barrier of
 every rank so that they start it together:
 
 1. ``warm``: a plain gloo broadcast of one uint8 tensor of the heal's payload
@@ -24,7 +24,14 @@ every rank so that they start it together:
    and touched, untimed: a joiner does it while it waits to be admitted) and
    installs it;
 4. ``cold``: the same heal without a reserve: the receiver lands it in memory
-   it has not touched yet (what every heal did before the reserve).
+   it has not touched yet (what every heal did before the reserve);
+5. ``floor``: the least any heal that authenticates its bytes must do, with
+   nothing else: over the broadcast's 2-rank group, rank 0 seals the payload
+   bytes with Poly1305 (the MAC the heal's stripe seals use) in pieces of
+   `FLOOR_PIECE` bytes and sends each piece as soon as it is sealed; the
+   receiver, its receives all posted into memory it touched before, checks
+   each piece's tag as it arrives, and the bytes stay where they landed (no
+   install copy, no manifest, no per-tensor work).
 
 Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
 the wall seconds (from the barrier to its own end of it) and the CPU seconds of
@@ -50,13 +57,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from elastrain.demo.gpt import GPT
 from elastrain.transfer import LandingReserve, TorchState, heal, section_bytes, state_hash
 
 KEY = b"heal-rate-benchmark-key"
 TIMEOUT = datetime.timedelta(seconds=120)
-KINDS = ("warm", "fresh", "heal", "cold")
+KINDS = ("warm", "fresh", "heal", "cold", "floor")
+FLOOR_PIECE = 4 << 20
+"""Bytes per sealed piece of the floor (the heal's stripes are of this order)."""
 
 
 def build(dim: int, layers: int, heads: int, sender: bool) -> TorchState:
@@ -157,7 +167,31 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for _, t in state.flatten().tensors)
     warm = torch.zeros(nbytes, dtype=torch.uint8)
     broadcast(warm)
-    for _ in range(reps):
+
+    def floor(round_key: bytes) -> None:
+        """Seal, send and check the payload bytes, pipelined by piece."""
+        if bcast is None:
+            return
+        pieces = list(torch.split(warm, FLOOR_PIECE))
+        tags = torch.zeros(16 * len(pieces), dtype=torch.uint8)
+        if rank == 0:
+            works = []
+            for i, piece in enumerate(pieces):
+                tags[16 * i : 16 * i + 16] = torch.frombuffer(
+                    bytearray(Poly1305.generate_tag(round_key, piece.numpy())), dtype=torch.uint8
+                )
+                works.append(bcast.send([piece], 1, i + 1))
+            works.append(bcast.send([tags], 1, 0))
+            for w in works:
+                w.wait()
+            return
+        recvs = [bcast.recv([piece], 0, i + 1) for i, piece in enumerate(pieces)]
+        bcast.recv([tags], 0, 0).wait()
+        for i, (piece, w) in enumerate(zip(pieces, recvs, strict=True)):
+            w.wait()
+            Poly1305.verify_tag(round_key, piece.numpy(), bytes(tags[16 * i : 16 * i + 16]))
+
+    for i in range(reps):
         timed("warm", lambda: broadcast(warm))
         fresh = torch.empty(nbytes, dtype=torch.uint8) if rank == receiver else warm
         timed("fresh", functools.partial(broadcast, fresh))
@@ -165,6 +199,8 @@ def main() -> None:
         prepare()
         timed("heal", do_heal)
         timed("cold", functools.partial(do_heal, "cold"))
+        # A one-time Poly1305 key per round, as the heal derives one per stripe.
+        timed("floor", functools.partial(floor, i.to_bytes(32, "little")))
     ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(

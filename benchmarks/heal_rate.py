@@ -314,7 +314,7 @@ def main() -> int:
     ]
     notes += [
         f"{s} sender(s): the authenticated floor itself runs at "
-        f"{fmt(med(r['rates']['floor']) / med(r['rates']['warm']), 2)} of the warm broadcast, "
+        f"{fmt(med(r['rates']['floor']) / med(r['rates']['warm']), 3)} of the warm broadcast, "
         f"below the {TARGET:.0%} target: no heal that authenticates its bytes (Poly1305) "
         "meets it on this machine"
         for s, r in res.items()

@@ -129,6 +129,10 @@ def test_spares_are_promoted_refilled_replaced_and_go_on_alone(
     )
     refill = next(m for m, e in spawned.items() if e.get("replaces") == kills[0]["member"])
     assert refill == s1 and registered[s1] > g["t"]
+    # The refill started only once the spare's generation had committed the step
+    # the kill interrupted (its start would take CPU from that recovery).
+    first = min(e["t"] for e in job.of("step_commit", gen=g["gen"]))
+    assert spawned[s1]["t"] > first
     assert job.of("heal_end", proc=s0, role="recv")
     assert loaded_steps(job.run_dir, s0)[0] >= EVERY  # refreshed while it waited
 

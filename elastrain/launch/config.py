@@ -29,7 +29,9 @@ class LaunchConfig:
     generation (the coordinator admits at most -n members). A death promotes one
     at once: the coordinator forms the failure's generation with it, and the
     survivors heal it, instead of waiting for a process to start. The dead
-    worker's replacement refills the pool. A standby loads each newer committed
+    worker's replacement refills the pool, started once the job has moved past
+    the step the worker died in (at most 30 s later: `elastrain.launch.refill`),
+    so that its start does not take the host's CPU from the recovery. A standby loads each newer committed
     checkpoint while it waits, so that spares left alone (every member dead)
     go on from one checkpoint at most behind the newest.
     Replicated jobs only for now."""

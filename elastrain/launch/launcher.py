@@ -53,6 +53,7 @@ from elastrain.launch.devices import DevicePool
 from elastrain.launch.faults import Injector
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.prefork import Preforker, Proc
+from elastrain.launch.refill import Refill, refill_at, refill_due
 from elastrain.launch.resume import (
     NO_CHECKPOINT,
     choose_checkpoint,
@@ -166,6 +167,9 @@ class Launcher:
         """--evict-stragglers: the run's events as they come, and the scores."""
         self._evicting: set[str] = set()
         """Members sent SIGTERM as stragglers that have not exited yet."""
+        self._refills: list[Refill] = []
+        """Replacements of members whose slot a hot spare took, waiting for the
+        job to move on before they start (`elastrain.launch.refill`)."""
 
     # ---- processes -------------------------------------------------------------
 
@@ -599,6 +603,8 @@ class Launcher:
             while self._timers and self._timers[0][0] <= now:
                 _, _, what, arg = heapq.heappop(self._timers)
                 self._on_timer(what, arg)
+            if self._refills:
+                self._start_due_refills(now)
             if self.coordinator is not None and self.coordinator.poll() is not None:
                 self._on_coordinator_exit()
             if now - last_status >= 0.25:
@@ -606,7 +612,11 @@ class Launcher:
                 self._poll_status()
                 if self.config.evict_stragglers:
                     self._evict_stragglers()
-            if not self.workers and not any(t[2] == "spawn" for t in self._timers):
+            if (
+                not self.workers
+                and not self._refills
+                and not any(t[2] == "spawn" for t in self._timers)
+            ):
                 if self._draining:
                     return "drained", "SIGTERM: this node's workers left the job"
                 # _preempt_asked too: an agent whose last worker exited 76 in this very
@@ -661,8 +671,29 @@ class Launcher:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
             delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
-            self._at(delay, "spawn", (member, pid))
+            if self._spare_waiting(member):
+                # The spare takes the slot; its refill must not slow the recovery.
+                self._poll_status()  # the progress now, not a quarter second ago
+                progress = int(self.status.get("step", 0))
+                self._refills.append(refill_at(member, pid, progress, time.monotonic(), delay))
+            else:
+                self._at(delay, "spawn", (member, pid))
         return None
+
+    def _spare_waiting(self, dead: str) -> bool:
+        """Does a live hot spare other than `dead` wait as a standby (the last status)?"""
+        return any(
+            m != dead and m in self.workers and self.workers[m].proc.poll() is None
+            for m in self.status.get("standby") or []
+        )
+
+    def _start_due_refills(self, now: float) -> None:
+        progress = int(self.status.get("step", 0))
+        alive = sum(1 for w in self.workers.values() if w.proc.poll() is None)
+        due = [r for r in self._refills if refill_due(r, now, progress, alive)]
+        for r in due:
+            self._refills.remove(r)
+            self._on_timer("spawn", (r.member, r.pid))
 
     def _evict_stragglers(self) -> None:
         """Send SIGTERM to the members `choose_evictions` picks (the decision is

@@ -1,0 +1,31 @@
+"""When a hot spare took a dead worker's slot, its replacement (the pool's
+refill) waits for the job to move on: `elastrain.launch.refill`."""
+
+from __future__ import annotations
+
+from elastrain.launch.refill import REFILL_WAIT_S, refill_at, refill_due
+
+
+def test_a_refill_waits_for_the_job_to_move_past_the_step_its_member_died_in() -> None:
+    r = refill_at("w1", 11, progress=8, now=100.0, delay_s=0.0)
+    assert not refill_due(r, 100.0, progress=8, alive=3)  # the step is being recomputed
+    assert not refill_due(r, 101.5, progress=8, alive=3)
+    assert refill_due(r, 101.6, progress=9, alive=3)  # told to proceed past a later step
+
+
+def test_a_refill_never_starts_before_the_replace_delay() -> None:
+    r = refill_at("w1", 11, progress=8, now=100.0, delay_s=2.0)
+    assert not refill_due(r, 101.0, progress=9, alive=3)
+    assert not refill_due(r, 101.0, progress=8, alive=0)
+    assert refill_due(r, 102.0, progress=9, alive=3)
+
+
+def test_a_refill_starts_when_nobody_is_left_or_at_the_deadline() -> None:
+    r = refill_at("w1", 11, progress=8, now=100.0, delay_s=0.5)
+    assert refill_due(r, 100.5, progress=8, alive=0)  # nothing left to slow down
+    assert not refill_due(r, 100.0 + REFILL_WAIT_S - 0.01, progress=8, alive=2)
+    assert refill_due(r, 100.0 + REFILL_WAIT_S, progress=8, alive=2)  # a stalled job
+    # A replace delay longer than the wait is still honoured.
+    late = refill_at("w1", 11, progress=8, now=100.0, delay_s=REFILL_WAIT_S + 5)
+    assert not refill_due(late, 100.0 + REFILL_WAIT_S, progress=8, alive=2)
+    assert refill_due(late, 100.0 + REFILL_WAIT_S + 5, progress=8, alive=2)

@@ -31,10 +31,11 @@ class LaunchConfig:
     survivors heal it, instead of waiting for a process to start. The dead
     worker's replacement refills the pool, started once the job has moved past
     the step the worker died in (at most 30 s later: `elastrain.launch.refill`),
-    so that its start does not take the host's CPU from the recovery. A standby loads each newer committed
-    checkpoint while it waits, so that spares left alone (every member dead)
-    go on from one checkpoint at most behind the newest.
-    Replicated jobs only for now."""
+    so that its start does not take the host's CPU from the recovery. A standby
+    loads each newer committed checkpoint while it waits, so that spares left
+    alone (every member dead) go on from one checkpoint at most behind the
+    newest (replicated jobs; in a sharded job a spare takes a dead rank's slot
+    and is healed its shard, and takes no checkpoints while it waits)."""
     evict_stragglers: bool = False
     """Evict stragglers to hot spares (--evict-stragglers): a member of the running
     generation whose straggler score (`elastrain.observe.stragglers`: compute time

@@ -170,6 +170,9 @@ class Launcher:
         self._refills: list[Refill] = []
         """Replacements of members whose slot a hot spare took, waiting for the
         job to move on before they start (`elastrain.launch.refill`)."""
+        self._claimed: set[str] = set()
+        """Standbys a death has counted on (`_spare_for`) that a status has not yet
+        shown promoted: one spare backs one death, however stale the status."""
 
     # ---- processes -------------------------------------------------------------
 
@@ -671,21 +674,35 @@ class Launcher:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
             delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
-            if self._spare_waiting(member):
+            spare = self._spare_for(member)
+            if spare is not None:
                 # The spare takes the slot; its refill must not slow the recovery.
-                self._poll_status()  # the progress now, not a quarter second ago
-                progress = int(self.status.get("step", 0))
-                self._refills.append(refill_at(member, pid, progress, time.monotonic(), delay))
+                self._claimed.add(spare)
+                refill = refill_at(member, pid, self._progress_now(), time.monotonic(), delay)
+                self._refills.append(refill)
             else:
                 self._at(delay, "spawn", (member, pid))
         return None
 
-    def _spare_waiting(self, dead: str) -> bool:
-        """Does a live hot spare other than `dead` wait as a standby (the last status)?"""
-        return any(
-            m != dead and m in self.workers and self.workers[m].proc.poll() is None
-            for m in self.status.get("standby") or []
-        )
+    def _spare_for(self, dead: str) -> str | None:
+        """A live standby of this launcher, per the last status (as it was before
+        the death), that no earlier death has counted on: the spare the coordinator
+        admits in `dead`'s place. None: nobody takes the slot but a replacement."""
+        for m in self.status.get("standby") or []:
+            w = self.workers.get(m)
+            if m != dead and m not in self._claimed and w is not None and w.proc.poll() is None:
+                return m
+        return None
+
+    def _progress_now(self) -> int:
+        """The job's progress (status ``step``), read now if the coordinator answers."""
+        known = int(self.status.get("step", 0))
+        if self.client is None:
+            return known
+        try:
+            return max(known, int(self.client.status().get("step", 0)))
+        except CoordinatorError:
+            return known
 
     def _start_due_refills(self, now: float) -> None:
         progress = int(self.status.get("step", 0))
@@ -763,6 +780,7 @@ class Launcher:
         status["step"] = max(int(status.get("step", 0)), int(self.status.get("step", 0)))
         self._max_gen = max(self._max_gen, int(status.get("gen", 0)))
         self.status = status
+        self._claimed &= set(status.get("standby") or [])
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))

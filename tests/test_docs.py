@@ -52,10 +52,13 @@ def _prose_lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 def _links(text: str) -> Iterator[tuple[int, str]]:
-    """(line number, target) of every inline link or image, code spans ignored."""
-    for number, line in _prose_lines(text):
-        for match in _LINK.finditer(_INLINE_CODE.sub("", line)):
-            yield number, match.group(1)
+    """(line number, target) of every inline link or image, code spans and fenced
+    blocks ignored; a link's text may run over several lines."""
+    prose = dict(_prose_lines(text))
+    lines = [prose.get(n, "") for n in range(1, len(text.splitlines()) + 1)]
+    joined = "\n".join(_INLINE_CODE.sub("", line) for line in lines)
+    for match in _LINK.finditer(joined):
+        yield joined.count("\n", 0, match.start()) + 1, match.group(1)
 
 
 def _anchor(heading: str) -> str:
@@ -163,7 +166,7 @@ def test_the_checks_see_what_they_check(tmp_path: Path) -> None:
     (tmp_path / "there.md").write_text("# A heading\n")
     page = tmp_path / "page.md"
     page.write_text(
-        "[ok](there.md#a-heading) [gone](missing.md) [no anchor](there.md#nope)\n"
+        "[ok](there.md#a-heading) [gone](missing.md) [no\nanchor](there.md#nope)\n"
         "`[code](also-missing.md)`\n```\n[fenced](fenced-missing.md)\n```\n"
         "[web](https://example.com/x.md)\n"
     )
@@ -176,7 +179,7 @@ def test_the_checks_see_what_they_check(tmp_path: Path) -> None:
     ]
     assert _broken_links(page, root=tmp_path) == [
         "page.md:1: missing.md (no such file)",
-        "page.md:1: there.md#nope (no heading with anchor #nope)",
+        "page.md:1: there.md#nope (no heading with anchor #nope)",  # where the link starts
     ]
     cells = _cells("| a | " + "w " * 41 + "| c \\| d |")
     assert [len(c.split()) for c in cells] == [1, 41, 3]

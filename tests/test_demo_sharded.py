@@ -38,7 +38,7 @@ L6 = "2x2: r0=[w2,w0] r1=[w4,w5]"
 
 def recorded_like() -> list[dict[str, Any]]:
     """The events of a sharded demo run that the tables read (shapes as in
-    docs/events.md; gens and layouts as a real run had them)."""
+    docs/guide/events.md; gens and layouts as a real run had them)."""
     ev: list[dict[str, Any]] = []
     t = 0.0
 

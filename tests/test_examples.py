@@ -1,7 +1,7 @@
 """The examples a user copies from: the porting guide's two scripts and the Hugging
 Face causal LM.
 
-The guide (docs/porting.md) shows the diff between examples/porting/ddp_train.py
+The guide (docs/guide/porting.md) shows the diff between examples/porting/ddp_train.py
 and examples/porting/elastic_train.py and states how many lines changed; the
 first test recomputes both from the files, so the guide cannot drift from them.
 The job tests run the elastic scripts briefly under the launcher.
@@ -20,7 +20,7 @@ import pytest
 
 from .conftest import ROOT, Job
 
-GUIDE = ROOT / "docs" / "porting.md"
+GUIDE = ROOT / "docs" / "guide" / "porting.md"
 PORTING = ROOT / "examples" / "porting"
 HF_EXAMPLE = str(ROOT / "examples" / "hf_causal_lm.py")
 
@@ -46,10 +46,10 @@ def test_the_porting_guide_shows_the_real_diff_and_its_count() -> None:
         difflib.unified_diff(before, after, "ddp_train.py", "elastic_train.py", lineterm="")
     )
     shown = re.search(r"```diff\n(.*?)\n```", guide, re.S)
-    assert shown is not None, "docs/porting.md has no diff block"
+    assert shown is not None, "docs/guide/porting.md has no diff block"
     assert shown.group(1).splitlines() == diff, "the guide's diff is not the scripts' diff"
     stated = re.search(r"Changed lines: \*\*(\d+)\*\* \((\d+) lines deleted, (\d+) added", guide)
-    assert stated is not None, "docs/porting.md states no 'Changed lines' count"
+    assert stated is not None, "docs/guide/porting.md states no 'Changed lines' count"
     changed, deleted, added = _count(before, after)
     assert tuple(map(int, stated.groups())) == (changed, deleted, added)
     assert changed <= 20, f"porting the DDP script takes {changed} changed lines (target: 20)"

@@ -1,7 +1,7 @@
 """Recovery phases, join timings and the exactly-once ledger on hand-built event lists.
 
 Each scenario is written the way the launcher, coordinator and workers emit
-events (docs/events.md), with realistic timing on a wall clock near 1.7e9 s, so
+events (docs/guide/events.md), with realistic timing on a wall clock near 1.7e9 s, so
 absolute times exercise float precision as a real run does.
 """
 

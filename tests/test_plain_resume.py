@@ -1,5 +1,5 @@
 """`elastrain run --resume-from DIR`: starting from a DCP checkpoint a plain torch
-job wrote (docs/formats.md, "Starting from a plain DCP checkpoint").
+job wrote (docs/guide/checkpoints.md, "Starting from a plain DCP checkpoint").
 
 The plain side is what a DDP/FSDP2 user does: `get_state_dict(model, optimizer)`
 and `torch.distributed.checkpoint.save`, here in one process (DCP saves without
@@ -82,7 +82,7 @@ def plain_training(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def save_plain(directory: Path, model: nn.Module, opt: torch.optim.Optimizer, **extra: Any) -> None:
-    """The torch side's save call, as docs/formats.md shows it."""
+    """The torch side's save call, as docs/guide/checkpoints.md shows it."""
     model_sd, optim_sd = get_state_dict(model, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "no process group: single process"

@@ -1,4 +1,4 @@
-"""docs/porting.md: ddp_train.py (torchrun + DDP) ported to elastrain is elastic_train.py."""
+"""docs/guide/porting.md: ddp_train.py (torchrun + DDP) ported to elastrain is elastic_train.py."""
 
 import torch
 import torch.distributed as dist

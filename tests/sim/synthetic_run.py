@@ -1,6 +1,6 @@
 """Write a plausible elastrain run directory (events only) for the --from-run tests.
 
-The timeline follows docs/events.md: a job of `members` workers steps with a fixed
+The timeline follows docs/guide/events.md: a job of `members` workers steps with a fixed
 global batch (a step on k members takes base * members / k, with jitter); each fault
 kills a member mid-step; survivors detect, regroup and go on shrunk; the launcher
 spawns a replacement that registers, joins at the next step boundary and heals.

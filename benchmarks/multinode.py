@@ -63,7 +63,7 @@ from tests import netns  # noqa: E402
 from tests.test_multinode import Cluster, set_pace  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _steady import LoadSampler  # noqa: E402
+from _harness import LoadSampler  # noqa: E402
 
 MLP = ROOT / "tests" / "scripts" / "train_mlp.py"
 WORKERS = 4

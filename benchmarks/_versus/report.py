@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,27 +60,6 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     for r in rows:
         out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
     return "\n".join(out)
-
-
-class LoadSampler:
-    """1-minute load average every 2 s (the machine is shared)."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="loadavg").start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(2.0)
-
-    def summary(self) -> str:
-        xs = self.samples or [os.getloadavg()[0]]
-        return f"{min(xs):.1f} / {sum(xs) / len(xs):.1f} / {max(xs):.1f}"
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def find_previous(spec: str, current: Path) -> Path | None:

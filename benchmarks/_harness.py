@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import os
 import re
 import shlex
@@ -49,7 +50,8 @@ from _records import (  # noqa: E402
 
 __all__ = [
     "Bench", "Figure", "LoadSampler", "RunContext", "Target", "Verdict", "log", "run_context",
-    "target", "targets_from_rows",
+    "target", "targets_from_rows", "at_least", "at_most", "fmt", "med", "pct", "table",
+    "verdict",
 ]  # fmt: skip
 
 
@@ -124,6 +126,47 @@ def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks"
         shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
         head + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
     )
+
+
+# ---- report helpers: the tables a benchmark prints ------------------------------------
+
+
+def med(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def fmt(x: float | None, nd: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def pct(x: float, y: float) -> str:
+    """x against y as a signed percentage ("+3.1%"); n/a without a positive y."""
+    return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
+
+
+def verdict(ok: bool | None) -> str:
+    """PASS, FAIL, or n/a where nothing was measured (None)."""
+    return "n/a" if ok is None else "PASS" if ok else "FAIL"
+
+
+def at_most(x: float, target: float) -> bool | None:
+    """Whether ``x <= target``; None for a NaN (nothing measured)."""
+    return None if math.isnan(x) else x <= target
+
+
+def at_least(x: float, target: float) -> bool | None:
+    """Whether ``x >= target``; None for a NaN (nothing measured)."""
+    return None if math.isnan(x) else x >= target
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
+    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
+    for r in rows:
+        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
+    return "\n".join(out)
 
 
 def target(name: str, threshold: str, measured: str, ok: bool | None) -> Target:

@@ -32,27 +32,12 @@ JOBS = HERE / "_jobs"
 if str(JOBS) not in sys.path:
     sys.path.insert(0, str(JOBS))
 
+from _harness import med  # noqa: E402
 from common import Shape  # noqa: E402
 
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
 from elastrain.runtime.threadnames import WORKER_THREADS  # noqa: E402
-
-# ---- small report helpers ----------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return statistics.median(xs) if xs else math.nan
-
-
-def fmt(x: float | None, nd: int = 3) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
-
-
-def pct(x: float, y: float) -> str:
-    """x against y as a signed percentage ("+3.1%"); n/a without a positive y."""
-    return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
 
 
 def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -61,30 +46,6 @@ def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
-
-
-def verdict(ok: bool | None) -> str:
-    """PASS, FAIL, or n/a where nothing was measured (None)."""
-    return "n/a" if ok is None else "PASS" if ok else "FAIL"
-
-
-def at_most(x: float, target: float) -> bool | None:
-    """Whether ``x <= target``; None for a NaN (nothing measured)."""
-    return None if math.isnan(x) else x <= target
-
-
-def at_least(x: float, target: float) -> bool | None:
-    """Whether ``x >= target``; None for a NaN (nothing measured)."""
-    return None if math.isnan(x) else x >= target
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
-    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
-    return "\n".join(out)
 
 
 def shape_args(shape: Shape) -> list[str]:

@@ -50,7 +50,7 @@ restore reads every tensor with `ShardedReader`.
    ``posix_fadvise(DONTNEED)`` (only these files), then `latest_verified`
    (reads and CRC-checks every shard) and `load` (reads them again into new
    tensors) are timed; the restored state is compared bit for bit.
-4. Prints a table and appends it to benchmarks/RESULTS.md (unless
+4. Prints a table and records the run in benchmarks/results/ (unless
    --no-record) with date, machine, command and PASS/FAIL for the targets,
    judged on the warm saves' medians: blocking <= 5% of the write time,
    write throughput >= 70% of dd. Deletes everything it wrote. Takes about
@@ -59,9 +59,7 @@ restore reads every tensor with `ShardedReader`.
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -76,8 +74,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+from _harness import Bench, Figure, log, target  # noqa: E402
 
 from elastrain.checkpoint import (  # noqa: E402
     CheckpointConfig,
@@ -101,10 +101,6 @@ from elastrain.checkpoint.dcp import (  # noqa: E402
 from elastrain.runtime.sharded import shard_rows  # noqa: E402
 
 MIB = 1 << 20
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
@@ -331,7 +327,8 @@ def restore(fmt: CheckpointFormat, ckpt: Any) -> tuple[dict[str, torch.Tensor], 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("checkpoint.py", __doc__)
+    ap = bench.ap
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     ap.add_argument("--shards", type=int, default=4, help="members writing shards (default 4)")
     ap.add_argument("--dir", default=None, help="directory to write in (default under runs/)")
@@ -340,19 +337,14 @@ def main() -> None:
                     help="tokens per member and step of the overlapping compute (default 128)")  # fmt: skip
     ap.add_argument("--format", choices=[f.value for f in CheckpointFormat], default="flat",
                     help="the checkpoint files: flat stripes or a replicated job's DCP format")  # fmt: skip
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     fmt = CheckpointFormat(args.format)
     if args.rounds < 2 or args.shards < 1 or args.gib <= 0 or args.step_tokens < 1:
         raise SystemExit(
             "need --rounds >= 2 (one cold save, then warm ones), --shards >= 1, --gib > 0, "
             "--step-tokens >= 1"
         )
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
     cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/checkpoint.py", *sys.argv[1:]])
 
     parent = Path(args.dir) if args.dir else HERE / "runs"
     parent.mkdir(parents=True, exist_ok=True)
@@ -465,54 +457,36 @@ def main() -> None:
     table = "\n".join(f"{r[0]:<{w0}}  {r[1]:>12}  {r[2]:>16}  {r[3]:>12}".rstrip() for r in rows)
     t_block = med(blk) <= 0.05 * med(wrt)
     t_tput = dd_s / med(wrt) >= 0.70
+    blocking_pct, tput_pct = 100 * med(blk) / med(wrt), 100 * dd_s / med(wrt)
     targets = [
-        f"- blocking per save <= 5% of the full write time (warm saves, medians): "
-        f"{100 * med(blk) / med(wrt):.1f}% -> {'PASS' if t_block else 'FAIL'}",
-        f"- write throughput >= 70% of dd conv=fsync to the same directory (medians): "
-        f"{100 * dd_s / med(wrt):.0f}% -> {'PASS' if t_tput else 'FAIL'}",
-    ]
+        target("blocking per save (warm saves, medians)", "<= 5% of the full write time",
+               f"{blocking_pct:.1f}%", t_block),
+        target("write throughput (medians)", ">= 70% of dd conv=fsync to the same directory",
+               f"{tput_pct:.0f}%", t_tput),
+    ]  # fmt: skip
     print()
     print(table)
     print()
-    print("\n".join(targets))
-    if not args.no_record:
-        res = HERE / "RESULTS.md"
-        if not res.exists():
-            res.write_text("# elastrain benchmark results\n")
-        sec = [
-            "",
-            f"## checkpoint.py — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work; load average "
-            f"{os.getloadavg()[0]:.1f} at the end). torch {torch.__version__}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            f"State: {len(state)} float32 tensors, {mibs:.0f} MiB, "
-            + (
-                f"in {fmt} format, each of {args.shards} member(s) writing its rows of every tensor"
-                if fmt == CheckpointFormat.DCP
-                else f"striped over {args.shards} member(s)"
-            )
-            + " (writer threads in one process) on one disk. "
-            f"Next step's compute overlapping the deferred copy: {step_note}.",
-            "",
-            "```",
-            df,
-            "```",
-            "",
-            "Targets:",
-            "",
-            *targets,
-            "",
-            "```",
-            table,
-            "```",
-            "",
-        ]
-        with open(res, "a") as f:
-            f.write("\n".join(sec))
-        log(f"appended to {res}")
+    print("\n".join(f"- {t.target} {t.threshold}: {t.measured} -> {t.verdict.value}"
+                    for t in targets))  # fmt: skip
+    figures = [
+        Figure("blocking_pct", "warm save: blocking, % of the write", blocking_pct, "%"),
+        Figure("write_vs_dd_pct", "warm save: write throughput, % of dd", tput_pct, "%"),
+        Figure("write_mib_s", "warm save: write throughput", mibs / med(wrt), "MiB/s"),
+        Figure("restore_s", "restore: load (read + crc)", load_s, "s"),
+    ]
+    state_note = (
+        f"state: {len(state)} float32 tensors, {mibs:.0f} MiB, "
+        + (
+            f"in {fmt} format, each of {args.shards} member(s) writing its rows of every tensor"
+            if fmt == CheckpointFormat.DCP
+            else f"striped over {args.shards} member(s)"
+        )
+        + " (writer threads in one process) on one disk. "
+        f"Next step's compute overlapping the deferred copy: {step_note}"
+    )
+    bench.finish(f"torch {torch.__version__}", figures, targets, [state_note],
+                 ["```", df, "```", "", "```", table, "```"])  # fmt: skip
 
 
 if __name__ == "__main__":

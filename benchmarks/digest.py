@@ -23,7 +23,7 @@ them alike): ``none``; ``xxh3``, `state_digest` as the code has it (XXH3-128,
 which releases the GIL); ``poly1305``, the definition before it (a Poly1305
 tag under a fixed key, fed 1 MiB at a time because it holds the GIL),
 rebuilt here from its description as the baseline. Prints a table and
-appends it to benchmarks/RESULTS.md with date, machine, command, commit and
+records the run (benchmarks/results/) with date, machine, command, commit and
 load (unless --no-record). About 30 s on the 2-core machine.
 """
 
@@ -42,8 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from _harness import Bench, Figure, log  # noqa: E402
-from _steady import table  # noqa: E402
+from _harness import Bench, Figure, log, table  # noqa: E402
 
 PASSES = 3
 """Forward and backward passes per measured step."""

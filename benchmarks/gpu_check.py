@@ -48,7 +48,7 @@ Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
    with exit 74, a fresh process is healed and trains to the end, w0 keeps its
    PID, every sample once, identical state at every generation start.
 
-Prints a table and appends it to benchmarks/RESULTS.md (date, machine, device,
+Prints a table and records the run in benchmarks/results/ (date, machine, device,
 command, commit) unless --no-record or --quick. Exits 1 if a part failed or
 one of its checks did.
 """
@@ -69,8 +69,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _harness import Bench, Figure, log, target  # noqa: E402
-from _steady import fmt, med, table  # noqa: E402
+from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
 
 JOB = HERE / "_jobs" / "gpu_gpt.py"
 FULL: dict[str, int] = {"dim": 512, "layers": 8, "heads": 8, "batch": 16, "steps": 60, "warmup": 10}

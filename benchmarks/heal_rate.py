@@ -54,8 +54,8 @@ milliseconds of the heal outside it (flatten, manifest rounds, install), the
 reserve's preparation in milliseconds, CPU milliseconds of all processes per
 operation, the receiver process's first heal (timed alone, before the rounds:
 what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
-rounds' median). Prints the table and appends
-it to benchmarks/RESULTS.md with date, machine, load, command and commit
+rounds' median). Prints the table and records
+the run (benchmarks/results/) with date, machine, load, command and commit
 (unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
 and never records. About 1 minute on the 2-core machine (--quick: 10 s).
 """
@@ -76,8 +76,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _harness import Bench, Figure, log, target  # noqa: E402
-from _steady import JOBS, fmt, kill_all, med, table  # noqa: E402
+from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
+from _steady import JOBS, kill_all  # noqa: E402
 
 TARGET = 0.5
 """The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""

@@ -39,14 +39,14 @@ micro-batch 1 (each worker computes 2 micro-batches per step):
    All three are alive at once and take turns in blocks of steps (D E T |
    T E D | ...; the others wait idle between steps), so that the shared
    machine's changing load hits every side alike.
-3. Prints the tables and appends them, with date, machine and command, to
-   benchmarks/RESULTS.md (unless --no-record), with PASS/FAIL against the
+3. Prints the tables and records the run, with date, machine and command, in
+   benchmarks/results/ (unless --no-record), with PASS/FAIL against the
    targets: median kill-to-next-commit <= 2 s, steady-state overhead <= 5%
    (issue 2); heal rate >= 50% of the warm loopback broadcast, and the median
    first step after a kill and after a join <= 1.2 steady steps (issue 18).
 
 --quick is a smoke run (2 kills, 2 blocks per side); it does not meet the
-acceptance's "at least 5 kills" and is marked as such in RESULTS.md.
+acceptance's "at least 5 kills" and is never recorded.
 Run directories are kept under benchmarks/runs/<stamp>/ (git-ignored).
 Takes about 5 minutes on a busy 2-core machine (--quick: about 2.5).
 """
@@ -68,22 +68,28 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
-from _harness import Bench, Figure, Target, Verdict, log  # noqa: E402
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
+    Target,
+    Verdict,
+    at_least,
+    at_most,
+    fmt,
+    log,
+    med,
+    pct,
+    table,
+    verdict,
+)
 from _kills import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 from _loopback import measure_loopback  # noqa: E402
 from _steady import (  # noqa: E402
-    at_least,
-    at_most,
     block_stats,
     elastic_config,
-    fmt,
     loss_deviation,
-    med,
-    pct,
     steady_anomalies,
     steady_elastrain_vs,
-    table,
-    verdict,
 )
 from common import Shape, build, param_count  # noqa: E402
 

@@ -100,8 +100,8 @@ one thread per process, gloo over loopback. In order:
    script: torchft does not report them) against state / S and the full state.
 4. torchft: if it is not importable, T is left out of 1 and 3c and the report
    says so (nothing is installed by this benchmark).
-5. Prints the tables and appends them, with date, machine, load, command and
-   commit, to benchmarks/RESULTS.md (unless --no-record).
+5. Prints the tables and records the run, with date, machine, load, command and
+   commit, in benchmarks/results/ (unless --no-record).
 
 3b. Resharding: one more 2 x 2 run with `--reshard-after 2` where w1's
    replacement is held back 20 s (`kill@K:w1/hold=20s`): the survivors regroup
@@ -113,7 +113,7 @@ table one function over it.
 Why this model size: on this 2-core machine time, not memory, bounds the
 model (23 GB of RAM would hold a far larger one four times over). recovery.py's
 10M-parameter GPT took 0.85-1.5 s per step as 4 DDP processes here
-(RESULTS.md); compute scales about with the parameter count, so 6.5M
+(results/archive-2026.md); compute scales about with the parameter count, so 6.5M
 parameters should step in about 0.5-1 s and leave room for sharding's
 gathers. It was not searched for by trial. "The largest GPT that fits" is, for
 now, bounded by the full model fitting in each member (each starts from it),
@@ -121,7 +121,7 @@ not by the state / S it keeps: sharding does not raise that ceiling until
 members can start from a meta-device model and a sharded checkpoint.
 
 --quick is a smoke run (a tiny model, a few steps: no number in it means
-anything) and is marked as such in RESULTS.md; it took 1.5-2.5 minutes at load
+anything) and is never recorded; it took 1.5-2.5 minutes at load
 averages of 5-14 on this 2-core machine before the reshard run and the torchft
 side were added, 4.5 minutes with them (load average 8-13); the N side adds a
 fifth of the steady state. The default size took 5.1 minutes at load 0.8-9
@@ -151,7 +151,17 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
-from _harness import Bench, Figure, log, targets_from_rows  # noqa: E402
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
+    fmt,
+    log,
+    med,
+    pct,
+    table,
+    targets_from_rows,
+    verdict,
+)
 from _kills import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 from _loopback import measure_loopback  # noqa: E402
 from _steady import (  # noqa: E402
@@ -159,14 +169,9 @@ from _steady import (  # noqa: E402
     ProcSide,
     Side,
     block_stats,
-    fmt,
     interleave,
-    med,
     not_steady,
-    pct,
     shape_args,
-    table,
-    verdict,
 )
 from common import Shape, build, param_count  # noqa: E402
 

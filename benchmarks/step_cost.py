@@ -34,7 +34,7 @@ on this 2-core machine the running side has a core per worker (4 workers, as in
 recovery.py, would put two busy processes on each core and time the scheduler);
 the idle side sleeps in a TCPStore wait.
 
-Prints the tables and appends them to benchmarks/RESULTS.md with date, machine,
+Prints the tables and records the run (benchmarks/results/) with date, machine,
 load, command and commit (unless --no-record). --quick is a smoke run (a few
 blocks, no number in it means anything) and never records. Run directories are
 kept under benchmarks/runs/step-cost-<stamp>/ (git-ignored). Takes about 5
@@ -58,18 +58,23 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
-from _harness import Bench, Figure, log, target  # noqa: E402
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
+    fmt,
+    log,
+    med,
+    pct,
+    table,
+    target,
+)
 from _steady import (  # noqa: E402
     THREAD_KINDS,
     block_stats,
-    fmt,
     measured_step,
-    med,
-    pct,
     pick_sizes,
     steady_anomalies,
     steady_elastrain_vs,
-    table,
 )
 from common import Shape, build, param_count  # noqa: E402
 

@@ -57,7 +57,7 @@ the step it had reached, time until the replacement trains, steps recomputed,
 samples dropped, wall time to step --steps, goodput against the failure-free
 run, the loss curve's largest deviation from the failure-free run's, and
 whether the run survived. Prints min / median / max over the repeats, checks
-the acceptance targets, and appends everything to benchmarks/RESULTS.md with
+the acceptance targets, and records the run (benchmarks/results/) with
 date, machine, load and command (unless --no-record).
 
 The pieces, under benchmarks/_versus/: job.py (the job, the cases, one run's

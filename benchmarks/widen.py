@@ -21,8 +21,8 @@ machine's drift falls on all three alike:
 The sizes are step_cost.py's (the demo GPT; one intra-op thread); each side
 computes that benchmark's per-worker share of micro-batches (2 workers). hooks and
 batched must end with identical parameters (the same float64 sums, so the same
-update): the run says so, or lists it as an anomaly. Prints a table and appends it
-to benchmarks/RESULTS.md with date, machine, command, commit and load.
+update): the run says so, or lists it as an anomaly. Prints a table and records
+the run (benchmarks/results/) with date, machine, command, commit and load.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
-from _harness import Bench, Figure, log  # noqa: E402
-from _steady import pick_sizes, table  # noqa: E402
+from _harness import Bench, Figure, log, table  # noqa: E402
+from _steady import pick_sizes  # noqa: E402
 from common import Shape, build, param_count  # noqa: E402
 
 WORKERS = 2

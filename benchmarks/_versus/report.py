@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _harness import fmt as harness_fmt
+from _harness import table
 from analysis import (
     global_loss_curve,
     goodput,
@@ -41,7 +43,8 @@ def slug(name: str) -> str:
 
 
 def fmt(x: float | None, nd: int = 2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+    """`_harness.fmt`, two decimals unless told (this report's seconds)."""
+    return harness_fmt(x, nd)
 
 
 def cell(xs: Sequence[float | None], nd: int = 2, unit: str = "") -> str:
@@ -51,15 +54,6 @@ def cell(xs: Sequence[float | None], nd: int = 2, unit: str = "") -> str:
     if lo == hi:
         return f"{fmt(med, nd)}{unit}"
     return f"{fmt(med, nd)}{unit} ({fmt(lo, nd)}-{fmt(hi, nd)})"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
-    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
-    return "\n".join(out)
 
 
 def find_previous(spec: str, current: Path) -> Path | None:

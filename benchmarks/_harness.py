@@ -101,9 +101,14 @@ class RunContext(NamedTuple):
     """The commit, and how many files differ from it."""
 
 
-def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks")) -> RunContext:
+def run_context(
+    script: str,
+    paths: tuple[str, ...] = ("elastrain", "benchmarks"),
+    argv: Sequence[str] | None = None,
+) -> RunContext:
     """The run's `RunContext`; `code` counts the files under `paths` that differ from
-    the commit (the rendered pages and records themselves not counted)."""
+    the commit (the rendered pages and records themselves not counted); the command's
+    arguments are `argv` (default: this process's)."""
     py_abs = os.path.abspath(sys.executable)
     py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
 
@@ -123,7 +128,7 @@ def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks"
         dt.datetime.now(dt.UTC).strftime(DATE_FORMAT),
         subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
         os.cpu_count() or 0,
-        shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
+        shlex.join([py_s, f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)]),
         head + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
     )
 
@@ -212,9 +217,13 @@ class Bench:
         repeats: int | None = None,
         runs_dir: bool = False,
         paths: tuple[str, ...] = ("elastrain", "benchmarks"),
+        root: Path = ROOT,
     ) -> None:
         self.script = script
         self.paths = paths
+        self.root = root
+        """The checkout whose benchmarks/results/ gets the record and whose pages are
+        rendered (another only in tests)."""
         self.ap = argparse.ArgumentParser(
             description=(doc or script).split("\n\n")[0],
         )
@@ -243,7 +252,7 @@ class Bench:
         self.args = self.ap.parse_args(argv)
         if getattr(self.args, "repeats", 1) < 1:
             self.ap.error("--repeats must be >= 1")
-        self.ctx = run_context(self.script, self.paths)
+        self.ctx = run_context(self.script, self.paths, argv)
         self.load = LoadSampler()
         self.t0 = time.monotonic()
         return self.args
@@ -298,15 +307,15 @@ class Bench:
                    f"total runtime {self.elapsed_s():.0f} s"),
             details=tuple(details), extra=extra or {},
         )  # fmt: skip
-        path = write_record(rec)
-        log(f"recorded {path.relative_to(ROOT)}")
-        rerender()
+        path = write_record(rec, self.root / RESULTS_DIR.relative_to(ROOT))
+        log(f"recorded {path.relative_to(self.root)}")
+        rerender(self.root)
         return path
 
 
-def rerender() -> None:
+def rerender(root: Path = ROOT) -> None:
     """Render RESULTS.md, HISTORY.md and README.md's headline from every record."""
-    pages = render.render_all(load_records(RESULTS_DIR))
+    pages = render.render_all(load_records(root / RESULTS_DIR.relative_to(ROOT)), root=root)
     for p in render.stale(pages):
         p.write_text(pages.files[p])
-        log(f"rendered {p.relative_to(ROOT)}")
+        log(f"rendered {p.relative_to(root)}")

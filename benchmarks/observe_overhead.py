@@ -108,7 +108,8 @@ def micro_costs(n: int = 2000) -> tuple[float, float]:
         t = time.perf_counter()
         for i in range(n):
             log.emit(EventKind.STEP_COMMIT, step=i, gen=1, loss=1.2345678, step_s=0.1, compute_s=0.08,
-                     allreduce_s=0.01, data_s=0.001, samples=32, samples_per_s=320.0)  # fmt: skip
+                     allreduce_s=0.01, data_s=0.001, samples=32, samples_per_s=320.0,
+                     grad_norm=0.5, skipped=False)  # fmt: skip
         emit = (time.perf_counter() - t) / n
         s = Sampler(log, choose_meters(), 3600.0)
         t = time.perf_counter()

@@ -250,7 +250,8 @@ class Bench:
     def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
         """Parse the arguments, take the run's context and start sampling the load."""
         self.args = self.ap.parse_args(argv)
-        if getattr(self.args, "repeats", 1) < 1:
+        repeats = getattr(self.args, "repeats", None)  # None: the script's own default
+        if repeats is not None and repeats < 1:
             self.ap.error("--repeats must be >= 1")
         self.ctx = run_context(self.script, self.paths, argv)
         self.load = LoadSampler()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _records import RESULTS_DIR, Record, Verdict, load_records  # noqa: E402
+from _records import RESULTS_DIR, Figure, Record, Verdict, load_records  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -223,6 +223,30 @@ def replace_block(text: str, block: str) -> str:
 # ---------------------------------------------------------------- pages
 
 
+def figure_tables(figs: list[Figure]) -> list[str]:
+    """A run's figures: those keyed `metric[case]` for two or more metrics as one table
+    (a row per metric, a column per case), the rest as figure | value."""
+    keyed = [(m, f) for f in figs if (m := re.fullmatch(r"(\w+)\[(.+)\]", f.key))]
+    metrics = list(dict.fromkeys(m.group(1) for m, _ in keyed))
+    out: list[str] = []
+    if len(metrics) >= 2:
+        cases = list(dict.fromkeys(m.group(2) for m, _ in keyed))
+        cell_of = {(m.group(1), m.group(2)): f for m, f in keyed}
+        rows = []
+        for metric in metrics:
+            first = next(f for m, f in keyed if m.group(1) == metric)
+            case = next(m.group(2) for m, f in keyed if f is first)
+            label = first.label.removesuffix(f", {case}")
+            rows.append([label] + [
+                fmt(f.value, f.unit) if (f := cell_of.get((metric, c))) else "-" for c in cases
+            ])  # fmt: skip
+        out += [*table(["figure", *cases], rows), ""]
+        figs = [f for f in figs if not any(f is g for _, g in keyed)]
+    if figs:
+        out += [*table(["figure", "value"], ([f.label, fmt(f.value, f.unit)] for f in figs)), ""]
+    return out
+
+
 def run_section(rec: Record) -> list[str]:
     """A run's section in RESULTS.md."""
     out = [f"## {title(rec)}", ""]
@@ -239,10 +263,7 @@ def run_section(rec: Record) -> list[str]:
             ([t.target, t.threshold or "-", t.measured, t.verdict.value] for t in rec.targets),
         )
         out.append("")
-    shown = [f for f in rec.figures if f.value is not None]
-    if shown:
-        out += table(["figure", "value"], ([f.label, fmt(f.value, f.unit)] for f in shown))
-        out.append("")
+    out += figure_tables([f for f in rec.figures if f.value is not None])
     out += [f"- {n}" for n in rec.notes]
     if rec.notes:
         out.append("")
@@ -279,7 +300,7 @@ def render_results(records: list[Record]) -> str:
 
 def render_history(records: list[Record]) -> str:
     """benchmarks/HISTORY.md: every run, newest first."""
-    last = latest(records)
+    shown = {id(r) for r in [*latest(records).values(), *quoted(records)]}
     out = [
         "# Benchmark history",
         "",
@@ -292,7 +313,7 @@ def render_history(records: list[Record]) -> str:
     ]
     rows = []
     for r in reversed(records):
-        where = f"[{r.date}](RESULTS.md#{slug(title(r))})" if last[r.benchmark] is r else r.date
+        where = f"[{r.date}](RESULTS.md#{slug(title(r))})" if id(r) in shown else r.date
         rows.append([
             where, r.benchmark, r.commit or "-", verdicts(r),
             f"[{r.stem}.json](results/{r.stem}.json)" + (" (imported)" if r.imported else ""),

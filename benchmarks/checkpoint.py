@@ -59,6 +59,7 @@ restore reads every tensor with `ShardedReader`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -90,15 +91,14 @@ from elastrain.checkpoint import (  # noqa: E402
     load,
 )
 from elastrain.checkpoint.dcp import (  # noqa: E402
-    Chunk,
     ShardedReader,
     ShardedWriter,
     ShardParts,
     ShardSnapshot,
     commit_sharded,
-    row_count,
 )
-from elastrain.runtime.sharded import shard_rows  # noqa: E402
+from elastrain.runtime.replicated_ckpt import replicated_parts  # noqa: E402
+from elastrain.transfer import TorchState  # noqa: E402
 
 MIB = 1 << 20
 
@@ -196,38 +196,47 @@ class SaveTimes:
 Snap = Snapshot | ShardSnapshot
 
 
-def dcp_key(name: str) -> str:
-    """This state's flat names as DCP keys (``model/x`` -> ``model.x``)."""
-    return name.replace("/", ".")
+class _Layers(torch.nn.Module):
+    """This state's ``model/`` tensors as a model's parameters, aliasing them (no copy),
+    so that a DCP checkpoint of it is split by elastrain's own `replicated_parts`, as
+    a replicated job's is. The state's one-element ``optim/step`` has no place in it
+    (an SGD without momentum keeps no optimizer state): 4 bytes of a flat save only."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in state.items():
+            if not name.startswith("model/"):
+                continue
+            layer, kind = name.removeprefix("model/").split(".")
+            if not hasattr(self, layer):
+                self.add_module(layer, torch.nn.Module())
+            getattr(self, layer).register_parameter(
+                kind, torch.nn.Parameter(t, requires_grad=False)
+            )
 
 
-def dcp_parts(state: dict[str, torch.Tensor], shard: int, shards: int, defer: bool) -> ShardParts:
-    """Member ``shard``'s part of a replicated DCP checkpoint of ``state``, split as
-    `elastrain.runtime.replicated_ckpt.replicated_parts` splits one: rows
-    `shard_rows` of every ``model/`` tensor (``defer``: copied in the background),
-    the rest (the one-element step) whole by member 0, copied at once."""
-    tensors = {dcp_key(n): (str(t.dtype), tuple(t.shape)) for n, t in state.items()}
-    chunks = []
-    for n, t in state.items():
-        if n.startswith("model/"):
-            lo, hi = shard_rows(row_count(tuple(t.shape)), shards, shard)
-            if hi > lo:
-                chunks.append(Chunk(dcp_key(n), lo, hi, t[lo:hi], defer=defer))
-        elif shard == 0:
-            chunks.append(Chunk(dcp_key(n), 0, 1, t))
-    return ShardParts(tensors, chunks, {})
+def dcp_parts(model: TorchState, shard: int, shards: int, defer: bool) -> ShardParts:
+    """Member ``shard``'s part of a replicated DCP checkpoint of ``model``
+    (`replicated_parts`); ``defer`` False: every chunk copied on the training thread
+    (the old synchronous way)."""
+    parts = replicated_parts(model, {}, shard, shards)
+    if not defer:
+        parts = ShardParts(
+            parts.tensors, [dataclasses.replace(c, defer=False) for c in parts.chunks], parts.meta
+        )
+    return parts
 
 
 def take(
     fmt: CheckpointFormat,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | TorchState,
     step: int,
     shards: int,
     prev: list[Snap] | None,
     defer: bool,
 ) -> list[Snap]:
     """Every member's snapshot (``into`` its previous one: warm buffers)."""
-    if fmt == CheckpointFormat.DCP:
+    if isinstance(state, TorchState):
         return [
             ShardSnapshot.take(
                 dcp_parts(state, i, shards, defer),
@@ -237,6 +246,7 @@ def take(
             )
             for i in range(shards)
         ]
+    assert fmt == CheckpointFormat.FLAT
     stable = frozenset(n for n in state if n.startswith("model/")) if defer else frozenset()
     return [
         Snapshot.take(
@@ -260,7 +270,7 @@ def one_save(
     fmt: CheckpointFormat,
     d: Path,
     step: int,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | TorchState,
     shards: int,
     prev: list[Snap] | None,
     compute: Callable[[], float],
@@ -359,6 +369,12 @@ def main() -> None:
     try:
         state = make_state(args.gib)
         total = sum(t.numel() * t.element_size() for t in state.values())
+        layers = _Layers(state)
+        saved = (
+            TorchState(layers, torch.optim.SGD(layers.parameters(), lr=0.0))
+            if fmt == CheckpointFormat.DCP
+            else state
+        )
         log(f"state: {len(state)} tensors, {total / MIB:.0f} MiB, {args.shards} shard(s), "
             f"{fmt} format")  # fmt: skip
         compute, gflop = step_compute(total, args.step_tokens)
@@ -379,7 +395,7 @@ def main() -> None:
             if r == args.rounds:
                 break
             step = 100 * (r + 1)
-            t, snaps = one_save(fmt, d, step, state, args.shards, snaps, compute)
+            t, snaps = one_save(fmt, d, step, saved, args.shards, snaps, compute)
             saves.append(t)
             log(f"save step {step} ({'cold' if r == 0 else 'warm'}): blocking {t.blocking:.3f} s "
                 f"(take {t.take:.3f} + wait {t.wait:.3f}; old sync take {t.sync:.3f}), compute "
@@ -397,7 +413,9 @@ def main() -> None:
         tensors, meta = restore(fmt, ckpt)
         load_s = time.perf_counter() - t0
         same = (fmt == CheckpointFormat.DCP or meta == {"step": last}) and all(
-            torch.equal(tensors[k].reshape(v.shape), v) for k, v in state.items()
+            torch.equal(tensors[k].reshape(v.shape), v)
+            for k, v in state.items()
+            if fmt == CheckpointFormat.FLAT or k.startswith("model/")
         )
         if not same:
             raise SystemExit("restored state differs from the saved one")

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -50,7 +50,7 @@ from _records import (  # noqa: E402
 
 __all__ = [
     "Bench", "Figure", "LoadSampler", "RunContext", "Target", "Verdict", "log", "run_context",
-    "target", "targets_from_rows", "at_least", "at_most", "fmt", "med", "pct", "table",
+    "target", "targets_from_rows", "turns", "at_least", "at_most", "fmt", "med", "pct", "table",
     "verdict",
 ]  # fmt: skip
 
@@ -172,6 +172,16 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     for r in rows:
         out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
     return "\n".join(out)
+
+
+T = TypeVar("T")
+
+
+def turns(sides: Sequence[T], k: int) -> list[T]:
+    """The order the sides take their turns in round ``k``: as given in even rounds,
+    reversed in odd ones (A B | B A | ...), so that no side always runs first, or
+    always right after a given other, on a machine whose load drifts."""
+    return list(sides) if k % 2 == 0 else list(sides)[::-1]
 
 
 def target(name: str, threshold: str, measured: str, ok: bool | None) -> Target:

@@ -32,7 +32,7 @@ JOBS = HERE / "_jobs"
 if str(JOBS) not in sys.path:
     sys.path.insert(0, str(JOBS))
 
-from _harness import med  # noqa: E402
+from _harness import med, turns  # noqa: E402
 from common import Shape  # noqa: E402
 
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
@@ -258,7 +258,7 @@ def interleave(
         wait_key(s, f"{s.key}/ready_all/0")
     out: list[dict[str, Any]] = []
     for k in range(blocks):
-        order = [x for x in (sides if k % 2 == 0 else sides[::-1]) if x in live]
+        order = [x for x in turns(sides, k) if x in live]
         for j, side in enumerate(order):
             if side not in live:
                 continue

@@ -22,7 +22,7 @@ thread each:
                     `--num-workers` workers per rank (prefetch_factor 2) over
                     the same order and micro-batch assignment
 
-The sides run one after the other, alternating, `--repeats` times. Per run:
+The sides run one after the other, in turns (A B C | C B A | ...), `--repeats` times. Per run:
 the wall time per step from the end of step 10 to the end of the last one
 (elastrain: the last member's step_commit; DDP: rank 0's end of step, which
 its all-reduce synchronises), and the median time a step waited for its data
@@ -59,7 +59,7 @@ JOBS = ROOT / "benchmarks" / "_jobs"
 sys.path.insert(0, str(JOBS))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Bench, Figure, target  # noqa: E402
+from _harness import Bench, Figure, target, turns  # noqa: E402
 from decode import Settings  # noqa: E402
 
 BAR = 1.05
@@ -187,7 +187,7 @@ def main() -> int:
     runs: dict[str, list[Measured]] = {k: [] for k in sides}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         for rep in range(a.repeats):
-            for name, run in sides.items():
+            for name, run in turns(list(sides.items()), rep):
                 d = Path(tmp) / f"{name}-{rep}"
                 d.mkdir()
                 m = run(d)
@@ -229,7 +229,7 @@ def main() -> int:
         f"Python {platform.python_version()}", figures,
         [target("elastic-prefetch / ddp-loader step time", f"<= {BAR:g}", f"{ratio:.3f}", ok)],
         [f"{a.world} members/ranks, {a.num_workers} data workers each (prefetch side and DDP), "
-         f"{steps} steps (first {warm} left out), {a.repeats} runs per side, alternating. "
+         f"{steps} steps (first {warm} left out), {a.repeats} runs per side, in turns (A B C | C B A | ...). "
          f"Job: {s}."],
         table,
     )  # fmt: skip

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _harness import Bench, Figure  # noqa: E402
+from _harness import Bench, Figure, turns  # noqa: E402
 
 SHAPE = ["--dim", "128", "--layers", "2", "--heads", "4", "--block", "64"]
 SHAPE += ["--batch", "32", "--micro", "4"]
@@ -93,7 +93,7 @@ def main() -> int:
         )
         try:
             for rep in range(args.repeats):
-                for name, tree in (("base", wt), ("this", ROOT)):
+                for name, tree in turns([("base", wt), ("this", ROOT)], rep):
                     t0 = time.monotonic()
                     m = run_once(
                         tree, Path(tmp) / f"{name}-{rep}", args.steps, args.workers, job_args
@@ -122,7 +122,7 @@ def main() -> int:
          Figure("step_ms[this]", "median step, this checkout", t * 1e3, "ms")],
         [],
         [f"the demo GPT job, {args.workers} workers, `{shlex.join(job_args)}`, no faults, "
-         f"{args.steps} steps, alternating base and this checkout; per run the median over "
+         f"{args.steps} steps, base and this checkout in turns (A B | B A | ...); per run the median over "
          "steps 10.. of the slowest member's step time"],
         table,
     )  # fmt: skip

@@ -88,7 +88,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 sys.path.insert(0, str(HERE / "_versus"))
 
-from _harness import Bench, Figure, targets_from_rows  # noqa: E402
+from _harness import Bench, Figure, targets_from_rows, turns  # noqa: E402
 from analysis import Plan, compare_runs, span, step_time_s  # noqa: E402
 from job import (  # noqa: E402
     CASES,
@@ -208,7 +208,7 @@ def main() -> int:
         log(f"{REFERENCE.name}: {'ok' if ref.survived else 'FAILED ' + ref.why} in "
             f"{time.monotonic() - t:.0f} s, step {fmt(step_time_s(ref.commits, 2, S), 3)} s")  # fmt: skip
         for rep in range(repeats):
-            order = cases if rep % 2 == 0 else cases[::-1]
+            order = turns(cases, rep)
             for c in order:
                 if c.system == "torchft" and not have_ft:
                     continue

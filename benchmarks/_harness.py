@@ -2,8 +2,8 @@
 machine, command, commit), the machine's load while it ran, and its record.
 
 A benchmark script keeps only what is its own (its job, its measurement, its tables)
-and ends with `Bench.finish`, which prints its notes and, unless --no-record, writes the
-run's record (benchmarks/results/<script>-<minute>.json, see _records.py) and renders
+and ends with `Bench.finish`, which prints its notes and, unless --no-record or --quick,
+writes the run's record (benchmarks/results/<script>-<minute>.json, see _records.py) and renders
 RESULTS.md, HISTORY.md and README.md's headline table from all records (render.py).
 
     bench = Bench("digest.py", __doc__, quick="one round, to check it works")

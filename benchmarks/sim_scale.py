@@ -1,11 +1,15 @@
-# How fast is the cluster-scale failure simulator?  Run from the repository root:
-#
-#     .venv/bin/python benchmarks/sim_scale.py            # prints the table, records the run
-#     .venv/bin/python benchmarks/sim_scale.py --no-record
-#
-# Each row simulates one job (one seed) with the Llama 3 per-component failure rates
-# (elastrain.sim.presets) and times it; the issue's bar is a 100,000-accelerator,
-# 30-day run in at most 10 s on this machine.
+"""How fast is the cluster-scale failure simulator?
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/sim_scale.py            # prints the table, records the run
+    .venv/bin/python benchmarks/sim_scale.py --no-record
+
+Each row simulates one job (one seed) with the Llama 3 per-component failure rates
+(elastrain.sim.presets) and times it; the issue's bar is a 100,000-accelerator,
+30-day run in at most 10 s on this machine.
+"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +40,7 @@ STRATEGIES = [
 
 
 def main() -> int:
-    bench = Bench("sim_scale.py", "How fast is the cluster-scale failure simulator?")
+    bench = Bench("sim_scale.py", __doc__)
     bench.ap.add_argument("--seed", type=int, default=0)
     args = bench.parse()
     rows, figures = [], []

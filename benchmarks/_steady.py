@@ -17,7 +17,6 @@ import datetime as dt
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -33,27 +32,12 @@ JOBS = HERE / "_jobs"
 if str(JOBS) not in sys.path:
     sys.path.insert(0, str(JOBS))
 
+from _harness import med, turns  # noqa: E402
 from common import Shape  # noqa: E402
 
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
 from elastrain.runtime.threadnames import WORKER_THREADS  # noqa: E402
-
-# ---- small report helpers ----------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return statistics.median(xs) if xs else math.nan
-
-
-def fmt(x: float | None, nd: int = 3) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
-
-
-def pct(x: float, y: float) -> str:
-    """x against y as a signed percentage ("+3.1%"); n/a without a positive y."""
-    return f"{(x / y - 1) * 100:+.1f}%" if y > 0 and not math.isnan(x) else "n/a"
 
 
 def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -64,62 +48,12 @@ def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def verdict(ok: bool | None) -> str:
-    """PASS, FAIL, or n/a where nothing was measured (None)."""
-    return "n/a" if ok is None else "PASS" if ok else "FAIL"
-
-
-def at_most(x: float, target: float) -> bool | None:
-    """Whether ``x <= target``; None for a NaN (nothing measured)."""
-    return None if math.isnan(x) else x <= target
-
-
-def at_least(x: float, target: float) -> bool | None:
-    """Whether ``x >= target``; None for a NaN (nothing measured)."""
-    return None if math.isnan(x) else x >= target
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
-    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
-    return "\n".join(out)
-
-
 def shape_args(shape: Shape) -> list[str]:
     return [
         "--dim", str(shape.dim), "--layers", str(shape.layers), "--heads", str(shape.heads),
         "--block", str(shape.block), "--batch", str(shape.global_batch),
         "--micro", str(shape.micro_batch),
     ]  # fmt: skip
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class LoadSampler:
-    """Samples the 1-minute load average every 2 s, so each measured window can be
-    reported with the machine load it ran under (the machine is shared)."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="loadavg").start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), os.getloadavg()[0]))
-            self._stop.wait(2.0)
-
-    def mean(self, t0: float, t1: float) -> float:
-        xs = [v for t, v in self.samples if t0 <= t <= t1]
-        return statistics.fmean(xs) if xs else math.nan
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -324,7 +258,7 @@ def interleave(
         wait_key(s, f"{s.key}/ready_all/0")
     out: list[dict[str, Any]] = []
     for k in range(blocks):
-        order = [x for x in (sides if k % 2 == 0 else sides[::-1]) if x in live]
+        order = [x for x in turns(sides, k) if x in live]
         for j, side in enumerate(order):
             if side not in live:
                 continue
@@ -569,60 +503,6 @@ def steady_anomalies(
     return out
 
 
-class RunContext(NamedTuple):
-    """What a benchmark's RESULTS.md section states about its run (`run_context`)."""
-
-    date: str
-    """UTC, minutes."""
-    uname: str
-    cores: int
-    command: str
-    """As run from the repository root."""
-    code: str
-    """The commit, and how many files differ from it."""
-
-
-def run_context(script: str, paths: tuple[str, ...] = ("elastrain", "benchmarks")) -> RunContext:
-    """The run's `RunContext`, taken at its start; `code` counts the files under `paths`
-    that differ from the commit (RESULTS.md itself not counted)."""
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *args], capture_output=True, text=True
-        ).stdout
-
-    head = git("rev-parse", "--short", "HEAD").strip()
-    dirty = [
-        x for x in git("status", "--porcelain", "--", *paths).splitlines()
-        if x.strip() and "RESULTS.md" not in x
-    ]  # fmt: skip
-    where = " or ".join(f"{p}/" for p in paths)
-    return RunContext(
-        dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip(),
-        os.cpu_count() or 0,
-        shlex.join([py_s, f"benchmarks/{script}", *sys.argv[1:]]),
-        f"commit {head}" + (f" + {len(dirty)} uncommitted file(s) in {where}" if dirty else ""),
-    )
-
-
-def section_head(script: str, ctx: RunContext, software: str) -> list[str]:
-    """A RESULTS.md section's first lines: the script and date, the machine, the
-    `software` it ran on ("torch 2.13.0, gloo over loopback"), the code, the command."""
-    return [
-        "",
-        f"## {script} — {ctx.date}",
-        "",
-        f"Machine: `{ctx.uname}`, {ctx.cores} cores (shared with other work). {software}. "
-        f"Code: {ctx.code}.",
-        "",
-        f"Command: `{ctx.command}`",
-        "",
-    ]
-
-
 def pick_sizes(ap: argparse.ArgumentParser, text: str, sizes: Mapping[str, Any]) -> list[str]:
     """The names in the comma list `text`, each a key of `sizes` (else `ap.error`)."""
     names = [x for x in text.split(",") if x]
@@ -630,16 +510,6 @@ def pick_sizes(ap: argparse.ArgumentParser, text: str, sizes: Mapping[str, Any])
     if unknown or not names:
         ap.error(f"unknown size(s) {unknown}: choose from {', '.join(sizes)}")
     return names
-
-
-def print_notes(notes: list[str], anomalies: list[str]) -> None:
-    """A benchmark's notes and anomalies on the console, as bullet lists."""
-    for n in notes:
-        print("- " + n)
-    if anomalies:
-        print("\nANOMALIES:")
-        for a in anomalies:
-            print("- " + a)
 
 
 def not_steady(
@@ -659,33 +529,3 @@ def not_steady(
         f"failure-free {label} job not steady: status {status}, gens "
         f"{run['gens']}, sizes {run['sizes']}, aborts {run['aborts']} ({where})"
     )
-
-
-def append_section(
-    path: Path, lines: list[str], notes: list[str], anomalies: list[str], log: Callable[[str], None]
-) -> None:
-    """Append a benchmark's section to RESULTS.md: its `lines`, then its notes and any
-    anomalies as bullet lists."""
-    sec = [*lines, *["- " + n for n in notes]]
-    if anomalies:
-        sec += ["", "Anomalies:", ""] + ["- " + a for a in anomalies]
-    with open(path, "a") as f:
-        f.write("\n".join(sec) + "\n")
-    log(f"appended to {path}")
-
-
-def finish(
-    script: str,
-    ctx: RunContext,
-    software: str,
-    table_text: str,
-    notes: list[str],
-    anomalies: list[str],
-    record: bool,
-) -> None:
-    """A one-table benchmark's ending: its notes and anomalies on the console, then,
-    when ``record``, its RESULTS.md section (`section_head`, the table, the notes)."""
-    print_notes(notes, anomalies)
-    if record:
-        sec = [*section_head(script, ctx, software), table_text, ""]
-        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)

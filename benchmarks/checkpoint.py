@@ -50,7 +50,7 @@ restore reads every tensor with `ShardedReader`.
    ``posix_fadvise(DONTNEED)`` (only these files), then `latest_verified`
    (reads and CRC-checks every shard) and `load` (reads them again into new
    tensors) are timed; the restored state is compared bit for bit.
-4. Prints a table and appends it to benchmarks/RESULTS.md (unless
+4. Prints a table and records the run in benchmarks/results/ (unless
    --no-record) with date, machine, command and PASS/FAIL for the targets,
    judged on the warm saves' medians: blocking <= 5% of the write time,
    write throughput >= 70% of dd. Deletes everything it wrote. Takes about
@@ -59,9 +59,8 @@ restore reads every tensor with `ShardedReader`.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -76,8 +75,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
+from _harness import Bench, Figure, log, target  # noqa: E402
 
 from elastrain.checkpoint import (  # noqa: E402
     CheckpointConfig,
@@ -90,21 +91,16 @@ from elastrain.checkpoint import (  # noqa: E402
     load,
 )
 from elastrain.checkpoint.dcp import (  # noqa: E402
-    Chunk,
     ShardedReader,
     ShardedWriter,
     ShardParts,
     ShardSnapshot,
     commit_sharded,
-    row_count,
 )
-from elastrain.runtime.sharded import shard_rows  # noqa: E402
+from elastrain.runtime.replicated_ckpt import replicated_parts  # noqa: E402
+from elastrain.transfer import TorchState  # noqa: E402
 
 MIB = 1 << 20
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
@@ -200,38 +196,47 @@ class SaveTimes:
 Snap = Snapshot | ShardSnapshot
 
 
-def dcp_key(name: str) -> str:
-    """This state's flat names as DCP keys (``model/x`` -> ``model.x``)."""
-    return name.replace("/", ".")
+class _Layers(torch.nn.Module):
+    """This state's ``model/`` tensors as a model's parameters, aliasing them (no copy),
+    so that a DCP checkpoint of it is split by elastrain's own `replicated_parts`, as
+    a replicated job's is. The state's one-element ``optim/step`` has no place in it
+    (an SGD without momentum keeps no optimizer state): 4 bytes of a flat save only."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in state.items():
+            if not name.startswith("model/"):
+                continue
+            layer, kind = name.removeprefix("model/").split(".")
+            if not hasattr(self, layer):
+                self.add_module(layer, torch.nn.Module())
+            getattr(self, layer).register_parameter(
+                kind, torch.nn.Parameter(t, requires_grad=False)
+            )
 
 
-def dcp_parts(state: dict[str, torch.Tensor], shard: int, shards: int, defer: bool) -> ShardParts:
-    """Member ``shard``'s part of a replicated DCP checkpoint of ``state``, split as
-    `elastrain.runtime.replicated_ckpt.replicated_parts` splits one: rows
-    `shard_rows` of every ``model/`` tensor (``defer``: copied in the background),
-    the rest (the one-element step) whole by member 0, copied at once."""
-    tensors = {dcp_key(n): (str(t.dtype), tuple(t.shape)) for n, t in state.items()}
-    chunks = []
-    for n, t in state.items():
-        if n.startswith("model/"):
-            lo, hi = shard_rows(row_count(tuple(t.shape)), shards, shard)
-            if hi > lo:
-                chunks.append(Chunk(dcp_key(n), lo, hi, t[lo:hi], defer=defer))
-        elif shard == 0:
-            chunks.append(Chunk(dcp_key(n), 0, 1, t))
-    return ShardParts(tensors, chunks, {})
+def dcp_parts(model: TorchState, shard: int, shards: int, defer: bool) -> ShardParts:
+    """Member ``shard``'s part of a replicated DCP checkpoint of ``model``
+    (`replicated_parts`); ``defer`` False: every chunk copied on the training thread
+    (the old synchronous way)."""
+    parts = replicated_parts(model, {}, shard, shards)
+    if not defer:
+        parts = ShardParts(
+            parts.tensors, [dataclasses.replace(c, defer=False) for c in parts.chunks], parts.meta
+        )
+    return parts
 
 
 def take(
     fmt: CheckpointFormat,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | TorchState,
     step: int,
     shards: int,
     prev: list[Snap] | None,
     defer: bool,
 ) -> list[Snap]:
     """Every member's snapshot (``into`` its previous one: warm buffers)."""
-    if fmt == CheckpointFormat.DCP:
+    if isinstance(state, TorchState):
         return [
             ShardSnapshot.take(
                 dcp_parts(state, i, shards, defer),
@@ -241,6 +246,7 @@ def take(
             )
             for i in range(shards)
         ]
+    assert fmt == CheckpointFormat.FLAT
     stable = frozenset(n for n in state if n.startswith("model/")) if defer else frozenset()
     return [
         Snapshot.take(
@@ -264,7 +270,7 @@ def one_save(
     fmt: CheckpointFormat,
     d: Path,
     step: int,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | TorchState,
     shards: int,
     prev: list[Snap] | None,
     compute: Callable[[], float],
@@ -331,7 +337,8 @@ def restore(fmt: CheckpointFormat, ckpt: Any) -> tuple[dict[str, torch.Tensor], 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("checkpoint.py", __doc__)
+    ap = bench.ap
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     ap.add_argument("--shards", type=int, default=4, help="members writing shards (default 4)")
     ap.add_argument("--dir", default=None, help="directory to write in (default under runs/)")
@@ -340,19 +347,14 @@ def main() -> None:
                     help="tokens per member and step of the overlapping compute (default 128)")  # fmt: skip
     ap.add_argument("--format", choices=[f.value for f in CheckpointFormat], default="flat",
                     help="the checkpoint files: flat stripes or a replicated job's DCP format")  # fmt: skip
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     fmt = CheckpointFormat(args.format)
     if args.rounds < 2 or args.shards < 1 or args.gib <= 0 or args.step_tokens < 1:
         raise SystemExit(
             "need --rounds >= 2 (one cold save, then warm ones), --shards >= 1, --gib > 0, "
             "--step-tokens >= 1"
         )
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
     cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/checkpoint.py", *sys.argv[1:]])
 
     parent = Path(args.dir) if args.dir else HERE / "runs"
     parent.mkdir(parents=True, exist_ok=True)
@@ -367,6 +369,12 @@ def main() -> None:
     try:
         state = make_state(args.gib)
         total = sum(t.numel() * t.element_size() for t in state.values())
+        layers = _Layers(state)
+        saved = (
+            TorchState(layers, torch.optim.SGD(layers.parameters(), lr=0.0))
+            if fmt == CheckpointFormat.DCP
+            else state
+        )
         log(f"state: {len(state)} tensors, {total / MIB:.0f} MiB, {args.shards} shard(s), "
             f"{fmt} format")  # fmt: skip
         compute, gflop = step_compute(total, args.step_tokens)
@@ -387,7 +395,7 @@ def main() -> None:
             if r == args.rounds:
                 break
             step = 100 * (r + 1)
-            t, snaps = one_save(fmt, d, step, state, args.shards, snaps, compute)
+            t, snaps = one_save(fmt, d, step, saved, args.shards, snaps, compute)
             saves.append(t)
             log(f"save step {step} ({'cold' if r == 0 else 'warm'}): blocking {t.blocking:.3f} s "
                 f"(take {t.take:.3f} + wait {t.wait:.3f}; old sync take {t.sync:.3f}), compute "
@@ -405,7 +413,9 @@ def main() -> None:
         tensors, meta = restore(fmt, ckpt)
         load_s = time.perf_counter() - t0
         same = (fmt == CheckpointFormat.DCP or meta == {"step": last}) and all(
-            torch.equal(tensors[k].reshape(v.shape), v) for k, v in state.items()
+            torch.equal(tensors[k].reshape(v.shape), v)
+            for k, v in state.items()
+            if fmt == CheckpointFormat.FLAT or k.startswith("model/")
         )
         if not same:
             raise SystemExit("restored state differs from the saved one")
@@ -465,54 +475,36 @@ def main() -> None:
     table = "\n".join(f"{r[0]:<{w0}}  {r[1]:>12}  {r[2]:>16}  {r[3]:>12}".rstrip() for r in rows)
     t_block = med(blk) <= 0.05 * med(wrt)
     t_tput = dd_s / med(wrt) >= 0.70
+    blocking_pct, tput_pct = 100 * med(blk) / med(wrt), 100 * dd_s / med(wrt)
     targets = [
-        f"- blocking per save <= 5% of the full write time (warm saves, medians): "
-        f"{100 * med(blk) / med(wrt):.1f}% -> {'PASS' if t_block else 'FAIL'}",
-        f"- write throughput >= 70% of dd conv=fsync to the same directory (medians): "
-        f"{100 * dd_s / med(wrt):.0f}% -> {'PASS' if t_tput else 'FAIL'}",
-    ]
+        target("blocking per save (warm saves, medians)", "<= 5% of the full write time",
+               f"{blocking_pct:.1f}%", t_block),
+        target("write throughput (medians)", ">= 70% of dd conv=fsync to the same directory",
+               f"{tput_pct:.0f}%", t_tput),
+    ]  # fmt: skip
     print()
     print(table)
     print()
-    print("\n".join(targets))
-    if not args.no_record:
-        res = HERE / "RESULTS.md"
-        if not res.exists():
-            res.write_text("# elastrain benchmark results\n")
-        sec = [
-            "",
-            f"## checkpoint.py — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work; load average "
-            f"{os.getloadavg()[0]:.1f} at the end). torch {torch.__version__}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            f"State: {len(state)} float32 tensors, {mibs:.0f} MiB, "
-            + (
-                f"in {fmt} format, each of {args.shards} member(s) writing its rows of every tensor"
-                if fmt == CheckpointFormat.DCP
-                else f"striped over {args.shards} member(s)"
-            )
-            + " (writer threads in one process) on one disk. "
-            f"Next step's compute overlapping the deferred copy: {step_note}.",
-            "",
-            "```",
-            df,
-            "```",
-            "",
-            "Targets:",
-            "",
-            *targets,
-            "",
-            "```",
-            table,
-            "```",
-            "",
-        ]
-        with open(res, "a") as f:
-            f.write("\n".join(sec))
-        log(f"appended to {res}")
+    print("\n".join(f"- {t.target} {t.threshold}: {t.measured} -> {t.verdict.value}"
+                    for t in targets))  # fmt: skip
+    figures = [
+        Figure("blocking_pct", "warm save: blocking, % of the write", blocking_pct, "%"),
+        Figure("write_vs_dd_pct", "warm save: write throughput, % of dd", tput_pct, "%"),
+        Figure("write_mib_s", "warm save: write throughput", mibs / med(wrt), "MiB/s"),
+        Figure("restore_s", "restore: load (read + crc)", load_s, "s"),
+    ]
+    state_note = (
+        f"state: {len(state)} float32 tensors, {mibs:.0f} MiB, "
+        + (
+            f"in {fmt} format, each of {args.shards} member(s) writing its rows of every tensor"
+            if fmt == CheckpointFormat.DCP
+            else f"striped over {args.shards} member(s)"
+        )
+        + " (writer threads in one process) on one disk. "
+        f"Next step's compute overlapping the deferred copy: {step_note}"
+    )
+    bench.finish(f"torch {torch.__version__}", figures, targets, [state_note],
+                 ["```", df, "```", "", "```", table, "```"])  # fmt: skip
 
 
 if __name__ == "__main__":

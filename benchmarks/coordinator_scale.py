@@ -3,7 +3,7 @@
 Run from the repository root (two cores: the coordinator is pinned to one, the
 load generator to the other):
 
-    .venv/bin/python benchmarks/coordinator_scale.py              # prints tables, appends to RESULTS.md
+    .venv/bin/python benchmarks/coordinator_scale.py              # prints tables, records the run
     .venv/bin/python benchmarks/coordinator_scale.py --no-record --quick
 
 (a) The pure decisions (`Membership`, no I/O) at 1k/10k/100k members: forming
@@ -26,13 +26,10 @@ heartbeating at 1 Hz on one core (>= 99% of the offered rate served).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import json
 import os
 import platform
-import shlex
 import signal
 import socket
 import statistics
@@ -42,6 +39,10 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import Bench, Figure, target  # noqa: E402
 
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.quorum import Membership
@@ -437,21 +438,9 @@ def service_table(results: list[dict]) -> str:
     return table(head, rows)
 
 
-def machine() -> str:
-    uname = " ".join(platform.uname())
-    return f"{uname}; {os.cpu_count()} cores; Python {platform.python_version()}"
-
-
-def load() -> str:
-    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    ap.add_argument("--quick", action="store_true", help="fewer repeats, 1k and 10k service only")
+    bench = Bench("coordinator_scale.py", __doc__, quick="fewer repeats, 1k and 10k service only")
+    ap = bench.ap
     ap.add_argument("--seconds", type=float, default=20.0, help="heartbeat phase length")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument(
@@ -460,8 +449,7 @@ def main() -> int:
         help="service cases as MEMBERSxCONNS,... (default 1000x100,10000x500,10000x10000,"
         "100000x500; --quick: the first two)",
     )
-    args = ap.parse_args()
-    before = load()
+    args = bench.parse()
     text, worst = pure_table([1000, 10_000, 100_000], 3 if args.quick else args.reps)
     out = "(a) pure decisions (Membership, one process)\n\n" + text
     ok_pure = worst <= 0.050
@@ -499,26 +487,27 @@ def main() -> int:
         + f"10k members at 1 Hz on one core: {verdict} -> {'PASS' if ok_svc else 'FAIL'}\n"
     )
     print(svc_out)
-    after = load()
-    if not args.no_record:
-        record(out + "\n" + svc_out, before, after)
+    figures = [Figure("slowest_100k_decision_ms", "slowest decision at 100k members",
+                      worst * 1e3, "ms")]  # fmt: skip
+    for r in ten:
+        at = f"{r['members']} members, {r['conns']} conns"
+        figures += [
+            Figure(f"heartbeats_per_s[{at}]", f"heartbeats/s served, {at}", r["hb_rate"], "/s"),
+            Figure(f"coord_cpu_pct[{at}]", f"coordinator CPU, {at}", r["coord_cpu"] * 100, "%"),
+        ]
+    bench.finish(
+        f"Python {platform.python_version()}",
+        figures,
+        [target("slowest pure quorum decision at 100k members", "<= 50 ms",
+                f"{worst * 1e3:.2f} ms", ok_pure),
+         target("10k members at 1 Hz heartbeats on one core",
+                ">= 99% answered, no errors, coordinator <= 1 core", verdict or "not run",
+                ok_svc if ten else None)],
+        ["(a) pure decisions: Membership in one process; (b) service: coordinator process "
+         "pinned to core 0, load generator to core 1"],
+        ["```", out, svc_out, "```"],
+    )  # fmt: skip
     return 0 if ok_pure and ok_svc else 1
-
-
-def record(text: str, before: str, after: str) -> None:
-    path = Path(__file__).resolve().parent / "RESULTS.md"
-    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
-    block = (
-        f"\n## coordinator_scale: quorum decisions and heartbeats at scale ({stamp})\n\n"
-        f"- machine: `{machine()}` (shared with other work)\n"
-        f"- load: {before} before, {after} after\n"
-        f"- command: `{command}`\n\n"
-        f"```\n{text}```\n"
-    )
-    with open(path, "a") as f:
-        f.write(block)
-    print(f"appended to {path}")
 
 
 if __name__ == "__main__":

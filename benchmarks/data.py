@@ -22,13 +22,13 @@ thread each:
                     `--num-workers` workers per rank (prefetch_factor 2) over
                     the same order and micro-batch assignment
 
-The sides run one after the other, alternating, `--repeats` times. Per run:
+The sides run one after the other, in turns (A B C | C B A | ...), `--repeats` times. Per run:
 the wall time per step from the end of step 10 to the end of the last one
 (elastrain: the last member's step_commit; DDP: rank 0's end of step, which
 its all-reduce synchronises), and the median time a step waited for its data
 (elastrain: step_commit's data_s, the slowest member; DDP: time in the
 DataLoader's next()). Verdict: elastic-prefetch within 5% of ddp-loader
-(median of runs). Prints a table and appends it to benchmarks/RESULTS.md with
+(median of runs). Prints a table and records the run (benchmarks/results/) with
 date, machine, load, command and commit (unless --no-record; --quick never
 records: tiny sizes to check that it works).
 
@@ -43,12 +43,9 @@ start-up each).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -60,8 +57,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = ROOT / "benchmarks" / "_jobs"
 sys.path.insert(0, str(JOBS))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _harness import Bench, Figure, target, turns  # noqa: E402
 from decode import Settings  # noqa: E402
+
+BAR = 1.05
+"""elastic-prefetch's step time at most this times DDP's DataLoader's."""
 
 WARM = 10
 """Steps left out at the start of each run (start-up, first allocations)."""
@@ -165,27 +167,18 @@ def measure_ddp(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("data.py", __doc__, quick="tiny sizes, to check it works", repeats=2)
+    ap = bench.ap
     ap.add_argument("--world", type=int, default=1, help="members (elastrain) / ranks (DDP)")
     ap.add_argument("--num-workers", type=int, default=1, help="data workers per member/rank")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check it works")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     Settings.add_arguments(ap)
-    a = ap.parse_args()
+    a = bench.parse()
     s = Settings.of(a)
     steps, warm = a.steps, WARM
     if a.quick:
         s = Settings(dim=32, hidden=64, layers=2, decode_iters=500, samples=4096, batch=16, micro=4)
         steps, warm, a.repeats = 12, 3, 1
-    head = (
-        subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True
-        ).stdout.strip()
-        or "unknown"
-    )
-    load0 = os.getloadavg()[0]
     sides = {
         "elastic-inline": lambda d: measure_elastic(s, a.world, steps, 0, 0, d, warm),
         "elastic-prefetch": lambda d: measure_elastic(s, a.world, steps, a.num_workers, 1, d, warm),
@@ -194,7 +187,7 @@ def main() -> int:
     runs: dict[str, list[Measured]] = {k: [] for k in sides}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         for rep in range(a.repeats):
-            for name, run in sides.items():
+            for name, run in turns(list(sides.items()), rep):
                 d = Path(tmp) / f"{name}-{rep}"
                 d.mkdir()
                 m = run(d)
@@ -219,31 +212,29 @@ def main() -> int:
         )
     ratio = med["elastic-prefetch"] / med["ddp-loader"]
     gain = med["elastic-inline"] / med["elastic-prefetch"]
+    ok = ratio <= BAR
     verdict = (
-        f"elastic-prefetch / ddp-loader = {ratio:.3f} (bar: <= 1.05) -> "
-        f"{'PASS' if ratio <= 1.05 else 'FAIL'}; prefetch speed-up over inline "
-        f"loading: {gain:.2f}x"
+        f"elastic-prefetch / ddp-loader = {ratio:.3f} (bar: <= {BAR:g}) -> "
+        f"{'PASS' if ok else 'FAIL'}; prefetch speed-up over inline loading: {gain:.2f}x"
     )
     table = "\n".join(rows)
     print(table)
     print(verdict)
-    if a.quick or a.no_record:
-        if a.quick:
-            print("(--quick: a smoke run; not recorded)")
-        return 0
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = shlex.join([".venv/bin/python", "benchmarks/data.py", *sys.argv[1:]])
-    with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-        f.write(
-            f"\n## data.py — {stamp} (commit {head})\n\n"
-            f"Machine: `{platform.system()} {platform.release()} {platform.machine()}`, "
-            f"{os.cpu_count()} cores (shared), load average {load0:.1f} at start. "
-            f"Python {platform.python_version()}.\n\nCommand: `{cmd}`\n\n"
-            f"{a.world} members/ranks, {a.num_workers} data workers each (prefetch side and "
-            f"DDP), {steps} steps (first {warm} left out), {a.repeats} runs per side, "
-            f"alternating. Job: {s}.\n\n{table}\n\n{verdict}\n"
-        )
-    print("appended to benchmarks/RESULTS.md")
+    figures = [
+        *(Figure(f"step_ms[{k}]", f"median step, {k}", v * 1e3, "ms") for k, v in med.items()),
+        Figure("prefetch_over_ddp_loader", "elastic-prefetch / ddp-loader", ratio, ""),
+        Figure("prefetch_speedup", "prefetch speed-up over inline loading", gain, "x"),
+    ]
+    bench.finish(
+        f"Python {platform.python_version()}", figures,
+        [target("elastic-prefetch / ddp-loader step time", f"<= {BAR:g}", f"{ratio:.3f}", ok)],
+        [f"{a.world} members/ranks, {a.num_workers} data workers each (prefetch side and DDP), "
+         f"{steps} steps (first {warm} left out), {a.repeats} runs per side, in turns (A B C | C B A | ...). "
+         f"Job: {s}."],
+        table,
+    )  # fmt: skip
+    if a.quick:
+        print("(--quick: a smoke run; not recorded)")
     return 0
 
 

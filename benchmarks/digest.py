@@ -23,13 +23,12 @@ them alike): ``none``; ``xxh3``, `state_digest` as the code has it (XXH3-128,
 which releases the GIL); ``poly1305``, the definition before it (a Poly1305
 tag under a fixed key, fed 1 MiB at a time because it holds the GIL),
 rebuilt here from its description as the baseline. Prints a table and
-appends it to benchmarks/RESULTS.md with date, machine, command, commit and
+records the run (benchmarks/results/) with date, machine, command, commit and
 load (unless --no-record). About 30 s on the 2-core machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import statistics
 import sys
@@ -43,13 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from _steady import (  # noqa: E402
-    LoadSampler,
-    finish,
-    log,
-    run_context,
-    table,
-)
+from _harness import Bench, Figure, log, table  # noqa: E402
 
 PASSES = 3
 """Forward and backward passes per measured step."""
@@ -131,24 +124,21 @@ def measure(rounds: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=12, help="rounds of the three ways (default 12)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    bench = Bench("digest.py", __doc__)
+    bench.ap.add_argument("--rounds", type=int, default=12, help="rounds of the three ways (12)")
+    args = bench.parse()
     if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
+        bench.ap.error("--rounds must be >= 1")
 
     import torch
 
     torch.set_num_threads(1)
-    load = LoadSampler()
-    ctx = run_context("digest.py")
     t0 = time.time()
     log(f"digest beside {PASSES} forward+backward passes, {args.rounds} rounds")
     r = measure(args.rounds)
     seconds = time.time() - t0
-    mean_load = load.mean(t0, time.time())
-    load.stop()
+    assert bench.load is not None
+    mean_load = bench.load.mean(t0, time.time())
 
     none = r["beside"]["none"]
     rows = [["none", "-", f"{none * 1e3:.1f}", "-", "-"]]
@@ -178,7 +168,15 @@ def main() -> int:
         "(a Poly1305 tag under a fixed key, 1 MiB per call), rebuilt in the benchmark",
         f"one process, torch.set_num_threads(1); {seconds:.0f} s at load average {mean_load:.1f}",
     ]
-    finish("digest.py", ctx, f"torch {torch.__version__}", t, notes, anomalies, not args.no_record)
+    figures = [
+        Figure("beside_ms[none]", f"{PASSES} passes alone", none * 1e3, "ms"),
+        *(f for w in ("xxh3", "poly1305") for f in (
+            Figure(f"alone_ms[{w}]", f"{w} digest of the state, alone", r["alone"][w] * 1e3, "ms"),
+            Figure(f"cost_pct[{w}]", f"{w} digest's cost to {PASSES} passes beside it",
+                   (r["beside"][w] / none - 1) * 100, "%"),
+        )),
+    ]  # fmt: skip
+    bench.finish(f"torch {torch.__version__}", figures, [], notes, t, anomalies)
     return 0
 
 

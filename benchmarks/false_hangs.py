@@ -20,16 +20,13 @@ distribution of the all-reduce waits.
     .venv/bin/python benchmarks/false_hangs.py                 # 30 minutes, 2 hogs
     .venv/bin/python benchmarks/false_hangs.py --minutes 2 --no-record   # smoke
 
-Prints a table and appends it to benchmarks/RESULTS.md (unless --no-record).
+Prints a table and records the run in benchmarks/results/ (unless --no-record).
 Every process it starts is stopped by PID when it ends, also on error or Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -44,6 +41,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from _harness import Bench, Figure, target  # noqa: E402
 
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
@@ -107,16 +107,15 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("false_hangs.py", __doc__, runs_dir=True)
+    ap = bench.ap
     ap.add_argument("--minutes", type=float, default=30.0, help="how long the job runs (30)")
     ap.add_argument("--hogs", type=int, default=2, help="CPU-hungry processes beside it (2)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     if args.minutes <= 0 or args.hogs < 0 or args.workers < 2:
         ap.error("need --minutes > 0, --hogs >= 0, --workers >= 2")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = HERE / "runs" / f"false-hangs-{stamp}"
+    run_dir = bench.run_dir("false-hangs")
     cfg = LaunchConfig(
         script=str(JOB),
         script_args=SHAPE_ARGS,
@@ -212,51 +211,35 @@ def main() -> int:
         ),
     ]
     false = len(fired) + len(confirmed) + len(accused)
-    verdict = "PASS" if false == 0 and steps > 0 else "FAIL"
     w = max(len(r[0]) for r in rows)
     table = "\n".join(
         [f"| {'measure':<{w}} | value |", f"|{'-' * (w + 2)}|-------|"]
         + [f"| {a:<{w}} | {b} |" for a, b in rows]
     )
-    target = (
-        f"0 false watchdog firings over {wall / 60:.1f} min beside {how}: "
-        f"{len(fired)} firings, {len(confirmed)} confirmed hangs, {len(accused)} expulsions "
-        f"-> {verdict}"
-    )
+    judged = target(
+        f"false watchdog firings, confirmed hangs and expulsions over {wall / 60:.1f} min "
+        f"beside {how}", "0",
+        f"{len(fired)} firings, {len(confirmed)} confirmed hangs, {len(accused)} expulsions",
+        false == 0 and steps > 0,
+    )  # fmt: skip
     print()
     print(table)
     print()
-    print(target)
-    if not args.no_record:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-        date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        cmd = "  ".join(["python", *sys.argv]).replace("  ", " ")
-        entry = "\n".join(
-            [
-                f"## false_hangs.py — {date} (commit {head})",
-                "",
-                f"Machine: `{platform.system()} {platform.release()} {platform.machine()}`, "
-                f"{os.cpu_count()} cores (shared). Beside the job: {how}.",
-                "",
-                f"Command: `.venv/bin/{cmd}`",
-                "",
-                f"Job: benchmarks/_jobs/elastic_gpt.py (the versus job: demo GPT dim 128, 2 "
-                f"layers, global batch 32 in micro-batches of 4), {args.workers} workers, 1 "
-                f"thread each, elastrain's default watchdog (soft deadline 4 x p99 wait + "
-                f"0.1 s, hang confirmed after 0.5 s without heartbeats; hard deadline 8 x the "
-                f"slowest recent wait, 3-60 s). Run dir benchmarks/runs/{run_dir.name}.",
-                "",
-                table,
-                "",
-                f"Target: {target}",
-                "",
-            ]
-        )
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write("\n" + entry)
-    return 0 if verdict == "PASS" else 1
+    print(f"Target: {judged.target}: {judged.measured} -> {judged.verdict.value}")
+    bench.finish(
+        "",
+        [Figure("false_alarms", "false watchdog firings + confirmed hangs + expulsions", false, ""),
+         Figure("steps", "steps committed", steps, "steps"),
+         Figure("job_minutes", "wall time of the job", wall / 60, "min")],
+        [judged],
+        [f"job: benchmarks/_jobs/elastic_gpt.py (the versus job: demo GPT dim 128, 2 layers, "
+         f"global batch 32 in micro-batches of 4), {args.workers} workers, 1 thread each, "
+         "elastrain's default watchdog (soft deadline 4 x p99 wait + 0.1 s, hang confirmed "
+         "after 0.5 s without heartbeats; hard deadline 8 x the slowest recent wait, 3-60 s); "
+         f"beside the job: {how}; run dir {run_dir.name}"],
+        table,
+    )  # fmt: skip
+    return 0 if judged.verdict.value == "PASS" else 1
 
 
 if __name__ == "__main__":

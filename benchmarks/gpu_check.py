@@ -48,14 +48,13 @@ Parts, each on the demo GPT (benchmarks/_jobs/gpu_gpt.py):
    with exit 74, a fresh process is healed and trains to the end, w0 keeps its
    PID, every sample once, identical state at every generation start.
 
-Prints a table and appends it to benchmarks/RESULTS.md (date, machine, device,
+Prints a table and records the run in benchmarks/results/ (date, machine, device,
 command, commit) unless --no-record or --quick. Exits 1 if a part failed or
 one of its checks did.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -70,7 +69,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _steady import append_section, fmt, log, med, print_notes, run_context, table  # noqa: E402
+from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
 
 JOB = HERE / "_jobs" / "gpu_gpt.py"
 FULL: dict[str, int] = {"dim": 512, "layers": 8, "heads": 8, "batch": 16, "steps": 60, "warmup": 10}
@@ -494,13 +493,11 @@ def nccl_rows(nccl: dict[str, Any] | None, err: str | None) -> list[list[str]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("gpu_check.py", __doc__, quick="a small model and few steps", runs_dir=True)
+    ap = bench.ap
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--quick", action="store_true", help="a small model and few steps; no record")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    ap.add_argument("--runs-dir", default=str(HERE / "runs"), help="where the run dirs go")
     ap.add_argument("--parts", default="1,2,3,4", help="which parts to run (default: all)")
-    args = ap.parse_args()
+    args = bench.parse()
     try:
         parts = {int(x) for x in args.parts.split(",")}
     except ValueError:
@@ -509,10 +506,7 @@ def main() -> int:
         ap.error(f"--parts: comma-separated part numbers 1-4, got {args.parts!r}")
     shape = QUICK if args.quick else FULL
     device, why = pick_device(args.device)
-    ctx = run_context("gpu_check.py")
-    t_start = time.monotonic()
-    out = Path(args.runs_dir).resolve() / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = bench.run_dir("gpu-check").resolve()
     name = device_name(device)
     log(f"device {device} ({why}): {name}; runs under {out}")
 
@@ -557,23 +551,34 @@ def main() -> int:
         "elastrain's reduce_dtype: auto (float64 on the CPU, native on a GPU); parts 2 and 4 "
         "share the one device among 4 and 2 processes over gloo (CUDA tensors through host "
         "copies); part 4 runs until its replacement trains, not a fixed number of steps",
-        f"parts run: {', '.join(map(str, sorted(parts)))}; total runtime "
-        f"{time.monotonic() - t_start:.0f} s; run dirs "
+        f"parts run: {', '.join(map(str, sorted(parts)))}; run dirs "
         f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}",
     ]
     print()
     print(t)
     print()
-    print_notes(notes, anomalies)
-    if not (args.no_record or args.quick):
-        import torch
+    import torch
 
-        sec = ["", f"## gpu_check.py — {ctx.date}", "",
-               f"Machine: `{ctx.uname}`, {ctx.cores} cores; device {device}: {name}. torch "
-               f"{torch.__version__}. Code: {ctx.code}.", "", f"Command: `{ctx.command}`", "",
-               t, ""]  # fmt: skip
-        append_section(HERE / "RESULTS.md", sec, notes, anomalies, log)
+    bench.finish(f"device {device}: {name}; torch {torch.__version__}", *judged(rows), notes, t,
+                 anomalies)  # fmt: skip
     return 1 if anomalies else 0
+
+
+def judged(rows: list[list[str]]) -> tuple[list[Figure], list[Any]]:
+    """The check table's yes/NO rows as targets, its rows of seconds as figures."""
+    figures, targets = [], []
+    for check, result in rows:
+        if result in ("yes", "NO") or result.startswith("NO"):
+            targets.append(target(check, "yes", result, result == "yes"))
+            continue
+        try:
+            value = float(result)
+        except ValueError:
+            continue
+        if "(s)" in check:
+            key = "".join(c if c.isalnum() else "_" for c in check.lower()).strip("_")
+            figures.append(Figure(key, check.replace(" (s)", ""), value, "s"))
+    return figures, targets
 
 
 if __name__ == "__main__":

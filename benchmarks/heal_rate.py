@@ -54,15 +54,14 @@ milliseconds of the heal outside it (flatten, manifest rounds, install), the
 reserve's preparation in milliseconds, CPU milliseconds of all processes per
 operation, the receiver process's first heal (timed alone, before the rounds:
 what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
-rounds' median). Prints the table and appends
-it to benchmarks/RESULTS.md with date, machine, load, command and commit
+rounds' median). Prints the table and records
+the run (benchmarks/results/) with date, machine, load, command and commit
 (unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
 and never records. About 1 minute on the 2-core machine (--quick: 10 s).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -77,17 +76,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from _steady import (  # noqa: E402
-    JOBS,
-    LoadSampler,
-    finish,
-    fmt,
-    kill_all,
-    log,
-    med,
-    run_context,
-    table,
-)
+from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
+from _steady import JOBS, kill_all  # noqa: E402
 
 TARGET = 0.5
 """The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
@@ -217,15 +207,14 @@ HEADER = [
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 10 MB, 3 rounds, no record")
+    bench = Bench("heal_rate.py", __doc__, quick="smoke run: 10 MB, 3 rounds")
+    ap = bench.ap
     ap.add_argument("--senders", help="comma-separated sender counts (default 1,2)")
     ap.add_argument("--reps", type=int, help="timed rounds per sender count (default 20)")
     ap.add_argument("--dim", type=int, help="demo GPT width (default 256)")
     ap.add_argument("--layers", type=int, help="demo GPT layers (default 4)")
     ap.add_argument("--heads", type=int, help="demo GPT heads (default 4)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     base = QUICK if args.quick else FULL
     dim, layers, heads, reps = (
         int(getattr(args, k) if getattr(args, k) is not None else base[k])
@@ -239,13 +228,14 @@ def main() -> int:
         ap.error("--senders: each count must be at least 1")
     if reps < 1 or dim < 1 or layers < 1 or heads < 1 or dim % heads:
         ap.error("--reps, --dim, --layers, --heads must be positive, and dim a multiple of heads")
-    record = not (args.no_record or args.quick)
 
-    t_start, t_wall0 = time.monotonic(), time.time()
-    load = LoadSampler()
-    ctx = run_context("heal_rate.py")
-    out_dir = HERE / "runs" / f"heal-rate-{time.strftime('%Y%m%d-%H%M%S')}"
-    log(f"load average now {os.getloadavg()[0]:.1f} on {ctx.cores} cores; logs under {out_dir}")
+    t_wall0 = time.time()
+    load = bench.load
+    assert load is not None
+    out_dir = bench.run_dir("heal-rate")
+    log(
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; logs under {out_dir}"
+    )
     res: dict[int, dict[str, Any]] = {}
     loads: dict[int, float] = {}
     for s in senders:
@@ -259,7 +249,6 @@ def main() -> int:
         loads[s] = load.mean(t_w, time.time())
         log(f"{s} sender(s): heal {fmt(med(res[s]['rates']['heal']), 0)} MB/s, warm broadcast "
             f"{fmt(med(res[s]['rates']['warm']), 0)} MB/s")  # fmt: skip
-    load.stop()
 
     t = table(HEADER, [row for s, r in res.items() for row in rows_of(s, r)])
     notes = [
@@ -303,8 +292,7 @@ def main() -> int:
         "machine load (1-min load average): "
         + ", ".join(f"{loads[s]:.1f} during {s} sender(s)" for s in res)
         + f"; {load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
-        f"total benchmark runtime {time.monotonic() - t_start:.0f} s; logs "
-        f"{out_dir.relative_to(ROOT)}",
+        f"logs {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}",
     ]
     anomalies = [
         f"{s} sender(s): heal at {fmt(med(r['rates']['heal']) / med(r['rates']['warm']), 2)} "
@@ -325,8 +313,26 @@ def main() -> int:
     print()
     import torch
 
-    finish("heal_rate.py", ctx, f"torch {torch.__version__}, gloo over loopback", t, notes,
-           anomalies, record)  # fmt: skip
+    def ratio(r: dict[str, Any], kind: str) -> float:
+        return med(r["rates"][kind]) / med(r["rates"]["warm"])
+
+    figures = [
+        f for n, r in res.items() for f in (
+            Figure(f"heal_mb_s[{n}]", f"heal rate, {n} sender(s)", med(r["rates"]["heal"]), "MB/s"),
+            Figure(f"heal_over_warm[{n}]", f"heal / warm loopback broadcast, {n} sender(s)",
+                   ratio(r, "heal"), ""),
+            Figure(f"floor_over_warm[{n}]",
+                   f"authenticated floor / warm loopback broadcast, {n} sender(s)",
+                   ratio(r, "floor"), ""),
+        )
+    ]  # fmt: skip
+    targets = [
+        target(f"heal rate, {n} sender(s)", f">= {TARGET:g} of a warm loopback broadcast",
+               f"{ratio(r, 'heal'):.2f}", ratio(r, "heal") >= TARGET)
+        for n, r in res.items()
+    ]  # fmt: skip
+    bench.finish(f"torch {torch.__version__}, gloo over loopback", figures, targets, notes, t,
+                 anomalies)  # fmt: skip
     if args.quick:
         print("\n(--quick smoke run: not recorded, and no number in it means anything)")
     return 0

@@ -33,17 +33,15 @@ From each side's events, `elastrain.observe.recovery.recoveries` gives the
 time from each kill to the survivors' next commit and its phases, and `joins`
 the replacements' timings. The step time is the median `step_s` of the
 full-speed steps before each kill. Prints the tables and appends them with
-date, machine, load and command to benchmarks/RESULTS.md (unless --no-record).
+date, machine, load and command as a record in benchmarks/results/ (unless --no-record).
 Run directories: benchmarks/runs/multinode-<stamp>/ (git-ignored). Takes 4-6
 minutes on a busy 2-core machine (most of it replacements importing torch).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -63,7 +61,7 @@ from tests import netns  # noqa: E402
 from tests.test_multinode import Cluster, set_pace  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _steady import LoadSampler  # noqa: E402
+from _harness import Bench, Figure, fmt, log, med, table  # noqa: E402
 
 MLP = ROOT / "tests" / "scripts" / "train_mlp.py"
 WORKERS = 4
@@ -72,10 +70,6 @@ STEPS = 1_000_000
 IDLE_PACE_S = 0.5
 
 Event = dict[str, Any]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class Side:
@@ -241,43 +235,22 @@ def start_across_hosts(side: Side, net: netns.Network) -> Cluster:
     return job
 
 
-def fmt(x: float | None, nd: int = 3) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:.{nd}f}"
-
-
-def med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (x + 2) for x in w) + "|",
-                      *[line(r) for r in rows]])  # fmt: skip
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench("multinode.py", __doc__, paths=("elastrain", "benchmarks", "tests"))
+    ap = bench.ap
     ap.add_argument("--kills", type=int, default=4, help="SIGKILLs per side (4)")
     ap.add_argument("--settle", type=int, default=5, help="full-speed commits before a kill (5)")
     ap.add_argument("--hosts", type=int, default=2, choices=(2, 4), help="namespaces (2)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     why = netns.missing_requirement()
     if why:
         print(f"benchmarks/multinode.py: {why}", file=sys.stderr)
         return 2
     t_wall0 = time.time()
-    load = LoadSampler()
-    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
+    load = bench.load
+    assert load is not None
     cores = os.cpu_count() or 0
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/multinode.py", *sys.argv[1:]])
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
-    base = HERE / "runs" / f"multinode-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = bench.run_dir("multinode")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log(f"load average now {os.getloadavg()[0]:.1f} on {cores} cores; run dirs under {base}")
 
@@ -305,10 +278,9 @@ def main() -> int:
         finally:
             for s in sides:
                 s.stop()
-    load.stop()
 
     # ---- analysis ------------------------------------------------------------------------
-    rows, phase_rows, join_rows, details = [], [], [], []
+    rows, phase_rows, join_rows, details, figures = [], [], [], [], []
     for s in sides:
         evs = s.poll()
         recs = [r for r in recoveries(evs) if r.fault == "kill"]
@@ -322,6 +294,14 @@ def main() -> int:
                           fmt(med([j.healed_s or math.nan for j in js]), 2),
                           fmt(med([j.first_step_s or math.nan for j in js]), 2),
                           fmt(med([j.heal_bytes / 1e3 for j in js]), 1)])  # fmt: skip
+        figures.append(
+            Figure(
+                f"kill_to_next_commit_s[{s.name}]",
+                f"kill -> survivors' next commit, {s.name}, median",
+                med(tot),
+                "s",
+            )
+        )
         origin = min((e["t"] for e in evs), default=None)
         details.append(f"{s.name}:\n{format_recoveries(recs, origin)}")
     t1 = table(["kill -> survivors' next commit (s)", "kills", "median", "min", "max",
@@ -329,7 +309,6 @@ def main() -> int:
     t2 = table(["recovery phases, median (s)", *PHASES], phase_rows)
     t3 = table(["replacement (s from its spawn)", "joins", "registered", "healed",
                 "first step", "heal KB"], join_rows)  # fmt: skip
-    runtime = time.time() - t_wall0
     notes = [
         f"same job on both sides: tests/scripts/train_mlp.py, {WORKERS} workers, --min 2, "
         "replacements at once; global batch 32, micro-batch 4, 1 thread per process",
@@ -344,7 +323,7 @@ def main() -> int:
         f"machine load (1-min load average, {cores} cores): "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark, "
         f"{load.mean(t_kills0, t_kills1):.1f} during the kills",
-        f"total runtime {runtime:.0f} s; run dirs {base.relative_to(ROOT)}",
+        f"run dirs {base.relative_to(ROOT) if base.is_relative_to(ROOT) else base}",
     ]
     text = "\n\n".join([t1, t2, t3])
     print()
@@ -352,35 +331,14 @@ def main() -> int:
     print()
     for d in details:
         print(d + "\n")
-    for n in notes:
-        print("- " + n)
-    if not args.no_record:
-        res = HERE / "RESULTS.md"
-        sec = [
-            "",
-            f"## multinode.py — {date}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work). Code: commit {head}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            t1,
-            "",
-            t2,
-            "",
-            t3,
-            "",
-            "Per kill (seconds; t0 from the side's first event):",
-            "",
-            "```",
-            *details,
-            "```",
-            "",
-            *["- " + n for n in notes],
-        ]
-        with open(res, "a") as f:
-            f.write("\n".join(sec) + "\n")
-        log(f"appended to {res}")
+    bench.finish(
+        "",
+        [f for f in figures if not math.isnan(f.value)],
+        [],
+        notes,
+        [t1, "", t2, "", t3, "", "Per kill (seconds; t0 from the side's first event):", "",
+         "```", *details, "```"],
+    )  # fmt: skip
     return 0
 
 

@@ -30,16 +30,14 @@ load, it also times the pieces themselves: one `EventLog.emit` of a
 step_commit-sized event, and one sampler tick, and prints the overhead they
 imply at the measured step time (3 events per step + ticks per step).
 
-Prints a table and appends it to benchmarks/RESULTS.md (unless --no-record)
+Prints a table and records the run in benchmarks/results/ (unless --no-record)
 with date, machine and command. About 1-2 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _harness import Bench, Figure, target  # noqa: E402
 
 from elastrain import ElasticTrainer, TrainerConfig, env  # noqa: E402
 from elastrain.control.config import CoordinatorConfig  # noqa: E402
@@ -107,7 +108,8 @@ def micro_costs(n: int = 2000) -> tuple[float, float]:
         t = time.perf_counter()
         for i in range(n):
             log.emit(EventKind.STEP_COMMIT, step=i, gen=1, loss=1.2345678, step_s=0.1, compute_s=0.08,
-                     allreduce_s=0.01, data_s=0.001, samples=32, samples_per_s=320.0)  # fmt: skip
+                     allreduce_s=0.01, data_s=0.001, samples=32, samples_per_s=320.0,
+                     grad_norm=0.5, skipped=False)  # fmt: skip
         emit = (time.perf_counter() - t) / n
         s = Sampler(log, choose_meters(), 3600.0)
         t = time.perf_counter()
@@ -119,17 +121,15 @@ def micro_costs(n: int = 2000) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench("observe_overhead.py", __doc__)
+    ap = bench.ap
     ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     ap.add_argument("--steps", type=int, default=120, help="steps per side per round (default 120)")
     ap.add_argument("--interval", type=float, default=1.0, help="sampling interval, s")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args(argv)
-    command = "python benchmarks/observe_overhead.py " + " ".join(argv or sys.argv[1:])
+    args = bench.parse(argv)
     torch.set_num_threads(1)
     data = ByteBlocks(stdlib_corpus(), 64)
     per: dict[bool, list[list[float]]] = {True: [], False: []}
-    t_start = time.monotonic()
     loads = []
     with tempfile.TemporaryDirectory(dir=HERE) as tmp:
         for k in range(args.rounds):
@@ -168,33 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print()
     print(verdict)
-    if not args.no_record:
-        uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
-        res = HERE / "RESULTS.md"
-        sec = [
-            "",
-            f"## observe_overhead.py — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            "",
-            f"Machine: `{uname}`, {os.cpu_count()} cores (shared with other work; 1-min load "
-            f"average {statistics.fmean(loads):.1f} mean over the rounds). torch "
-            f"{torch.__version__}. Meters: {', '.join(m.source for m in choose_meters())}.",
-            "",
-            f"Command: `{command.strip()}` ({time.monotonic() - t_start:.0f} s)",
-            "",
-            "Demo GPT (dim 64, 2 layers), 1 member per side, global batch 16, micro-batch 4, "
-            f"1 thread; sides take turns step by step (ABBA), first {WARMUP} steps of each "
-            "round left out.",
-            "",
-            "```",
-            table,
-            "```",
-            "",
-            verdict.replace("\n", "  \n"),
-            "",
-        ]
-        with open(res, "a") as f:
-            f.write("\n".join(sec))
-        print(f"appended to {res}")
+    bench.finish(
+        f"torch {torch.__version__}; meters: {', '.join(m.source for m in choose_meters())}",
+        [Figure("overhead_pct", "step time on vs off, median of the paired differences",
+                ratio * 100, "%"),
+         Figure("overhead_of_medians_pct", "step time on vs off, ratio of the medians",
+                ratio_medians * 100, "%"),
+         Figure("implied_pct", "cross-check from the parts (emit + sampler tick)",
+                implied * 100, "%")],
+        [target("step time, events and metering on vs off (median of paired differences)",
+                "<= +1%", f"{ratio:+.2%}", ratio <= 0.01)],
+        ["demo GPT (dim 64, 2 layers), 1 member per side, global batch 16, micro-batch 4, "
+         f"1 thread; sides take turns step by step (ABBA), first {WARMUP} steps of each round "
+         f"left out; load average {statistics.fmean(loads):.1f} mean over the rounds",
+         verdict.replace("\n", "; ")],
+        ["```", table, "```"],
+    )  # fmt: skip
     return 0 if ratio <= 0.01 else 1
 
 

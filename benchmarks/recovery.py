@@ -39,26 +39,24 @@ micro-batch 1 (each worker computes 2 micro-batches per step):
    All three are alive at once and take turns in blocks of steps (D E T |
    T E D | ...; the others wait idle between steps), so that the shared
    machine's changing load hits every side alike.
-3. Prints the tables and appends them, with date, machine and command, to
-   benchmarks/RESULTS.md (unless --no-record), with PASS/FAIL against the
+3. Prints the tables and records the run, with date, machine and command, in
+   benchmarks/results/ (unless --no-record), with PASS/FAIL against the
    targets: median kill-to-next-commit <= 2 s, steady-state overhead <= 5%
    (issue 2); heal rate >= 50% of the warm loopback broadcast, and the median
    first step after a kill and after a join <= 1.2 steady steps (issue 18).
 
 --quick is a smoke run (2 kills, 2 blocks per side); it does not meet the
-acceptance's "at least 5 kills" and is marked as such in RESULTS.md.
+acceptance's "at least 5 kills" and is never recorded.
 Run directories are kept under benchmarks/runs/<stamp>/ (git-ignored).
 Takes about 5 minutes on a busy 2-core machine (--quick: about 2.5).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,25 +68,28 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
-from _loopback import measure_loopback  # noqa: E402
-from _steady import (  # noqa: E402
-    LoadSampler,
-    append_section,
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
+    Target,
+    Verdict,
     at_least,
     at_most,
-    block_stats,
-    elastic_config,
     fmt,
     log,
-    loss_deviation,
     med,
     pct,
-    print_notes,
-    run_context,
-    steady_anomalies,
-    steady_elastrain_vs,
     table,
     verdict,
+)
+from _kills import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
+from _loopback import measure_loopback  # noqa: E402
+from _steady import (  # noqa: E402
+    block_stats,
+    elastic_config,
+    loss_deviation,
+    steady_anomalies,
+    steady_elastrain_vs,
 )
 from common import Shape, build, param_count  # noqa: E402
 
@@ -117,57 +118,6 @@ bucket, reduced once after backward). The target is judged against D."""
 # ---- elastrain runs --------------------------------------------------------------------
 
 
-class KillPacer:
-    """Spaces the SIGKILLs so that each recovery and its replacement's join are over
-    before the next one: the first kill is `kill@first_step` (in LaunchConfig.faults);
-    each next `kill@K` is added to the launcher's fault schedule once the running
-    generation again has every worker, the last victim is gone from it, and `settle`
-    steps were committed in it (so the replacement is healed and training). After the
-    last kill's replacement settles, it stops the job. Runs on the launcher's thread
-    (its `on_status` callback), where the schedule is read."""
-
-    def __init__(self, kills: int, first_step: int, settle: int, stall_s: float = 90.0) -> None:
-        self.left = kills - 1
-        self.stall_s = stall_s
-        self.stalled = False
-        self._last_step = -1
-        self._last_change = time.monotonic()
-        self.settle = settle
-        self.kill_steps = [first_step]
-        self.launcher: Launcher | None = None
-        self.first_seen: dict[int, int] = {}
-        self.done = False
-
-    def __call__(self, st: dict[str, Any]) -> None:
-        lc = self.launcher
-        if lc is None or self.done:
-            return
-        now = time.monotonic()
-        if int(st.get("step", 0)) != self._last_step:
-            self._last_step, self._last_change = int(st.get("step", 0)), now
-        elif now - self._last_change > self.stall_s:
-            # No step committed for stall_s: something is broken; do not wait for the guard.
-            self.stalled = self.done = True
-            lc.stop()
-            return
-        if len(lc.fault_log) < len(self.kill_steps):
-            return
-        victim = lc.fault_log[-1]["member"]
-        members = st.get("members") or []
-        if len(members) != WORKERS or victim in members or not st.get("ready"):
-            return
-        step = int(st.get("step", 0))
-        if step - self.first_seen.setdefault(int(st["gen"]), step) < self.settle:
-            return
-        if self.left > 0:
-            self.left -= 1
-            self.kill_steps.append(step + 1)
-            lc.schedule.pending.append(parse_fault(f"kill@{step + 1}"))
-        else:
-            self.done = True
-            lc.stop()
-
-
 def elastrain_run(
     shape: Shape,
     steps: int,
@@ -185,52 +135,6 @@ def elastrain_run(
     result, _ = run_bounded(launcher, timeout_s)
     events = read_events(run_dir)
     return result.status, events, launcher
-
-
-def run_bounded(launcher: Launcher, timeout_s: float) -> tuple[Any, float]:
-    """Run the job, stopping it after `timeout_s` (a stuck job must not stall the
-    benchmark forever); returns its RunResult and its wall seconds."""
-    timer = threading.Timer(timeout_s, launcher.stop)
-    timer.daemon = True
-    timer.start()
-    t0 = time.monotonic()
-    try:
-        result = launcher.run()
-    finally:
-        timer.cancel()
-    return result, time.monotonic() - t0
-
-
-def first_step_breakdown(
-    events: list[dict[str, Any]], recs: list[Any]
-) -> tuple[list[float], list[float]]:
-    """For each recovery: the slowest survivor's group_built -> generation_start in the
-    resumed generation (heal, if any, and the state hash), and the step_s of the first
-    step committed in it (the interrupted step, recomputed by the survivors)."""
-    gs: list[float] = []
-    st: list[float] = []
-    for r in recs:
-        if r.gen is None:
-            continue
-        who = set(r.survivors)
-        built = {
-            e["proc"]: e["t"]
-            for e in events
-            if e["kind"] == "group_built" and e.get("gen") == r.gen and e["proc"] in who
-        }
-        start = {
-            e["proc"]: e["t"]
-            for e in events
-            if e["kind"] == "generation_start" and e.get("gen") == r.gen and e["proc"] in who
-        }
-        d = [start[m] - built[m] for m in built if m in start]
-        if d:
-            gs.append(max(d))
-        commits = [e for e in events if e["kind"] == "step_commit" and e.get("gen") == r.gen]
-        if commits:
-            s0 = min(e["step"] for e in commits)
-            st.append(max(e["step_s"] for e in commits if e["step"] == s0))
-    return gs, st
 
 
 @dataclass(frozen=True)
@@ -307,9 +211,9 @@ def join_gens(events: list[dict[str, Any]], members: list[str]) -> dict[int, str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("recovery.py", __doc__, quick="smoke run: 2 kills, short steady state")
+    ap = bench.ap
     ap.add_argument("--kills", type=int, default=None, help="SIGKILLs in the recovery run (5)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 kills, short steady state")
     ap.add_argument(
         "--settle", type=int, default=5,
         help="steps a replacement's generation must commit before the next kill (5: enough "
@@ -323,8 +227,7 @@ def main() -> int:
     ap.add_argument(
         "--bcast-reps", type=int, default=10, help="loopback broadcasts of the heal's bytes (10)"
     )
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     kills = args.kills if args.kills is not None else (2 if args.quick else 5)
     warmup, block = args.warmup, args.block_steps
     blocks = args.blocks if args.blocks is not None else (2 if args.quick else 8)
@@ -333,10 +236,10 @@ def main() -> int:
             "need --kills >= 1, --warmup >= 1, --block-steps >= 2, --blocks >= 1, --bcast-reps >= 1"
         )
 
-    t_start = time.monotonic()
     t_wall0 = time.time()
-    load = LoadSampler()
-    date, uname, cores, command, code = run_context("recovery.py")
+    load = bench.load
+    assert load is not None
+    cores = os.cpu_count()
 
     shape = Shape()
     import torch
@@ -346,9 +249,7 @@ def main() -> int:
     n_params = param_count(model)
     state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     del model, data
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = HERE / "runs" / f"recovery-{stamp}"
-    base.mkdir(parents=True, exist_ok=True)
+    base = bench.run_dir("recovery")
     log(f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     log(f"model: demo GPT dim={shape.dim} layers={shape.layers} heads={shape.heads} "
         f"block={shape.block}: {n_params:,} parameters ({state_mb:.1f} MB fp32)")  # fmt: skip
@@ -357,7 +258,7 @@ def main() -> int:
 
     # ---- 1. recovery run ---------------------------------------------------------------
     first_kill = 8
-    pacer = KillPacer(kills, first_kill, args.settle)
+    pacer = KillPacer(kills, first_kill, args.settle, WORKERS)
     kill_dir = base / "kills"
     log(f"recovery run: {kills} SIGKILLs, the first at step {first_kill}, each next one once "
         f"the previous replacement trains ({args.settle} steps); replace delay 1 s")  # fmt: skip
@@ -530,7 +431,6 @@ def main() -> int:
     loss_dev, agree = loss_deviation(st, list(DDP_SIDES), warmup + block * blocks)
     log(f"steady state done in {steady_wall:.0f} s: median step_s elastrain {fmt(e_med)}, "
         f"DDP {fmt(d_med)} ({overhead * 100:+.1f}%), DDP tuned {fmt(meds['T'])}")  # fmt: skip
-    runtime = time.monotonic() - t_start
 
     # ---- 3. report ---------------------------------------------------------------------
     rec_pass = "PASS" if totals and m_tot <= TARGET_RECOVERY_S else "FAIL"
@@ -569,21 +469,22 @@ def main() -> int:
           fmt(b["cpu_s"] / block), fmt(load.mean(b["t0"] - 2, b["t1"] + 2), 1)]
          for b in bl],
     )  # fmt: skip
-    t5 = table(
-        ["target", "measured", "verdict"],
-        [
-            [f"median kill -> next commit <= {TARGET_RECOVERY_S:g} s", f"{fmt(m_tot)} s", rec_pass],
-            [f"steady-state overhead vs DDP <= {TARGET_OVERHEAD:.0%}",
-             f"{overhead * 100:+.1f}%", ovh_pass],
-            [f"heal rate >= {TARGET_HEAL_VS_LOOPBACK:.0%} of a loopback broadcast of its bytes",
-             f"{fmt(heal_vs_lb, 2)}", verdict(at_least(heal_vs_lb, TARGET_HEAL_VS_LOOPBACK))],
-        ] + [
-            [f"first step after a {after} <= {TARGET_FIRST_STEP:g} x a steady step (median)",
-             f"{fmt(fs_ratio[after], 2)} x (of {sum(f.after == after for f in firsts)})",
-             verdict(at_most(fs_ratio[after], TARGET_FIRST_STEP))]
-            for after in ("kill", "join")
-        ],
-    )  # fmt: skip
+    targets = [
+        Target("median kill -> next commit", f"<= {TARGET_RECOVERY_S:g} s", f"{fmt(m_tot)} s",
+               Verdict(rec_pass)),
+        Target("steady-state overhead vs DDP", f"<= {TARGET_OVERHEAD:.0%}",
+               f"{overhead * 100:+.1f}%", Verdict(ovh_pass)),
+        Target("heal rate", f">= {TARGET_HEAL_VS_LOOPBACK:.0%} of a loopback broadcast of its bytes",
+               f"{fmt(heal_vs_lb, 2)}",
+               Verdict(verdict(at_least(heal_vs_lb, TARGET_HEAL_VS_LOOPBACK)))),
+    ] + [
+        Target(f"first step after a {after} (median)", f"<= {TARGET_FIRST_STEP:g} x a steady step",
+               f"{fmt(fs_ratio[after], 2)} x (of {sum(f.after == after for f in firsts)})",
+               Verdict(verdict(at_most(fs_ratio[after], TARGET_FIRST_STEP))))
+        for after in ("kill", "join")
+    ]  # fmt: skip
+    target_rows = [[f"{t.target} {t.threshold}", t.measured, t.verdict.value] for t in targets]
+    t5 = table(["target", "measured", "verdict"], target_rows)
     t6 = table(
         ["generation", "formed after a", "group built -> first commit (s)", "its step_s (s)",
          "steady step_s (s)", "steady steps", "first / steady"],
@@ -631,62 +532,30 @@ def main() -> int:
         f"machine load (1-min load average, {cores} cores): {load.mean(t_wall0, time.time()):.1f} "
         f"mean over the benchmark, {load.mean(t_kill0, t_kill0 + kill_wall):.1f} during the "
         "recovery run",
-        f"total benchmark runtime {runtime:.0f} s",
     ]
+    if kills < 5:
+        notes.append(f"{kills} kills: fewer than the 5 the acceptance asks for")
     text = "\n\n".join([t1, t2, t6, t3, t4, t5])
     print()
     print(text)
     print()
-    print_notes(notes, anomalies)
-
-    if not args.no_record:
-        res = HERE / "RESULTS.md"
-        if not res.exists():
-            res.write_text("# elastrain benchmark results\n")
-        quick = (
-            " (--quick smoke run: fewer than the 5 kills the acceptance asks for)"
-            if (kills < 5)
-            else ""
-        )
-        sec = [
-            "",
-            f"## recovery.py — {date}{quick}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work). "
-            f"torch {torch.__version__}, gloo over loopback. Code: {code}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            "Targets:",
-            "",
-            t5,
-            "",
-            t1,
-            "",
-            t2,
-            "",
-            "First step of each generation after a kill or a join, against its steady steps:",
-            "",
-            t6,
-            "",
-            t3,
-            "",
-            t4,
-            "",
-            "Per kill (seconds; t0 from job start):",
-            "",
-            "```",
-            detail_rec,
-            "```",
-            "",
-            "Per replacement (seconds from its spawn):",
-            "",
-            "```",
-            detail_join,
-            "```",
-            "",
-        ]
-        append_section(res, sec, notes, anomalies, log)
+    details = [
+        t1, "", t2, "",
+        "First step of each generation after a kill or a join, against its steady steps:", "",
+        t6, "", t3, "", t4, "", "Per kill (seconds; t0 from job start):", "", "```",
+        detail_rec, "```", "", "Per replacement (seconds from its spawn):", "", "```",
+        detail_join, "```",
+    ]  # fmt: skip
+    figures = [
+        Figure("kill_to_next_commit_s", "kill -> next commit, median", m_tot, "s"),
+        Figure("steady_overhead_pct", "steady step_s vs plain DDP", overhead * 100, "%"),
+        Figure("heal_over_loopback", "heal rate / loopback broadcast rate", heal_vs_lb, ""),
+        *(Figure(f"first_step_ratio[{a}]", f"first step after a {a} / a steady step (median)",
+                 fs_ratio[a], "x") for a in ("kill", "join")),
+    ]  # fmt: skip
+    bench.finish(f"torch {torch.__version__}, gloo over loopback",
+                 [f for f in figures if f.value is not None and math.isfinite(f.value)],
+                 targets, notes, details, anomalies)  # fmt: skip
     return 0
 
 

@@ -100,8 +100,8 @@ one thread per process, gloo over loopback. In order:
    script: torchft does not report them) against state / S and the full state.
 4. torchft: if it is not importable, T is left out of 1 and 3c and the report
    says so (nothing is installed by this benchmark).
-5. Prints the tables and appends them, with date, machine, load, command and
-   commit, to benchmarks/RESULTS.md (unless --no-record).
+5. Prints the tables and records the run, with date, machine, load, command and
+   commit, in benchmarks/results/ (unless --no-record).
 
 3b. Resharding: one more 2 x 2 run with `--reshard-after 2` where w1's
    replacement is held back 20 s (`kill@K:w1/hold=20s`): the survivors regroup
@@ -113,7 +113,7 @@ table one function over it.
 Why this model size: on this 2-core machine time, not memory, bounds the
 model (23 GB of RAM would hold a far larger one four times over). recovery.py's
 10M-parameter GPT took 0.85-1.5 s per step as 4 DDP processes here
-(RESULTS.md); compute scales about with the parameter count, so 6.5M
+(results/archive-2026.md); compute scales about with the parameter count, so 6.5M
 parameters should step in about 0.5-1 s and leave room for sharding's
 gathers. It was not searched for by trial. "The largest GPT that fits" is, for
 now, bounded by the full model fitting in each member (each starts from it),
@@ -121,7 +121,7 @@ not by the state / S it keeps: sharding does not raise that ceiling until
 members can start from a meta-device model and a sharded checkpoint.
 
 --quick is a smoke run (a tiny model, a few steps: no number in it means
-anything) and is marked as such in RESULTS.md; it took 1.5-2.5 minutes at load
+anything) and is never recorded; it took 1.5-2.5 minutes at load
 averages of 5-14 on this 2-core machine before the reshard run and the torchft
 side were added, 4.5 minutes with them (load average 8-13); the N side adds a
 fifth of the steady state. The default size took 5.1 minutes at load 0.8-9
@@ -131,7 +131,6 @@ Run directories are kept under benchmarks/runs/sharded-<stamp>/ (git-ignored).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import importlib.util
 import json
@@ -152,28 +151,29 @@ JOBS = HERE / "_jobs"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(JOBS))
 
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
+    fmt,
+    log,
+    med,
+    pct,
+    table,
+    targets_from_rows,
+    verdict,
+)
+from _kills import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 from _loopback import measure_loopback  # noqa: E402
 from _steady import (  # noqa: E402
     LauncherSide,
-    LoadSampler,
     ProcSide,
     Side,
-    append_section,
     block_stats,
-    fmt,
     interleave,
-    log,
-    med,
     not_steady,
-    pct,
-    print_notes,
-    run_context,
     shape_args,
-    table,
-    verdict,
 )
 from common import Shape, build, param_count  # noqa: E402
-from recovery import KillPacer, first_step_breakdown, run_bounded  # noqa: E402
 
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
@@ -549,7 +549,7 @@ def measure_recovery(
     spares: int = 0,
 ) -> dict[str, Any]:
     """One elastrain 2 x 2 run, one SIGKILL of `victim` at `kill_step`; stopped once
-    its replacement's generation committed `settle` steps (recovery.KillPacer).
+    its replacement's generation committed `settle` steps (_kills.KillPacer).
     With `spares`, hot spares wait beside the 4 ranks and one takes the slot."""
     # With spares, which worker waits as the standby depends on who registered
     # last: let the fault schedule pick a member of the generation (seeded).
@@ -557,7 +557,7 @@ def measure_recovery(
     cfg = elastrain_config(
         shape, out_dir, 100_000, SHARDS, faults=[parse_fault(fault)], seed=0, spares=spares
     )
-    pacer = KillPacer(1, kill_step, settle)
+    pacer = KillPacer(1, kill_step, settle, WORKERS)
     launcher = Launcher(cfg, on_status=pacer)
     pacer.launcher = launcher
     result, wall_s = run_bounded(launcher, timeout_s)
@@ -1133,8 +1133,8 @@ def recovery_tables(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, few steps")
+    bench = Bench("sharded.py", __doc__, quick="smoke run: tiny model, few steps")
+    ap = bench.ap
     ap.add_argument("--dim", type=int, default=None, help="model width (256; --quick 64)")
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks (8; --quick 2)")
     ap.add_argument("--heads", type=int, default=None, help="attention heads (4; --quick 2)")
@@ -1152,8 +1152,7 @@ def main() -> int:
         help=f"torchft lighthouse heartbeat timeout ({TFT_HEARTBEAT_MS}: its default)",
     )  # fmt: skip
     ap.add_argument("--no-torchft", action="store_true", help="leave torchft's side out")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     q = args.quick
     base_shape = QUICK_SHAPE if q else FULL_SHAPE
     shape = Shape(
@@ -1176,11 +1175,11 @@ def main() -> int:
     if mbs % WORKERS:
         ap.error(f"{mbs} micro-batches per step do not split evenly over {WORKERS} ranks")
 
-    t_start = time.monotonic()
     t_wall0 = time.time()
     load0 = os.getloadavg()[0]
-    load = LoadSampler()
-    date, uname, cores, command, code = run_context("sharded.py")
+    load = bench.load
+    assert load is not None
+    cores = os.cpu_count()
     import torch
 
     tft_ok, tft_line = torchft_status()
@@ -1188,9 +1187,7 @@ def main() -> int:
         tft_ok, tft_line = False, f"{tft_line}; left out (--no-torchft)"
     log(f"torchft: {tft_line}" + ("" if tft_ok else ": no torchft side"))
     sizes = state_bytes(shape, SHARDS)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = HERE / "runs" / f"sharded-{stamp}"
-    base.mkdir(parents=True, exist_ok=True)
+    base = bench.run_dir("sharded")
     log(f"load average now {load0:.1f} on {cores} cores")
     log(f"model: demo GPT dim={shape.dim} layers={shape.layers} heads={shape.heads} "
         f"block={shape.block}: {sizes['params']:,} parameters; full training state "
@@ -1415,15 +1412,13 @@ def main() -> int:
                 + (", ".join(mb(v, 2) for v in tf.get("heal_bytes", {}).values()) or "n/a")
                 + " MB per rank"
             )
-    runtime = time.monotonic() - t_start
 
     # ---- report ------------------------------------------------------------------------------
     limit = TARGET_RECOVERY_FIXED_S + meds["E"]
     tot = rd["total_s"]
     heal_frac = rd["rate"] / rd["lb_med"] if rd["lb_med"] > 0 else math.nan
     hb = rd["heal_bytes"]
-    targets = table(
-        ["target", "measured", "verdict"],
+    target_rows = (
         [
             *([f"steady step_s overhead vs plain HSDP <= {TARGET_OVERHEAD:.0%}: {LABELS[k]} "
                f"(reduce_dtype {ELASTRAIN_SIDES[k][1]}"
@@ -1470,8 +1465,9 @@ def main() -> int:
               else f"steady state: {st['tft_error'] or 'not run: ' + tft_line}; ")
              + "recovery: " + tft_rec_line,
              "report"],
-        ],
+        ]
     )  # fmt: skip
+    targets = table(["target", "measured", "verdict"], target_rows)
     notes = [
         f"model: demo GPT (dim {shape.dim}, {shape.layers} layers, {shape.heads} heads, context "
         f"{shape.block}, vocab 256): {sizes['params']:,} parameters; AdamW (lr {shape.lr}, "
@@ -1553,65 +1549,34 @@ def main() -> int:
         f"machine load (1-min load average, {cores} cores): {load0:.1f} at the start, "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark, "
         f"{load.mean(t_kill0, t_kill0 + rc['wall_s']):.1f} during the recovery run",
-        f"total benchmark runtime {runtime:.0f} s",
     ]
-    load.stop()
     text = "\n\n".join(
         [targets, t_steady, t_blocks, t_rss, t_rec, t_join, t_reshard] + ([t_tft] if t_tft else [])
     )
     print()
     print(text)
     print()
-    print_notes(notes, anomalies)
-
-    if not args.no_record:
-        res = HERE / "RESULTS.md"
-        if not res.exists():
-            res.write_text("# elastrain benchmark results\n")
-        smoke = " (--quick smoke run: tiny model, few steps; no number here means anything)"
-        sec = [
-            "",
-            f"## sharded.py — {date}{smoke if q else ''}",
-            "",
-            f"Machine: `{uname}`, {cores} cores (shared with other work; load average "
-            f"{load0:.1f} at the start). torch {torch.__version__}, gloo over loopback. "
-            f"Code: {code}.",
-            "",
-            f"Command: `{command}`",
-            "",
-            "Targets:",
-            "",
-            targets,
-            "",
-            t_steady,
-            "",
-            t_blocks,
-            "",
-            t_rss,
-            "",
-            t_rec,
-            "",
-            t_join,
-            "",
-            "Regroups in memory (reshard run):",
-            "",
-            t_reshard,
-            "",
-            *(["torchft HSDP's recovery beside elastrain's:", "", t_tft, ""] if t_tft else []),
-            "Per kill (seconds; t0 from job start):",
-            "",
-            "```",
-            detail_rec,
-            "```",
-            "",
-            "Per replacement (seconds from its spawn):",
-            "",
-            "```",
-            detail_join,
-            "```",
-            "",
-        ]
-        append_section(res, sec, notes, anomalies, log)
+    details = [
+        targets, "", t_steady, "", t_blocks, "", t_rss, "", t_rec, "", t_join, "",
+        "Regroups in memory (reshard run):", "", t_reshard, "",
+        *(["torchft HSDP's recovery beside elastrain's:", "", t_tft, ""] if t_tft else []),
+        "Per kill (seconds; t0 from job start):", "", "```", detail_rec, "```", "",
+        "Per replacement (seconds from its spawn):", "", "```", detail_join, "```",
+    ]  # fmt: skip
+    judged, reported = targets_from_rows(target_rows)
+    figures = [
+        *(Figure(f"steady_overhead_pct[{LABELS[k]}]", f"steady step_s vs plain HSDP, {LABELS[k]}",
+                 ov * 100, "%") for k, ov in overheads.items()),
+        Figure("kill_to_next_commit_s", "kill -> next commit", tot, "s"),
+        Figure("kill_to_next_commit_s[1 hot spare]", "kill -> next commit, 1 hot spare",
+               sp_rec.total_s if sp_rec else None, "s"),
+        Figure("heal_over_loopback", "heal rate / loopback broadcast rate", heal_frac, ""),
+    ]  # fmt: skip
+    bench.finish(
+        f"torch {torch.__version__}, gloo over loopback",
+        [f for f in figures if f.value is not None and math.isfinite(f.value)],
+        judged, reported + notes, details, anomalies,
+    )  # fmt: skip
     return 0
 
 

@@ -12,14 +12,12 @@ workers, global batch 32 in micro-batches of 4, one thread each, no faults)
 alternately under the base commit (checked out into a temporary git worktree)
 and under this checkout, `--repeats` times each, and compares the medians.
 Per run: the median over steps 10.. of the slowest member's `step_s`. Prints a
-table and appends it to benchmarks/RESULTS.md with date, machine, load and
+table and records the run (benchmarks/results/) with date, machine, load and
 command (unless --no-record). The worktree is removed at the end.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -32,6 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _harness import Bench, Figure, turns  # noqa: E402
+
 SHAPE = ["--dim", "128", "--layers", "2", "--heads", "4", "--block", "64"]
 SHAPE += ["--batch", "32", "--micro", "4"]
 
@@ -66,23 +68,22 @@ def run_once(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench = Bench("step_ab.py", __doc__, repeats=3)
+    ap = bench.ap
     ap.add_argument("--base", required=True, help="the commit to compare with")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--workers", type=int, default=4, help="workers of the job (4)")
     ap.add_argument(
         "--job-args", default=shlex.join(SHAPE),
         help=f"the job's arguments, one string (default: {shlex.join(SHAPE)!r})",
     )  # fmt: skip
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     job_args = shlex.split(args.job_args)
-    head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True)
+    assert bench.ctx is not None
+    head = bench.ctx.code
     base = subprocess.check_output(
         ["git", "rev-parse", "--short", args.base], cwd=ROOT, text=True
     ).strip()
-    load0 = os.getloadavg()[0]
     med: dict[str, list[float]] = {"base": [], "this": []}
     loads: list[float] = []
     with tempfile.TemporaryDirectory(prefix="step-ab-") as tmp:
@@ -92,7 +93,7 @@ def main() -> int:
         )
         try:
             for rep in range(args.repeats):
-                for name, tree in (("base", wt), ("this", ROOT)):
+                for name, tree in turns([("base", wt), ("this", ROOT)], rep):
                     t0 = time.monotonic()
                     m = run_once(
                         tree, Path(tmp) / f"{name}-{rep}", args.steps, args.workers, job_args
@@ -108,29 +109,23 @@ def main() -> int:
         "| code | runs: median step (ms) | median of runs (ms) |",
         "|---|---|---|",
         f"| base {base} | {', '.join(f'{x * 1e3:.1f}' for x in med['base'])} | {b * 1e3:.1f} |",
-        f"| this {head.strip()} | {', '.join(f'{x * 1e3:.1f}' for x in med['this'])} | "
-        f"{t * 1e3:.1f} |",
+        f"| this {head} | {', '.join(f'{x * 1e3:.1f}' for x in med['this'])} | {t * 1e3:.1f} |",
     ]
     verdict = f"this / base = {t / b:.3f} ({(t / b - 1) * 100:+.1f}%)"
     table = "\n".join(rows)
     print(table)
     print(verdict)
-    if not args.no_record:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        cmd = shlex.join([".venv/bin/python", "benchmarks/step_ab.py", *sys.argv[1:]])
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(
-                f"\n## step_ab.py — {stamp}\n\n"
-                f"Machine: `{platform.system()} {platform.release()} {platform.machine()}`, "
-                f"{os.cpu_count()} cores (shared), load average {load0:.1f} at start, "
-                f"{min(loads):.1f}-{max(loads):.1f} during. Code: commit {head.strip()} "
-                f"against {base}.\n\nCommand: `{cmd}`\n\n"
-                f"The demo GPT job, {args.workers} workers, `{shlex.join(job_args)}`, no faults, "
-                f"{args.steps} steps, alternating base and this checkout; per run the median "
-                "over steps 10.. of the slowest member's step time.\n\n"
-                f"{table}\n\n{verdict}\n"
-            )
-        print("appended to benchmarks/RESULTS.md")
+    bench.finish(
+        f"Python {platform.python_version()}",
+        [Figure("this_over_base", f"median step, this checkout / base {base}", t / b, ""),
+         Figure("step_ms[base]", f"median step, base {base}", b * 1e3, "ms"),
+         Figure("step_ms[this]", "median step, this checkout", t * 1e3, "ms")],
+        [],
+        [f"the demo GPT job, {args.workers} workers, `{shlex.join(job_args)}`, no faults, "
+         f"{args.steps} steps, base and this checkout in turns (A B | B A | ...); per run the median over "
+         "steps 10.. of the slowest member's step time"],
+        table,
+    )  # fmt: skip
     return 0
 
 

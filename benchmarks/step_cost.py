@@ -34,7 +34,7 @@ on this 2-core machine the running side has a core per worker (4 workers, as in
 recovery.py, would put two busy processes on each core and time the scheduler);
 the idle side sleeps in a TCPStore wait.
 
-Prints the tables and appends them to benchmarks/RESULTS.md with date, machine,
+Prints the tables and records the run (benchmarks/results/) with date, machine,
 load, command and commit (unless --no-record). --quick is a smoke run (a few
 blocks, no number in it means anything) and never records. Run directories are
 kept under benchmarks/runs/step-cost-<stamp>/ (git-ignored). Takes about 5
@@ -44,7 +44,6 @@ size 3-4; --quick: about 1.5).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -59,23 +58,23 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
-from _steady import (  # noqa: E402
-    THREAD_KINDS,
-    LoadSampler,
-    append_section,
-    block_stats,
+from _harness import (  # noqa: E402
+    Bench,
+    Figure,
     fmt,
     log,
-    measured_step,
     med,
     pct,
+    table,
+    target,
+)
+from _steady import (  # noqa: E402
+    THREAD_KINDS,
+    block_stats,
+    measured_step,
     pick_sizes,
-    print_notes,
-    run_context,
-    section_head,
     steady_anomalies,
     steady_elastrain_vs,
-    table,
 )
 from common import Shape, build, param_count  # noqa: E402
 
@@ -290,25 +289,23 @@ def measure(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: a few blocks, no record")
+    bench = Bench("step_cost.py", __doc__, quick="smoke run: a few blocks")
+    ap = bench.ap
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"which sizes ({','.join(SIZES)})")
     ap.add_argument(
         "--reduce-dtype", choices=("float64", "native"), default="float64",
         help="elastrain's TrainerConfig.reduce_dtype (float64, its default; native: a "
         "diagnostic, the float64 widening left out)",
     )  # fmt: skip
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = bench.parse()
     names = pick_sizes(ap, args.sizes, SIZES)
-    record = not (args.no_record or args.quick)
 
-    t_start = time.monotonic()
     t_wall0 = time.time()
-    load = LoadSampler()
-    ctx = run_context("step_cost.py")
-    base = HERE / "runs" / f"step-cost-{time.strftime('%Y%m%d-%H%M%S')}"
-    log(f"load average now {os.getloadavg()[0]:.1f} on {ctx.cores} cores; run dirs under {base}")
+    load = bench.load
+    assert load is not None
+    base = bench.run_dir("step-cost")
+    cores = os.cpu_count()
+    log(f"load average now {os.getloadavg()[0]:.1f} on {cores} cores; run dirs under {base}")
 
     import torch
 
@@ -349,7 +346,6 @@ def main() -> int:
             f"of {block} steps per side; {time.monotonic() - t:.0f} s at load average "
             f"{load.mean(t_w, time.time()):.1f}; run dir {(base / name).relative_to(ROOT)}"
         )
-    load.stop()
 
     t1 = table(SUMMARY_HEADER, summary_rows(res))
     t2 = table(BREAKDOWN_HEADER, breakdown_rows(res))
@@ -379,35 +375,33 @@ def main() -> int:
         "sampler, the graveyard), other (unnamed threads), coordinator (all of its "
         "threads); per step, the mean over every block but the last (one clock tick is "
         "10 ms: a median of blocks would round small threads to 0 or a tick).",
-        f"machine load (1-min load average, {ctx.cores} cores): "
+        f"machine load (1-min load average, {cores} cores): "
         f"{load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
-        f"total benchmark runtime {time.monotonic() - t_start:.0f} s",
     ]
     anomalies = [a for r in res.values() for a in r["anomalies"]]
     print()
     print("\n\n".join([t1, t2, t_threads, t3]))
     print()
-    print_notes(notes, anomalies)
+    details = [t1, "", "Where a step goes (median ms):", "", t2, "",
+               "CPU ms per step by thread, all processes of the side (mean over every block "
+               "but the last):", "", t_threads, "", t3]  # fmt: skip
+    figures, targets = [], []
+    for name, r in res.items():
+        e, d = r["cycle"]["E"], r["cycle"]["D"]
+        ratio = e / d if d > 0 else math.nan
+        figures += [
+            Figure(f"cycle_ms[{name}, elastrain]", f"cycle, elastrain, {name} steps", e * 1e3, "ms"),
+            Figure(f"cycle_ms[{name}, DDP]", f"cycle, DDP, {name} steps", d * 1e3, "ms"),
+            Figure(f"elastrain_over_ddp[{name}]", f"cycle elastrain / DDP, {name} steps", ratio, ""),
+        ]  # fmt: skip
+        targets.append(target(
+            f"step cost vs DDP, {name} steps (reduce_dtype {args.reduce_dtype})",
+            f"<= {TARGET:.0%}", pct(e, d), {"PASS": True, "FAIL": False}.get(verdict(e, d)),
+        ))  # fmt: skip
+    bench.finish(f"torch {torch.__version__}, gloo over loopback", figures, targets, notes,
+                 details, anomalies)  # fmt: skip
     if args.quick:
         print("\n(--quick smoke run: not recorded, and no number in it means anything)")
-    if record:
-        res_md = HERE / "RESULTS.md"
-        sec = [
-            *section_head("step_cost.py", ctx, f"torch {torch.__version__}, gloo over loopback"),
-            t1,
-            "",
-            "Where a step goes (median ms):",
-            "",
-            t2,
-            "",
-            "CPU ms per step by thread, all processes of the side (mean over every block but the last):",
-            "",
-            t_threads,
-            "",
-            t3,
-            "",
-        ]
-        append_section(res_md, sec, notes, anomalies, log)
     return 0
 
 

@@ -57,7 +57,7 @@ the step it had reached, time until the replacement trains, steps recomputed,
 samples dropped, wall time to step --steps, goodput against the failure-free
 run, the loss curve's largest deviation from the failure-free run's, and
 whether the run survived. Prints min / median / max over the repeats, checks
-the acceptance targets, and appends everything to benchmarks/RESULTS.md with
+the acceptance targets, and records the run (benchmarks/results/) with
 date, machine, load and command (unless --no-record).
 
 The pieces, under benchmarks/_versus/: job.py (the job, the cases, one run's
@@ -72,14 +72,11 @@ the benchmark starts is stopped by PID when it ends, also on error or Ctrl-C.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import importlib.util
 import json
+import math
 import os
-import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,7 +88,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 sys.path.insert(0, str(HERE / "_versus"))
 
-from analysis import Plan, compare_runs, step_time_s  # noqa: E402
+from _harness import Bench, Figure, targets_from_rows, turns  # noqa: E402
+from analysis import Plan, compare_runs, span, step_time_s  # noqa: E402
 from job import (  # noqa: E402
     CASES,
     FT_INSTALL,
@@ -104,13 +102,43 @@ from job import (  # noqa: E402
     log,
 )
 from procs import PROCS  # noqa: E402
-from report import LoadSampler, find_previous, fmt, slug, summarize, table  # noqa: E402
+from report import find_previous, fmt, slug, summarize, table  # noqa: E402
 from runners import execute  # noqa: E402
+
+METRICS = (
+    # (figure key stem, label, unit, the value of one run)
+    ("step_s", "median step before the first fault", "s", None),
+    ("kill_to_next_commit_s", "kill -> survivors' next commit", "s", lambda r: r.kill_s),
+    ("hang_to_next_commit_s", "hang (--hang-s) -> survivors' next commit", "s", lambda r: r.hang_s),
+    ("replacement_training_s", "kill -> replacement's first committed step", "s",
+     lambda r: r.repl_s),
+    ("steps_recomputed", "steps recomputed per run", "steps", lambda r: float(r.recomputed)),
+    ("samples_dropped", "samples dropped per run", "samples", lambda r: float(r.dropped)),
+)  # fmt: skip
+
+
+def case_figures(cases: list[Any], runs: dict[str, list[Run]], kill_at: int) -> list[Figure]:
+    """Each case's medians over its repeats, named `<metric>[<case>]` (what the README's
+    headline table quotes, see render.py), and how many of its runs lost the state."""
+    out = []
+    for c in cases:
+        rs = runs.get(c.name) or []
+        if not rs:
+            continue
+        for key, label, unit, of in METRICS:
+            xs = [step_time_s(r.commits, 2, kill_at) for r in rs] if of is None else map(of, rs)
+            m = span(xs)[1]
+            out.append(Figure(f"{key}[{c.name}]", f"{label}, {c.name}",
+                              None if math.isnan(m) else m, unit))  # fmt: skip
+        out.append(Figure(f"state_lost_runs[{c.name}]",
+                          f"runs that lost the training state, {c.name}",
+                          sum(r.state_lost for r in rs), f"of {len(rs)} runs"))  # fmt: skip
+    return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, marked as such")
+    bench = Bench("versus.py", __doc__, quick="smoke run: 1 repeat")
+    ap = bench.ap
     ap.add_argument("--repeats", type=int, default=None, help="runs per case (3; --quick 1)")
     ap.add_argument("--steps", type=int, default=40, help="steps S every run reaches (40)")
     ap.add_argument("--kill-at", type=int, default=15, help="SIGKILL of worker 1 at (15)")
@@ -122,7 +150,6 @@ def main() -> int:
         "--cases", default=None,
         help="'all' or a comma-separated subset of: " + ", ".join(slug(c.name) for c in CASES),
     )  # fmt: skip
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument(
         "--compare",
         default="latest",
@@ -130,7 +157,7 @@ def main() -> int:
         help="check reproducibility against this earlier run directory's summary.json "
         "('latest': the newest under benchmarks/runs; 'none': skip)",
     )
-    args = ap.parse_args()
+    args = bench.parse()
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if not 2 < args.kill_at < args.hang_at < args.steps or repeats < 1:
         ap.error("need 2 < --kill-at < --hang-at < --steps and --repeats >= 1")
@@ -150,24 +177,16 @@ def main() -> int:
         and (Path(sys.executable).parent / "torchft_lighthouse").exists()
     )
     ft_why = f"not run: torchft is not installed ({FT_INSTALL})"
-    load = LoadSampler()
+    load = bench.load
+    assert load is not None and bench.ctx is not None
     load0 = os.getloadavg()
-    t_start = time.monotonic()
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    uname = subprocess.run(["uname", "-srm"], capture_output=True, text=True).stdout.strip()
-    py_abs = os.path.abspath(sys.executable)
-    py_s = os.path.relpath(py_abs, ROOT) if py_abs.startswith(str(ROOT) + os.sep) else py_abs
-    command = shlex.join([py_s, "benchmarks/versus.py", *sys.argv[1:]])
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    date, head = bench.ctx.date, bench.ctx.code
     ft_ver = ""
     if have_ft:
         from importlib.metadata import version
 
         ft_ver = version("torchft")
-    base = HERE / "runs" / f"versus-{time.strftime('%Y%m%d-%H%M%S')}"
-    base.mkdir(parents=True, exist_ok=True)
+    base = bench.run_dir("versus")
     S, B = args.steps, SHAPE.global_batch
     log(f"load average {load0[0]:.1f} on {os.cpu_count()} cores; run dirs under {base}")
     log(f"job: demo GPT dim {SHAPE.dim}, {SHAPE.layers} layers, {WORKERS} workers, global "
@@ -189,7 +208,7 @@ def main() -> int:
         log(f"{REFERENCE.name}: {'ok' if ref.survived else 'FAILED ' + ref.why} in "
             f"{time.monotonic() - t:.0f} s, step {fmt(step_time_s(ref.commits, 2, S), 3)} s")  # fmt: skip
         for rep in range(repeats):
-            order = cases if rep % 2 == 0 else cases[::-1]
+            order = turns(cases, rep)
             for c in order:
                 if c.system == "torchft" and not have_ft:
                     continue
@@ -207,14 +226,12 @@ def main() -> int:
         log("interrupted: reporting what ran")
     finally:
         PROCS.stop()
-        load.stop()
-    runtime = time.monotonic() - t_start
+    runtime = bench.elapsed_s()
     report = summarize(args, cases, runs, ref, have_ft, ft_why)
     notes = report["notes"] + [
         f"machine load (1-min load average min / mean / max during the benchmark): "
         f"{load.summary()}; {os.cpu_count()} cores shared with other work",
-        f"torch {torch.__version__}" + (f", torchft {ft_ver}" if ft_ver else ", torchft missing"),
-        f"total runtime {runtime:.0f} s; run dirs {base.relative_to(ROOT)}",
+        f"run dirs {base.relative_to(ROOT) if base.is_relative_to(ROOT) else base}",
     ]
     report["targets"].append([
         "one command, at most 15 minutes", f"{runtime / 60:.1f} min",
@@ -253,29 +270,20 @@ def main() -> int:
     if repro_table:
         print(repro_table)
         print()
-    for n in notes:
-        print("- " + n)
-    for a in report["anomalies"]:
-        print("ANOMALY: " + a)
-    if not args.no_record and not interrupted:
-        res = HERE / "RESULTS.md"
-        quick = (
-            " (smoke run: fewer than 3 repeats, not the recorded figures)" if repeats < 3 else ""
-        )
-        sec = [
-            "", f"## versus.py — {date}{quick}", "",
-            f"Machine: `{uname}`, {os.cpu_count()} cores (shared with other work), load "
-            f"average {load0[0]:.1f} at start. Code: commit {head}.", "",
-            f"Command: `{command}`", "", "Targets:", "", target_table, "", report["main"], "",
-            "Per run:", "", report["detail"], "",
-            *(["Against the previous run:", "", repro_table, ""] if repro_table else []),
-            *["- " + n for n in notes],
-        ]  # fmt: skip
-        if report["anomalies"]:
-            sec += ["", "Anomalies:", ""] + ["- " + a for a in report["anomalies"]]
-        with open(res, "a") as f:
-            f.write("\n".join(sec) + "\n")
-        log(f"appended to {res}")
+    if interrupted:
+        bench.ap.exit(130, "interrupted: not recorded\n")
+    if repeats < 3:
+        notes.append(f"{repeats} repeat(s): fewer than the 3 the figures are judged over")
+    details = [
+        report["main"], "", "Per run:", "", report["detail"], "",
+        *(["Against the previous run:", "", repro_table, ""] if repro_table else []),
+    ]  # fmt: skip
+    judged, reported = targets_from_rows(report["targets"])
+    bench.finish(
+        f"torch {torch.__version__}" + (f", torchft {ft_ver}" if ft_ver else ", torchft missing"),
+        case_figures(cases, runs, args.kill_at), judged, reported + notes, details,
+        report["anomalies"],
+    )  # fmt: skip
     return 0 if not interrupted else 130
 
 

@@ -21,13 +21,12 @@ machine's drift falls on all three alike:
 The sizes are step_cost.py's (the demo GPT; one intra-op thread); each side
 computes that benchmark's per-worker share of micro-batches (2 workers). hooks and
 batched must end with identical parameters (the same float64 sums, so the same
-update): the run says so, or lists it as an anomaly. Prints a table and appends it
-to benchmarks/RESULTS.md with date, machine, command, commit and load.
+update): the run says so, or lists it as an anomaly. Prints a table and records
+the run (benchmarks/results/) with date, machine, command, commit and load.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -40,14 +39,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE / "_jobs"))
 
-from _steady import (  # noqa: E402
-    LoadSampler,
-    finish,
-    log,
-    pick_sizes,
-    run_context,
-    table,
-)
+from _harness import Bench, Figure, log, table  # noqa: E402
+from _steady import pick_sizes  # noqa: E402
 from common import Shape, build, param_count  # noqa: E402
 
 WORKERS = 2
@@ -149,18 +142,16 @@ def measure(name: str, size: Size) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="20ms,1s", help="comma list of 20ms, 1s")
-    ap.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
-    names = pick_sizes(ap, args.sizes, SIZES)
+    bench = Bench("widen.py", __doc__)
+    bench.ap.add_argument("--sizes", default="20ms,1s", help="comma list of 20ms, 1s")
+    args = bench.parse()
+    names = pick_sizes(bench.ap, args.sizes, SIZES)
 
     import torch
 
     torch.set_num_threads(1)
-    load = LoadSampler()
-    ctx = run_context("widen.py")
-    t_start = time.time()
+    load = bench.load
+    assert load is not None
     results = []
     for name in names:
         t0 = time.time()
@@ -169,7 +160,6 @@ def main() -> int:
         r["load"] = load.mean(t0, time.time())
         r["seconds"] = time.time() - t0
         results.append(r)
-    load.stop()
 
     rows = []
     anomalies = []
@@ -207,8 +197,17 @@ def main() -> int:
         "taking turns in blocks (hooks batched native | native batched hooks | ...); widening: "
         "the way's median less native's"
     )
-    notes.append(f"total runtime {time.time() - t_start:.0f} s")
-    finish("widen.py", ctx, f"torch {torch.__version__}", t, notes, anomalies, not args.no_record)
+    figures = [
+        f for r in results for f in (
+            Figure(f"batched_over_hooks[{r['name']}]",
+                   f"compute phase, batched widening / per-tensor hooks, {r['name']} steps",
+                   r["median"]["batched"] / r["median"]["hooks"], ""),
+            Figure(f"widening_ms[{r['name']}, batched]",
+                   f"widening's cost per step, batched, {r['name']} steps",
+                   r["median"]["batched"] - r["median"]["native"], "ms"),
+        )
+    ]  # fmt: skip
+    bench.finish(f"torch {torch.__version__}", figures, [], notes, t, anomalies)
     return 0
 
 

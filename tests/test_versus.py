@@ -278,3 +278,36 @@ def test_a_true_difference_is_caught_and_pure_noise_rarely_is() -> None:
     )
     assert false_alarms <= 25  # about 11 of 200 expected (5.7% in 1000 pairs)
     assert caught >= 90
+
+
+def test_the_recorded_figures_are_each_cases_medians_under_the_headlines_keys() -> None:
+    """versus.py's record names each case's medians `<metric>[<case>]`: the keys
+    benchmarks/render.py's headline table looks its cells up by."""
+    from .conftest import load_benchmark
+
+    v = load_benchmark("versus.py")
+    render = load_benchmark("render.py")
+    from job import CASES, Run  # noqa: E402
+
+    ela = next(c for c in CASES if c.name == "elastrain")
+    ft = next(c for c in CASES if c.name == "torchft flat, hb 5 s")
+    runs = {ela.name: [], ft.name: []}
+    for i, (kill, hang, repl) in enumerate([(0.2, 0.7, 4.0), (0.1, 0.6, None), (0.3, 0.9, 5.0)]):
+        r = Run(ela.name, i, True, Path("/nonexistent"))
+        r.kill_s, r.hang_s, r.repl_s, r.recomputed, r.dropped = kill, hang, repl, 0, 8 * i
+        runs[ela.name].append(r)
+    lost = Run(ft.name, 0, True, Path("/nonexistent"))
+    lost.survived, lost.state_lost = False, True
+    runs[ft.name].append(lost)
+    figs = {f.key: f for f in v.case_figures([ela, ft], runs, kill_at=15)}
+    assert figs["kill_to_next_commit_s[elastrain]"].value == 0.2
+    assert figs["hang_to_next_commit_s[elastrain]"].value == 0.7
+    assert figs["replacement_training_s[elastrain]"].value == 4.5  # the unknown one left out
+    assert figs["samples_dropped[elastrain]"].value == 8
+    assert figs["state_lost_runs[elastrain]"].value == 0
+    assert figs["kill_to_next_commit_s[torchft flat, hb 5 s]"].value is None
+    assert (figs["state_lost_runs[torchft flat, hb 5 s]"].value,
+            figs["state_lost_runs[torchft flat, hb 5 s]"].unit) == (1, "of 1 runs")  # fmt: skip
+    wanted = {render.figure_key(row.metric, side.case) for row in render.ROWS
+              for side in render.SIDES}  # fmt: skip
+    assert {k for k in wanted if k.endswith("[elastrain]")} <= set(figs)

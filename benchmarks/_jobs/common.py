@@ -9,6 +9,7 @@ in sharded.py, how the model is sharded).
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -24,11 +25,13 @@ from elastrain.runtime.torch_backend import seed_micro_batch
 __all__ = [
     "Shape",
     "accumulate",
+    "add_shape_arguments",
     "build",
     "loss_fn",
     "param_count",
     "micro_rng_seed",
     "proc_status_kb",
+    "shape_of",
 ]
 
 
@@ -44,6 +47,23 @@ class Shape:
     micro_batch: int = 1
     lr: float = 3e-3
     seed: int = 0
+
+
+def add_shape_arguments(ap: argparse.ArgumentParser, required: bool = False) -> None:
+    """A job script's --dim --layers --heads --block --batch --micro (`shape_of`),
+    defaulting to `Shape`'s unless ``required``."""
+    for flag, field in (("--dim", "dim"), ("--layers", "layers"), ("--heads", "heads"),
+                        ("--block", "block"), ("--batch", "global_batch"),
+                        ("--micro", "micro_batch")):  # fmt: skip
+        if required:
+            ap.add_argument(flag, type=int, required=True)
+        else:
+            ap.add_argument(flag, type=int, default=getattr(Shape, field))
+
+
+def shape_of(a: argparse.Namespace) -> Shape:
+    """The `Shape` of a job script's `add_shape_arguments`."""
+    return Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
 
 
 def build(shape: Shape) -> tuple[torch.nn.Module, torch.optim.Optimizer, ByteBlocks]:

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import Gate, Shape, accumulate, build  # noqa: E402
+from common import Gate, accumulate, add_shape_arguments, build, shape_of  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from elastrain.data import GlobalOrder, assign_microbatches, step_microbatches  # noqa: E402
@@ -47,18 +47,13 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, required=True)
     ap.add_argument("--block-steps", type=int, required=True)
     ap.add_argument("--blocks", type=int, required=True)
-    ap.add_argument("--dim", type=int, default=Shape.dim)
-    ap.add_argument("--layers", type=int, default=Shape.layers)
-    ap.add_argument("--heads", type=int, default=Shape.heads)
-    ap.add_argument("--block", type=int, default=Shape.block)
-    ap.add_argument("--batch", type=int, default=Shape.global_batch)
-    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    add_shape_arguments(ap)
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb")
     ap.add_argument("--grad-as-bucket-view", action="store_true")
     ap.add_argument("--side", default="D", help="this baseline's name for the gate (D)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    shape = shape_of(a)
     gate = Gate(f"127.0.0.1:{a.port}", a.side, a.world, a.warmup_steps, a.block_steps, a.blocks)
     store = dist.TCPStore(
         "127.0.0.1", a.port, a.world, is_master=False, timeout=datetime.timedelta(seconds=60)

@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from common import Gate, Shape, build, loss_fn  # noqa: E402
+from common import Gate, add_shape_arguments, build, loss_fn, shape_of  # noqa: E402
 
 from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
 
@@ -24,18 +24,13 @@ from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--dim", type=int, default=Shape.dim)
-    ap.add_argument("--layers", type=int, default=Shape.layers)
-    ap.add_argument("--heads", type=int, default=Shape.heads)
-    ap.add_argument("--block", type=int, default=Shape.block)
-    ap.add_argument("--batch", type=int, default=Shape.global_batch)
-    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    add_shape_arguments(ap)
     ap.add_argument(
         "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
     )
     a = ap.parse_args()
     torch.set_num_threads(1)
-    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    shape = shape_of(a)
     model, opt, data = build(shape)
     cfg = TrainerConfig(
         global_batch_size=shape.global_batch,

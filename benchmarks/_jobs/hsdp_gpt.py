@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from common import Gate, Shape, accumulate, build, proc_status_kb  # noqa: E402
+from common import Gate, accumulate, add_shape_arguments, build, proc_status_kb, shape_of  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
@@ -66,12 +66,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, required=True)
     ap.add_argument("--block-steps", type=int, required=True)
     ap.add_argument("--blocks", type=int, required=True)
-    ap.add_argument("--dim", type=int, default=Shape.dim)
-    ap.add_argument("--layers", type=int, default=Shape.layers)
-    ap.add_argument("--heads", type=int, default=Shape.heads)
-    ap.add_argument("--block", type=int, default=Shape.block)
-    ap.add_argument("--batch", type=int, default=Shape.global_batch)
-    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    add_shape_arguments(ap)
     ap.add_argument("--scatter-every-micro", action="store_true")
     ap.add_argument("--reduce-fp64", action="store_true")
     ap.add_argument("--side", default="H", help="this baseline's name for the gate (H)")
@@ -79,7 +74,7 @@ def main() -> None:
     if a.world % a.shard_size:
         ap.error(f"world {a.world} is not a multiple of --shard-size {a.shard_size}")
     torch.set_num_threads(1)
-    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    shape = shape_of(a)
     B, W = shape.global_batch, a.world
     mbs_per_step = len(step_microbatches(0, B, shape.micro_batch))
     if mbs_per_step % W:

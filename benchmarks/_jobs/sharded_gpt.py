@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed.device_mesh  # noqa: E402, F401
 import torch.distributed.fsdp  # noqa: E402, F401
-from common import Gate, Shape, build, loss_fn, proc_status_kb  # noqa: E402
+from common import Gate, add_shape_arguments, build, loss_fn, proc_status_kb, shape_of  # noqa: E402
 
 from elastrain import ElasticTrainer, TrainerConfig  # noqa: E402
 
@@ -51,15 +51,10 @@ def main() -> None:
     ap.add_argument(
         "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
     )
-    ap.add_argument("--dim", type=int, default=Shape.dim)
-    ap.add_argument("--layers", type=int, default=Shape.layers)
-    ap.add_argument("--heads", type=int, default=Shape.heads)
-    ap.add_argument("--block", type=int, default=Shape.block)
-    ap.add_argument("--batch", type=int, default=Shape.global_batch)
-    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    add_shape_arguments(ap)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    shape = shape_of(a)
     # Every member starts from the same full, materialised model (the sharded
     # trainer needs one today); it keeps only its shard's rows after its first
     # generation.

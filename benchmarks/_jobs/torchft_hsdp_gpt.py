@@ -70,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchft  # noqa: E402
-from common import Gate, Shape, accumulate, build, proc_status_kb  # noqa: E402
+from common import Gate, accumulate, add_shape_arguments, build, proc_status_kb, shape_of  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
@@ -136,12 +136,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--block-steps", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=0, help="> 0: take turns (common.Gate)")
-    ap.add_argument("--dim", type=int, default=Shape.dim)
-    ap.add_argument("--layers", type=int, default=Shape.layers)
-    ap.add_argument("--heads", type=int, default=Shape.heads)
-    ap.add_argument("--block", type=int, default=Shape.block)
-    ap.add_argument("--batch", type=int, default=Shape.global_batch)
-    ap.add_argument("--micro", type=int, default=Shape.micro_batch)
+    add_shape_arguments(ap)
     a = ap.parse_args()
     if a.blocks > 0 and (a.out is None or a.block_steps < 1):
         ap.error("--blocks needs --out and --block-steps")
@@ -150,7 +145,7 @@ def main() -> None:
     log.emit("start", T_START, join=a.join)
     log.emit("imported", t_imported)
     torch.set_num_threads(1)
-    shape = Shape(a.dim, a.layers, a.heads, a.block, a.batch, a.micro)
+    shape = shape_of(a)
     B, W = shape.global_batch, a.groups * S
     grank = G * S + R
     mbs_per_step = len(step_microbatches(0, B, shape.micro_batch))

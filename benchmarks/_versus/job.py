@@ -79,6 +79,8 @@ class Run:
     t_launch: float = math.nan
     survived: bool = True
     why: str = ""
+    state_lost: bool = False
+    """The run ended because no process held the training state any more."""
     t_crash: float | None = None
     """When a run that did not survive lost its state (its figures use commits before it)."""
     survivors_lost: int = 0

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _harness import fmt as harness_fmt
+from _harness import table
 from analysis import (
     global_loss_curve,
     goodput,
@@ -43,7 +43,8 @@ def slug(name: str) -> str:
 
 
 def fmt(x: float | None, nd: int = 2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+    """`_harness.fmt`, two decimals unless told (this report's seconds)."""
+    return harness_fmt(x, nd)
 
 
 def cell(xs: Sequence[float | None], nd: int = 2, unit: str = "") -> str:
@@ -53,36 +54,6 @@ def cell(xs: Sequence[float | None], nd: int = 2, unit: str = "") -> str:
     if lo == hi:
         return f"{fmt(med, nd)}{unit}"
     return f"{fmt(med, nd)}{unit} ({fmt(lo, nd)}-{fmt(hi, nd)})"
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(header)) + " |"]
-    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |")
-    return "\n".join(out)
-
-
-class LoadSampler:
-    """1-minute load average every 2 s (the machine is shared)."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="loadavg").start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(2.0)
-
-    def summary(self) -> str:
-        xs = self.samples or [os.getloadavg()[0]]
-        return f"{min(xs):.1f} / {sum(xs) / len(xs):.1f} / {max(xs):.1f}"
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def find_previous(spec: str, current: Path) -> Path | None:

@@ -305,7 +305,7 @@ def run_torchft(plan: Plan, run: Run, mode: str, heartbeat_ms: int, pg_timeout_s
                     continue
                 s = int(r["step"])
                 if s < max_step - 2:
-                    run.survived = False
+                    run.survived, run.state_lost = False, True
                     run.why = (
                         f"state lost: training restarted at step {s} after reaching {max_step}"
                     )
@@ -344,7 +344,8 @@ def run_torchft(plan: Plan, run: Run, mode: str, heartbeat_ms: int, pg_timeout_s
             if max_step >= 0 and not any(
                 p.poll() is None and p.pid in has_state for p in procs.values()
             ):
-                run.survived, run.why = False, "every replica holding the state died: state lost"
+                run.survived, run.state_lost = False, True
+                run.why = "every replica holding the state died: state lost"
                 run.t_crash = first_death
                 break
             repl_done = kill_t is None or kill_t == math.inf

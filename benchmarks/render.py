@@ -117,6 +117,9 @@ SIDES = (
     Side("elastrain", "elastrain"),
     Side("torchrun (restart from checkpoint)", "torchrun restart"),
     Side("torchft 0.2.0 (flat all-reduce, heartbeat 5 s)", "torchft flat, hb 5 s"),
+    # torchft's fastest set-up measured: quicker to notice a death, but it dropped
+    # samples and changed the loss curve (RESULTS.md); shown so no side is a straw man.
+    Side("torchft 0.2.0 (flat all-reduce, heartbeat 1 s)", "torchft flat, hb 1 s"),
 )
 ROWS = (
     Row("kill -> survivors' next commit", "kill_to_next_commit_s"),
@@ -203,6 +206,10 @@ def render_headline(records: list[Record], page: str = "benchmarks/RESULTS.md") 
         f"Medians over each run's repeats, CPU-only, 4 workers on 2 shared cores; "
         f"runs of {', '.join(dates)}. Rendered from the run records by "
         "`python benchmarks/render.py`.",
+        "",
+        "Reproduce: `.venv/bin/pip install -e '.[bench]'` (torchft 0.2.0 beside torch: "
+        "[how](docs/design/versus.md#installing-torchft-without-touching-torch)), then "
+        "`.venv/bin/python benchmarks/versus.py` (3 repeats of every case, about 7 min).",
     ]
     return "\n".join(out)
 

@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from elastrain.chaos.injector import register as register_chaos  # noqa: E402
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
@@ -110,6 +111,7 @@ def main() -> int:
         extra_env={"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
     )
     pacer = KillPacer(args.kills, args.settle)
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=pacer)
     pacer.launcher = launcher
     timer = threading.Timer(args.timeout, launcher.stop)

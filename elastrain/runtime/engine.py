@@ -160,8 +160,8 @@ from elastrain.runtime.sharded_ckpt import (
     shard_source,
     writer_shard,
 )
-from elastrain.runtime.threadnames import HASH, QUORUM, name_native_thread
 from elastrain.runtime.watchdog import HangTimeout
+from elastrain.threads import HASH, QUORUM, name_native_thread
 from elastrain.transfer import HealError, LandingReserve, TorchState, heal, section_bytes
 from elastrain.transfer.flatten import OBJECTS_KEY
 

@@ -162,7 +162,14 @@ from elastrain.runtime.sharded_ckpt import (
 )
 from elastrain.runtime.watchdog import HangTimeout
 from elastrain.threads import HASH, QUORUM, name_native_thread
-from elastrain.transfer import HealError, LandingReserve, TorchState, heal, section_bytes
+from elastrain.transfer import (
+    HealError,
+    HealFn,
+    LandingReserve,
+    TorchState,
+    heal,
+    section_bytes,
+)
 from elastrain.transfer.flatten import OBJECTS_KEY
 
 log = logging.getLogger("elastrain.engine")
@@ -253,9 +260,6 @@ def _collective_error(e: BaseException) -> bool:
 class GroupFactory(Protocol):
     def __call__(self, gen: int, rank: int, size: int) -> Any:
         """Build this member's process group for generation `gen` (blocks for all members)."""
-
-
-HealFn = Callable[..., tuple[dict[str, Any], Any]]
 
 
 BUILD_END_MARGIN_S = 2.0

@@ -12,7 +12,7 @@ member is simulated in this process by its own `Snapshot` and
 ``--shards 1`` is one member writing the whole state. ``--format`` (default
 flat): the files the members write. ``flat``: `Snapshot` stripes, `CheckpointWriter`,
 `commit`, `load`. ``dcp``: a replicated job's ``--ckpt-format dcp`` checkpoint,
-each member its rows of every tensor (`elastrain.runtime.replicated_ckpt`'s
+each member its rows of every tensor (`elastrain.checkpoint.replicated_parts`'s
 split: torch.chunk's rows; the one-element tensor by member 0) as a
 `ShardSnapshot` written by a `ShardedWriter` (one torch.save blob per chunk in a
 ``.distcp`` file), `commit_sharded` (also writes DCP's ``.metadata``), and the
@@ -207,7 +207,7 @@ def dcp_key(name: str) -> str:
 
 def dcp_parts(state: dict[str, torch.Tensor], shard: int, shards: int, defer: bool) -> ShardParts:
     """Member ``shard``'s part of a replicated DCP checkpoint of ``state``, split as
-    `elastrain.runtime.replicated_ckpt.replicated_parts` splits one: rows
+    `elastrain.checkpoint.replicated_parts.replicated_parts` splits one: rows
     `shard_rows` of every ``model/`` tensor (``defer``: copied in the background),
     the rest (the one-element step) whole by member 0, copied at once."""
     tensors = {dcp_key(n): (str(t.dtype), tuple(t.shape)) for n, t in state.items()}

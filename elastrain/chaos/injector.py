@@ -31,7 +31,7 @@ from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
 from elastrain.chaos.netns import Host, Network, entered
 from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
 from elastrain.launch import faults as seam
-from elastrain.launch.faults import FaultSpec, HasProc, HostOf, SimHosts
+from elastrain.launch.faults import FaultSpec, HasProc, JobHandles, SimHosts
 from elastrain.observe.events import EventKind, EventLog
 
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
@@ -224,23 +224,13 @@ class Injector:
 class ChaosFaults:
     """`elastrain.launch.faults.FaultPlugin`: this module's injector, `chaos.netns` hosts."""
 
-    def injector(
-        self,
-        faults: Sequence[FaultSpec],
-        seed: int,
-        *,
-        events: EventLog,
-        run_dir: Path,
-        checkpoint_dir: Path,
-        at: Callable[[float, str, Any], None],
-        host_of: HostOf,
-    ) -> Injector:
+    def injector(self, faults: Sequence[FaultSpec], seed: int, job: JobHandles) -> Injector:
         mine = [f for f in faults if isinstance(f, Fault)]
         if len(mine) != len(faults):
             raise TypeError("the chaos injector fires elastrain.chaos.schedule.Fault faults only")
 
         def netns_host_of(member: str) -> tuple[Network, Host] | None:
-            where = host_of(member)
+            where = job.host_of(member)
             if where is None:
                 return None
             net, host = where
@@ -250,10 +240,10 @@ class ChaosFaults:
         return Injector(
             mine,
             seed,
-            events=events,
-            run_dir=run_dir,
-            checkpoint_dir=checkpoint_dir,
-            at=at,
+            events=job.events,
+            run_dir=job.run_dir,
+            checkpoint_dir=job.checkpoint_dir,
+            at=job.at,
             host_of=netns_host_of,
         )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,20 +119,28 @@ HostOf = Callable[[str], "tuple[SimHosts, Any] | None"]
 """Member -> (the simulated hosts, the member's host), None off the simulated hosts."""
 
 
+@dataclass(frozen=True)
+class JobHandles:
+    """What an injector reaches of the launcher's running job."""
+
+    events: EventLog
+    """The launcher's event log (every fault becomes a `fault_injected` event)."""
+    run_dir: Path
+    """The run directory (the members' chaos inboxes live there)."""
+    checkpoint_dir: Path
+    """The job's checkpoints (for faults that damage them or fill their disk)."""
+    at: Callable[[float, str, Any], None]
+    """The launcher's timer: ``at(delay_s, what, arg)`` (see `Injector`)."""
+    host_of: HostOf
+    """Where a member runs, on simulated hosts."""
+
+
 class FaultPlugin(Protocol):
     """Fault injection as the launcher sees it (registered by an entry point)."""
 
-    def injector(
-        self,
-        faults: Sequence[FaultSpec],
-        seed: int,
-        *,
-        events: EventLog,
-        run_dir: Path,
-        checkpoint_dir: Path,
-        at: Callable[[float, str, Any], None],
-        host_of: HostOf,
-    ) -> Injector: ...
+    def injector(self, faults: Sequence[FaultSpec], seed: int, job: JobHandles) -> Injector:
+        """The injector that fires `faults` (seeded by `seed`) at `job`."""
+        ...
 
     def hosts(self, n: int) -> AbstractContextManager[SimHosts]:
         """Build `n` simulated hosts (RuntimeError/OSError if this machine cannot);
@@ -202,27 +211,10 @@ def plugin(why: str) -> FaultPlugin:
     return _plugin
 
 
-def injector_for(
-    faults: Sequence[FaultSpec],
-    seed: int,
-    *,
-    events: EventLog,
-    run_dir: Path,
-    checkpoint_dir: Path,
-    at: Callable[[float, str, Any], None],
-    host_of: HostOf,
-) -> Injector:
+def injector_for(faults: Sequence[FaultSpec], seed: int, job: JobHandles) -> Injector:
     """The registered plugin's injector for `faults` (one with no faults yet can
     still be handed some through its `schedule`), or `NoFaults` when no plugin is
     registered and there are none."""
     if _plugin is None and not faults:
         return NoFaults()
-    return plugin("a fault schedule (--fault)").injector(
-        faults,
-        seed,
-        events=events,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        at=at,
-        host_of=host_of,
-    )
+    return plugin("a fault schedule (--fault)").injector(faults, seed, job)

@@ -130,11 +130,13 @@ class Launcher:
         self.injector = faults.injector_for(
             config.faults,
             config.seed,
-            events=self.events,
-            run_dir=self.run_dir,
-            checkpoint_dir=self.checkpoint_dir,
-            at=self._at,
-            host_of=self._host_of,
+            faults.JobHandles(
+                events=self.events,
+                run_dir=self.run_dir,
+                checkpoint_dir=self.checkpoint_dir,
+                at=self._at,
+                host_of=self._host_of,
+            ),
         )
         self.net: SimHosts | None = None
         """The simulated hosts (--hosts), while the job runs."""

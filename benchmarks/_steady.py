@@ -35,9 +35,10 @@ if str(JOBS) not in sys.path:
 from _harness import med, turns  # noqa: E402
 from common import Shape  # noqa: E402
 
+from elastrain.chaos.injector import register as register_chaos  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
-from elastrain.runtime.threadnames import WORKER_THREADS  # noqa: E402
+from elastrain.threads import WORKER_THREADS  # noqa: E402
 
 
 def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -101,7 +102,7 @@ def thread_kind(comm: str, main: bool, coordinator: bool) -> str:
     """What a thread of a side is, from its native name: "coordinator" (any thread of
     elastrain's coordinator), "main" (a worker's first thread: the training loop),
     "gloo" (gloo's transport loop and work threads), one of the worker's own named
-    threads (`elastrain.runtime.threadnames`), else "other"."""
+    threads (`elastrain.threads`), else "other"."""
     if coordinator:
         return "coordinator"
     if main:
@@ -132,6 +133,7 @@ class LauncherSide:
     def __init__(self, key: str, cfg: LaunchConfig) -> None:
         self.key = key
         self.run_dir = Path(cfg.run_dir or ".")
+        register_chaos()  # its faults reach the launcher through the fault seam
         self.launcher = Launcher(cfg)
         self.result: dict[str, Any] = {}
         self.thread = threading.Thread(

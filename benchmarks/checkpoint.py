@@ -12,7 +12,7 @@ member is simulated in this process by its own `Snapshot` and
 ``--shards 1`` is one member writing the whole state. ``--format`` (default
 flat): the files the members write. ``flat``: `Snapshot` stripes, `CheckpointWriter`,
 `commit`, `load`. ``dcp``: a replicated job's ``--ckpt-format dcp`` checkpoint,
-each member its rows of every tensor (`elastrain.runtime.replicated_ckpt`'s
+each member its rows of every tensor (`elastrain.checkpoint.replicated_parts`'s
 split: torch.chunk's rows; the one-element tensor by member 0) as a
 `ShardSnapshot` written by a `ShardedWriter` (one torch.save blob per chunk in a
 ``.distcp`` file), `commit_sharded` (also writes DCP's ``.metadata``), and the
@@ -97,7 +97,7 @@ from elastrain.checkpoint.dcp import (  # noqa: E402
     ShardSnapshot,
     commit_sharded,
 )
-from elastrain.runtime.replicated_ckpt import replicated_parts  # noqa: E402
+from elastrain.checkpoint.replicated_parts import replicated_parts  # noqa: E402
 from elastrain.transfer import TorchState  # noqa: E402
 
 MIB = 1 << 20

@@ -225,6 +225,7 @@ def run_elastrain(
     lists faults to add, or stopped by `UntilJoined` once a replacement trains, with
     the in-worker fault `points` (`elastrain.chaos.points`); (its result, its events,
     the pacer)."""
+    from elastrain.chaos.injector import register as register_chaos
     from elastrain.chaos.schedule import parse_fault
     from elastrain.launch.launcher import LaunchConfig, Launcher
     from elastrain.observe.events import read_events
@@ -246,6 +247,7 @@ def run_elastrain(
         if pacer is not None:
             pacer(st)
 
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=on_status)
     if then is not None:
         pacer = Pacer(launcher, then)

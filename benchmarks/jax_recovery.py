@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))
 from _harness import Bench, Figure  # noqa: E402
 from _kills import KillPacer, run_bounded  # noqa: E402
 
+from elastrain.chaos.injector import register as register_chaos  # noqa: E402
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
@@ -77,6 +78,7 @@ def main() -> int:
     # A replacement's JAX import and compile take minutes on a shared machine: only the
     # --timeout bounds a stall here.
     pacer = KillPacer(args.kills, args.first, args.settle, WORKERS, stall_s=args.timeout)
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=pacer)
     pacer.launcher = launcher
     result, wall = run_bounded(launcher, args.timeout)

@@ -93,6 +93,7 @@ from _steady import (  # noqa: E402
 )
 from common import Shape, build, param_count  # noqa: E402
 
+from elastrain.chaos.injector import register as register_chaos  # noqa: E402
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
@@ -129,6 +130,7 @@ def elastrain_run(
     cfg = elastic_config(
         shape, run_dir, steps, WORKERS, faults=[parse_fault(f) for f in faults], seed=0
     )
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=pacer)
     if pacer is not None:
         pacer.launcher = launcher

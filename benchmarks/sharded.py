@@ -175,6 +175,7 @@ from _steady import (  # noqa: E402
 )
 from common import Shape, build, param_count  # noqa: E402
 
+from elastrain.chaos.injector import register as register_chaos  # noqa: E402
 from elastrain.chaos.schedule import parse_fault  # noqa: E402
 from elastrain.launch.launcher import LaunchConfig, Launcher  # noqa: E402
 from elastrain.observe.events import read_events  # noqa: E402
@@ -532,6 +533,7 @@ def measure_replicated_rss(shape: Shape, steps: int, out_dir: Path, timeout_s: f
     rss_dir = out_dir / "rss"
     rss_dir.mkdir(parents=True, exist_ok=True)
     cfg = elastrain_config(shape, out_dir, steps, 1, extra_env={"BENCH_RSS_DIR": str(rss_dir)})
+    register_chaos()  # its faults reach the launcher through the fault seam
     result, _ = run_bounded(Launcher(cfg), timeout_s)
     return {"status": result.status, "rss": read_rss(rss_dir), "dir": out_dir}
 
@@ -558,6 +560,7 @@ def measure_recovery(
         shape, out_dir, 100_000, SHARDS, faults=[parse_fault(fault)], seed=0, spares=spares
     )
     pacer = KillPacer(1, kill_step, settle, WORKERS)
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=pacer)
     pacer.launcher = launcher
     result, wall_s = run_bounded(launcher, timeout_s)
@@ -614,6 +617,7 @@ def measure_reshard(
         elif step >= back["step"] + 3:
             launcher.stop()
 
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=on_status)
     result, wall_s = run_bounded(launcher, timeout_s)
     events = read_events(out_dir)

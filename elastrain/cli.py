@@ -283,9 +283,11 @@ def _agent_token(args: argparse.Namespace) -> str:
 
 
 def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]) -> object:
+    from elastrain.chaos.injector import register
     from elastrain.chaos.schedule import parse_fault, read_faults_file
     from elastrain.launch.launcher import LaunchConfig
 
+    register()  # the launcher's --fault and --hosts come from chaos, through its fault seam
     faults = [parse_fault(f) for f in args.fault]
     if args.faults_file:
         faults += read_faults_file(args.faults_file)

@@ -28,7 +28,7 @@ RUN_DIR = "ELASTRAIN_RUN_DIR"
 
 PARENT_PID = "ELASTRAIN_PARENT_PID"
 """Set by the launcher (or an agent) on a child it starts: its own PID. The child
-dies with it (`elastrain.launch.children.die_with_parent`) and removes the variable."""
+dies with it (`elastrain.children.die_with_parent`) and removes the variable."""
 
 ADVERTISE_HOST = "ELASTRAIN_HOST"
 """Address this worker's gloo device binds and advertises (default 127.0.0.1)."""

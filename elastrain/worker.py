@@ -22,8 +22,8 @@ import runpy
 import sys
 import traceback
 
+from elastrain.children import die_with_parent
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
-from elastrain.launch.children import die_with_parent
 from elastrain.runtime.preflight import explain
 
 

@@ -16,10 +16,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from elastrain.chaos.injector import register as register_chaos
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.observe.events import read_events
 from elastrain.observe.metrics import FAILURES
+
+# The test suite is an entry point: its launchers fire chaos faults through the
+# launcher's fault seam, as `elastrain run` does.
+register_chaos()
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "tests" / "scripts" / "train_mlp.py")

@@ -139,7 +139,7 @@ def test_a_fault_added_while_the_job_runs_is_due_like_the_others() -> None:
 def test_a_held_kill_delays_only_its_victims_replacement(tmp_path: Path) -> None:
     """`kill@S:wN/hold=H`: the launcher asks `replace_delay` when it replaces a dead
     process; the held victim's replacement waits H, any other death the default."""
-    from elastrain.launch.faults import Injector
+    from elastrain.chaos.injector import Injector
     from elastrain.observe.events import EventLog, read_events
 
     class P:

@@ -23,15 +23,15 @@ from elastrain.checkpoint import (
     latest_verified,
     load,
 )
-from elastrain.checkpoint import dcp as dcp_module
 from elastrain.checkpoint import deferred as deferred_module
+from elastrain.checkpoint import files as files_module
 from elastrain.checkpoint import writer as writer_module
 from elastrain.checkpoint.dcp import Chunk, ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
 from elastrain.checkpoint.deferred import CopyFailed, DeferredCopy
 from elastrain.checkpoint.files import DurableFile, step_dir
+from elastrain.checkpoint.manager import Checkpointing
+from elastrain.checkpoint.restore import ordered_json
 from elastrain.observe.events import EventLog, read_events
-from elastrain.runtime.durable import Checkpointing
-from elastrain.runtime.resume import ordered_json
 from elastrain.transfer.dtypes import byte_view
 from elastrain.transfer.flatten import flatten_state
 
@@ -301,12 +301,12 @@ def test_the_writer_writes_what_is_copied_while_the_rest_is_still_being_copied(
     monkeypatch.setattr(_RecordingFile, "after", a.numel() * a.element_size())
     monkeypatch.setattr(writer_module, "CHUNK_BYTES", 4096)
     config = CheckpointConfig(directory=str(tmp_path), fsync=False)
+    # Both formats write through the one durable write (`files.atomic_file`).
+    monkeypatch.setattr(files_module, "DurableFile", _RecordingFile)
     if fmt == "flat":
-        monkeypatch.setattr(writer_module, "DurableFile", _RecordingFile)
         writer: CheckpointWriter = CheckpointWriter(config)
         snap: Any = Snapshot.take({"a": a, "b": b}, {}, shard=0, num_shards=1, defer={"a", "b"})
     else:
-        monkeypatch.setattr(dcp_module, "DurableFile", _RecordingFile)
         writer = ShardedWriter(config)
         declared = {"a": ("torch.float32", (4096,)), "b": ("torch.float32", (4096,))}
         chunks = [Chunk("a", 0, 4096, a, defer=True), Chunk("b", 0, 4096, b, defer=True)]
@@ -344,7 +344,7 @@ def test_a_copy_failing_after_the_writes_began_leaves_no_file(
     monkeypatch.setattr(_RecordingFile, "reached", threading.Event())
     monkeypatch.setattr(_RecordingFile, "after", a.numel() * a.element_size())
     monkeypatch.setattr(writer_module, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(writer_module, "DurableFile", _RecordingFile)
+    monkeypatch.setattr(files_module, "DurableFile", _RecordingFile)
     writer = CheckpointWriter(CheckpointConfig(directory=str(tmp_path), fsync=False))
     snap = Snapshot.take({"a": a, "b": b}, {}, shard=0, num_shards=1, defer={"a", "b"})
     res = writer.save_async(3, snap, generation=1, members=["w0"]).wait(timeout=60)

@@ -15,15 +15,9 @@ from torch import nn
 
 from elastrain.checkpoint import latest_verified, load
 from elastrain.checkpoint.files import MARKER, step_dir
-from elastrain.control import protocol as p
-from elastrain.control.client import CoordinatorClient
-from elastrain.control.config import CoordinatorConfig
-from elastrain.control.server import CoordinatorServer
-from elastrain.observe.events import EventLog, read_events
-from elastrain.runtime.ckpt_schedule import Schedule
-from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.durable import Checkpointing, failed_marker, mark_failed
-from elastrain.runtime.resume import (
+from elastrain.checkpoint.manager import Checkpointing, failed_marker, mark_failed
+from elastrain.checkpoint.policy import Schedule
+from elastrain.checkpoint.restore import (
     ResumeError,
     from_ordered_json,
     install_checkpoint,
@@ -32,6 +26,12 @@ from elastrain.runtime.resume import (
     parse_resume,
     resolve_directory,
 )
+from elastrain.control import protocol as p
+from elastrain.control.client import CoordinatorClient
+from elastrain.control.config import CoordinatorConfig
+from elastrain.control.server import CoordinatorServer
+from elastrain.observe.events import EventLog, read_events
+from elastrain.runtime.config import TrainerConfig
 from elastrain.transfer import TorchState, state_hash
 from elastrain.transfer.flatten import flatten_state
 

@@ -33,16 +33,16 @@ from elastrain.checkpoint.plain import (
     read_step,
     resume_step,
 )
-from elastrain.data import GlobalOrder
-from elastrain.observe.ledger import check_same_state
-from elastrain.runtime.plain_ckpt import (
+from elastrain.checkpoint.plain_state import (
     ScriptState,
     plain_problem,
     plain_schema,
     with_script_objects,
 )
-from elastrain.runtime.resume import install_checkpoint
-from elastrain.runtime.sharded_ckpt import replicated_state
+from elastrain.checkpoint.restore import install_checkpoint
+from elastrain.checkpoint.sharded_parts import replicated_state
+from elastrain.data import GlobalOrder
+from elastrain.observe.ledger import check_same_state
 from elastrain.runtime.torch_backend import seed_micro_batch
 from elastrain.transfer import TorchState
 
@@ -314,8 +314,8 @@ def test_a_sharded_member_takes_its_rows_from_a_plain_checkpoint(tmp_path: Path,
     """A sharded job's member (train_sharded.py's model, its AdamW) reads the rows
     of its slot, and their Adam moments, from a plain checkpoint of the whole model;
     the hyperparameters are the script's."""
+    from elastrain.checkpoint.sharded_parts import schema_problem, shard_source
     from elastrain.runtime.sharded import ShardedBackend, shard_rows
-    from elastrain.runtime.sharded_ckpt import schema_problem, shard_source
 
     from .test_sharded_checkpoint import SCRIPT, _config
 

@@ -20,15 +20,15 @@ from torch import nn
 from elastrain import env
 from elastrain.checkpoint import CheckpointFormat, latest_verified
 from elastrain.checkpoint.dcp import ShardedReader, model_key, optim_key, tiling_problem
+from elastrain.checkpoint.manager import Checkpointing, SaveRole, written_format
+from elastrain.checkpoint.replicated_parts import replicated_parts, replicated_schema, saved_objects
+from elastrain.checkpoint.restore import install_checkpoint
+from elastrain.checkpoint.sharded_parts import declared_tensors, object_key, replicated_state
 from elastrain.launch.config import LaunchConfig
 from elastrain.observe.events import EventLog, read_events
 from elastrain.runtime.config import TrainerConfig, read_worker_env
-from elastrain.runtime.durable import Checkpointing, SaveRole, written_format
 from elastrain.runtime.preflight import format_problem
-from elastrain.runtime.replicated_ckpt import replicated_parts, replicated_schema, saved_objects
-from elastrain.runtime.resume import install_checkpoint
 from elastrain.runtime.sharded import shard_rows
-from elastrain.runtime.sharded_ckpt import declared_tensors, object_key, replicated_state
 from elastrain.transfer import TorchState, state_digest
 
 

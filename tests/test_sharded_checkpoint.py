@@ -46,6 +46,14 @@ from elastrain.checkpoint.dcp import (
 )
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, CheckpointCorrupt, CommitError, step_dir
+from elastrain.checkpoint.restore import install_checkpoint
+from elastrain.checkpoint.sharded_parts import (
+    replicated_state,
+    schema_problem,
+    shard_parts,
+    shard_source,
+    writer_shard,
+)
 from elastrain.control.config import CoordinatorConfig
 from elastrain.control.layout import Layout, Slot
 from elastrain.control.server import CoordinatorServer
@@ -55,15 +63,7 @@ from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.observe.events import read_events
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.resume import install_checkpoint
 from elastrain.runtime.sharded import ShardedBackend, shard_rows
-from elastrain.runtime.sharded_ckpt import (
-    replicated_state,
-    schema_problem,
-    shard_parts,
-    shard_source,
-    writer_shard,
-)
 from elastrain.transfer import TorchState, section_bytes
 
 from .conftest import ROOT, Job

@@ -99,7 +99,7 @@ def test_threads_waiting_out_abandoned_collectives_are_not_counted_as_leaks() ->
     import threading
 
     from elastrain.chaos.soak import _fds_threads
-    from elastrain.runtime.threadnames import COLLECTIVE_WAIT, name_native_thread
+    from elastrain.threads import COLLECTIVE_WAIT, name_native_thread
 
     base = _fds_threads(os.getpid())
     assert base is not None

@@ -41,6 +41,7 @@ from job import (
 )
 from procs import PROCS, Injector, Tail, alive, recent_step_s
 
+from elastrain.chaos.injector import register as register_chaos
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.observe.events import read_events
@@ -98,6 +99,7 @@ def run_elastrain(plan: Plan, run: Run, spares: int = 0) -> None:
             state["done"] = True
             launcher.stop()
 
+    register_chaos()  # its faults reach the launcher through the fault seam
     launcher = Launcher(cfg, on_status=on_status)
 
     def on_timeout() -> None:

@@ -62,7 +62,7 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from elastrain.observe.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
 from elastrain.observe.stragglers import WINDOW as STRAGGLER_WINDOW
 from elastrain.observe.stragglers import StepRatio, step_ratios, straggler_episodes
-from elastrain.runtime.threadnames import TRANSIENT_THREADS
+from elastrain.threads import TRANSIENT_THREADS
 
 DEFAULT_KINDS = tuple(KINDS)
 BOUND_S = 60.0
@@ -132,7 +132,7 @@ class Sampler:
 
 def _fds_threads(pid: int) -> tuple[int, int] | None:
     """Open files and threads of `pid`, the threads that wait out an abandoned
-    collective (`threadnames.TRANSIENT_THREADS`) left out: under a burst of faults there
+    collective (`threads.TRANSIENT_THREADS`) left out: under a burst of faults there
     are many of them for up to the op timeout, and they are bounded, not a leak."""
     try:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -321,8 +321,10 @@ def _run_job(
     job: SoakJob, run_dir: Path, workers: int, steps: int | None, faults: list[Fault],
     seed: int, on_launcher: Any = None, hosts: int = 0,
 ) -> Any:  # fmt: skip
+    from elastrain.chaos.injector import register
     from elastrain.launch.launcher import LaunchConfig, Launcher
 
+    register()
     cfg = LaunchConfig(
         script=job.script,
         workers=workers,

@@ -103,3 +103,26 @@ def young_daly_interval(mtbf_s: float, save_cost_s: float) -> float:
             "make saves cheaper (fewer bytes, more shards) or checkpoint at a fixed interval"
         )
     return math.sqrt(2.0 * mtbf_s * save_cost_s)
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """The durable checkpoints' section of `TrainerConfig` (what `Checkpointing` reads)."""
+
+    directory: str | None
+    """Configured directory (the launcher's wins; see `TrainerConfig.checkpoint_dir`)."""
+    every: int
+    """Steps between checkpoints (0: none; with `mtbf_s`, only the first one)."""
+    mtbf_s: float | None
+    """Job MTBF prior for the Young/Daly interval (None: fixed interval)."""
+    keep_last: int
+    """Committed checkpoints kept."""
+    keep_every: int
+    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
+    commit_timeout_s: float
+    """How long rank 0 waits for every shard of one checkpoint."""
+    fsync: bool
+    """fsync files and directories."""
+    format: CheckpointFormat = CheckpointFormat.FLAT
+    """How a replicated job writes its checkpoints (a sharded job: always DCP;
+    `written_format`)."""

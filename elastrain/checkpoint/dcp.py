@@ -8,7 +8,7 @@ as ``ChunkStorageMetadata(offsets=(lo, 0, ...), sizes=(hi - lo, ...))``. Tensors
 that are not sharded (buffers, Adam's ``step``) are one whole chunk, written by
 writer 0. A replicated job with ``--ckpt-format dcp`` writes the same format,
 one writer per member, each its rows of every tensor
-(`elastrain.runtime.replicated_ckpt`). For checkpoint ``step``::
+(`elastrain.checkpoint.replicated_parts`). For checkpoint ``step``::
 
     <directory>/step-XXXXXXXX/
         __K_0.distcp                writer K's data: DCP's data file, one torch.save
@@ -77,17 +77,20 @@ from elastrain.checkpoint.files import (
     CheckpointError,
     CommitError,
     DurableFile,
-    fsync_dir,
-    read_signed_json,
-    remove_quietly,
+    atomic_file,
     shard_manifest_name,
     step_dir,
-    temp_name,
     write_atomically,
-    write_signed_json,
 )
-from elastrain.checkpoint.snapshot import WriterClaim
-from elastrain.checkpoint.store import VerifiedCheckpoint, _check_file, read_part_manifest
+from elastrain.checkpoint.snapshot import PartSnapshot
+from elastrain.checkpoint.store import (
+    CommitOrder,
+    Format,
+    VerifiedCheckpoint,
+    _check_file,
+    commit_with,
+    read_part_manifest,
+)
 from elastrain.checkpoint.writer import CheckpointWriter
 from elastrain.transfer.dtypes import byte_view, dtype_from_name, dtype_name
 
@@ -215,7 +218,7 @@ def _tensor_list(tensors: Mapping[str, tuple[str, Sequence[int]]]) -> list[list[
     return [[f, d, [int(x) for x in s]] for f, (d, s) in sorted(tensors.items())]
 
 
-class ShardSnapshot(WriterClaim):
+class ShardSnapshot(PartSnapshot):
     """A host copy of one writer's chunks, plus the JSON meta (`ShardSnapshot.take`).
 
     The sharded counterpart of `elastrain.checkpoint.Snapshot`: hand it to a
@@ -233,17 +236,11 @@ class ShardSnapshot(WriterClaim):
         meta_json: str,
         deferred: DeferredCopy,
     ) -> None:
-        self.shard = shard
-        self.num_shards = num_shards
+        super().__init__(shard, num_shards, meta_json, deferred)
         self.tensors = tensors
         self.chunks = chunks
         self.staging = staging
-        self.meta_json = meta_json
-        self.take_s = 0.0
-        self.deferred = deferred
-        """The copy of the ``defer`` chunks, still running after `take` returned."""
         self._handed = False
-        super().__init__()
 
     @property
     def nbytes(self) -> int:
@@ -253,12 +250,6 @@ class ShardSnapshot(WriterClaim):
     def handed_over(self) -> bool:
         """True once a newer snapshot took this one's staging tensors (``into=``)."""
         return self._handed
-
-    def wait_copied(self, part: torch.Tensor | None = None) -> None:
-        """Block until the deferred copy into ``part`` (one of the staging tensors;
-        None: all of them) is done (the writer, before reading it); `CopyFailed`
-        if it failed."""
-        self.deferred.wait(part)
 
     @staticmethod
     def take(
@@ -487,52 +478,34 @@ class ShardedWriter(CheckpointWriter):
     def _data_path(self, d: Path, snap: Any) -> Path:
         return d / data_file_name(snap.shard)
 
-    def _write(
+    def _write_part(
         self, d: Path, final: Path, step: int, snap: Any, generation: int, members: list[str]
-    ) -> int:
+    ) -> tuple[int, dict[str, Any]]:
+        """The DCP format's part: this writer's chunks in one data file (torch.save
+        records), written under its final name; its size and its part manifest."""
         assert isinstance(snap, ShardSnapshot)
-        existed = d.is_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        if self.config.fsync and not existed:
-            fsync_dir(d.parent)
         entries: list[dict[str, Any]] = []
         crc, off = 0, 0
-        tmp = temp_name(final)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                out = DurableFile(fd, writeback=self.config.fsync)
-                for (fqn, lo, hi), t in zip(snap.chunks, snap.staging, strict=True):
-                    if self._cancel.is_set():
-                        raise RuntimeError("writer closed (close(wait=False)) during the save")
-                    snap.wait_copied(t)  # the copy runs during the next step; follow it
-                    sink = _save_chunk(out, t, crc)
-                    entries.append(
-                        {
-                            "fqn": fqn,
-                            "lo": lo,
-                            "hi": hi,
-                            "offset": off,
-                            "length": sink.written,
-                            "data_offset": off + sink.data_at[0],
-                            "nbytes": sink.nbytes,
-                            "block_crc32": sink.block_crc32,
-                        }
-                    )
-                    crc = sink.crc
-                    off += sink.written
-                if self.config.fsync:
-                    out.sync()
-            finally:
-                os.close(fd)
-            if (d / MARKER).exists():
-                raise RuntimeError(f"{d} was committed while this part was being written")
-            os.replace(tmp, final)
-        except BaseException:
-            remove_quietly(tmp)
-            raise
-        if self.config.fsync:
-            fsync_dir(d)
+        with atomic_file(final, fsync=self.config.fsync, unless=d / MARKER) as out:
+            for (fqn, lo, hi), t in zip(snap.chunks, snap.staging, strict=True):
+                if self._cancel.is_set():
+                    raise RuntimeError("writer closed (close(wait=False)) during the save")
+                snap.wait_copied(t)  # the copy runs during the next step; follow it
+                sink = _save_chunk(out, t, crc)
+                entries.append(
+                    {
+                        "fqn": fqn,
+                        "lo": lo,
+                        "hi": hi,
+                        "offset": off,
+                        "length": sink.written,
+                        "data_offset": off + sink.data_at[0],
+                        "nbytes": sink.nbytes,
+                        "block_crc32": sink.block_crc32,
+                    }
+                )
+                crc = sink.crc
+                off += sink.written
         manifest = {
             "format": FORMAT,
             "kind": KIND,
@@ -551,16 +524,7 @@ class ShardedWriter(CheckpointWriter):
             "meta": json.loads(snap.meta_json),
             "created_unix": time.time(),
         }
-        try:
-            write_signed_json(
-                d / shard_manifest_name(snap.shard, snap.num_shards),
-                manifest,
-                fsync=self.config.fsync,
-            )
-        except BaseException:
-            remove_quietly(final)
-            raise
-        return off
+        return off, manifest
 
 
 # ---- commit and verification -----------------------------------------------------------
@@ -624,95 +588,88 @@ def _index(parts: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def commit_sharded(
-    directory: str | os.PathLike[str],
-    step: int,
-    *,
-    generation: int,
-    members: list[str],
-    num_shards: int,
-    verify_checksums: bool = True,
-    fsync: bool = True,
-) -> Path:
-    """Make sharded checkpoint ``step`` count: check its parts, write DCP's
-    ``.metadata``, then the commit marker; returns the marker's path.
+class _Dcp:
+    kind = KIND
 
-    Who calls it: exactly one process per checkpoint (rank 0 of the generation),
-    once every part manifest exists (`num_shards` writers). Blocking (reads every
-    data file once when ``verify_checksums``). Idempotent like `commit`. Raises
-    CommitError naming the file, writing no marker, when a part is missing, of
-    another step, generation or member list, declares other tensors, has a data
-    file of the wrong size or CRC-32, or when the chunks of a tensor do not tile
-    its rows (a membership change mid-write never yields a "complete" checkpoint).
-    """
-    d = step_dir(directory, step)
-    marker = d / MARKER
-    if marker.exists():
+    def marker_body(self, d: Path, c: CommitOrder) -> dict[str, Any]:
+        """Check the parts of sharded checkpoint ``step``, write DCP's ``.metadata``;
+        the commit marker's body (`commit_with` writes it).
+
+        Who calls it: exactly one process per checkpoint (rank 0 of the generation),
+        once every part manifest exists (`num_shards` writers). Blocking (reads every
+        data file once when ``verify_checksums``). Idempotent like `commit`. Raises
+        CommitError naming the file, writing no marker, when a part is missing, of
+        another step, generation or member list, declares other tensors, has a data
+        file of the wrong size or CRC-32, or when the chunks of a tensor do not tile
+        its rows (a membership change mid-write never yields a "complete" checkpoint).
+        """
+        step, generation, members, num_shards = c.step, c.generation, c.members, c.num_shards
+        verify_checksums, fsync = c.verify_checksums, c.fsync
+        parts: list[dict[str, Any]] = []
+        for k in range(num_shards):
+            want: dict[str, Any] = {
+                "kind": KIND,
+                "step": step,
+                "generation": generation,
+                "num_shards": num_shards,
+                "shard": k,
+                "members": list(members),
+                "file": data_file_name(k),
+            }
+            pm = read_part_manifest(d, step, k, num_shards, want)
+            mp = d / shard_manifest_name(k, num_shards)
+            if parts and pm.get("tensors") != parts[0]["tensors"]:
+                raise CommitError(f"cannot commit step {step}: {mp} declares other tensors")
+            if pm.get("byteorder") != sys.byteorder:
+                raise CommitError(
+                    f"cannot commit step {step}: {mp} was written {pm.get('byteorder')}"
+                )
+            try:
+                _check_file(d / pm["file"], int(pm["size"]), int(pm["crc32"]), verify_checksums)
+            except CheckpointCorrupt as e:
+                raise CommitError(f"cannot commit step {step}: {e}") from e
+            parts.append(pm)
         try:
-            verify_marker(d, read_signed_json(marker), verify_checksums)
-        except CheckpointCorrupt as e:
-            raise CommitError(f"step {step} already has a marker that does not verify: {e}") from e
-        return marker
-    if num_shards < 1 or not members:
-        raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
-    parts: list[dict[str, Any]] = []
-    for k in range(num_shards):
-        want: dict[str, Any] = {
+            tensors = _index(parts)
+            meta_bytes = pickle.dumps(_dcp_metadata(tensors, str(d)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CommitError(f"cannot commit step {step}: {e}") from e
+        write_atomically(d / METADATA, meta_bytes, fsync=fsync)
+        files = [
+            {"file": p["file"], "size": int(p["size"]), "crc32": int(p["crc32"])} for p in parts
+        ]
+        body = {
+            "format": FORMAT,
             "kind": KIND,
             "step": step,
             "generation": generation,
-            "num_shards": num_shards,
-            "shard": k,
             "members": list(members),
-            "file": data_file_name(k),
+            "num_shards": num_shards,
+            "byteorder": sys.byteorder,
+            "block_bytes": int(parts[0]["block_bytes"]),
+            "total_bytes": sum(f["size"] for f in files),
+            "files": files,
+            "metadata": {
+                "file": METADATA,
+                "size": len(meta_bytes),
+                "crc32": zlib.crc32(meta_bytes),
+                "sha256": hashlib.sha256(meta_bytes).hexdigest(),
+            },
+            "tensors": tensors,
+            "meta": parts[0]["meta"],
+            "committed_unix": time.time(),
         }
-        pm = read_part_manifest(d, step, k, num_shards, want)
-        mp = d / shard_manifest_name(k, num_shards)
-        if parts and pm.get("tensors") != parts[0]["tensors"]:
-            raise CommitError(f"cannot commit step {step}: {mp} declares other tensors")
-        if pm.get("byteorder") != sys.byteorder:
-            raise CommitError(f"cannot commit step {step}: {mp} was written {pm.get('byteorder')}")
-        try:
-            _check_file(d / pm["file"], int(pm["size"]), int(pm["crc32"]), verify_checksums)
-        except CheckpointCorrupt as e:
-            raise CommitError(f"cannot commit step {step}: {e}") from e
-        parts.append(pm)
-    try:
-        tensors = _index(parts)
-        meta_bytes = pickle.dumps(_dcp_metadata(tensors, str(d)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CommitError(f"cannot commit step {step}: {e}") from e
-    write_atomically(d / METADATA, meta_bytes, fsync=fsync)
-    files = [{"file": p["file"], "size": int(p["size"]), "crc32": int(p["crc32"])} for p in parts]
-    body = {
-        "format": FORMAT,
-        "kind": KIND,
-        "step": step,
-        "generation": generation,
-        "members": list(members),
-        "num_shards": num_shards,
-        "byteorder": sys.byteorder,
-        "block_bytes": int(parts[0]["block_bytes"]),
-        "total_bytes": sum(f["size"] for f in files),
-        "files": files,
-        "metadata": {
-            "file": METADATA,
-            "size": len(meta_bytes),
-            "crc32": zlib.crc32(meta_bytes),
-            "sha256": hashlib.sha256(meta_bytes).hexdigest(),
-        },
-        "tensors": tensors,
-        "meta": parts[0]["meta"],
-        "committed_unix": time.time(),
-    }
-    write_signed_json(marker, body, fsync=fsync)
-    log.info(
-        "sharded checkpoint step %d committed (%d parts, %d bytes)",
-        step,
-        num_shards,
-        body["total_bytes"],
-    )
-    return marker
+        return body
+
+    def verify(self, d: Path, marker: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:
+        return verify_marker(d, marker, verify_checksums)
+
+
+DCP: Format = _Dcp()
+"""The DCP format (a sharded job's checkpoints; a replicated one's with --ckpt-format dcp)."""
+
+commit_sharded = functools.partial(commit_with, DCP)
+"""`commit_with` the DCP format: what a sharded job's committer calls."""
 
 
 def verify_marker(d: Path, m: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:

@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,26 +214,48 @@ def write_signed_json(path: Path, obj: dict[str, Any], *, fsync: bool) -> None:
     write_atomically(path, json.dumps(body, sort_keys=True, indent=1).encode(), fsync=fsync)
 
 
-def write_atomically(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` atomically: a temp file beside it, fsync-ed (with
-    ``fsync``), ``os.replace``-d onto ``path``, then the directory fsync-ed. A crash
-    leaves the old file or the new one, never a torn one; on any error the temp file
-    is removed and the error propagates (OSError with its errno, e.g. ENOSPC)."""
+@contextlib.contextmanager
+def atomic_file(path: Path, *, fsync: bool, unless: Path | None = None) -> Iterator[DurableFile]:
+    """The one durable write of every checkpoint file, whatever its format: the block
+    appends to a `DurableFile` on a hidden temp file beside ``path``; when it ends,
+    the file is fsync-ed (with ``fsync``), ``os.replace``-d onto ``path`` and the
+    directory fsync-ed. A crash leaves the old file or the new one, never a torn one.
+    On any error (in the block, or OSError with its errno, e.g. ENOSPC) the temp
+    file is removed and the error propagates. ``unless``: a file (a step's commit
+    marker) whose presence when the block ends refuses the rename (RuntimeError):
+    a committed step is never written into."""
     tmp = temp_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            write_all(fd, memoryview(data))
+            out = DurableFile(fd, writeback=fsync)
+            yield out
             if fsync:
-                os.fsync(fd)
+                out.sync()
         finally:
             os.close(fd)
+        if unless is not None and unless.exists():
+            raise RuntimeError(f"{path.parent} was committed while {path.name} was being written")
         os.replace(tmp, path)
     except BaseException:
         remove_quietly(tmp)
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def make_step_dir(d: Path, *, fsync: bool) -> None:
+    """Create step directory ``d`` if needed, durably (its parent fsync-ed when new)."""
+    existed = d.is_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    if fsync and not existed:
+        fsync_dir(d.parent)
+
+
+def write_atomically(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` atomically (`atomic_file`)."""
+    with atomic_file(path, fsync=fsync) as out:
+        out.write(data)
 
 
 def read_signed_json(path: Path) -> dict[str, Any]:

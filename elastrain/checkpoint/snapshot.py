@@ -51,7 +51,35 @@ class WriterClaim:
             self._in_use = False
 
 
-class Snapshot(WriterClaim):
+class PartSnapshot(WriterClaim):
+    """What a snapshot holds in every format, besides its bytes: which part of the
+    checkpoint it is (``shard`` of ``num_shards``), ``meta_json`` (the canonical
+    JSON of the meta), ``take_s`` (the seconds `take` blocked the training thread)
+    and ``deferred`` (the copy still running after `take` returned, which the
+    writer follows: `wait_copied`). `Snapshot` is the flat format's,
+    `elastrain.checkpoint.dcp.ShardSnapshot` the DCP format's."""
+
+    def __init__(self, shard: int, num_shards: int, meta_json: str, deferred: DeferredCopy) -> None:
+        super().__init__()
+        self.shard = shard
+        self.num_shards = num_shards
+        self.meta_json = meta_json
+        self.take_s = 0.0
+        self.deferred = deferred
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """A fresh copy of the meta dict passed to `take`."""
+        out: dict[str, Any] = json.loads(self.meta_json)
+        return out
+
+    def wait_copied(self, part: torch.Tensor | None = None) -> None:
+        """Block until the deferred copy into ``part`` (None: all of it) is done
+        (the writer, before it reads those bytes); `CopyFailed` if it failed."""
+        self.deferred.wait(part)
+
+
+class Snapshot(PartSnapshot):
     """A host-memory copy of the payload bytes one shard owns, plus the JSON meta.
 
     Build it with `Snapshot.take`; hand it to `CheckpointWriter.save_async`.
@@ -75,17 +103,12 @@ class Snapshot(WriterClaim):
         events: list[torch.cuda.Event],
         deferred: DeferredCopy,
     ) -> None:
+        super().__init__(shard, num_shards, meta_json, deferred)
         self.layout = layout
-        self.shard = shard
-        self.num_shards = num_shards
         self.lo = lo
         self.hi = hi
         self.buffer = buffer
-        self.meta_json = meta_json
-        self.take_s = 0.0
         self._cuda_events = events
-        self.deferred = deferred
-        super().__init__()
 
     @property
     def nbytes(self) -> int:
@@ -97,12 +120,6 @@ class Snapshot(WriterClaim):
         """True once a newer snapshot took this one's buffer (``into=``): it cannot be written."""
         return self.buffer.numel() != self.nbytes
 
-    @property
-    def meta(self) -> dict[str, Any]:
-        """A fresh copy of the meta dict passed to `take`."""
-        out: dict[str, Any] = json.loads(self.meta_json)
-        return out
-
     def pieces(self) -> list[Piece]:
         """The tensor slices inside this shard's range."""
         return self.layout.pieces(self.lo, self.hi)
@@ -113,7 +130,7 @@ class Snapshot(WriterClaim):
         by the writer thread before it reads those bytes; raises `CopyFailed` if the
         deferred copy failed.
         """
-        self.deferred.wait(part)
+        super().wait_copied(part)
         for ev in self._cuda_events:
             ev.synchronize()
 

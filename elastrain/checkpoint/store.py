@@ -9,8 +9,9 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -98,10 +99,12 @@ def _verify(d: Path, verify_checksums: bool) -> VerifiedCheckpoint:
             f"{marker} is missing: the save never completed (or is still in flight)"
         )
     m = read_signed_json(marker)
-    if m.get("kind") == "dcp":
-        from elastrain.checkpoint.dcp import verify_marker
+    return format_of(m).verify(d, m, verify_checksums)
 
-        return verify_marker(d, m, verify_checksums)
+
+def _verify_flat(d: Path, m: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:
+    """Verify the flat checkpoint whose parsed marker is ``m`` in step directory ``d``."""
+    marker = d / MARKER
     try:
         step, n, shards = int(m["step"]), int(m["num_shards"]), list(m["shards"])
         layout = Layout.from_json(m["layout"])
@@ -150,7 +153,102 @@ def read_part_manifest(
     return m
 
 
-def commit(
+@dataclass(frozen=True)
+class CommitOrder:
+    """What `commit_with` is asked to commit, as a `Format` checks it."""
+
+    step: int
+    generation: int
+    members: list[str]
+    num_shards: int
+    verify_checksums: bool
+    fsync: bool
+
+
+class Format(Protocol):
+    """One on-disk checkpoint format, as the commit and the verification see it.
+
+    The formats share everything else: the step directories, the durable write of
+    every file (`atomic_file`), the part manifests, the commit marker and its
+    protocol (`commit_with`), the retention. `FLAT` is the striped safetensors
+    format (`Snapshot`, `CheckpointWriter`); `elastrain.checkpoint.dcp.DCP` the DCP
+    one (`ShardSnapshot`, `ShardedWriter`); a plain torch DCP directory is a
+    restore source only (`elastrain.checkpoint.plain`), never written or committed.
+    """
+
+    kind: str
+    """The marker's "kind" (a flat marker has none: "flat")."""
+
+    def marker_body(self, d: Path, c: CommitOrder) -> dict[str, Any]:
+        """Check every part of step directory ``d`` (each part manifest present, of
+        this step, generation and members, its data file of the size and CRC-32 it
+        claims); the commit marker's body. May write the format's own files first
+        (DCP's ``.metadata``). CommitError naming the file, writing no marker."""
+        ...
+
+    def verify(self, d: Path, marker: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:
+        """Verify the committed checkpoint whose parsed marker is ``marker``;
+        CheckpointCorrupt naming what is wrong."""
+        ...
+
+
+class _Flat:
+    kind = "flat"
+
+    def marker_body(self, d: Path, c: CommitOrder) -> dict[str, Any]:
+        step, generation, members, num_shards = c.step, c.generation, c.members, c.num_shards
+        verify_checksums = c.verify_checksums
+        manifests: list[dict[str, Any]] = []
+        for i in range(num_shards):
+            want = {"step": step, "generation": generation, "num_shards": num_shards, "shard": i}
+            sm = read_part_manifest(d, step, i, num_shards, {**want, "members": list(members)})
+            if manifests and sm.get("layout_sha256") != manifests[0]["layout_sha256"]:
+                mp = d / shard_manifest_name(i, num_shards)
+                raise CommitError(f"cannot commit step {step}: {mp} has a different state layout")
+            manifests.append(sm)
+        try:
+            layout = Layout.from_json(manifests[0]["layout"])
+            if layout.sha256 != manifests[0]["layout_sha256"]:
+                raise ValueError("layout does not match layout_sha256")
+            _check_ranges(d, layout, [sm["range"] for sm in manifests], num_shards)
+            for sm in manifests:
+                _check_file(d / sm["file"], int(sm["size"]), int(sm["crc32"]), verify_checksums)
+        except (CheckpointCorrupt, KeyError, TypeError, ValueError) as e:
+            raise CommitError(f"cannot commit step {step}: {e}") from e
+        body = {
+            "format": FORMAT,
+            "step": step,
+            "generation": generation,
+            "members": list(members),
+            "num_shards": num_shards,
+            "total_bytes": layout.total,
+            "layout_sha256": layout.sha256,
+            "layout": manifests[0]["layout"],
+            "meta": manifests[0]["meta"],
+            "shards": [{k: sm[k] for k in ("file", "size", "crc32", "range")} for sm in manifests],
+            "committed_unix": time.time(),
+        }
+        return body
+
+    def verify(self, d: Path, marker: dict[str, Any], verify_checksums: bool) -> VerifiedCheckpoint:
+        return _verify_flat(d, marker, verify_checksums)
+
+
+FLAT: Format = _Flat()
+"""The flat format (striped safetensors shards)."""
+
+
+def format_of(marker: dict[str, Any]) -> Format:
+    """The format of a parsed commit marker."""
+    if marker.get("kind") == "dcp":
+        from elastrain.checkpoint.dcp import DCP
+
+        return DCP
+    return FLAT
+
+
+def commit_with(
+    fmt: Format,
     directory: str | os.PathLike[str],
     step: int,
     *,
@@ -160,7 +258,7 @@ def commit(
     verify_checksums: bool = True,
     fsync: bool = True,
 ) -> Path:
-    """Make checkpoint ``step`` count: verify its shards, then write the commit marker.
+    """Make checkpoint ``step`` of format ``fmt`` count: verify its parts, then write the commit marker.
 
     Who calls it: exactly one process per checkpoint (rank 0 of the generation,
     or the coordinator), after every member reported its `SaveResult` ok for
@@ -183,46 +281,28 @@ def commit(
     marker = d / MARKER
     if marker.exists():
         try:
-            _verify(d, verify_checksums)
+            fmt.verify(d, read_signed_json(marker), verify_checksums)
         except CheckpointCorrupt as e:
             raise CommitError(f"step {step} already has a marker that does not verify: {e}") from e
         log.info("checkpoint step %d was already committed (%s)", step, marker)
         return marker
     if num_shards < 1 or not members:
         raise ValueError(f"need num_shards >= 1 and members, got {num_shards}, {members!r}")
-    manifests: list[dict[str, Any]] = []
-    for i in range(num_shards):
-        want = {"step": step, "generation": generation, "num_shards": num_shards, "shard": i}
-        sm = read_part_manifest(d, step, i, num_shards, {**want, "members": list(members)})
-        if manifests and sm.get("layout_sha256") != manifests[0]["layout_sha256"]:
-            mp = d / shard_manifest_name(i, num_shards)
-            raise CommitError(f"cannot commit step {step}: {mp} has a different state layout")
-        manifests.append(sm)
-    try:
-        layout = Layout.from_json(manifests[0]["layout"])
-        if layout.sha256 != manifests[0]["layout_sha256"]:
-            raise ValueError("layout does not match layout_sha256")
-        _check_ranges(d, layout, [sm["range"] for sm in manifests], num_shards)
-        for sm in manifests:
-            _check_file(d / sm["file"], int(sm["size"]), int(sm["crc32"]), verify_checksums)
-    except (CheckpointCorrupt, KeyError, TypeError, ValueError) as e:
-        raise CommitError(f"cannot commit step {step}: {e}") from e
-    body = {
-        "format": FORMAT,
-        "step": step,
-        "generation": generation,
-        "members": list(members),
-        "num_shards": num_shards,
-        "total_bytes": layout.total,
-        "layout_sha256": layout.sha256,
-        "layout": manifests[0]["layout"],
-        "meta": manifests[0]["meta"],
-        "shards": [{k: sm[k] for k in ("file", "size", "crc32", "range")} for sm in manifests],
-        "committed_unix": time.time(),
-    }
+    order = CommitOrder(step, generation, list(members), num_shards, verify_checksums, fsync)
+    body = fmt.marker_body(d, order)
     write_signed_json(marker, body, fsync=fsync)
-    log.info("checkpoint step %d committed (%d shards, %d bytes)", step, num_shards, layout.total)
+    log.info(
+        "%s checkpoint step %d committed (%d parts, %d bytes)",
+        fmt.kind,
+        step,
+        num_shards,
+        body["total_bytes"],
+    )
     return marker
+
+
+commit = partial(commit_with, FLAT)
+"""`commit_with` the flat format: what a replicated job's committer calls."""
 
 
 def latest_verified(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno as errno_mod
 import json
 import logging
-import os
 import threading
 import time
 import zlib
@@ -26,13 +25,12 @@ from elastrain.checkpoint.deferred import CopyFailed
 from elastrain.checkpoint.files import (
     FORMAT,
     MARKER,
-    DurableFile,
-    fsync_dir,
+    atomic_file,
+    make_step_dir,
     remove_quietly,
     shard_file_name,
     shard_manifest_name,
     step_dir,
-    temp_name,
     write_signed_json,
 )
 from elastrain.checkpoint.layout import safetensors_header
@@ -286,8 +284,24 @@ class CheckpointWriter:
     def _write(
         self, d: Path, final: Path, step: int, snap: Any, generation: int, members: list[str]
     ) -> int:
-        """Write the data file, then the shard manifest (both durable); returns the
-        data file's size. Raises on failure, leaving neither behind."""
+        """Write the data file, then the part manifest (both durable, whatever the
+        format: `atomic_file`); returns the data file's size. Raises on failure,
+        leaving neither behind."""
+        make_step_dir(d, fsync=self.config.fsync)
+        size, manifest = self._write_part(d, final, step, snap, generation, members)
+        mpath = d / shard_manifest_name(snap.shard, snap.num_shards)
+        try:
+            write_signed_json(mpath, manifest, fsync=self.config.fsync)
+        except BaseException:
+            remove_quietly(final)
+            raise
+        return size
+
+    def _write_part(
+        self, d: Path, final: Path, step: int, snap: Any, generation: int, members: list[str]
+    ) -> tuple[int, dict[str, Any]]:
+        """The flat format's part: its shard file, written under its final name;
+        returns the file's size and its part manifest."""
         size, crc = self._write_shard(d, final, step, snap, generation)
         manifest = {
             "format": FORMAT,
@@ -306,22 +320,12 @@ class CheckpointWriter:
             "meta": json.loads(snap.meta_json),
             "created_unix": time.time(),
         }
-        mpath = d / shard_manifest_name(snap.shard, snap.num_shards)
-        try:
-            write_signed_json(mpath, manifest, fsync=self.config.fsync)
-        except BaseException:
-            remove_quietly(final)
-            raise
-        return size
+        return size, manifest
 
     def _write_shard(
         self, d: Path, final: Path, step: int, snap: Snapshot, generation: int
     ) -> tuple[int, int]:
         """Write the shard file durably under its final name; returns ``(size, crc32)``."""
-        existed = d.is_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        if self.config.fsync and not existed:
-            fsync_dir(d.parent)
         meta = {
             "format": FORMAT,
             "step": str(step),
@@ -335,9 +339,7 @@ class CheckpointWriter:
         data = buf.numpy().data if snap.nbytes else memoryview(b"")
         spans = [(i, min(i + CHUNK_BYTES, len(data))) for i in range(0, len(data), CHUNK_BYTES)]
         crc = _ChunkCrc(zlib.crc32(header))
-        tmp = temp_name(final)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with atomic_file(final, fsync=self.config.fsync, unless=d / MARKER) as out:
             # CRC-32 of the data in parallel with the writes (both release the GIL),
             # each chunk once it is copied, as the writes below.
             crc_thread = threading.Thread(
@@ -345,32 +347,18 @@ class CheckpointWriter:
             )
             crc_thread.start()
             try:
-                out = DurableFile(fd, writeback=self.config.fsync)
                 out.write(header)
                 for lo, hi in spans:
                     if self._cancel.is_set():
                         raise RuntimeError("writer closed (close(wait=False)) during the save")
                     snap.wait_copied(buf[lo:hi])
                     out.write(data[lo:hi])
-                if self.config.fsync:
-                    out.sync()
             except BaseException:
                 crc.stop()
                 raise
             finally:
-                try:
-                    crc_thread.join()
-                finally:
-                    os.close(fd)
+                crc_thread.join()
             checksum = crc.result()
-            if (d / MARKER).exists():
-                raise RuntimeError(f"{d} was committed while this shard was being written")
-            os.replace(tmp, final)
-        except BaseException:
-            remove_quietly(tmp)
-            raise
-        if self.config.fsync:
-            fsync_dir(d)
         return len(header) + len(data), checksum
 
 

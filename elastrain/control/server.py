@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
+from elastrain.children import die_with_parent
 from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig, parse_bytes
 from elastrain.control.http import (
@@ -46,7 +47,6 @@ from elastrain.control.layout import Layout, slots_from_wire
 from elastrain.control.plan import Generation
 from elastrain.control.quorum import Membership
 from elastrain.control.store import generation_key, open_store
-from elastrain.launch.children import die_with_parent
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.observe.failures import EVIDENCE_KINDS
 from elastrain.observe.metrics import CONTENT_TYPE, CoordinatorMetrics, failure_counts

@@ -43,7 +43,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from elastrain.data.stream import StreamingDataset, StreamReader
-from elastrain.runtime.threadnames import name_native_thread
+from elastrain.threads import name_native_thread
 
 Key = tuple[int, int]
 """(step, micro-batch index)."""

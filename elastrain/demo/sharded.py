@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastrain.chaos.injector import register as register_chaos
 from elastrain.chaos.schedule import FaultSchedule, parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher
 from elastrain.launch.progress import Progress
@@ -205,8 +206,11 @@ def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: b
                 for d in drivers:
                     d.on_status(st)
 
+            register_chaos()  # its faults reach the launcher through the fault seam
             launcher = Launcher(cfg, on_status=on_status)
-            driver = Driver(launcher.run_dir, pace, steps, launcher.schedule, prog.note)
+            schedule = launcher.schedule
+            assert isinstance(schedule, FaultSchedule)  # chaos's, registered above
+            driver = Driver(launcher.run_dir, pace, steps, schedule, prog.note)
             drivers.append(driver)
             prog.note(f"run directory: {launcher.run_dir}")
             prog.attach(launcher.run_dir)

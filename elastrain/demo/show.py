@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastrain.chaos.injector import register as register_chaos
 from elastrain.chaos.schedule import parse_fault
 from elastrain.launch.launcher import LaunchConfig, Launcher, RunResult
 from elastrain.launch.progress import Progress
@@ -82,6 +83,7 @@ def run_demo(
         f"at step {hang_at} another is hung with SIGSTOP for 6 s, then continued.\n"
     )
     with Progress(steps, plain=plain or None) as prog:
+        register_chaos()  # its faults reach the launcher through the fault seam
         launcher = Launcher(cfg, on_status=prog.update)
         prog.note(f"run directory: {launcher.run_dir}")
         prog.attach(launcher.run_dir)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastrain.chaos.schedule import Fault
 from elastrain.checkpoint.config import check_format
+from elastrain.launch.faults import FaultSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +76,11 @@ class LaunchConfig:
     state_factor: float = 4.0
     """Bytes of training state per parameter byte, for `memory_per_member`
     (--state-factor; `CoordinatorConfig.state_factor`)."""
-    faults: list[Fault] = field(default_factory=list)
-    """Faults to inject (see elastrain.chaos.schedule)."""
+    faults: Sequence[FaultSpec] = field(default_factory=list)
+    """Faults to inject (--fault), fired by the registered fault plugin
+    (`elastrain.launch.faults`; the chaos package's fault schedule)."""
     fault_points: str | None = None
-    """JSON of in-worker fault points (see elastrain.chaos.points), for tests."""
+    """JSON of in-worker fault points (the chaos package's step hooks), for tests."""
     seed: int = 0
     """Seeds the fault schedule's choices."""
     lease_s: float = 5.0
@@ -131,7 +133,8 @@ class LaunchConfig:
     hosts: int = 0
     """Spread the workers over this many simulated hosts (--hosts): Linux network
     namespaces on one bridge, built for the run and deleted after it
-    (`elastrain.chaos.netns`; needs root and iproute2). The coordinator listens
+    (by the registered fault plugin, `elastrain.launch.faults`; the chaos
+    package's needs root and iproute2). The coordinator listens
     on the bridge. What it is for: `cut` faults, which take one host off the
     network. 0: every process on this host's loopback."""
     devices: tuple[str, ...] | None = None

@@ -1,217 +1,220 @@
-"""The launcher's fault injector: fires the fault schedule at the running job.
+"""The launcher's fault seam: how fault injection plugs into a launcher that never imports it.
 
-Who calls: the launcher's main loop only (single-threaded): `poll` with each
-fresh coordinator status decides which faults are due and on whom, and hands
-them back to the loop's timer (`at`) so that member signals land mid-step;
-`fire` then injects one; the loop asks `replace_delay` when to replace a
-victim (a kill's /hold= holds its replacement back). A `cut` takes the
-victim's simulated host (the launcher's --hosts) off the network and
-schedules its `reconnect`. Every fault becomes a `fault_injected` event and
-an entry in `log`; a fault that cannot be injected (no committed checkpoint to
-damage, a filesystem too large to fill) is still an event, with `skipped`.
+The launcher can fire a schedule of faults at its job (--fault) and run its
+workers on simulated hosts (--hosts), but fault injection is a tool, not part
+of the production launcher: both come from a `FaultPlugin` that an entry point
+registers here before it starts a launcher with faults or hosts (the `elastrain
+run` command line, the chaos soak, the test suite's conftest; the chaos
+package's plugin is `PLUGIN` in its `injector` module). A launch with neither
+and no plugin registered gets `NoFaults`, which injects nothing. The layering test
+(tests/test_layers.py) holds the launcher and the worker runtime to this.
+
+Who calls: `register` at entry-point start, before any launcher exists;
+`injector_for` and the plugin's `hosts` from the launcher's main thread only.
+The injector it returns is driven by the launcher's single-threaded main loop
+(see `Injector`), so nothing here is shared between threads.
 """
 
 from __future__ import annotations
 
-import os
-import random
-import signal
 import subprocess
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastrain.chaos.inject import DiskFiller, damage_checkpoint, send_slow
-from elastrain.chaos.netns import Host, Network
-from elastrain.chaos.schedule import COORDINATOR, JOB, Fault, FaultSchedule
 from elastrain.launch.prefork import Proc
-from elastrain.observe.events import EventKind, EventLog
-
-_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
+from elastrain.observe.events import EventLog
 
 
-class _Proc(Protocol):
+class FaultSpec(Protocol):
+    """What the launcher reads of one scheduled fault (the plugin owns the rest)."""
+
+    @property
+    def kind(self) -> str: ...
+
+
+class HasProc(Protocol):
+    """A launcher worker as an injector sees it: its current process."""
+
     @property
     def proc(self) -> Proc: ...
 
 
-class Injector:
-    def __init__(
-        self,
-        faults: list[Fault],
-        seed: int,
-        *,
-        events: EventLog,
-        run_dir: Path,
-        checkpoint_dir: Path,
-        at: Callable[[float, str, Any], None],
-        fill_limit_bytes: int = 1 << 30,
-        host_of: Callable[[str], tuple[Network, Host] | None] = lambda member: None,
-    ) -> None:
-        self.schedule = FaultSchedule(faults, seed)
-        self.events = events
-        self.run_dir = run_dir
-        self.checkpoint_dir = checkpoint_dir
-        self._at = at
-        self.rng = random.Random(seed + 1)
-        self.filler = DiskFiller(checkpoint_dir, fill_limit_bytes)
-        self.log: list[dict[str, Any]] = []
-        self.killed: set[int] = set()
-        """PIDs this injector killed (their deaths are not the job's fault)."""
-        self.holds: dict[int, float] = {}
-        """PID -> seconds from its death to its replacement's start (a fault's /hold=)."""
-        self._t_first_commit: float | None = None
-        self._host_of = host_of
-        self._cuts: dict[str, int] = {}
-        """Host name -> cuts in force (overlapping cuts: the link comes back with the last)."""
+class SimHost(Protocol):
+    """One simulated host: a name for events, the address its workers advertise."""
 
-    def poll(self, status: Mapping[str, Any], live: list[str]) -> None:
-        """Schedule the faults due at this status; `live` are the members with a process."""
-        step = int(status.get("step", 0))
-        if step >= 1 and self._t_first_commit is None:
-            self._t_first_commit = time.monotonic()
-        elapsed = (
-            time.monotonic() - self._t_first_commit if self._t_first_commit is not None else None
-        )
-        for f in self.schedule.due(step, elapsed):
-            members = [m for m in status.get("members", []) if m in live]
-            # A named victim may be any worker with a process (a standby, a hot
-            # spare, too); a seeded-random one is one of the generation's members.
-            victim = self.schedule.pick(f, live if f.member is not None else members)
-            if victim is None and f.member is None and f.every_s is None:
-                self.schedule.pending.append(f)  # nobody to pick right now: at the next status
-                continue
-            if victim is None:
-                self._record(f, None, None, step, skipped="no live member to pick")
-                continue
-            if f.kind in _SIGNALS:
-                rate = float(status.get("steps_per_s") or 0.0)
-                self._at(
-                    self.schedule.offset(1.0 / rate if rate > 0 else 0.2), "fault", (f, victim)
-                )
-            else:
-                self._at(0.0, "fault", (f, victim))
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def addr(self) -> str: ...
+
+
+class SimHosts(Protocol):
+    """Simulated hosts (--hosts) while they exist: the coordinator's side and the
+    worker hosts. `exec_prefix(host)` is the argv prefix that runs a process on
+    `host` (it execs, so the PID stays the worker's); `host` is one of `hosts`."""
+
+    @property
+    def coord(self) -> SimHost: ...
+
+    @property
+    def hosts(self) -> Sequence[SimHost]: ...
+
+    def exec_prefix(self, host: Any) -> list[str]: ...
+
+
+class FaultView(Protocol):
+    """The schedule's progress, for callers that wait for it to be spent."""
+
+    @property
+    def pending(self) -> list[Any]: ...
+
+    @property
+    def exhausted(self) -> bool: ...
+
+
+class Injector(Protocol):
+    """Fires a fault schedule at the running job, driven by the launcher's loop.
+
+    `poll` with each fresh coordinator status schedules the faults now due
+    through the launcher's timer (`at(delay_s, what, arg)` with `what` one of
+    "fault", "resume", "release-disk", "reconnect"); the launcher hands each
+    timer's `arg` back, unread, to `fire`, `resume`'s caller, `reconnect`.
+    `killed` are the PIDs it killed (their deaths are not the job's fault);
+    `replace_delay` says when to replace a dead process; `log` is every fault
+    it fired."""
+
+    killed: set[int]
+    log: list[dict[str, Any]]
+
+    @property
+    def schedule(self) -> FaultView: ...
+
+    def poll(self, status: Mapping[str, Any], live: list[str]) -> None: ...
 
     def fire(
         self,
-        fault: Fault,
+        fault: Any,
         victim: str,
-        workers: Mapping[str, _Proc],
+        workers: Mapping[str, HasProc],
+        coordinator: subprocess.Popen[bytes] | None,
+        step: int,
+    ) -> None: ...
+
+    def resume(self, member: str, pid: int, workers: Mapping[str, HasProc], step: int) -> None: ...
+
+    def release_disk(self, step: int) -> None: ...
+
+    def reconnect(self, where: Any, step: int) -> None: ...
+
+    def replace_delay(self, pid: int, default: float) -> float: ...
+
+    def close(self) -> None: ...
+
+
+HostOf = Callable[[str], "tuple[SimHosts, Any] | None"]
+"""Member -> (the simulated hosts, the member's host), None off the simulated hosts."""
+
+
+@dataclass(frozen=True)
+class JobHandles:
+    """What an injector reaches of the launcher's running job."""
+
+    events: EventLog
+    """The launcher's event log (every fault becomes a `fault_injected` event)."""
+    run_dir: Path
+    """The run directory (the members' chaos inboxes live there)."""
+    checkpoint_dir: Path
+    """The job's checkpoints (for faults that damage them or fill their disk)."""
+    at: Callable[[float, str, Any], None]
+    """The launcher's timer: ``at(delay_s, what, arg)`` (see `Injector`)."""
+    host_of: HostOf
+    """Where a member runs, on simulated hosts."""
+
+
+class FaultPlugin(Protocol):
+    """Fault injection as the launcher sees it (registered by an entry point)."""
+
+    def injector(self, faults: Sequence[FaultSpec], seed: int, job: JobHandles) -> Injector:
+        """The injector that fires `faults` (seeded by `seed`) at `job`."""
+        ...
+
+    def hosts(self, n: int) -> AbstractContextManager[SimHosts]:
+        """Build `n` simulated hosts (RuntimeError/OSError if this machine cannot);
+        entering the result moves the calling thread into the coordinator's side
+        until the block ends, when the hosts are deleted."""
+        ...
+
+
+class _NoSchedule:
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self.exhausted = True
+
+
+class NoFaults:
+    """The injector of a launch without faults: nothing is due, nobody killed."""
+
+    def __init__(self) -> None:
+        self.killed: set[int] = set()
+        self.log: list[dict[str, Any]] = []
+        self.schedule: FaultView = _NoSchedule()
+
+    def poll(self, status: Mapping[str, Any], live: list[str]) -> None:
+        return None
+
+    def fire(
+        self,
+        fault: Any,
+        victim: str,
+        workers: Mapping[str, HasProc],
         coordinator: subprocess.Popen[bytes] | None,
         step: int,
     ) -> None:
-        k = fault.kind
-        if victim == COORDINATOR:
-            if coordinator is None or coordinator.poll() is not None:
-                return
-            self._record(fault, victim, coordinator.pid, step)
-            self.killed.add(coordinator.pid)
-            os.kill(coordinator.pid, signal.SIGKILL)
-            return
-        if victim == JOB:
-            self._fire_job(fault, workers, step)
-            return
-        w = workers.get(victim)
-        if w is None:
-            return
-        pid = w.proc.pid
-        if k == "slow":
-            assert fault.delay_s is not None and fault.steps is not None
-            send_slow(self.run_dir, victim, fault.delay_s, fault.steps)
-            self._record(fault, victim, pid, step, delay_s=fault.delay_s, steps=fault.steps)
-            return
-        if k == "cut":
-            self._cut(fault, victim, pid, step)
-            return
-        if fault.hold_s is not None:
-            self.holds[pid] = fault.hold_s
-            self._record(fault, victim, pid, step, hold_s=fault.hold_s)
-        else:
-            self._record(fault, victim, pid, step)
-        if k == "kill":
-            self.killed.add(pid)
-        os.kill(pid, _SIGNALS[k])
-        if k == "hang" and fault.duration_s is not None:
-            self._at(fault.duration_s, "resume", (victim, pid))
+        raise AssertionError("NoFaults schedules no fault")
 
-    def _fire_job(self, fault: Fault, workers: Mapping[str, _Proc], step: int) -> None:
-        k = fault.kind
-        if k == "kill-all":
-            pids = [w.proc.pid for w in workers.values() if w.proc.poll() is None]
-            self._record(fault, JOB, None, step, pids=pids)
-            for pid in pids:
-                self.killed.add(pid)
-                os.kill(pid, signal.SIGKILL)
-        elif k in ("corrupt-ckpt", "truncate-ckpt"):
-            how = "corrupt" if k == "corrupt-ckpt" else "truncate"
-            self._record(
-                fault, JOB, None, step, **damage_checkpoint(self.checkpoint_dir, self.rng, how)
-            )
-        elif k == "fill-disk":
-            details = self.filler.fill()
-            self._record(fault, JOB, None, step, duration_s=fault.duration_s, **details)
-            if "skipped" not in details:
-                self._at(fault.duration_s or 0.0, "release-disk", None)
-        else:
-            raise ValueError(f"unknown job fault {k!r}")
-
-    def _cut(self, fault: Fault, victim: str, pid: int, step: int) -> None:
-        where = self._host_of(victim)
-        if where is None:
-            self._record(fault, victim, pid, step, skipped="not on a simulated host (--hosts)")
-            return
-        net, host = where
-        net.cut(host)
-        self._cuts[host.name] = self._cuts.get(host.name, 0) + 1
-        self._record(fault, victim, pid, step, host=host.name, duration_s=fault.duration_s)
-        self._at(fault.duration_s if fault.duration_s is not None else 10.0, "reconnect", where)
-
-    def reconnect(self, where: tuple[Network, Host], step: int) -> None:
-        """End one cut of a host; its link comes back when no other cut holds it down."""
-        net, host = where
-        self._cuts[host.name] -= 1
-        if self._cuts[host.name] > 0:
-            return
-        net.heal(host)
-        self.events.emit(
-            EventKind.FAULT_INJECTED,
-            fault="reconnect",
-            member=JOB,
-            pid=None,
-            step=step,
-            host=host.name,
-        )
-
-    def replace_delay(self, pid: int, default: float) -> float:
-        """Seconds from this process's death to its replacement's start: the
-        fault's /hold= when one killed it, else `default` (--replace-delay)."""
-        return self.holds.pop(pid, default)
-
-    def resume(self, member: str, pid: int, workers: Mapping[str, _Proc], step: int) -> None:
-        """SIGCONT a hung member (if that process is still the member)."""
-        w = workers.get(member)
-        if w is not None and w.proc.pid == pid:
-            os.kill(pid, signal.SIGCONT)
-            self.events.emit(
-                EventKind.FAULT_INJECTED, fault="resume", member=member, pid=pid, step=step
-            )
+    def resume(self, member: str, pid: int, workers: Mapping[str, HasProc], step: int) -> None:
+        raise AssertionError("NoFaults stops no process")
 
     def release_disk(self, step: int) -> None:
-        self.filler.release()
-        self.events.emit(
-            EventKind.FAULT_INJECTED, fault="release-disk", member=JOB, pid=None, step=step
-        )
+        raise AssertionError("NoFaults fills no disk")
+
+    def reconnect(self, where: Any, step: int) -> None:
+        raise AssertionError("NoFaults cuts no host")
+
+    def replace_delay(self, pid: int, default: float) -> float:
+        return default
 
     def close(self) -> None:
-        self.filler.release()
+        return None
 
-    def _record(
-        self, fault: Fault, victim: str | None, pid: int | None, step: int, **details: Any
-    ) -> None:
-        self.events.emit(
-            EventKind.FAULT_INJECTED, fault=fault.kind, member=victim, pid=pid, step=step, **details
+
+_plugin: FaultPlugin | None = None
+
+
+def register(plugin: FaultPlugin) -> None:
+    """Make `plugin` the fault injection of every launcher started from now on."""
+    global _plugin
+    _plugin = plugin
+
+
+def plugin(why: str) -> FaultPlugin:
+    """The registered plugin; `why` names what needs it, for the error when none is."""
+    if _plugin is None:
+        raise ValueError(
+            f"{why} needs fault injection, and no fault plugin is registered "
+            "(an entry point registers one: elastrain.launch.faults.register)"
         )
-        self.log.append(
-            {"fault": fault.kind, "member": victim, "pid": pid, "step": step, **details}
-        )
+    return _plugin
+
+
+def injector_for(faults: Sequence[FaultSpec], seed: int, job: JobHandles) -> Injector:
+    """The registered plugin's injector for `faults` (one with no faults yet can
+    still be handed some through its `schedule`), or `NoFaults` when no plugin is
+    registered and there are none."""
+    if _plugin is None and not faults:
+        return NoFaults()
+    return plugin("a fault schedule (--fault)").injector(faults, seed, job)

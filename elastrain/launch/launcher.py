@@ -41,16 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
-from elastrain.chaos.netns import Host, Network, entered
-from elastrain.chaos.schedule import FaultSchedule
 from elastrain.checkpoint.files import CHECKPOINTS
+from elastrain.children import spawn_env
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
-from elastrain.launch.children import spawn_env
+from elastrain.launch import faults
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.devices import DevicePool
-from elastrain.launch.faults import Injector
+from elastrain.launch.faults import FaultView, SimHosts
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.prefork import Preforker, Proc
 from elastrain.launch.refill import Refill, refill_at, refill_due
@@ -128,16 +127,18 @@ class Launcher:
         self._fast_failures = 0
         self.startup = StartupWatch(self.run_dir)
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
-        self.injector = Injector(
+        self.injector = faults.injector_for(
             config.faults,
             config.seed,
-            events=self.events,
-            run_dir=self.run_dir,
-            checkpoint_dir=self.checkpoint_dir,
-            at=self._at,
-            host_of=self._host_of,
+            faults.JobHandles(
+                events=self.events,
+                run_dir=self.run_dir,
+                checkpoint_dir=self.checkpoint_dir,
+                at=self._at,
+                host_of=self._host_of,
+            ),
         )
-        self.net: Network | None = None
+        self.net: SimHosts | None = None
         """The simulated hosts (--hosts), while the job runs."""
         self._slot: dict[str, int] = {}
         """Member -> index of the simulated host it runs on (a replacement takes
@@ -409,15 +410,15 @@ class Launcher:
         if not self.config.hosts:
             return self._run()
         try:
-            net = Network(self.config.hosts)
-        except (RuntimeError, OSError) as e:
+            hosts = faults.plugin("simulated hosts (--hosts)").hosts(self.config.hosts)
+        except (RuntimeError, OSError, ValueError) as e:
             msg = f"cannot build {self.config.hosts} simulated hosts (--hosts): {e}"
             self.events.emit(EventKind.JOB_END, status="failed", steps=0, message=msg)
             self.events.close()
             if self._lock is not None:
                 self._lock.release()
             return RunResult("failed", self.run_dir, self.pids, 0, msg, None)
-        with net, entered(net.coord):
+        with hosts as net:
             self.net = net
             try:
                 return self._run()
@@ -786,14 +787,14 @@ class Launcher:
         self.injector.poll(self.status, list(self.workers))
 
     @property
-    def schedule(self) -> FaultSchedule:
+    def schedule(self) -> FaultView:
         return self.injector.schedule
 
     @property
     def fault_log(self) -> list[dict[str, Any]]:
         return self.injector.log
 
-    def _host_of(self, member: str) -> tuple[Network, Host] | None:
+    def _host_of(self, member: str) -> tuple[SimHosts, Any] | None:
         if self.net is None or member not in self._slot:
             return None
         return self.net, self.net.hosts[self._slot[member]]

@@ -50,7 +50,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastrain.launch.children import die_with, die_with_parent, spawn_env
+from elastrain.children import die_with, die_with_parent, spawn_env
 
 READY_TIMEOUT_S = 60.0
 """How long a spawn waits for the server's imports before starting the worker with

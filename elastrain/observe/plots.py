@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
-from elastrain.sim.svg import _nice_ticks
+from elastrain.ticks import nice_ticks
 
 BUCKET_COLORS = {
     "productive": "#2ca02c",
@@ -87,7 +87,7 @@ class _Frame:
             f'<text x="14" y="{(t + y1) / 2:.0f}" text-anchor="middle" '
             f'transform="rotate(-90 14 {(t + y1) / 2:.0f})">{escape(ylabel)}</text>',
         ]
-        for v in _nice_ticks(self.xlo, self.xhi):
+        for v in nice_ticks(self.xlo, self.xhi):
             if self.xlo <= v <= self.xhi:
                 px = self.x(v)
                 out.append(
@@ -97,7 +97,7 @@ class _Frame:
                     f'<text x="{_f(px)}" y="{y1 + 16}" text-anchor="middle">{_num(v)}</text>'
                 )
         if yticks:
-            for v in _nice_ticks(self.ylo, self.yhi, 5):
+            for v in nice_ticks(self.ylo, self.yhi, 5):
                 if self.ylo <= v <= self.yhi:
                     py = self.y(v)
                     out.append(
@@ -181,7 +181,7 @@ def timeline(
         d = " ".join(f"{_f(fr.x(t))},{_f(sy.y(s))}" for t, s in commits)
         out.append(f'<polyline points="{d}" fill="none" stroke="{STEPS_LINE}" stroke-width="2"/>')
         xr = width - fr.right
-        for v in _nice_ticks(0, smax * 1.05, 5):
+        for v in nice_ticks(0, smax * 1.05, 5):
             if v <= smax * 1.05:
                 out.append(
                     f'<text x="{xr + 6}" y="{_f(sy.y(v) + 4)}" fill="{STEPS_LINE}">{_num(v)}</text>'
@@ -301,7 +301,7 @@ def power(
         d = " ".join(f"{_f(fr.x(t))},{_f(jf.y(j))}" for t, j in joules)
         out.append(f'<polyline points="{d}" fill="none" stroke="{ENERGY_LINE}" stroke-width="2"/>')
         xr = width - fr.right
-        for v in _nice_ticks(0, jmax * 1.05, 5):
+        for v in nice_ticks(0, jmax * 1.05, 5):
             if v <= jmax * 1.05:
                 out.append(
                     f'<text x="{xr + 6}" y="{_f(jf.y(v) + 4)}" fill="{ENERGY_LINE}">{_num(v)}</text>'

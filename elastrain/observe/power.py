@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from elastrain import env
 from elastrain.observe.events import EventKind
-from elastrain.runtime.threadnames import METER, name_native_thread
+from elastrain.threads import METER, name_native_thread
 
 ESTIMATE_PREFIX = "ESTIMATE"
 """Every label of an estimated (not measured) power figure starts with this."""

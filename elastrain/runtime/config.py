@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastrain import env
-from elastrain.checkpoint.config import CheckpointFormat, check_format
+from elastrain.checkpoint.config import CheckpointFormat, CheckpointPolicy, check_format
 
 
 @dataclass(frozen=True)
@@ -43,29 +43,6 @@ class TimeoutsConfig:
     """One heal, all of it."""
     coordinator_s: float
     """One coordinator call (long polls add their wait)."""
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """The durable checkpoints' section of `TrainerConfig` (what `Checkpointing` reads)."""
-
-    directory: str | None
-    """Configured directory (the launcher's wins; see `TrainerConfig.checkpoint_dir`)."""
-    every: int
-    """Steps between checkpoints (0: none; with `mtbf_s`, only the first one)."""
-    mtbf_s: float | None
-    """Job MTBF prior for the Young/Daly interval (None: fixed interval)."""
-    keep_last: int
-    """Committed checkpoints kept."""
-    keep_every: int
-    """Also keep every checkpoint whose step is a multiple of this (0: off)."""
-    commit_timeout_s: float
-    """How long rank 0 waits for every shard of one checkpoint."""
-    fsync: bool
-    """fsync files and directories."""
-    format: CheckpointFormat = CheckpointFormat.FLAT
-    """How a replicated job writes its checkpoints (a sharded job: always DCP;
-    `written_format`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -62,12 +62,44 @@ import torch
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
 from elastrain.checkpoint.dcp import ShardedReader, ShardParts
 from elastrain.checkpoint.files import committed_steps
+from elastrain.checkpoint.manager import (
+    Checkpointing,
+    PartsFn,
+    SaveRole,
+    StateFn,
+    written_format,
+)
 from elastrain.checkpoint.plain import (
     PlainCheckpointError,
     PlainReader,
     read_layout,
     read_step,
     resume_step,
+)
+from elastrain.checkpoint.plain_state import (
+    ScriptState,
+    plain_problem,
+    plain_schema,
+    with_script_objects,
+)
+from elastrain.checkpoint.policy import CONTRIB_SLOTS
+from elastrain.checkpoint.replicated_parts import replicated_parts, replicated_schema, saved_objects
+from elastrain.checkpoint.restore import (
+    ResumeError,
+    from_ordered_json,
+    install_checkpoint,
+    load_resume,
+    ordered_json,
+    parse_resume,
+    resolve_directory,
+)
+from elastrain.checkpoint.sharded_parts import (
+    ResumeMismatch,
+    replicated_state,
+    schema_problem,
+    shard_parts,
+    shard_source,
+    writer_shard,
 )
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable
@@ -94,7 +126,6 @@ from elastrain.observe.worker import WorkerMetering
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.backend import Backend, SkipReason, Update
-from elastrain.runtime.ckpt_schedule import CONTRIB_SLOTS
 from elastrain.runtime.collectives import (
     NcclGroup,
     Transport,
@@ -104,13 +135,6 @@ from elastrain.runtime.collectives import (
 )
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.device import check_device, is_poisoned
-from elastrain.runtime.durable import (
-    Checkpointing,
-    PartsFn,
-    SaveRole,
-    StateFn,
-    written_format,
-)
 from elastrain.runtime.evaluate import (
     EvalResult,
     EvalTable,
@@ -132,37 +156,20 @@ from elastrain.runtime.group import (
     settle_before_exit,
     tensor_allreduce,
 )
-from elastrain.runtime.plain_ckpt import (
-    ScriptState,
-    plain_problem,
-    plain_schema,
-    with_script_objects,
-)
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured, format_problem
-from elastrain.runtime.replicated_ckpt import replicated_parts, replicated_schema, saved_objects
-from elastrain.runtime.resume import (
-    ResumeError,
-    from_ordered_json,
-    install_checkpoint,
-    load_resume,
-    ordered_json,
-    parse_resume,
-    resolve_directory,
-)
 from elastrain.runtime.session import JoinRefused, MemberSession
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
-from elastrain.runtime.sharded_ckpt import (
-    ResumeMismatch,
-    replicated_state,
-    schema_problem,
-    shard_parts,
-    shard_source,
-    writer_shard,
-)
-from elastrain.runtime.threadnames import HASH, QUORUM, name_native_thread
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealError, LandingReserve, TorchState, heal, section_bytes
+from elastrain.threads import HASH, QUORUM, name_native_thread
+from elastrain.transfer import (
+    HealError,
+    HealFn,
+    LandingReserve,
+    TorchState,
+    heal,
+    section_bytes,
+)
 from elastrain.transfer.flatten import OBJECTS_KEY
 
 log = logging.getLogger("elastrain.engine")
@@ -253,9 +260,6 @@ def _collective_error(e: BaseException) -> bool:
 class GroupFactory(Protocol):
     def __call__(self, gen: int, rank: int, size: int) -> Any:
         """Build this member's process group for generation `gen` (blocks for all members)."""
-
-
-HealFn = Callable[..., tuple[dict[str, Any], Any]]
 
 
 BUILD_END_MARGIN_S = 2.0
@@ -1658,7 +1662,7 @@ class StepEngine:
 
     def _replicated_parts(self, committed: int, rank: int, members: int) -> ShardParts:
         """A replicated member's rows of the DCP checkpoint of `committed` steps
-        (`elastrain.runtime.replicated_ckpt`; aliases of the live tensors)."""
+        (`elastrain.checkpoint.replicated_parts`; aliases of the live tensors)."""
         state = self.backend.state()
         assert isinstance(state, TorchState)  # `format_problem` refused DCP for others
         return replicated_parts(state, self._checkpoint_meta(committed), rank, members)
@@ -1828,7 +1832,7 @@ class StepEngine:
     def _resume_sharded(
         self, ckpt: VerifiedCheckpoint, meta: dict[str, Any], t0: float
     ) -> int | None:
-        """Resume from a sharded checkpoint (`elastrain.runtime.sharded_ckpt`). A
+        """Resume from a sharded checkpoint (`elastrain.checkpoint.sharded_parts`). A
         replicated member reads every tensor whole now; returns the bytes read. A
         sharded member reads its slot's rows when it takes its slot (its first
         `place`, in the first generation's heal, whatever the layout) and says

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from elastrain.runtime.threadnames import COLLECTIVE_WAIT, GRAVEYARD, name_native_thread
+from elastrain.threads import COLLECTIVE_WAIT, GRAVEYARD, name_native_thread
 
 log = logging.getLogger("elastrain.group")
 

@@ -1,8 +1,8 @@
 """The step engine's hook seam: code outside the core reaches a worker's step here.
 
 A hook is told where the engine is (`StepPoint`) at every step; the chaos
-fault points (`elastrain.chaos.points`) are one, installed by the worker entry
-point (`elastrain.worker`) when the launcher asked for faults. The engine
+package's fault points are one, installed by the worker entry point
+(`elastrain.worker`, the seam's registration) when the launcher asked for faults. The engine
 never imports who implements a hook: the core does not depend on the tools.
 """
 

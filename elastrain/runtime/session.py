@@ -35,7 +35,7 @@ from elastrain.control.client import (
 )
 from elastrain.control.store import group_prefix
 from elastrain.observe.events import EventKind, EventLog
-from elastrain.runtime.threadnames import HEARTBEAT, name_native_thread
+from elastrain.threads import HEARTBEAT, name_native_thread
 
 log = logging.getLogger("elastrain.session")
 

@@ -50,11 +50,9 @@ from elastrain.runtime.reshard import (
     plan_reshard,
 )
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
-from elastrain.transfer import LandingReserve
+from elastrain.transfer import HealFn, LandingReserve, Role
 
 log = logging.getLogger("elastrain.shards")
-
-HealFn = Callable[..., tuple[dict[str, Any], Any]]
 
 __all__ = ["HealOutcome", "NoCompleteGroup", "ShardLost", "ShardedMember"]
 
@@ -276,7 +274,7 @@ class ShardedMember:
         committed = ready.committed.get(self.member, 0)
         if not receivers:
             return HealOutcome(committed, False)
-        role = "send" if rank in senders else "recv" if rank in receivers else "idle"
+        role = Role.of(rank, senders, receivers)
         self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
         state = backend.state()
         got, stats = heal_fn(
@@ -285,12 +283,12 @@ class ShardedMember:
             list(senders),
             list(receivers),
             state,
-            meta(committed) if role == "send" else None,
+            meta(committed) if role == Role.SEND else None,
             self.config.timeouts.heal_s,
             key=key,
-            **({"reserve": reserve} if role == "recv" and reserve is not None else {}),
+            **({"reserve": reserve} if role == Role.RECV and reserve is not None else {}),
         )
-        received = role == "recv"
+        received = role == Role.RECV
         if received:
             backend.adopt(state)
             committed = load_meta(got)
@@ -319,7 +317,7 @@ class ShardedMember:
         leader = next(w for w in members if w in held)
         holds = me in held
         old_size = next(iter(held.values()))[0]
-        role = "send" if holds else "recv"
+        role = Role.SEND if holds else Role.RECV
         self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
         what = broadcast_json(
             world_pg,

@@ -470,7 +470,7 @@ class ShardedBackend:
                     t.data = torch.empty(0, dtype=t.dtype)
         self._full = None
 
-    # ---- sharded checkpoints (elastrain.runtime.sharded_ckpt) ---------------------------
+    # ---- sharded checkpoints (elastrain.checkpoint.sharded_parts) ---------------------------
 
     def checkpoint_schema(self) -> dict[str, Any]:
         """What a sharded checkpoint says of this state besides the tensors (JSON):

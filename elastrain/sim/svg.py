@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
+from elastrain.ticks import nice_ticks
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
 
 
@@ -39,21 +41,6 @@ class Chart:
     y_percent: bool = False
     width: int = 760
     height: int = 460
-
-
-def _nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
-    if hi <= lo:
-        hi = lo + 1.0
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    ticks = []
-    v = first
-    while v <= hi + step * 1e-9:
-        ticks.append(round(v, 12))
-        v += step
-    return ticks
 
 
 def _log_ticks(lo: float, hi: float) -> list[float]:
@@ -99,10 +86,10 @@ def render(chart: Chart) -> str:
     else:
         pad = (xhi - xlo) * 0.05 or 1.0
         xlo, xhi = xlo - pad, xhi + pad
-        xticks = _nice_ticks(xlo, xhi)
+        xticks = nice_ticks(xlo, xhi)
     ylo, yhi = min(ys), max(ys)
     pad = (yhi - ylo) * 0.08 or 0.01
-    yticks = _nice_ticks(ylo - pad, yhi + pad)
+    yticks = nice_ticks(ylo - pad, yhi + pad)
     ylo, yhi = min(yticks[0], ylo - pad), max(yticks[-1], yhi + pad)
 
     def px(x: float) -> float:

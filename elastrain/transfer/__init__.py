@@ -3,7 +3,8 @@
 No pickle anywhere: tensors travel as raw bytes described by a JSON manifest,
 the manifest and every stripe sealed with HMAC-SHA256 under the job token.
 `heal` is the one collective, generic over a `NamedState` (`TorchState` here,
-`elastrain.jax.state.JaxState` for JAX); everything else is local.
+`elastrain.jax.state.JaxState` for JAX) and over a `HealTransport` (`heal_over`;
+`heal` is it over a gloo group, `GlooHeal`); everything else is local.
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, NamedState
-from elastrain.transfer.striped import HealStats, Role, heal
+from elastrain.transfer.striped import HealFn, HealStats, Role, heal, heal_over
 from elastrain.transfer.torch_state import TorchState
+from elastrain.transfer.transport import GlooHeal, HealTransport
 
 __all__ = [
     "FlatState",
+    "GlooHeal",
     "HealError",
+    "HealFn",
     "HealStats",
+    "HealTransport",
     "LandingReserve",
     "NamedState",
     "Role",
     "TorchState",
     "heal",
+    "heal_over",
     "model_signature",
     "section_bytes",
     "signature_mismatch",

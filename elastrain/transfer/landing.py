@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastrain.runtime.threadnames import LANDING, name_native_thread
+from elastrain.threads import LANDING, name_native_thread
 from elastrain.transfer.dtypes import byte_view, dtype_from_name
 from elastrain.transfer.manifest import Entry
 

@@ -1,8 +1,10 @@
 """Striped heal: bring receivers' state up to date from senders, for any `NamedState`.
 
 One protocol for every kind of state: the torch trainer heals a `TorchState`
-(model + optimizer), the JAX trainer a `JaxState` (a pytree of leaves).
-Every rank of the process group calls `heal` with the same ``senders`` and
+(model + optimizer), the JAX trainer a `JaxState` (a pytree of leaves). And
+one for every wire: the protocol talks to a `HealTransport`
+(`elastrain.transfer.transport`), `heal` being `heal_over` a gloo group's.
+Every rank of the group calls it with the same ``senders`` and
 ``receivers``; *trusted* starts as ``senders``:
 
 1. **announce** -- one all-reduce (max) in which the first trusted sender (the
@@ -61,13 +63,13 @@ import datetime
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag
 from elastrain.transfer.dtypes import cpu_bytes
@@ -93,13 +95,7 @@ from elastrain.transfer.seal import (
 )
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.tamper import Tamper
-
-Group = Any
-"""A gloo process group: ``ProcessGroupGloo(store, rank, size, timeout)`` or a ``ProcessGroup``.
-
-Typed as Any because torch's stubs do not declare the collectives on the backend
-classes; `heal` uses ``size()``, ``rank()``, ``broadcast``, ``allreduce``, ``send``
-and ``recv`` with their option-object signatures."""
+from elastrain.transfer.transport import GlooHeal, Group, HealTransport, Pending, Reduce
 
 
 class Role(StrEnum):
@@ -108,6 +104,11 @@ class Role(StrEnum):
     SEND = "send"
     RECV = "recv"
     IDLE = "idle"
+
+    @staticmethod
+    def of(rank: int, senders: Sequence[int], receivers: Sequence[int]) -> Role:
+        """This rank's role: a sender, a receiver, or neither (idle)."""
+        return Role.SEND if rank in senders else Role.RECV if rank in receivers else Role.IDLE
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ def _first_line(e: BaseException) -> str:
 
 
 class _Deadline:
-    """Waits on gloo work objects, all against one deadline; errors become HealError."""
+    """Waits on a transport's posted operations, all against one deadline; errors
+    become HealError."""
 
     def __init__(self, rank: int, timeout_s: float) -> None:
         self.rank = rank
@@ -166,7 +168,7 @@ class _Deadline:
     def remaining(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=max(self.end - time.monotonic(), 0.001))
 
-    def wait(self, work: Any, what: str) -> None:
+    def wait(self, work: Pending, what: str) -> None:
         try:
             work.wait(self.remaining())
         except RuntimeError as e:
@@ -175,7 +177,7 @@ class _Deadline:
                 f"{_first_line(e)}"
             ) from e
 
-    def call(self, fn: Any, what: str) -> Any:
+    def call(self, fn: Callable[[], Pending], what: str) -> Pending:
         """Post an operation; a transport error at post time also becomes HealError."""
         try:
             return fn()
@@ -193,37 +195,32 @@ class _Announcement:
 
 
 def _announce(
-    pg: Group, rank: int, root: int, length: int, limit: int, dl: _Deadline
+    tx: HealTransport, root: int, length: int, limit: int, dl: _Deadline
 ) -> _Announcement:
     """All-reduce (max) of the root's manifest ``length`` (ignored elsewhere), minus
     every rank's limit (so the max is the smallest limit) and every rank's nonce in
     its own slot (collective)."""
-    size = pg.size()
-    v = torch.zeros(2 + size, dtype=torch.int64)
-    v[0] = length if rank == root else 0
+    v = torch.zeros(2 + tx.size, dtype=torch.int64)
+    v[0] = length if tx.rank == root else 0
     v[1] = -limit
-    v[2 + rank] = secrets.randbits(62)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-    opts.timeout = dl.remaining()
-    work = dl.call(lambda: pg.allreduce([v], opts), "manifest announcement all-reduce")
+    v[2 + tx.rank] = secrets.randbits(62)
+    what = "manifest announcement all-reduce"
+    work = dl.call(lambda: tx.allreduce(v, Reduce.MAX, dl.remaining()), what)
     dl.wait(work, "manifest announcement all-reduce")
     got = [int(x) for x in v.tolist()]
     return _Announcement(got[0], -got[1], tuple(got[2:]))
 
 
-def _broadcast_bytes(pg: Group, root: int, data: bytes | None, n: int, dl: _Deadline) -> bytes:
+def _broadcast_bytes(
+    tx: HealTransport, root: int, data: bytes | None, n: int, dl: _Deadline
+) -> bytes:
     """Broadcast ``n`` bytes from ``root`` (other ranks pass None and allocate ``n``,
-    which the announcement bounded); collective over pg."""
+    which the announcement bounded); collective."""
     if data is not None:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     else:
         buf = torch.empty(n, dtype=torch.uint8)
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
-    opts.timeout = dl.remaining()
-    work = dl.call(lambda: pg.broadcast([buf], opts), "manifest broadcast")
+    work = dl.call(lambda: tx.broadcast(buf, root, dl.remaining()), "manifest broadcast")
     dl.wait(work, "manifest broadcast")
     return data if data is not None else buf.numpy().tobytes()
 
@@ -243,43 +240,38 @@ class _Flags:
     """An all-reduce (sum) of an int64 flag vector in which each rank set only its
     own slots, posted: `result` waits for it. Local work can run in between."""
 
-    def __init__(self, pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-        opts.timeout = dl.remaining()
+    def __init__(self, tx: HealTransport, flags: torch.Tensor, what: str, dl: _Deadline) -> None:
         self.flags, self.what, self.dl = flags, what, dl
-        self.work = dl.call(lambda: pg.allreduce([flags], opts), what)
+        self.work = dl.call(lambda: tx.allreduce(flags, Reduce.SUM, dl.remaining()), what)
 
     def result(self) -> list[int]:
         self.dl.wait(self.work, self.what)
         return [int(f) for f in self.flags.tolist()]
 
 
-def _sum_flags(pg: Group, flags: torch.Tensor, what: str, dl: _Deadline) -> list[int]:
+def _sum_flags(tx: HealTransport, flags: torch.Tensor, what: str, dl: _Deadline) -> list[int]:
     """All-reduce (sum) of an int64 flag vector in which each rank set only its own slots."""
-    return _Flags(pg, flags, what, dl).result()
+    return _Flags(tx, flags, what, dl).result()
 
 
-def _post_verdict(pg: Group, rank: int, code: Verdict, dl: _Deadline) -> _Flags:
+def _post_verdict(tx: HealTransport, code: Verdict, dl: _Deadline) -> _Flags:
     """Post the all-reduce of verdict codes; its result is every rank's code (collective)."""
-    flags = torch.zeros(pg.size(), dtype=torch.int64)
-    flags[rank] = code
-    return _Flags(pg, flags, "verdict all-reduce", dl)
+    flags = torch.zeros(tx.size, dtype=torch.int64)
+    flags[tx.rank] = code
+    return _Flags(tx, flags, "verdict all-reduce", dl)
 
 
-def _outcome(
-    pg: Group, rank: int, n: int, failed: list[int], dl: _Deadline
-) -> dict[int, list[int]]:
+def _outcome(tx: HealTransport, n: int, failed: list[int], dl: _Deadline) -> dict[int, list[int]]:
     """All-reduce of seal failures over ``n`` stripes (collective).
 
     Returns {stripe index: receiver ranks that failed it}, only for failed stripes.
     """
-    flags = torch.zeros(pg.size() * n, dtype=torch.int64)
+    flags = torch.zeros(tx.size * n, dtype=torch.int64)
     for j in failed:
-        flags[rank * n + j] = 1
-    got = _sum_flags(pg, flags, "seal outcome all-reduce", dl)
+        flags[tx.rank * n + j] = 1
+    got = _sum_flags(tx, flags, "seal outcome all-reduce", dl)
     out: dict[int, list[int]] = {}
-    for r in range(pg.size()):
+    for r in range(tx.size):
         for j in range(n):
             if got[r * n + j]:
                 out.setdefault(j, []).append(r)
@@ -287,14 +279,11 @@ def _outcome(
 
 
 def _check_args(
-    pg: Group, rank: int, senders: Sequence[int], receivers: Sequence[int], timeout_s: float
+    tx: HealTransport, senders: Sequence[int], receivers: Sequence[int], timeout_s: float
 ) -> None:
-    size = pg.size()
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside the group of size {size}")
-    pg_rank = getattr(pg, "rank", None)
-    if callable(pg_rank) and pg_rank() != rank:
-        raise ValueError(f"rank={rank} but the process group says this is rank {pg_rank()}")
+    size = tx.size
+    if not 0 <= tx.rank < size:
+        raise ValueError(f"rank {tx.rank} is outside the group of size {size}")
     if not senders:
         raise ValueError("heal needs at least one sender (a rank with up-to-date state)")
     for what, ranks in (("senders", senders), ("receivers", receivers)):
@@ -414,18 +403,18 @@ def _stage(rd: _Round, flat: FlatState, stripe: Stripe, tamper: Tamper | None) -
 
 
 def _send_range(
-    pg: Group, dl: _Deadline, staged: _Staged, receivers: Sequence[int], tag_id: int
-) -> list[tuple[int, Any]]:
+    tx: HealTransport, dl: _Deadline, staged: _Staged, receivers: Sequence[int], tag_id: int
+) -> list[tuple[int, Pending]]:
     """Post the messages of one staged stripe and its seal to every receiver;
     returns (receiver, work) pairs."""
     works = []
     for r in receivers:
         for i, buf in enumerate(staged.wire):
             tag = data_tag(tag_id, i)
-            works.append((r, dl.call(lambda b=buf, r=r, t=tag: pg.send([b], r, t), f"send to {r}")))
+            works.append((r, dl.call(partial(tx.send, buf, r, tag), f"send to {r}")))
     for r in receivers:
         tag = seal_tag(tag_id)
-        works.append((r, dl.call(lambda r=r, t=tag: pg.send([staged.seal], r, t), f"send to {r}")))
+        works.append((r, dl.call(partial(tx.send, staged.seal, r, tag), f"send to {r}")))
     return works
 
 
@@ -435,13 +424,13 @@ class _Posted:
 
     j: int
     stripe: Stripe
-    items: list[tuple[Any, torch.Tensor, Any]]
+    items: list[tuple[Any, torch.Tensor, Pending]]
     seal: torch.Tensor
-    seal_work: Any
+    seal_work: Pending
 
 
 def _post_range(
-    pg: Group, dl: _Deadline, m: Manifest, landing: Landing, j: int, s: Stripe, tag_id: int
+    tx: HealTransport, dl: _Deadline, m: Manifest, landing: Landing, j: int, s: Stripe, tag_id: int
 ) -> _Posted:
     what = f"receive from rank {s.sender_rank}"
     items = []
@@ -452,11 +441,11 @@ def _post_range(
             p = chunk.pieces[0]
             buf = landing.target(m.entries[p.entry], p.offset, p.nbytes)
         tag = data_tag(tag_id, i)
-        work = dl.call(lambda b=buf, s=s, t=tag: pg.recv([b], s.sender_rank, t), what)
+        work = dl.call(partial(tx.recv, buf, s.sender_rank, tag), what)
         items.append((chunk, buf, work))
     seal = torch.zeros(STRIPE_SEAL_BYTES, dtype=torch.uint8)
     tag = seal_tag(tag_id)
-    seal_work = dl.call(lambda c=seal, s=s, t=tag: pg.recv([c], s.sender_rank, t), what)
+    seal_work = dl.call(partial(tx.recv, seal, s.sender_rank, tag), what)
     return _Posted(j, s, items, seal, seal_work)
 
 
@@ -485,9 +474,8 @@ def _land(dl: _Deadline, rd: _Round, landing: Landing, posted: _Posted) -> HealE
 
 
 def _payload(
-    pg: Group,
+    tx: HealTransport,
     dl: _Deadline,
-    rank: int,
     rd: _Round,
     flat: FlatState | None,
     landing: Landing | None,
@@ -498,26 +486,26 @@ def _payload(
     staged: dict[Stripe, _Staged],
 ) -> int:
     """Steps 3-4 of the module docstring: send/receive stripes, retry the refused ones
-    from other trusted senders. Collective over pg; returns this rank's payload bytes.
+    from other trusted senders. Collective; returns this rank's payload bytes.
     ``staged``: this sender's stripes staged ahead (`_stage`); the others (stripes
     sent again) are staged here. Mutates ``trusted`` and ``refused``; HealError when
     no trusted sender is left."""
-    m = rd.m
+    m, rank = rd.m, tx.rank
     work = [_Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes and receivers]
     nbytes = 0
     while work:
-        sends: list[tuple[int, Any]] = []
+        sends: list[tuple[int, Pending]] = []
         posted: list[_Posted] = []
         for j, a in enumerate(work):
             tag_id = _tag_id(m.heal_id, j)
             if a.stripe.sender_rank == rank:
                 assert flat is not None
                 st = staged.pop(a.stripe, None) or _stage(rd, flat, a.stripe, tamper)
-                sends += _send_range(pg, dl, st, a.receivers, tag_id)
+                sends += _send_range(tx, dl, st, a.receivers, tag_id)
                 nbytes += a.stripe.nbytes * len(a.receivers)
             elif rank in a.receivers:
                 assert landing is not None
-                posted.append(_post_range(pg, dl, m, landing, j, a.stripe, tag_id))
+                posted.append(_post_range(tx, dl, m, landing, j, a.stripe, tag_id))
                 nbytes += a.stripe.nbytes
         for r, w in sends:
             dl.wait(w, f"sending stripe to rank {r}")
@@ -526,7 +514,7 @@ def _payload(
             assert landing is not None
             if (e := _land(dl, rd, landing, p)) is not None:
                 mismatches[p.j] = e
-        failed = _outcome(pg, rank, len(work), sorted(mismatches), dl)
+        failed = _outcome(tx, len(work), sorted(mismatches), dl)
         if not failed:
             break
         bad = sorted({work[j].stripe.sender_rank for j in failed})
@@ -554,6 +542,26 @@ def _payload(
     return nbytes
 
 
+class HealFn(Protocol):
+    """What the trainers call to heal over a generation's group: `heal`, or a test's
+    or another wire's stand-in with its signature (see `heal`; the test seam
+    ``tamper`` is not part of it: trainers never pass it)."""
+
+    def __call__(
+        self,
+        pg: Group,
+        rank: int,
+        senders: list[int],
+        receivers: list[int],
+        state: NamedState,
+        meta: dict[str, Any] | None,
+        timeout_s: float,
+        *,
+        key: bytes | None = None,
+        reserve: LandingReserve | None = None,
+    ) -> tuple[dict[str, Any], HealStats]: ...
+
+
 def heal(
     pg: Group,
     rank: int,
@@ -567,9 +575,38 @@ def heal(
     tamper: Tamper | None = None,
     reserve: LandingReserve | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
+    """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`.
+
+    ValueError if ``rank`` is not this rank of ``pg``, before any communication."""
+    return heal_over(
+        GlooHeal(pg, rank),
+        senders,
+        receivers,
+        state,
+        meta,
+        timeout_s,
+        key=key,
+        tamper=tamper,
+        reserve=reserve,
+    )
+
+
+def heal_over(
+    tx: HealTransport,
+    senders: list[int],
+    receivers: list[int],
+    state: NamedState,
+    meta: dict[str, Any] | None,
+    timeout_s: float,
+    *,
+    key: bytes | None = None,
+    tamper: Tamper | None = None,
+    reserve: LandingReserve | None = None,
+) -> tuple[dict[str, Any], HealStats]:
     """Copy senders' ``state`` onto receivers, striped over all senders, sealed by ``key``.
 
-    Collective over ALL ranks of ``pg``: every rank calls it with the same
+    Collective over ALL ranks of the transport's group (``tx``, this rank being
+    ``tx.rank``): every rank calls it with the same
     ``senders`` (ranks with identical, up-to-date state; senders[0] is the
     first manifest root), ``receivers`` (ranks to overwrite) and ``key`` (the
     job token's bytes; the trainers always pass it). Every rank passes its own
@@ -599,7 +636,7 @@ def heal(
     sees it, for a transport error or timeout. A receiver's state is replaced
     (`NamedState.install`) only after every stripe arrived and matched its
     seal. After a HealError from a transport failure or timeout, drop the
-    process group.
+    group.
 
     ``reserve``: a receiver's landing memory, mapped and touched ahead of the heal
     (`LandingReserve`; its sections are used up here). Without one, or for a
@@ -608,9 +645,10 @@ def heal(
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
     t0 = time.perf_counter()
-    _check_args(pg, rank, senders, receivers, timeout_s)
+    _check_args(tx, senders, receivers, timeout_s)
+    rank = tx.rank
     dl = _Deadline(rank, timeout_s)
-    role = Role.SEND if rank in senders else Role.RECV if rank in receivers else Role.IDLE
+    role = Role.of(rank, senders, receivers)
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
@@ -650,7 +688,7 @@ def heal(
                 length = tamper.announced_length(length)
 
         # 1. announce: the length is judged by every rank alike, before allocating
-        ann = _announce(pg, rank, root, length, state.manifest_limit(), dl)
+        ann = _announce(tx, root, length, state.manifest_limit(), dl)
         if ann.length > ann.limit:
             code = Verdict.MALFORMED
             problem = HealError(
@@ -660,13 +698,13 @@ def heal(
         # 2. manifest, sealed by the root
         elif rank == root:
             seal = seal_manifest(sealing_key, ann.nonces, root, data)
-            _broadcast_bytes(pg, root, data + seal, ann.length, dl)
+            _broadcast_bytes(tx, root, data + seal, ann.length, dl)
             if built is not None:
                 raise HealError(
                     f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"
                 ) from built
         else:
-            sealed = _broadcast_bytes(pg, root, None, ann.length, dl)
+            sealed = _broadcast_bytes(tx, root, None, ann.length, dl)
             seal = sealed[-SEAL_BYTES:]
             try:
                 manifest = decode_manifest(open_manifest(key, ann.nonces, root, sealed))
@@ -684,7 +722,7 @@ def heal(
         # 3. verdict. While the round completes, a sender stages its stripe (packed
         # and sealed) and a receiver allocates its landing: both are local, and
         # wasted only when some rank refuses.
-        verdict = _post_verdict(pg, rank, code, dl)
+        verdict = _post_verdict(tx, code, dl)
         staged: dict[Stripe, _Staged] = {}
         landing: Landing | None = None
         try:
@@ -724,7 +762,7 @@ def heal(
     # 4-5. payload, sealed, with refused stripes sent again by trusted senders
     rd = _Round(manifest, seal, key)
     t_payload = time.perf_counter()
-    nbytes = _payload(pg, dl, rank, rd, flat, landing, receivers, trusted, refused, tamper, staged)
+    nbytes = _payload(tx, dl, rd, flat, landing, receivers, trusted, refused, tamper, staged)
     payload_s = time.perf_counter() - t_payload
     if landing is not None:
         state.install(landing.tensors, manifest.section)

@@ -89,7 +89,7 @@ def declared_tensors(schema: dict[str, Any]) -> dict[str, tuple[str, tuple[int, 
                 out[optim_key(name, e[0])] = (e[2], tuple(e[3]))
     for name, shape, dtype in schema["buffers"]:
         out[model_key(name)] = (dtype, tuple(shape))
-    # A replicated job's (`elastrain.runtime.replicated_ckpt`): its registered objects'.
+    # A replicated job's (`elastrain.checkpoint.replicated_parts`): its registered objects'.
     for name, shape, dtype in schema.get("objects", []):
         out[object_key(name)] = (dtype, tuple(shape))
     return out
@@ -171,7 +171,7 @@ def replicated_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A sharded checkpoint as the replicated trainer's flattened state: the
     tensors (``model/<key>``, ``optim/<index>/<key>``) and the optimizer section,
-    for `elastrain.runtime.resume.install_checkpoint` (which checks them against
+    for `elastrain.checkpoint.restore.install_checkpoint` (which checks them against
     the model and optimizer). Reads every tensor whole. ResumeMismatch when the
     checkpoint lacks a tensor of the model or a parameter of the optimizer."""
     tensors: dict[str, torch.Tensor] = {}

@@ -3,7 +3,7 @@
 `elastrain.checkpoint.plain` says what the checkpoint holds (`PlainLayout`);
 this module checks it against the script's model and optimizer
 (`ScriptState`: the same for a replicated and a sharded backend) and describes
-it as a sharded checkpoint's *schema* (`elastrain.runtime.sharded_ckpt`), so
+it as a sharded checkpoint's *schema* (`elastrain.checkpoint.sharded_parts`), so
 that the resume code of elastrain's own DCP checkpoints installs it with
 nothing of its own: `replicated_state` then `install_checkpoint` (the heal's
 checks) on a replicated member, `shard_source` on a sharded one. Pure

@@ -1,7 +1,7 @@
 """A replicated job's checkpoints in DCP format (``--ckpt-format dcp``).
 
 The storage, the commit and the read side are the sharded checkpoints'
-(`elastrain.checkpoint.dcp`, `elastrain.runtime.sharded_ckpt`); this module says
+(`elastrain.checkpoint.dcp`, `elastrain.checkpoint.sharded_parts`); this module says
 what a replicated member writes (docs/design.md, "Replicated checkpoints in DCP
 format"):
 
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint.dcp import Chunk, ShardParts, model_key, optim_key, row_count
-from elastrain.runtime.resume import from_ordered_json, ordered_json
+from elastrain.checkpoint.restore import from_ordered_json, ordered_json
+from elastrain.checkpoint.sharded_parts import TensorReader, declared_tensors, object_key
 from elastrain.runtime.sharded import group_entries, shard_rows, state_entries
-from elastrain.runtime.sharded_ckpt import TensorReader, declared_tensors, object_key
 from elastrain.transfer import TorchState
 from elastrain.transfer.flatten import encode_object, optimizer_class
 from elastrain.transfer.manifest import tensor_refs

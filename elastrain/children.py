@@ -14,6 +14,10 @@ Segmentation fault" in `_execute_child`), and without a `preexec_fn`
 The umask is `Popen`'s own argument. A launcher that died before the request
 was made is caught by comparing the parent PID with the one the launcher put
 in the child's environment (`spawn_env`).
+
+A top-level module, below `launch`: the children themselves (the coordinator
+server, the worker entry point) call `die_with_parent`, and they sit below the
+launcher.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure and local: the trainer's training thread calls it; every input that
 changes it comes from the step's all-reduce, so every member of a generation
-holds the same schedule and decides the same (see `elastrain.runtime.durable`).
+holds the same schedule and decides the same (see `elastrain.checkpoint.manager`).
 """
 
 from __future__ import annotations

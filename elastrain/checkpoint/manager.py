@@ -1,4 +1,4 @@
-"""Durable checkpoints inside the elastic trainer: when, who writes, who commits, resume.
+"""The checkpoint manager inside the elastic trainer: when, who writes, who commits, resume.
 
 The storage layer (`elastrain.checkpoint`) knows files; this module knows the
 step protocol. Its distributed contract:
@@ -46,12 +46,12 @@ A checkpoint's *step* is the committed step count it holds (the next step to
 run): ``step-00000020`` is the state after steps 0..19.
 
 A sharded job writes sharded checkpoints instead (`elastrain.checkpoint.dcp`,
-`elastrain.runtime.sharded_ckpt`): the same schedule, writer thread, failure
+`elastrain.checkpoint.sharded_parts`): the same schedule, writer thread, failure
 markers and committer, but its `SaveRole`s differ: one writer per shard index
 (``num_shards`` is the shard size), members that hold a twin's copy write
 nothing, and rank 0 commits whether it writes or not. A replicated job with
 ``--ckpt-format dcp`` writes the same format with the replicated roles: every
-member writes its rows of every tensor (`elastrain.runtime.replicated_ckpt`),
+member writes its rows of every tensor (`elastrain.checkpoint.replicated_parts`),
 ``num_shards`` is the member count. `written_format` decides.
 """
 
@@ -78,12 +78,12 @@ from elastrain.checkpoint import (
     apply_retention,
     commit,
 )
+from elastrain.checkpoint.config import CheckpointPolicy
 from elastrain.checkpoint.dcp import ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
 from elastrain.checkpoint.files import MARKER, read_signed_json, shard_manifest_name, step_dir
+from elastrain.checkpoint.policy import IntervalChoice, Schedule
 from elastrain.control.protocol import GenerationReason
 from elastrain.observe.events import EventKind, EventLog
-from elastrain.runtime.ckpt_schedule import IntervalChoice, Schedule
-from elastrain.runtime.config import CheckpointPolicy
 
 log = logging.getLogger("elastrain.checkpoint")
 

@@ -1,0 +1,266 @@
+"""The heal over its transport seam: the whole protocol on an in-memory wire.
+
+`heal_over` talks to a `HealTransport` only, so the striped heal (manifest,
+plan, stripes, seals, landing, install) runs here with every rank a thread and
+the wire a few queues in this process: no gloo, no sockets. The wire can damage
+a message in flight, which is how a corrupted stripe reaches a receiver, and
+lose one, which is how a dead peer looks. The gloo transport is exercised by
+tests/test_transfer.py's heal tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from elastrain.transfer import (
+    HealError,
+    HealStats,
+    HealTransport,
+    Role,
+    TorchState,
+    heal_over,
+    state_hash,
+)
+from elastrain.transfer.seal import STRIPE_SEAL_BYTES
+from elastrain.transfer.transport import Pending, Reduce
+
+KEY = b"job-token"
+
+Damage = Callable[[int, int, int, torch.Tensor], torch.Tensor | None]
+"""(src, dst, tag, message) -> the message as delivered, or None: lost."""
+
+
+class Wire:
+    """One generation's members in one process: numbered collective rounds, and a
+    mailbox per (src, dst, tag). `damage` sees every point-to-point message."""
+
+    def __init__(self, size: int, damage: Damage | None = None) -> None:
+        self.size = size
+        self.damage = damage
+        self.cond = threading.Condition()
+        self.rounds: dict[int, dict[int, tuple[str, torch.Tensor]]] = defaultdict(dict)
+        self.mail: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
+        self.damaged = 0
+
+    def member(self, rank: int) -> Member:
+        return Member(self, rank)
+
+
+class _Waits:
+    """A posted operation: done when `ready()` holds (under the wire's lock), then `finish()`."""
+
+    def __init__(
+        self, wire: Wire, ready: Callable[[], bool], finish: Callable[[], None], what: str
+    ) -> None:
+        self.wire, self.ready, self.finish, self.what = wire, ready, finish, what
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        with self.wire.cond:
+            if not self.wire.cond.wait_for(self.ready, timeout.total_seconds()):
+                raise RuntimeError(f"in-memory wire: {self.what} timed out")
+            self.finish()
+
+
+class Member:
+    """`HealTransport` for one rank of a `Wire`."""
+
+    def __init__(self, wire: Wire, rank: int) -> None:
+        self.wire, self._rank, self._round = wire, rank, 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.wire.size
+
+    def _collective(
+        self, kind: str, t: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]
+    ) -> Pending:
+        w, k = self.wire, self._round
+        self._round += 1
+        with w.cond:
+            w.rounds[k][self._rank] = (kind, t.clone())
+            w.cond.notify_all()
+
+        def ready() -> bool:
+            return len(w.rounds[k]) == w.size
+
+        def finish() -> None:
+            got = [w.rounds[k][r] for r in range(w.size)]
+            if {g[0] for g in got} != {kind} or {g[1].shape for g in got} != {t.shape}:
+                raise RuntimeError(f"in-memory wire: round {k} mismatched: {got}")
+            t.copy_(combine([g[1] for g in got]))
+
+        return _Waits(w, ready, finish, f"{kind} round {k}")
+
+    def allreduce(self, v: torch.Tensor, op: Reduce, timeout: datetime.timedelta) -> Pending:
+        def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+            stacked = torch.stack(ts)
+            return stacked.amax(0) if op == Reduce.MAX else stacked.sum(0)
+
+        return self._collective(f"allreduce-{op}", v, combine)
+
+    def broadcast(self, buf: torch.Tensor, root: int, timeout: datetime.timedelta) -> Pending:
+        return self._collective(f"broadcast-{root}", buf, lambda ts: ts[root])
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> Pending:
+        w = self.wire
+        msg: torch.Tensor | None = buf.clone()
+        if w.damage is not None:
+            assert msg is not None
+            msg = w.damage(self._rank, dst, tag, msg)
+        with w.cond:
+            if msg is not None:
+                w.mail[(self._rank, dst, tag)].append(msg)
+                w.cond.notify_all()
+        return _Waits(w, lambda: True, lambda: None, "send")
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> Pending:
+        w, box = self.wire, (src, self._rank, tag)
+
+        def finish() -> None:
+            msg = w.mail[box].popleft()
+            if msg.shape != buf.shape or msg.dtype != buf.dtype:
+                raise RuntimeError(f"in-memory wire: {msg.shape} into a {buf.shape} buffer")
+            buf.copy_(msg)
+
+        return _Waits(w, lambda: bool(w.mail[box]), finish, f"receive from {src}")
+
+
+def _state(trained: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An up-to-date state (identical wherever it is built) or a joiner's."""
+    torch.manual_seed(0 if trained else 99)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2 if trained else 0.5)
+    if trained:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=g)).square().mean().backward()
+            opt.step()
+    return model, opt
+
+
+def run(
+    wire: Wire,
+    states: list[tuple[torch.nn.Module, torch.optim.Optimizer]],
+    senders: list[int],
+    receivers: list[int],
+    timeout_s: float = 10.0,
+) -> list[tuple[dict[str, Any], HealStats] | BaseException]:
+    """Every rank heals over the wire on its own thread; its result or exception."""
+    results: list[Any] = [None] * wire.size
+
+    def body(rank: int) -> None:
+        tx: HealTransport = wire.member(rank)
+        meta = {"step": 7} if rank in senders else None
+        try:
+            results[rank] = heal_over(
+                tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY
+            )
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(wire.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a heal thread hung"
+    return results
+
+
+def test_roles_are_one_enum() -> None:
+    assert [Role.of(r, [0, 1], [3]) for r in range(4)] == [
+        Role.SEND,
+        Role.SEND,
+        Role.IDLE,
+        Role.RECV,
+    ]
+    assert Role.RECV == "recv"  # events and JSON carry the value
+
+
+def test_a_heal_over_an_in_memory_transport_installs_the_senders_state() -> None:
+    states = [_state(True), _state(True), _state(False), _state(False)]
+    want = state_hash(*states[0])
+    assert state_hash(*states[3]) != want
+    res = run(Wire(4), states, senders=[0, 1], receivers=[3])
+    assert all(isinstance(r, tuple) for r in res), res
+    outs = [r for r in res if isinstance(r, tuple)]
+    assert [st.role for _, st in outs] == [Role.SEND, Role.SEND, Role.IDLE, Role.RECV]
+    assert outs[3][0] == {"step": 7} and outs[2][0] == {"step": 7}  # the root's meta
+    assert all(st.refused == () for _, st in outs)
+    assert state_hash(*states[3]) == want
+    assert state_hash(*states[2]) != want  # an idle rank is not touched
+    # Striped: each sender sent its half of the payload, the receiver got all of it.
+    assert outs[0][1].bytes + outs[1][1].bytes == outs[3][1].bytes > 0
+    assert abs(outs[0][1].bytes - outs[1][1].bytes) <= 1
+
+
+def _flip_from(sender: int, wire_counter: list[Wire]) -> Damage:
+    """Flip one byte of every payload message `sender` sends (not its seals)."""
+
+    def damage(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        if src == sender and msg.numel() > STRIPE_SEAL_BYTES:
+            msg[msg.numel() // 2] ^= 0x5A
+            wire_counter[0].damaged += 1
+        return msg
+
+    return damage
+
+
+def test_a_stripe_corrupted_on_the_wire_is_refused_and_sent_again_by_another_sender() -> None:
+    states = [_state(True), _state(True), _state(False)]
+    want = state_hash(*states[0])
+    holder: list[Wire] = []
+    wire = Wire(3, _flip_from(0, holder))
+    holder.append(wire)
+    res = run(wire, states, senders=[0, 1], receivers=[2])
+    assert all(isinstance(r, tuple) for r in res), res
+    assert wire.damaged > 0
+    stats = [r[1] for r in res if isinstance(r, tuple)]
+    assert all(st.refused == (0,) for st in stats)  # the same verdict on every rank
+    assert state_hash(*states[2]) == want
+    # Sender 1 sent its own stripe and, again, the refused one: the whole payload.
+    assert stats[1].bytes == stats[2].bytes - stats[0].bytes
+
+
+def test_when_every_sender_is_corrupted_the_receiver_is_left_untouched() -> None:
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+    holder: list[Wire] = []
+    wire = Wire(2, _flip_from(0, holder))
+    holder.append(wire)
+    res = run(wire, states, senders=[0], receivers=[1])
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "failed their seal" in str(res[1]) and "no sender is left" in str(res[1])
+    assert state_hash(*states[1]) == before
+
+
+def test_a_lost_message_ends_the_heal_at_its_deadline() -> None:
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+
+    def lose(src: int, dst: int, tag: int, msg: torch.Tensor) -> None:
+        return None
+
+    res = run(Wire(2, lose), states, senders=[0], receivers=[1], timeout_s=0.5)
+    assert isinstance(res[1], HealError) and "timed out" in str(res[1]), res
+    assert state_hash(*states[1]) == before
+
+
+@pytest.mark.parametrize("bad", [([], [1]), ([0, 0], [1]), ([0], [0]), ([0], [2])])
+def test_bad_arguments_fail_before_the_wire_is_used(bad: tuple[list[int], list[int]]) -> None:
+    wire = Wire(2)
+    with pytest.raises(ValueError):
+        heal_over(wire.member(0), *bad, TorchState(*_state(True)), None, 1.0, key=KEY)
+    assert not wire.rounds and not wire.mail

@@ -124,7 +124,10 @@ class ShardedGroups:
         world = links.pg
         return [
             Reduction(
-                self.shards.reduce, before_wait=hooks.StepPoint.ALLREDUCE, keep=self.shards.keep
+                self.shards.reduce,
+                before_wait=hooks.StepPoint.ALLREDUCE,
+                keep=self.shards.keep,
+                what="the twins' reduction",
             ),
             Reduction(lambda: self.shards.vote(world, extras), after_wait=hooks.StepPoint.VOTE),
         ]

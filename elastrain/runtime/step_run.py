@@ -329,13 +329,13 @@ class StepRun:
     def _reduce_aborted(
         self, phase: m.AbortPhase, error: str, step: int, gen: int, kept: Reduction | None
     ) -> m.ReduceAborted:
-        """Give the reduction up; a member whose reduction completed one that keeps
-        (a sharded member's twins) keeps the sum in case another member committed
-        the step."""
+        """Give the reduction up; a member that completed a collective that keeps
+        (a sharded member's twins' reduction) keeps the sum in case another member
+        committed the step."""
         if kept is not None:
             assert kept.keep is not None
             kept.keep(step, gen)
-            error = f"{error} (after the twins' reduction: the step is kept)"
+            error = f"{error} (after {kept.what}: the step is kept)"
         return m.ReduceAborted(phase, error, kept is not None)
 
     def _hang_check(

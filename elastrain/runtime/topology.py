@@ -37,7 +37,7 @@ from elastrain.checkpoint.plain import resume_step as plain_resume_step
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
-from elastrain.runtime.context import Links
+from elastrain.runtime.context import Context, Links
 from elastrain.runtime.durable import PartsFn, SaveRole, StateFn
 from elastrain.runtime.plain_ckpt import ScriptState, plain_problem, plain_schema
 from elastrain.transfer import LandingReserve
@@ -119,6 +119,8 @@ class Reduction:
     keep: Callable[[int, int], None] | None = None
     """Once it completed: keep the reduced step (step, gen) if a later one fails,
     in case another member committed it."""
+    what: str = "the reduction"
+    """Its name in an abort's message."""
 
 
 class Snapshots(Protocol):
@@ -189,7 +191,7 @@ class Topology(Protocol):
         and the function that installs it (raises PlainCheckpointError...)."""
 
 
-TopologyFactory = Callable[[Any], Topology]
+TopologyFactory = Callable[[Context], Topology]
 """Builds a worker's topology from the engine's `Context` (the trainer picks one)."""
 
 

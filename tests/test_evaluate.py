@@ -243,7 +243,7 @@ def _paused_engines(tmp: Path) -> list[StepEngine]:
             WorkerEnv(member=who, run_dir=str(tmp / who), token="t"),
             client=FakeCoordinator(who, []),  # type: ignore[arg-type]
         )
-        e._pg = groups[rank]
+        e.ctx.links.pg = groups[rank]
         e.proto.gen, e.proto.members, e.proto.rank = 1, ("a", "b"), rank
         e.proto.committed, e.proto.in_group = 5, True
         engines.append(e)
@@ -271,25 +271,25 @@ def test_a_pause_longer_than_the_step_watchdog_keeps_the_generation(tmp_path: Pa
     # member's pause is empty and it waits at the end of it.
     _both(engines, lambda rank: time.sleep(1.5) if rank == 1 else None)
     assert time.monotonic() - t0 >= 1.5
-    assert [e._broken for e in engines] == [None, None]
+    assert [e.ctx.links.broken for e in engines] == [None, None]
     for who in ("a", "b"):
         assert not [e for e in read_events(tmp_path / who) if e["kind"] == "watchdog_fired"]
     # Entered after different steps (a pause decided by the rank would pair with a
     # step's all-reduce; here both pause, one step apart): the next step regroups.
     engines[1].proto.committed = 6
     _both(engines, lambda rank: None)
-    assert all(e._broken and "after the same step" in e._broken for e in engines)
+    assert all(e.ctx.links.broken and "after the same step" in e.ctx.links.broken for e in engines)
     # A peer that never ends its pause (hung, heartbeat alive) is found at the bound.
     engines[1].proto.committed = 5
     for e in engines:
-        e._broken = None
+        e.ctx.links.broken = None
     engines[0].pause_barrier(time.monotonic(), 0.3)
-    assert engines[0]._broken and "did not finish in 0.30s" in engines[0]._broken
+    assert engines[0].ctx.links.broken and "did not finish in 0.30s" in engines[0].ctx.links.broken
     fired = [e for e in read_events(tmp_path / "a") if e["kind"] == "watchdog_fired"]
     assert [e["during"] for e in fired] == ["pause"]
     engines[1].pause_barrier(time.monotonic(), 5.0)  # ends rank 0's abandoned all-reduce
     for e in engines:
-        for t in e.waiter.blocked():
+        for t in e.ctx.waiter.blocked():
             t.join(10)
         e.events.close()
 
@@ -451,7 +451,7 @@ def test_evaluate_every_runs_the_users_function_the_evaluation_way() -> None:
     trainer.evaluate_every(5, eval_fn, data, batch_size=6)
     with pytest.raises(ValueError, match="one per trainer"):
         trainer.evaluate_every(5, eval_fn, data, batch_size=6)
-    ev = trainer.engine.evaluation
+    ev = trainer.engine.between.evaluation
     assert ev is not None and [len(b) for b in ev.batches()] == [6, 6, 4]
     assert trainer.engine.proto.eval_every == 5
     before = torch.random.get_rng_state()

@@ -110,11 +110,11 @@ MAX_CLASS_LINES = 600
 MAX_CLASS_METHODS = 40
 MAX_MODULE_LINES = 900
 OVER_BUDGET = {
-    "runtime/engine.py": "the step engine, being split into a loop plus parts (issue 39 item 1)",
-    "runtime/engine.py:StepEngine": "the step engine, being split (issue 39 item 1)",
-    "runtime/sharded.py": "the sharded backend and its groups; its branches move into the "
-    "topology strategy (issue 39 item 2), which splits it",
-    "runtime/sharded.py:ShardedBackend": "the sharded backend (issue 39 item 2 splits it)",
+    "runtime/sharded.py": "the sharded backend and its groups (928 lines); the engine's "
+    "branches on it moved into the topology strategy (runtime/shard_groups.py), its own "
+    "placement, reshard and checkpoint-part code is the next to move out",
+    "runtime/sharded.py:ShardedBackend": "the sharded backend (718 lines, 42 methods): one "
+    "shard's FSDP2 wrapping, placement, reshard and checkpoint parts; split with the above",
     "runtime/member.py:MemberProtocol": "the member protocol's state machine: one method per "
     "event or query, each small and pure; 42 methods of one transition table",
     "control/quorum.py:Membership": "the coordinator's membership state machine (697 lines): "

@@ -38,8 +38,12 @@ from elastrain.exitcodes import (
 )
 from elastrain.observe.events import read_events
 from elastrain.runtime import engine as engine_module
+from elastrain.runtime import healing as healing_module
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
+from elastrain.runtime import rendezvous as rendezvous_module
+from elastrain.runtime import replicas as replicas_module
+from elastrain.runtime import start_state as start_state_module
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.engine import StepEngine, StepResult
 from elastrain.transfer import HealError, HealStats
@@ -324,6 +328,7 @@ class FakeBackend:
     """One float64 parameter; micro-batch gradient = sum of its sample ids; loss 1 per sample."""
 
     framework = "torch"
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.w = torch.tensor([1.0], dtype=torch.float64)
@@ -423,7 +428,7 @@ class FakeGroup:
         step = self.h.engine.committed
         mode = self.h.reduce_modes.pop((self.gen, step), "ok")
         if mode == "ok":
-            t[0] = float(sum(step_ids(self.h.engine.order, step)))
+            t[0] = float(sum(step_ids(self.h.engine.feed.order, step)))
             t[-self.h.backend.extra] = float(G)  # loss sum: 1 per sample
             t[-self.h.backend.extra + 1] = float(G)  # sample count
         if mode == "hang":
@@ -568,8 +573,8 @@ class Harness:
 
     @property
     def coord_committed(self) -> dict[str, int]:
-        assert self.engine._ready is not None
-        return self.engine._ready.committed
+        assert self.engine.ctx.links.ready is not None
+        return self.engine.ctx.links.ready.committed
 
     def run(self) -> list[StepResult]:
         try:
@@ -643,7 +648,7 @@ def test_prefetched_batches_are_replanned_when_membership_changes(tmp_path: Path
     h.backend.compute = compute  # type: ignore[method-assign]
     results = h.run()
     assert [r.gen for r in results] == [1, 1, 2, 2, 2, 2]
-    order = h.engine.order
+    order = h.engine.feed.order
     for gen, step, mb, batch in fed:
         pos = step_microbatches(step, G, MB)[mb]
         assert batch == order.ids(pos.start, pos.stop)
@@ -655,7 +660,7 @@ def test_prefetched_batches_are_replanned_when_membership_changes(tmp_path: Path
             i for mb in mine for i in order.ids(r.step * G + mb * MB, r.step * G + (mb + 1) * MB)
         ]
         assert contribs[(r.gen, r.step)] == want
-    assert h.engine.loader.dropped >= 2  # rank 0's micro-batches of steps 3 and 4
+    assert h.engine.feed.loader.dropped >= 2  # rank 0's micro-batches of steps 3 and 4
     assert float(h.backend.w[0]) == truth(6)
     assert not [t for t in threading.enumerate() if t.name.startswith("elastrain-data")]
 
@@ -697,7 +702,7 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
     assert load(ckpt)[1]["data"] == {"order": "feistel", "position": [3, 3 * G]}
     # The fake state has no manifest to check: install the checkpoint's tensor as is.
     monkeypatch.setattr(
-        engine_module,
+        replicas_module,
         "install_checkpoint",
         lambda state, tensors, section, where: state.backend.w.copy_(tensors["w"]),
     )
@@ -708,7 +713,7 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
     assert e.value.code == EXIT_MISCONFIGURED
     assert "sample_order='feistel'" in e.value.message
     # A checkpoint written before orders were recorded resumes on randperm.
-    real = engine_module.load_resume
+    real = start_state_module.load_resume
 
     def from_before(*args: Any) -> Any:
         got = real(*args)
@@ -716,11 +721,11 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
         del got[2]["data"]
         return got
 
-    monkeypatch.setattr(engine_module, "load_resume", from_before)
+    monkeypatch.setattr(start_state_module, "load_resume", from_before)
     old = Harness(tmp_path, [gen_of(("a",), 3)], checkpoint_every=100)
     results = old.run()
     assert [r.step for r in results] == [3, 4, 5]
-    assert old.engine.order.kind is OrderKind.RANDPERM
+    assert old.engine.feed.order.kind is OrderKind.RANDPERM
     randperm = GlobalOrder(DATA, 0, kind="randperm")
     (c,) = [e for e in old.events("step_contrib") if e["step"] == 3 and e["proc"] == "a"]
     assert c["samples"] == randperm.ids(3 * G, 4 * G)
@@ -898,7 +903,7 @@ def test_a_joiner_behind_the_job_reserves_its_landing_and_hands_it_to_its_heal(
         assert got[0]._regions == {} and not got[0]._touched.is_alive()
     else:
         assert got == [None]  # a fresh job: nobody is behind at registration
-    assert h.engine._reserve is None
+    assert h.engine.healing.reserve is None
 
 
 def test_a_reserve_no_heal_takes_is_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -906,18 +911,18 @@ def test_a_reserve_no_heal_takes_is_let_go(tmp_path: Path, monkeypatch: pytest.M
     was ahead then) and is in no heal when admitted: its reserve goes at once."""
     made: list[Any] = []
 
-    class Spy(engine_module.LandingReserve):
+    class Spy(healing_module.LandingReserve):
         def __init__(self, sizes: Any) -> None:
             super().__init__(sizes)
             made.append(self)
 
-    monkeypatch.setattr(engine_module, "LandingReserve", Spy)
+    monkeypatch.setattr(healing_module, "LandingReserve", Spy)
     h = Harness(tmp_path, [gen_of(TWO, 0)])
     h.coord.progress_step = 4
     assert [r.step for r in h.run()] == list(range(6))
     assert h.heals == []  # nobody was behind in the generation
     assert len(made) == 1 and made[0]._regions == {} and not made[0]._touched.is_alive()
-    assert h.engine._reserve is None
+    assert h.engine.healing.reserve is None
 
 
 def test_the_zombie_commit_member_is_healed_to_the_jobs_state(tmp_path: Path) -> None:
@@ -1039,8 +1044,8 @@ def test_a_cuda_member_reduces_on_its_generations_nccl_group_and_aborts_it_when_
     NCCL group beside its gloo one, the step's all-reduce runs there (gloo carries
     none of it), and a generation that breaks has its NCCL group aborted, as has
     the last one when the worker ends."""
-    monkeypatch.setattr(FakeBackend, "device", torch.device("cuda", 0), raising=False)
-    monkeypatch.setattr(engine_module, "runtime_nccl_version", lambda: (2, 21, 5))
+    monkeypatch.setattr(FakeBackend, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(replicas_module, "runtime_nccl_version", lambda: (2, 21, 5))
     monkeypatch.setattr(engine_module, "check_device", lambda device: None)
     built: list[FakeNccl] = []
     gloo_reduces: list[int] = []
@@ -1050,17 +1055,17 @@ def test_a_cuda_member_reduces_on_its_generations_nccl_group_and_aborts_it_when_
         built.append(FakeNccl(h, h.coord.gen, prefix))
         return built[-1]
 
-    monkeypatch.setattr(engine_module, "build_nccl_group", build)
+    monkeypatch.setattr(rendezvous_module, "build_nccl_group", build)
     h = Harness(tmp_path, [gen_of(TWO, 0), gen_of(("a", "c"), 3, a=1, c=1)])
     h.engine.session.store = lambda timeout_s: None  # type: ignore[method-assign,assignment]
-    gloo = h.engine._groups
+    gloo = h.engine.rendezvous.groups
 
     def gloo_group(gen: int, rank: int, size: int) -> Any:
         g = gloo(gen, rank, size)
         g.allreduce = lambda tensors: gloo_reduces.append(gen)  # type: ignore[method-assign]
         return g
 
-    h.engine._groups = gloo_group
+    h.engine.rendezvous.groups = gloo_group
     h.reduce_modes[(1, 3)] = "error"  # b dies in step 3's all-reduce
     results = h.run()
     assert [r.step for r in results] == list(range(6))

@@ -49,8 +49,8 @@ GPT_ARGS = ["--dim", "192", "--layers", "4", "--micro", "8"]
 plain demo's 128 x 2). Micro-batches of 8 (4 per step of 32): at 2x2 each member
 computes one round per step. (This once avoided a member leaving between its
 group's rounds while its group-mate waited in the next round's collective; the
-engine no longer asks "superseded?" between rounds, see runtime/engine.py
-`_compute_shard`, so the choice now only keeps the demo's steps short.)"""
+engine no longer asks "superseded?" between rounds, see runtime/shard_groups.py
+`ShardedGroups.turns`, so the choice now only keeps the demo's steps short.)"""
 SHARD_SIZE = 2
 FIRST_KILL_STEP = 8
 FIRST_VICTIM = "w1"

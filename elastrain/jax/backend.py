@@ -51,6 +51,10 @@ class JaxBackend:
     """
 
     framework = "jax"
+    device = torch.device("cpu")
+    """The torch device of the step's wire buffers (CPU tensors, reduced over gloo):
+    jax places and checks its own arrays, so the engine has no device to check and
+    the gradient's transport is gloo."""
 
     def __init__(
         self,

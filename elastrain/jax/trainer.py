@@ -27,7 +27,8 @@ import jax
 from elastrain.jax.backend import JaxBackend
 from elastrain.jax.state import LossFn, Tree, stack_collate
 from elastrain.runtime.config import TrainerConfig, worker_setup
-from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset
+from elastrain.runtime.engine import DataSource, MapDataset
+from elastrain.runtime.engine_trainer import EngineTrainer
 from elastrain.runtime.preflight import format_problem
 
 

@@ -52,6 +52,10 @@ class Update:
 class Backend(Protocol):
     framework: str
     """"torch" or "jax": events and errors say which."""
+    device: torch.device
+    """The torch device the step's computation runs on: the transport choice (NCCL
+    needs "cuda"), the NCCL group's device and the health check at start use it
+    (a backend computing outside torch says where its wire buffers are: "cpu")."""
 
     def signature(self) -> list[list[Any]]:
         """The model's signature: the coordinator refuses a member whose differs from the job's."""

@@ -25,10 +25,10 @@ batch gives the same per-batch sums on any member (same build, same thread
 count), and nothing else enters. 2 or 3 members, or a redo on survivors, give
 the same bits.
 
-The engine (`StepEngine._evaluate`) is the I/O around these: the table's
-all-reduce and the waits. `hand_over` is the one piece of I/O here: the
-collectives that give a result some member already has to all, run through
-the engine's wait.
+The engine's `BetweenSteps.evaluate` (`elastrain.runtime.between`) is the I/O
+around these: the table's all-reduce and the waits. `hand_over` is the one
+piece of I/O here: the collectives that give a result some member already has
+to all, run through the engine's wait.
 """
 
 from __future__ import annotations

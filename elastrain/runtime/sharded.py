@@ -201,6 +201,9 @@ class ShardedBackend:
     """
 
     framework = "torch"
+    device = torch.device("cpu")
+    """The shards live and compute on the CPU (FSDP2 over gloo): no device to check,
+    and the gradient's transport is gloo."""
 
     def __init__(
         self,

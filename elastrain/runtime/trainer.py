@@ -31,9 +31,13 @@ from torch.utils.data import default_collate
 from elastrain.runtime.backend import Backend, SkipReason
 from elastrain.runtime.compiled import is_compiled
 from elastrain.runtime.config import TrainerConfig, worker_setup
-from elastrain.runtime.engine import DataSource, EngineTrainer, MapDataset, StepResult
+from elastrain.runtime.engine import DataSource, MapDataset, StepResult
+from elastrain.runtime.engine_trainer import EngineTrainer
 from elastrain.runtime.evaluate import EvalFn, EvalResult, Evaluation, eval_seed
+from elastrain.runtime.replicas import Replicated
+from elastrain.runtime.shard_groups import sharded_groups
 from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
+from elastrain.runtime.topology import TopologyFactory
 from elastrain.runtime.torch_backend import LossFn, TorchBackend
 from elastrain.runtime.update import BeforeStep, Decision, StepGrads
 from elastrain.transfer.flatten import Stateful
@@ -117,6 +121,7 @@ class ElasticTrainer(EngineTrainer):
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         self._model = model
         backend: Backend
+        topology: TopologyFactory = Replicated
         if config.shard_size > 1:
             unsupported = [
                 what
@@ -138,7 +143,7 @@ class ElasticTrainer(EngineTrainer):
                     "a compiled model cannot be sharded yet (TrainerConfig.shard_size > 1): "
                     "pass the uncompiled model"
                 )
-            backend = ShardedBackend(
+            sharded = ShardedBackend(
                 model,
                 optimizer,
                 loss_fn,
@@ -147,6 +152,7 @@ class ElasticTrainer(EngineTrainer):
                 extra_state=extra_state,
                 load_extra_state=load_extra_state,
             )
+            backend, topology = sharded, sharded_groups(sharded)
         else:
             backend = TorchBackend(
                 model,
@@ -160,7 +166,7 @@ class ElasticTrainer(EngineTrainer):
                 # While a step is applied the committed count is its index.
                 step_index=lambda: self.engine.committed,
             )
-        self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
+        self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where, topology)
 
     def register(self, name: str, obj: Stateful) -> None:
         """Carry ``obj`` (anything with ``state_dict``/``load_state_dict``: an LR

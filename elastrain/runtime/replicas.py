@@ -1,0 +1,201 @@
+"""The replicated topology: every member holds the whole model (data parallel).
+
+Each member computes its share of a step's micro-batches
+(`assign_microbatches`), one all-reduce (NCCL or gloo) sums the gradient with
+the extras, the up-to-date members heal the behind ones by a striped copy of
+the whole state (`elastrain.transfer.heal`), and each member writes its stripe
+(flat) or its rows (DCP) of a checkpoint; rank 0 commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
+from elastrain.checkpoint.plain import PlainCheckpointError
+from elastrain.checkpoint.plain_state import ScriptState, with_script_objects
+from elastrain.checkpoint.replicated_parts import replicated_parts, replicated_schema, saved_objects
+from elastrain.checkpoint.restore import ResumeError, from_ordered_json, install_checkpoint
+from elastrain.checkpoint.sharded_parts import ResumeMismatch, replicated_state
+from elastrain.data import assign_microbatches
+from elastrain.observe.events import EventKind
+from elastrain.runtime import hooks
+from elastrain.runtime.collectives import TransportChoice, choose_transport, runtime_nccl_version
+from elastrain.runtime.context import Context, Links
+from elastrain.runtime.group import tensor_allreduce
+from elastrain.runtime.preflight import format_problem
+from elastrain.runtime.topology import (
+    NOT_THIS_MODEL,
+    Healed,
+    HealJob,
+    Loaded,
+    Reduction,
+    Snapshots,
+    Turns,
+    plain_reader,
+)
+from elastrain.transfer import Role, TorchState
+from elastrain.transfer.flatten import OBJECTS_KEY
+
+
+class Replicated:
+    """The `Topology` of a data-parallel job (every member a whole replica)."""
+
+    standby_refresh = True
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def transport(self, setting: str, device: torch.device) -> TransportChoice:
+        cuda = device.type == "cuda"
+        return choose_transport(
+            setting,
+            device.type,
+            sharded=False,
+            nccl_version=runtime_nccl_version() if cuda else None,
+        )
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        return configured
+
+    def format_problems(self, configured: CheckpointFormat, written: CheckpointFormat) -> list[str]:
+        why = format_problem(configured, self.ctx.backend.framework, False)
+        if why is not None:
+            return [why]
+        if written == CheckpointFormat.DCP:
+            state = self.ctx.backend.state()
+            assert isinstance(state, TorchState)  # format_problem: a torch job
+            try:
+                replicated_schema(state)
+            except ValueError as e:
+                return [f"--ckpt-format {configured}: {e}"]
+        return []
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        return self.ctx.backend.state().landing_estimate()
+
+    def connect(self, links: Links) -> None:
+        """Nothing besides the generation's own group."""
+
+    def heal(self, job: HealJob) -> Healed:
+        """Senders copy the whole state onto receivers (striped over the senders)."""
+        a, ctx = job.action, self.ctx
+        if not a.receivers:
+            return Healed(a.step, False)
+        committed, received = a.step, False
+        role = Role.of(a.rank, a.senders, a.receivers)
+        ctx.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
+        state = ctx.backend.state()
+        landing = {"reserve": job.reserve} if role is Role.RECV and job.reserve is not None else {}
+        got, stats = job.heal_fn(
+            job.links.pg,
+            a.rank,
+            list(a.senders),
+            list(a.receivers),
+            state,
+            job.meta(committed) if role is Role.SEND else None,
+            ctx.config.timeouts.heal_s,
+            key=ctx.key,
+            **landing,
+        )
+        if role is Role.RECV:
+            ctx.backend.adopt(state)
+            committed, received = job.load_meta(got), True
+        ctx.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
+        return Healed(committed, received)
+
+    def turns(self, num_microbatches: int) -> Turns:
+        proto = self.ctx.proto
+        mine = assign_microbatches(num_microbatches, len(proto.members), proto.rank)
+        return Turns(list(mine), stop_when_superseded=True, collectives_inside=False)
+
+    def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
+        """One all-reduce of the gradient with the extras (NCCL where chosen)."""
+        grads = links.nccl or links.pg
+        buffers = self.ctx.backend.reduce_buffers()
+        return [
+            Reduction(
+                lambda: tensor_allreduce(grads, buffers), before_wait=hooks.StepPoint.ALLREDUCE
+            )
+        ]
+
+    def drop(self, inflight: list[Any]) -> None:
+        """Nothing besides the generation's own group."""
+
+    def event_fields(self) -> dict[str, int]:
+        return {}
+
+    def save_part(
+        self, committed: int, snaps: Snapshots, written: CheckpointFormat
+    ) -> tuple[StateFn | PartsFn, SaveRole]:
+        """Its stripe of the flattened state, or its rows of the DCP one; rank 0 commits."""
+        rank, members = self.ctx.proto.rank, len(self.ctx.proto.members)
+        role = SaveRole.replicated(rank, list(self.ctx.proto.members))
+        if written == CheckpointFormat.DCP:
+
+            def parts() -> Any:
+                state = self.ctx.backend.state()
+                assert isinstance(state, TorchState)  # `format_problem` refused DCP for others
+                return replicated_parts(state, snaps.checkpoint_meta(committed), rank, members)
+
+            return parts, role
+        return snaps.state_at(committed), role
+
+    def restore_problem(self, ckpt: VerifiedCheckpoint) -> str | None:
+        return None
+
+    def restore(
+        self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
+    ) -> int | None:
+        """A flat checkpoint installs as saved; a DCP one is read whole now."""
+        backend = self.ctx.backend
+        if ckpt.kind != "dcp":
+            state = backend.state()
+            install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+            backend.adopt(state)
+            return ckpt.total_bytes
+        reader = ShardedReader(ckpt)
+        state = backend.state()
+        if not isinstance(state, TorchState):
+            raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
+        try:
+            tensors, section = replicated_state(reader, meta["schema"], state)
+            objects = saved_objects(reader, meta)
+        except (ResumeMismatch, ValueError) as e:
+            raise ResumeError(
+                f"checkpoint {ckpt.path} does not fit this model and optimizer: {e}. "
+                + NOT_THIS_MODEL
+            ) from None
+        if objects is not None:  # a replicated job's: its registered objects too
+            section[OBJECTS_KEY], more = objects
+            tensors.update(more)
+        install_checkpoint(state, tensors, section, str(ckpt.path))
+        backend.adopt(state)
+        return reader.bytes_read
+
+    def read_plain(
+        self, directory: str, wanted_step: int | None
+    ) -> tuple[int, Callable[[Loaded], None]]:
+        """Read the whole plain checkpoint now; installing it is adopting it."""
+        backend = self.ctx.backend
+        named = backend.state()
+        if not isinstance(named, TorchState):
+            raise PlainCheckpointError("a JAX job cannot start from a torch.distributed.checkpoint")
+        state = named
+        script = ScriptState.of_torch(state.model, state.optimizer)
+        step, schema, reader = plain_reader(directory, wanted_step, script)
+        reader.read_all()
+        tensors, section = replicated_state(reader, schema, state)
+        with_script_objects(state, tensors, section)
+        install_checkpoint(state, tensors, section, directory)
+
+        def install(loaded: Loaded) -> None:
+            backend.adopt(state)
+            loaded(reader.bytes_read, 0.0)
+
+        return step, install

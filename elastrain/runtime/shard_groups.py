@@ -1,0 +1,220 @@
+"""The sharded topology: replica groups of `shard_size` members, one shard each.
+
+A member holds one shard of the model (FSDP2 inside its replica group); the
+layout's work of each generation is `ShardedMember`'s
+(`elastrain.runtime.shard_member`): twins' groups, heal among twins or a
+reshard, rounds, the twins' reduction and the commit vote. Checkpoints are
+always DCP, each shard written by one writer; a resume reads a member's rows
+when it takes its slot (its first `place`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
+from elastrain.checkpoint.plain import PlainCheckpointError
+from elastrain.checkpoint.plain_state import ScriptState
+from elastrain.checkpoint.restore import ResumeError
+from elastrain.checkpoint.sharded_parts import (
+    schema_problem,
+    shard_parts,
+    shard_source,
+    writer_shard,
+)
+from elastrain.runtime import hooks
+from elastrain.runtime.collectives import TransportChoice, choose_transport
+from elastrain.runtime.context import Context, Links
+from elastrain.runtime.preflight import format_problem
+from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
+from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
+from elastrain.runtime.topology import (
+    NOT_THIS_MODEL,
+    CannotCompute,
+    Healed,
+    HealJob,
+    Loaded,
+    Reduction,
+    Snapshots,
+    StateLost,
+    Turns,
+    Unfillable,
+    plain_reader,
+)
+
+log = logging.getLogger("elastrain.shards")
+
+
+class ShardedGroups:
+    """The `Topology` of a sharded job (`TrainerConfig.shard_size` > 1)."""
+
+    standby_refresh = False
+    """A sharded standby reads its rows when it takes a slot, not while it waits."""
+
+    def __init__(self, ctx: Context, backend: ShardedBackend) -> None:
+        self.ctx = ctx
+        self.backend = backend
+        self.shards = ShardedMember(
+            backend, ctx.member, ctx.config, ctx.host, ctx.events, ctx.graveyard
+        )
+
+    def transport(self, setting: str, device: torch.device) -> TransportChoice:
+        """Gloo: FSDP2 inside the replica groups runs over gloo."""
+        return choose_transport(setting, device.type, sharded=True, nccl_version=None)
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        return written_format(configured, sharded=True)
+
+    def format_problems(self, configured: CheckpointFormat, written: CheckpointFormat) -> list[str]:
+        why = format_problem(configured, self.backend.framework, True)
+        return [] if why is None else [why]
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        """The largest shard of the configured shard size (a joiner holds none yet)."""
+        return self.backend.landing_estimate()
+
+    def connect(self, links: Links) -> None:
+        """Read the generation's layout and build this member's twins' group."""
+        ready, session = links.ready, self.ctx.session
+        assert ready is not None
+        store = session.store(self.ctx.config.timeouts.rendezvous_s)
+        self.shards.connect(ready, store, session.group_prefix(ready))
+
+    def heal(self, job: HealJob) -> Healed:
+        """Heal inside twins' groups, or reshard to a new shard size
+        (`ShardedMember.heal`). Rows nobody holds: StateLost."""
+        a, links = job.action, job.links
+        assert links.ready is not None
+        try:
+            out = self.shards.heal(
+                a.gen,
+                a.roll_forward,
+                links.ready,
+                links.pg,
+                job.meta,
+                job.load_meta,
+                job.heal_fn,
+                self.ctx.key,
+                job.reserve,
+            )
+        except ShardLost as e:
+            raise StateLost(str(e)) from None
+        except MetaModelUnfilled as e:
+            raise Unfillable(str(e)) from None
+        return Healed(out.committed, out.received)
+
+    def turns(self, num_microbatches: int) -> Turns:
+        """This member's turns in its replica group's rounds (none for a shadow)."""
+        try:
+            rounds = self.shards.rounds(num_microbatches, self.ctx.hang.timeout_s)
+        except NoCompleteGroup as e:
+            raise CannotCompute(str(e)) from None
+        # No "superseded?" check between rounds: a group's members run every round
+        # together (FSDP2's collectives), and two members that answered that question
+        # differently would leave one waiting in a collective for the other until the
+        # timeout. A superseded generation is seen at the verdict, one step later.
+        return Turns(rounds, stop_when_superseded=False, collectives_inside=True)
+
+    def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
+        """The shard's twins first; the whole generation's all-reduce of the extras
+        after, as the commit vote: one member through it proves that every member
+        reduced its shard, so any member that then loses the vote's answer can
+        apply the step it kept (`plan.roll_forwards`)."""
+        world = links.pg
+        return [
+            Reduction(
+                self.shards.reduce,
+                before_wait=hooks.StepPoint.ALLREDUCE,
+                keep=self.shards.keep,
+                what="the twins' reduction",
+            ),
+            Reduction(lambda: self.shards.vote(world, extras), after_wait=hooks.StepPoint.VOTE),
+        ]
+
+    def drop(self, inflight: list[Any]) -> None:
+        self.shards.drop(inflight)
+
+    def event_fields(self) -> dict[str, int]:
+        return self.shards.event_fields()
+
+    def save_part(
+        self, committed: int, snaps: Snapshots, written: CheckpointFormat
+    ) -> tuple[StateFn | PartsFn, SaveRole]:
+        """Its shard's rows if it is its shard's writer (`writer_shard`); rank 0 commits."""
+        layout = self.shards.layout
+        if layout is None:  # between generations: no layout, nothing to write
+            return snaps.state_at(committed), SaveRole(None, 1, False)
+        shard = writer_shard(layout, self.ctx.member)
+        role = SaveRole(shard, layout.shard_size, self.ctx.proto.rank == 0)
+        backend = self.backend
+        return (
+            lambda: shard_parts(backend, snaps.checkpoint_meta(committed), shard or 0),
+            role,
+        )
+
+    def restore_problem(self, ckpt: VerifiedCheckpoint) -> str | None:
+        if ckpt.kind == "dcp":
+            return None
+        return (
+            f"{ckpt.path} is a whole-model checkpoint (a replicated job's) and a sharded "
+            "model resumes only from sharded ones: resume it without --shard-size, or start "
+            "in a fresh run directory"
+        )
+
+    def restore(
+        self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
+    ) -> int | None:
+        """This member reads its slot's rows when it takes its slot (its first
+        `place`, in the first generation's heal, whatever the layout) and says so
+        then through `loaded`; returns None."""
+        schema = meta["schema"]
+        reader = ShardedReader(ckpt)
+        problem = schema_problem(schema, self.backend)
+        if problem is not None:
+            reader.close()
+            raise ResumeError(
+                f"checkpoint {ckpt.path} does not fit this model and optimizer: {problem}. "
+                + NOT_THIS_MODEL
+            )
+
+        def on_read(nbytes: int, seconds: float) -> None:
+            log.info("%s read its shard of %s: %d bytes in %.3f s", self.ctx.member, ckpt.path,
+                     nbytes, seconds)  # fmt: skip
+            loaded(nbytes, seconds)
+
+        self.backend.resume_from(shard_source(reader, schema, on_read))
+        return None
+
+    def read_plain(
+        self, directory: str, wanted_step: int | None
+    ) -> tuple[int, Callable[[Loaded], None]]:
+        """Check now; this member reads its slot's rows when it takes its slot."""
+        backend = self.backend
+        mine = backend.model_schema()
+        if backend.on_meta and mine["nonpersistent_buffers"]:
+            raise PlainCheckpointError(
+                "this model is built on the meta device and its buffers "
+                f"{mine['nonpersistent_buffers'][:3]} are not in its state_dict "
+                "(persistent=False), so no plain checkpoint holds them: build the "
+                "model on a real device to start from one"
+            )
+        step, schema, reader = plain_reader(directory, wanted_step, ScriptState.of_sharded(mine))
+        problem = schema_problem(schema, backend)
+        if problem is not None:
+            raise PlainCheckpointError(f"{directory}: {problem}")
+
+        def install(loaded: Loaded) -> None:
+            backend.resume_from(shard_source(reader, schema, loaded))
+
+        return step, install
+
+
+def sharded_groups(backend: ShardedBackend) -> Callable[[Context], ShardedGroups]:
+    """The topology factory for a trainer that built `backend` (`TopologyFactory`)."""
+    return lambda ctx: ShardedGroups(ctx, backend)

@@ -1,0 +1,210 @@
+"""Topology: how a job's members hold the model, chosen once when the trainer is built.
+
+The step protocol (`elastrain.runtime.member`) and the engine's loop are the
+same for every layout; what differs is the job's topology, one object per
+worker that owns every question the layout answers:
+
+    transport / checkpoint_format   what carries the gradient, what a save writes
+    connect / drop                  the groups a generation needs besides its own
+    heal                            who heals whom, and how (a copy, a reshard)
+    turns                           which micro-batches this member computes
+    reductions                      which collectives sum a step, in order
+    save_part                       what this member's part of a checkpoint is
+    restore_problem / restore /     how a checkpoint or a plain torch DCP
+    read_plain                      directory becomes this member's state
+
+Two exist: `Replicated` (`elastrain.runtime.replicas`: every member holds the
+whole model) and `ShardedGroups` (`elastrain.runtime.shard_groups`: replica
+groups of `shard_size` members, each holding one shard, FSDP2 inside a group).
+A third (a replica made of several processes, JAX) is a new class here, chosen
+by its trainer; the engine does not change.
+
+Contract: every member of a job uses the same kind of topology (the trainer
+chooses from the config); every method runs on the engine's training thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
+from elastrain.checkpoint.plain import PlainCheckpointError, PlainReader, read_layout, read_step
+from elastrain.checkpoint.plain import resume_step as plain_resume_step
+from elastrain.checkpoint.plain_state import ScriptState, plain_problem, plain_schema
+from elastrain.runtime import hooks
+from elastrain.runtime import member as m
+from elastrain.runtime.collectives import TransportChoice
+from elastrain.runtime.context import Context, Links
+from elastrain.transfer import HealFn, LandingReserve
+
+Loaded = Callable[[int, float], None]
+"""Told the bytes read and the seconds spent once a restore's reading is done."""
+
+
+class StateLost(Exception):
+    """Rows of the model have no up-to-date holder: nothing in memory restores
+    them, the job resumes from its newest checkpoint."""
+
+
+class Unfillable(Exception):
+    """The model has no values at all (built on the meta device, no checkpoint, no
+    peer): no retry or replacement can fill it."""
+
+
+class CannotCompute(RuntimeError):
+    """No step can commit in this generation (a sharded job with no complete
+    replica group): wait for the coordinator's next one."""
+
+
+class Misfit(Exception):
+    """This job cannot start from that saved state (a misconfiguration, exit 78)."""
+
+
+@dataclass(frozen=True)
+class HealJob:
+    """What a heal needs: the protocol's action and the engine's carriers."""
+
+    action: m.Action
+    links: Links
+    meta: Callable[[int], dict[str, Any]]
+    """The meta a sender sends with its state (`Carried.meta`)."""
+    load_meta: Callable[[dict[str, Any]], int]
+    """Installs a received meta; returns its committed count (`Carried.load_meta`)."""
+    heal_fn: HealFn
+    reserve: LandingReserve | None
+    """The landing a joiner prepared (used up by this heal, whatever its role)."""
+
+
+@dataclass(frozen=True)
+class Healed:
+    """After a heal: the committed count this member now holds, and whether it
+    received state (it was behind)."""
+
+    committed: int
+    received: bool
+
+
+@dataclass(frozen=True)
+class Turns:
+    """This member's micro-batches of one step, in order."""
+
+    mine: list[int | None]
+    """Indexes of the step's micro-batches (None: a padding turn, weight 0)."""
+    stop_when_superseded: bool
+    """Check "superseded?" between micro-batches (only where no collective runs
+    inside compute: members that answered differently would wait on each other)."""
+    collectives_inside: bool
+    """Compute runs collectives (FSDP2): a failed one abandons the generation."""
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One collective of a step's reduction, started and waited for in order."""
+
+    start: Callable[[], list[Any]]
+    """Starts it; returns the works (not waited)."""
+    before_wait: hooks.StepPoint | None = None
+    """The step hook run once it is started."""
+    after_wait: hooks.StepPoint | None = None
+    """The step hook run once it completed (an injected failure there loses this
+    member's answer: it waits as for one that never comes)."""
+    keep: Callable[[int, int], None] | None = None
+    """Once it completed: keep the reduced step (step, gen) if a later one fails,
+    in case another member committed it."""
+    what: str = "the reduction"
+    """Its name in an abort's message."""
+
+
+class Snapshots(Protocol):
+    """What a checkpoint save reads of the engine's state (`elastrain.runtime.saving`)."""
+
+    def state_at(self, committed: int) -> StateFn:
+        """The flattened state after `committed` steps, its meta and its stable names."""
+
+    def checkpoint_meta(self, committed: int) -> dict[str, Any]:
+        """The JSON meta of a checkpoint of `committed` steps."""
+
+
+class Topology(Protocol):
+    """How this job's members hold the model (see the module docstring)."""
+
+    standby_refresh: bool
+    """A standby (hot spare) takes each newer committed checkpoint while it waits."""
+
+    def transport(self, setting: str, device: torch.device) -> TransportChoice:
+        """What carries the gradient all-reduce (`choose_transport`)."""
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        """The format this member writes, given ``--ckpt-format``."""
+
+    def format_problems(self, configured: CheckpointFormat, written: CheckpointFormat) -> list[str]:
+        """Why this job cannot write its checkpoint format (checked at start)."""
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        """The sections a joiner's heal will land (for its landing reserve)."""
+
+    def connect(self, links: Links) -> None:
+        """Build the generation's groups besides `links.pg` (blocks for peers)."""
+
+    def heal(self, job: HealJob) -> Healed:
+        """Bring this member's state up to date; collective over the generation.
+        Raises StateLost, Unfillable, or HealError/RuntimeError/ValueError (retry)."""
+
+    def turns(self, num_microbatches: int) -> Turns:
+        """This member's micro-batches of a step (raises CannotCompute)."""
+
+    def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
+        """The step's collectives in order; the last one's extras decide the step."""
+
+    def drop(self, inflight: list[Any]) -> None:
+        """The generation ended: park or leave the groups `connect` built."""
+
+    def event_fields(self) -> dict[str, int]:
+        """This member's place in the layout, for the `generation_start` event."""
+
+    def save_part(
+        self, committed: int, snaps: Snapshots, written: CheckpointFormat
+    ) -> tuple[StateFn | PartsFn, SaveRole]:
+        """What this member snapshots for checkpoint `committed`, and its role."""
+
+    def restore_problem(self, ckpt: VerifiedCheckpoint) -> str | None:
+        """Why this job cannot resume from `ckpt` at all (None: it may try)."""
+
+    def restore(
+        self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
+    ) -> int | None:
+        """Install `ckpt` (its meta already decoded); returns the bytes read now, or
+        None where the reading happens later and calls `loaded` then."""
+
+    def read_plain(
+        self, directory: str, wanted_step: int | None
+    ) -> tuple[int, Callable[[Loaded], None]]:
+        """Check a plain torch DCP directory against this script; returns its step
+        and the function that installs it (raises PlainCheckpointError...)."""
+
+
+TopologyFactory = Callable[[Context], Topology]
+"""Builds a worker's topology from the engine's `Context` (the trainer picks one)."""
+
+
+def plain_reader(
+    directory: str, wanted_step: int | None, script: ScriptState
+) -> tuple[int, dict[str, Any], PlainReader]:
+    """A plain DCP directory's step, its schema against ``script`` and its reader;
+    PlainCheckpointError if it does not fit this script's model and optimizer."""
+    layout = read_layout(directory)
+    step = plain_resume_step(read_step(directory, layout), wanted_step, directory)
+    problem = plain_problem(layout, script)
+    if problem is not None:
+        raise PlainCheckpointError(
+            f"{directory} does not fit this script's model and optimizer: {problem}"
+        )
+    return step, plain_schema(layout, script), PlainReader(directory, layout)
+
+
+NOT_THIS_MODEL = "Resume with the same script, or start in a fresh --run-dir."

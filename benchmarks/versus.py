@@ -51,7 +51,7 @@ A run goes on until step --steps is committed, and past it until the
 replacement has trained (at most 40 s after the kill). Measured, per run, from
 the systems' own logs (elastrain's events; JSON lines written by the torchrun
 and torchft jobs; the arithmetic is in _versus/analysis.py and tested in
-tests/test_versus.py; definitions in docs/versus.md): step time before the
+tests/test_versus.py; definitions in docs/design/versus.md): step time before the
 first fault, kill and hang -> next commit on survivors, torchrun's time back to
 the step it had reached, time until the replacement trains, steps recomputed,
 samples dropped, wall time to step --steps, goodput against the failure-free

@@ -67,7 +67,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="read flags from a TOML file: every flag is a key (replace-delay = 2, "
         'fault = ["kill@15"], script = "train.py"); flags given here override it '
-        "(docs/config.md)",
+        "(docs/guide/config.md)",
     )
     ap.add_argument(
         "-n",
@@ -210,7 +210,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="how a replicated torch job writes its checkpoints: flat (elastrain's striped "
         "files) or dcp (torch.distributed.checkpoint format, loadable with torch's dcp.load; "
-        "docs/formats.md); overrides the script (default: the script's, flat; sharded jobs "
+        "docs/guide/checkpoints.md); overrides the script (default: the script's, flat; sharded jobs "
         "always write dcp)",
     )
     ap.add_argument(
@@ -219,7 +219,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="start from a torch.distributed.checkpoint directory a plain DDP/FSDP2 job "
         "saved as {'model': ..., 'optim': ..., 'step': N} (get_state_dict's names; "
-        "docs/formats.md)",
+        "docs/guide/checkpoints.md)",
     )
     ap.add_argument(
         "--resume-step",
@@ -677,7 +677,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar="FORMAT",
         help="hf (model.safetensors + config.json for from_pretrained), safetensors "
         "(model.safetensors, state_dict names) or dcp (torch.distributed.checkpoint, key "
-        '"model") (docs/formats.md)',
+        '"model") (docs/guide/checkpoints.md)',
     )
     ex.add_argument("-o", "--output", required=True, help="a new or empty directory")
     ex.add_argument(

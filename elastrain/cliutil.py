@@ -36,5 +36,5 @@ def add_ckpt_format(parser: argparse.ArgumentParser) -> None:
         choices=[f.value for f in CheckpointFormat],
         default=None,
         help="how the workers write checkpoints: flat or dcp (torch.distributed.checkpoint; "
-        "docs/formats.md) (default: the script's, flat)",
+        "docs/guide/checkpoints.md) (default: the script's, flat)",
     )

@@ -1,5 +1,5 @@
 """Exit statuses of a worker process (shared by the trainer and the launcher) and of
-`elastrain run` itself (RUN_*; docs/events.md, "Exit statuses").
+`elastrain run` itself (RUN_*; docs/guide/events.md, "Worker output and exit statuses").
 
 The launcher (or a Kubernetes pod policy) reads them to decide whether to
 replace the worker; this module imports nothing, so the launcher does not pay

@@ -9,7 +9,7 @@ Each system's logs become one list of `Commit`s and one list of `FaultMark`s:
   (`commits_from_steplog`; lineage = restart attempt for torchrun, quorum id
   for torchft) and the faults the benchmark itself injected.
 
-Definitions (docs/versus.md explains the choices):
+Definitions (docs/design/versus.md explains the choices):
 
 - A step's commit time is its earliest commit in the lineage that committed it
   last (a torchrun step re-run after a restart counts when it is re-run).

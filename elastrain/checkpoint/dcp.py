@@ -1,6 +1,6 @@
 """Sharded checkpoints in `torch.distributed.checkpoint` (DCP) format.
 
-A sharded job (docs/design.md, "Sharded checkpoints") writes every shard's rows
+A sharded job (docs/design/sharded-checkpoints.md) writes every shard's rows
 once: one *writer* per shard index writes the rows it holds, and nobody gathers
 the model. A tensor is split along dim 0 (a 0-dim tensor counts as one row); a
 writer's piece of a tensor is a *chunk*, rows ``[lo, hi)``, which DCP describes

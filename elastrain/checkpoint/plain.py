@@ -1,6 +1,6 @@
 """A DCP checkpoint written by a plain torch job, read to start an elastrain job from it.
 
-`elastrain run --resume-from DIR [--resume-step N]` (docs/formats.md, "Starting
+`elastrain run --resume-from DIR [--resume-step N]` (docs/guide/checkpoints.md, "Starting
 from a plain DCP checkpoint"). A plain DDP or FSDP2 job saves with::
 
     model_sd, optim_sd = get_state_dict(model, optimizer)

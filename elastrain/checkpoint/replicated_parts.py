@@ -2,7 +2,7 @@
 
 The storage, the commit and the read side are the sharded checkpoints'
 (`elastrain.checkpoint.dcp`, `elastrain.checkpoint.sharded_parts`); this module says
-what a replicated member writes (docs/design.md, "Replicated checkpoints in DCP
+what a replicated member writes (docs/design/checkpoints.md, "Replicated checkpoints in DCP
 format"):
 
 - **Schema** (`replicated_schema`): the sharded checkpoint's (`ShardedBackend.

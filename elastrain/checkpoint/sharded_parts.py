@@ -1,7 +1,7 @@
 """Sharded checkpoints, trainer side: who writes which rows, and resume on any R x S.
 
 The storage (`elastrain.checkpoint.dcp`) knows chunks and files; this module
-knows the sharded layout (docs/design.md, "Sharded checkpoints"):
+knows the sharded layout (docs/design/sharded-checkpoints.md):
 
 - **Who writes.** Per shard index k, the holder of shard k in the lowest
   replica group of the generation (`writer_shard`; a shadow holds its shard up

@@ -20,7 +20,7 @@ Ops (who calls; blocking?):
 - `preempt`    the launcher, when the whole job got SIGTERM: every member takes
                an emergency checkpoint after the next step it gets a verdict for.
 - `status`     anyone with the token (launcher progress, tests, `elastrain top`).
-See docs/wire-api.md for examples.
+See docs/design/wire-api.md for examples.
 """
 
 from __future__ import annotations

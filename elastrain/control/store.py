@@ -1,6 +1,6 @@
 """The coordinator's TCPStore, bound where the job was told, and its key space.
 
-Trust boundary (see docs/design.md): the TCPStore has no authentication of its
+Trust boundary (see docs/design/trust.md): the TCPStore has no authentication of its
 own. Two things keep a process outside the job away from it:
 
 - it listens on the coordinator's bind address only (loopback for a local

@@ -4,7 +4,7 @@
 
     from elastrain.jax import JaxElasticTrainer, TrainerConfig
 
-See docs/jax.md. The coordinator, launcher, process groups, data order and
+See docs/guide/jax.md. The coordinator, launcher, process groups, data order and
 observability are the PyTorch path's; this package adds the backend of
 the shared step engine (`backend.py`), the trainer's face (`trainer.py`) and
 the pytree state helpers (`state.py`, including the `JaxState`

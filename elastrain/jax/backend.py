@@ -108,7 +108,7 @@ class JaxBackend:
         pass
 
     def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
-        return None  # not measured for JAX yet (docs/jax.md)
+        return None  # not measured for JAX yet (docs/guide/jax.md)
 
     def step_key(self, step: int, microbatch: int) -> jax.Array:
         """The PRNG key micro-batch `microbatch` of step `step` gets (membership-free)."""

@@ -6,5 +6,5 @@
 - `cluster`: `elastrain k8s status` and `elastrain k8s chaos` via the kubernetes client.
 
 Only `config` and `render` import nothing beyond the standard library (PyYAML
-for `to_yaml`); see docs/kubernetes.md.
+for `to_yaml`); see docs/guide/kubernetes.md.
 """

@@ -1,4 +1,4 @@
-"""`elastrain k8s render|status|chaos` (see docs/kubernetes.md).
+"""`elastrain k8s render|status|chaos` (see docs/guide/kubernetes.md).
 
 elastrain k8s render --workers 4 --image REG/train:1 -o job.yaml -- python train.py --lr 3e-4
 elastrain k8s render --workers 8 --image IMG --gpus-per-worker 8 --queue team-a \\

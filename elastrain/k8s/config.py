@@ -50,7 +50,7 @@ class K8sConfig:
     """Hot spare pods beyond `workers` (--spares): more indexes of the workers' Job,
     whose members register and wait as standbys (the coordinator admits `workers`);
     a dead worker's place is taken by one at once and the replaced pod becomes the
-    new spare (`elastrain run --spares`, docs/design.md "Hot spares"). Replicated
+    new spare (`elastrain run --spares`, docs/design/spares.md). Replicated
     jobs only."""
 
     min_workers: int = 1
@@ -77,7 +77,7 @@ class K8sConfig:
     coordinator: str = "deployment"
     """Where the coordinator runs: "deployment" (a Deployment, 1 replica, Recreate) or
     "jobset" (a replicated job of the workers' JobSet, so Kueue admits and preempts it
-    together with the workers; see docs/kubernetes.md)."""
+    together with the workers; see docs/guide/kubernetes.md)."""
 
     queue: str | None = None
     """Kueue LocalQueue: sets `kueue.x-k8s.io/queue-name` on the JobSet."""

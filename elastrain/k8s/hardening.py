@@ -1,7 +1,7 @@
 """Pod hardening and network isolation of an elastrain job: pure functions.
 
 The store and the workers' gloo ports have no authentication of their own
-(docs/design.md, "Trust boundary"); on a cluster the boundary is the
+(docs/design/trust.md); on a cluster the boundary is the
 NetworkPolicy: only the job's own pods reach the coordinator's HTTP and store
 ports, and the workers' ports (gloo listens on ephemeral ports, so every TCP
 port of a worker pod, from the job's pods only). Probes are exec probes, or

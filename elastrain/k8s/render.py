@@ -4,7 +4,7 @@
 should see them (cluster-scoped Kueue objects, then the Secret, the Service,
 the coordinator, the JobSet). `to_yaml` joins them into one multi-document
 file. Nothing here talks to a cluster; the reasons for each field are in
-docs/kubernetes.md ("Why an Indexed Job in a JobSet").
+docs/guide/kubernetes.md ("Why an Indexed Job in a JobSet").
 
 The failure policy of the workers, in one sentence: the workers are one
 Indexed Job (one index per worker) with `backoffLimitPerIndex`, so a failed

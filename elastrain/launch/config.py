@@ -106,7 +106,7 @@ class LaunchConfig:
     `TrainerConfig.checkpoint_format`). None: the script's (flat by default)."""
     resume_from: str | None = None
     """A DCP checkpoint written by a plain torch job (DDP, FSDP2) to start from
-    (--resume-from; docs/formats.md, "Starting from a plain DCP checkpoint").
+    (--resume-from; docs/guide/checkpoints.md, "Starting from a plain DCP checkpoint").
     Refused when the run directory already has a committed elastrain checkpoint
     (run without it to resume that one); an agent's workers prefer the job's
     own newest checkpoint to it."""

@@ -2,7 +2,7 @@
 
 Inputs: the `flops_measured` events (FLOPs per step, the device and its peak),
 the `power_sample` events (energy per power domain over time), the committed
-steps and the goodput ledger's segments. Definitions (docs/observe.md):
+steps and the goodput ledger's segments. Definitions (docs/guide/observability.md):
 
   achieved TFLOPS      FLOPs of the committed steps / job wall time (the job's
                        rate, badput included); "while stepping": FLOPs per

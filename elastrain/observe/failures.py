@@ -5,7 +5,7 @@ run had. The recovery table, the report, the goodput ledger, the live
 progress line, the chaos soak and the simulator's `--from-run` all use it, so
 a `kill -9` sent from outside counts exactly as a `--fault kill` does.
 
-A failure is recognised from evidence (docs/events.md, "Failures"):
+A failure is recognised from evidence (docs/guide/events.md, "Failures"):
 
   kill         the launcher saw the worker exit by a signal other than SIGTERM
                or SIGINT (`worker_exited.returncode` < 0; the coordinator's

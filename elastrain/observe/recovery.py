@@ -3,7 +3,7 @@
 Pure functions over the event list that `read_events(run_dir)` returns (any
 order is accepted; they sort by wall time `t`). Nothing here does I/O, so the
 report, the soak test and the unit tests use the same code on recorded or
-hand-built events. Definitions follow docs/events.md, "Recovery phases":
+hand-built events. Definitions follow docs/guide/events.md, "Recovery phases":
 
 For a failure (one `Failure` that `elastrain.observe.failures.recognise_failures`
 recognised from what happened, at wall time t0 = `Failure.t`, victim v; an

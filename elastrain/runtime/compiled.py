@@ -2,7 +2,7 @@
 
 A compiled model compiles on its first forward and its first backward, which
 takes seconds (inductor took ~100 s for a small MLP with a cold cache on a
-busy 2-core machine; docs/design.md, "torch.compile"). A replacement that did this
+busy 2-core machine; docs/design/compile.md). A replacement that did this
 inside its first step would keep its peers waiting in the all-reduce long
 enough for their watchdog to call it a hang; so the torch backend runs one
 micro-batch through a compiled model before the member registers

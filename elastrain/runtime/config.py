@@ -213,7 +213,7 @@ class TrainerConfig:
     striped safetensors files; the default) or "dcp" (`torch.distributed.checkpoint`
     format: every member writes its rows of every parameter and optimizer state,
     and torch's ``dcp.load`` reads the checkpoint into a plain model and
-    optimizer; docs/formats.md). Registered objects (LR schedulers, grad
+    optimizer; docs/guide/checkpoints.md). Registered objects (LR schedulers, grad
     scalers) travel in both. A JAX job writes "flat" only ("dcp" is refused at
     start); a sharded job always writes "dcp". Resume reads either, whatever
     this says. The launcher's --ckpt-format overrides it."""
@@ -228,7 +228,7 @@ class TrainerConfig:
     curve equals the replicated job's bit for bit; "native" reduces as FSDP2's
     HSDP does, once per step in the parameters' dtype: faster, and its curve
     with failures differs from the failure-free one in the last bits
-    (docs/design.md, "Sharded replica groups")."""
+    (docs/design/sharded.md)."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:

@@ -74,7 +74,7 @@ def resolve_reduce_dtype(setting: str, device_type: str) -> str:
     jobs can afford) and "native" on an accelerator, where float64 arithmetic
     and twice the bytes on the interconnect would cost real step time, and whose
     users accept the last-bit differences data-parallel training has anyway
-    (docs/design.md, "Devices"). An explicit "float64" or "native" is kept."""
+    (docs/design/devices.md). An explicit "float64" or "native" is kept."""
     if setting not in REDUCE_DTYPES:
         raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {setting!r}")
     if setting != "auto":

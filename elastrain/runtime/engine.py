@@ -20,7 +20,7 @@ action to the part that owns it. The parts share one `Context` (the worker's
 services and the current generation's `Links`), never each other's attributes.
 What differs between layouts (what a member computes, which reductions run,
 who heals whom, what a checkpoint part is) is the `Topology`'s, chosen once by
-the trainer. The step (docs/design.md has the argument):
+the trainer. The step (docs/design/step-protocol.md has the argument):
 
 1. Rendezvous: the coordinator answers with a generation (ordered members)
    once all of them are ready, with each one's committed step.

@@ -19,7 +19,7 @@ against scripted observations (tests/test_protocol.py).
     EVALUATE ─▶ COMPUTE (or FINISH); a failed one ─▶ ABANDON, and the next
     generation's HEAL leads to EVALUATE again.
 
-The rules (docs/design.md argues each):
+The rules (docs/design/step-protocol.md argues each):
 - A leave requested (SIGTERM) takes effect at a step boundary: before
   rendezvous, or when the verdict is not "proceed" or cannot be had.
 - An expelled member registers again before it asks for a generation.

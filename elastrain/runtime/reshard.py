@@ -19,8 +19,7 @@ first source) broadcasts it as JSON, and members that were not up to date
 install it, as a heal's receivers do.
 
 Trust: the pieces travel inside the generation's gloo group, whose store keys
-only members told the generation's secret can name (docs/design.md, "Trust
-boundary"). Unlike a heal's stripes they carry no per-piece seal yet.
+only members told the generation's secret can name (docs/design/trust.md). Unlike a heal's stripes they carry no per-piece seal yet.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class ShardedBackend:
         self._names = [n for n, _ in named]
         self._shapes = {n: tuple(p.shape) if p.dim() else (1,) for n, p in named}
         self._requires_grad = {n: p.requires_grad for n, p in named}
-        # FSDP2 runs here over gloo on CPU tensors (docs/design.md, "Devices").
+        # FSDP2 runs here over gloo on CPU tensors (docs/design/devices.md).
         self.native = resolve_reduce_dtype(config.reduce_dtype, "cpu") == "native"
         """FSDP2's own accumulation, one reduction per step in the parameters' dtype
         (`TrainerConfig.reduce_dtype` "native"); else float64 per micro-batch."""

@@ -328,7 +328,7 @@ class TorchBackend:
         the first step finds them resident. A replacement built them inside its
         first step before, while its peers waited in the all-reduce: fresh memory
         that the VM's host had taken back costs 100-300 ms per 40 MB to fault in
-        here (docs/design.md, "A joiner's landing is reserved while it waits").
+        here (docs/design/heal.md, "A joiner's landing is reserved while it waits").
         Each trainable parameter's .grad is then a zeroed view into them, until
         the first `begin_step` sets the .grads as a step wants them (a parameter
         frozen in between loses its view there)."""

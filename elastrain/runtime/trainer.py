@@ -17,7 +17,7 @@ address, the job token and a member id in the environment):
 
 This is the PyTorch face of the step engine (`elastrain.runtime.engine`, the
 protocol for every framework) over a `TorchBackend` (the model, its optimizer
-and flat gradient buffers). docs/design.md has the protocol and its argument.
+and flat gradient buffers). docs/design/step-protocol.md has the protocol and its argument.
 """
 
 from __future__ import annotations

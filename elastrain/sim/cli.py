@@ -2,7 +2,7 @@
 
 The top-level CLI calls `add_arguments(parser)` on its `sim` sub-parser and
 `run(args)` to execute. Every flag overrides the preset (or the default: Llama 3
-failure rates and costs); see docs/sim.md.
+failure rates and costs); see docs/guide/simulator.md.
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All `elastrain sim` flags."""
     a = parser.add_argument
-    a("--preset", choices=sorted(presets.PRESETS), help="start from a named job (see docs/sim.md)")
+    a(
+        "--preset",
+        choices=sorted(presets.PRESETS),
+        help="start from a named job (see docs/guide/simulator.md)",
+    )
     a("--accelerators", type=int, metavar="N", help="job size (default: the preset's, else 16384)")
     a("--days", type=float, metavar="D", help="simulated days (default: the preset's, else 30)")
     a("--steps", type=int, metavar="S", help="train S steps, report time-to-train (--days caps)")

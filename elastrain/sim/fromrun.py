@@ -1,10 +1,10 @@
 """Calibrate the simulator on a recorded elastrain run (`elastrain sim --from-run RUN_DIR`).
 
-From the run's events (docs/events.md) take: the full-size step time (median
+From the run's events (docs/guide/events.md) take: the full-size step time (median
 `step_s` of `step_commit` in generations with every member) and the median at
 each smaller size; each recognised failure's recovery phases (detect, quorum, regroup,
 heal, first step: `elastrain.observe.recovery.recoveries`, the "Recovery phases"
-of docs/events.md) and its replacement's arrival (`recovery.joins`); the pause a
+of docs/guide/events.md) and its replacement's arrival (`recovery.joins`); the pause a
 replacement's join costs when it joins on its own; and the fault schedule.
 
 Replay that schedule through the elastic model: each fault keeps its own measured

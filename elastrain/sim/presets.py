@@ -1,5 +1,5 @@
 """Named starting points for `elastrain sim --preset`. Every number is an assumption
-stated here and in docs/sim.md; override any of them on the command line.
+stated here and in docs/guide/simulator.md; override any of them on the command line.
 
 Failure rates come from Meta's Llama 3 report (The Llama 3 Herd of Models, 2024,
 section 3.3.4 and its table of root causes): 419 unexpected interruptions in a

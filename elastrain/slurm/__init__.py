@@ -5,5 +5,5 @@
 - `status`: `elastrain slurm status`, the run directory's members and goodput
   with squeue/sacct's view of the job.
 
-See docs/slurm.md.
+See docs/guide/slurm.md.
 """

@@ -1,4 +1,4 @@
-"""`elastrain slurm render|status` (see docs/slurm.md).
+"""`elastrain slurm render|status` (see docs/guide/slurm.md).
 
 elastrain slurm render --nodes 4 --gpus-per-node 8 --spare-nodes 1 --time 12:00:00 \\
     -o job.sbatch train.py -- --lr 3e-4

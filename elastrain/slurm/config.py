@@ -72,7 +72,7 @@ class SlurmConfig:
     """Extra nodes held in the allocation without an agent: the job asks for
     nodes + spare_nodes nodes and starts agents on the first `nodes` of them;
     when an agent node is lost, a replacement agent starts on the next unused
-    spare (docs/slurm.md, "Node loss")."""
+    spare (docs/guide/slurm.md, "Node loss")."""
 
     min_workers: int = 1
     """Fewest members that may train (the coordinator's --min)."""

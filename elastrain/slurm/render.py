@@ -23,7 +23,7 @@ script itself does, on the batch node, when the job runs:
    resumes from the run directory's newest checkpoint (agents' workers load
    the newest checkpoint that verifies, `ELASTRAIN_RESUME=latest`).
 
-The reasons are in docs/slurm.md.
+The reasons are in docs/guide/slurm.md.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def render(cfg: SlurmConfig) -> str:
         f"# elastrain job {cfg.job_name}: written by `elastrain slurm render`.",
         f"# {cfg.nodes} agent node(s) x {cfg.procs_per_node} worker(s), "
         f"{cfg.spare_nodes} spare node(s); run directory {cfg.job_dir}.",
-        "# Submit with `sbatch THIS_FILE`; see docs/slurm.md.",
+        "# Submit with `sbatch THIS_FILE`; see docs/guide/slurm.md.",
     ]
     coord_host = (
         shlex.quote(cfg.coordinator_host)

@@ -184,7 +184,7 @@ def state_digest(state: NamedState) -> str:
     the first step. XXH3 runs at about 11 GB/s here and releases the GIL while
     it hashes, so the training thread's Python is not held up by it; SHA-256
     ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
-    holding the GIL (docs/design.md, "The first step after a join"; benchmarks/digest.py).
+    holding the GIL (docs/design/heal.md, "The first step after a join"; benchmarks/digest.py).
     """
     h = xxhash.xxh3_128(DIGEST_LABEL)
     for part in digest_input(state):

@@ -141,7 +141,7 @@ class HealStats:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
     def event_fields(self) -> dict[str, Any]:
-        """This heal's fields of a ``heal_end`` event (docs/events.md)."""
+        """This heal's fields of a ``heal_end`` event (docs/guide/events.md)."""
         return {
             "role": self.role,
             "bytes": self.bytes,

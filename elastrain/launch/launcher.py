@@ -47,6 +47,7 @@ from elastrain.checkpoint.files import CHECKPOINTS
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitrecord import read_record
 from elastrain.launch.children import spawn_env
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.devices import DevicePool
@@ -60,7 +61,7 @@ from elastrain.launch.resume import (
     newest_checkpoint_note,
     plain_start,
 )
-from elastrain.launch.startup import StartupWatch
+from elastrain.launch.startup import Exit, FailureWatch, Stop, signature, stop_message, tail
 from elastrain.observe.events import EventKind, EventLog, EventTail
 from elastrain.observe.stragglers import StragglerScores, choose_evictions
 from elastrain.observe.tensorboard import TensorBoardSink
@@ -126,7 +127,15 @@ class Launcher:
         self._seq = 0
         self._stop = threading.Event()
         self._fast_failures = 0
-        self.startup = StartupWatch(self.run_dir)
+        self.failures = FailureWatch(
+            config.max_same_error, config.max_replacements, config.replacement_window_s
+        )
+        """When replacing cannot help (`elastrain.launch.startup`)."""
+        self._stopped_by: dict[str, Any] = {}
+        """The failure watch's stop, for the job_end event (cause, count, error_*)."""
+        self._holders: set[str] = set()
+        """Members a status showed in a ready generation: they hold the training state
+        (a fresh replacement or a standby does not until then)."""
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
         self.injector = Injector(
             config.faults,
@@ -490,7 +499,11 @@ class Launcher:
                 signal.signal(signal.SIGTERM, previous)
             self._shutdown()
             self.events.emit(
-                EventKind.JOB_END, status=status, steps=self.status.get("step", 0), message=message
+                EventKind.JOB_END,
+                status=status,
+                steps=self.status.get("step", 0),
+                message=message,
+                **self._stopped_by,
             )
             if sink is not None:
                 try:
@@ -636,7 +649,9 @@ class Launcher:
         if self.device_pool is not None:
             self.device_pool.release(member, poisoned=rc == EXIT_DEVICE_POISONED)
         self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc)
-        self._report_exit(p.ExitRequest(member, pid, rc))
+        err = read_record(self.run_dir, member, pid) if rc > 0 else None
+        e_ = (err.type, err.message, err.where) if err is not None else ("", "", "")
+        self._report_exit(p.ExitRequest(member, pid, rc, *e_))
         if rc == 0:
             if not self.done_members:
                 # The job is finishing: members still alive get a grace period to finish too.
@@ -655,9 +670,10 @@ class Launcher:
             return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
-        stop = self.startup.on_exit(member, pid, rc, injected=pid in self.injector.killed)
+        ex = self._exit_seen(member, pid, rc, err)
+        stop = self.failures.on_exit(ex)
         if stop is not None:
-            return "failed", stop
+            return "failed", self._stop_text(stop)
         if (
             w is not None
             and time.monotonic() - w.started < 10
@@ -673,6 +689,9 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
+            stop = self.failures.on_replace(ex)
+            if stop is not None:
+                return "failed", self._stop_text(stop)
             delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
             spare = self._spare_for(member)
             if spare is not None:
@@ -683,6 +702,54 @@ class Launcher:
             else:
                 self._at(delay, "spawn", (member, pid))
         return None
+
+    def _exit_seen(self, member: str, pid: int, rc: int, err: Any) -> Exit:
+        """What the failure watch needs of an exit (read from the run directory)."""
+        bare = Exit(member, pid, rc, time.monotonic(), pid in self.injector.killed)
+        if not FailureWatch.counts(bare):
+            return bare
+        path = self.run_dir / "events" / f"{member}-{pid}.jsonl"
+        try:
+            committed = b'"step_commit"' in path.read_bytes()
+        except OSError:
+            committed = False
+        lines = tail(self.run_dir / "logs" / f"{member}.log")
+        return Exit(member, pid, rc, bare.t, False, committed, err, signature(lines))
+
+    def _stop_text(self, stop: Stop) -> str:
+        """The console's message for a stop: what broke, the first failing member's
+        last lines, and what to run next."""
+        log = self.run_dir / "logs" / f"{stop.member}.log" if stop.member else None
+        note = self._newest_checkpoint()
+        if note == NO_CHECKPOINT:
+            nxt = (
+                "no checkpoint was committed: a rerun starts from step 0; checkpoint with "
+                "--ckpt-every K to resume after a failure"
+            )
+        else:
+            nxt = f"{note}: fix the cause, then run the same command (same --run-dir)"
+        if stop.error is not None:
+            nxt += "; --max-same-error 0 replaces workers whatever they raise"
+        self._stopped_by = {"cause": str(stop.cause), "count": stop.count}
+        if stop.error is not None:
+            self._stopped_by.update(
+                error_type=stop.error.type,
+                error_message=stop.error.message,
+                error_where=stop.error.where,
+            )
+        return stop_message(stop, log, tail(log) if log else [], nxt)
+
+    def _job_died(self) -> Stop | None:
+        """Asked before a replacement starts: if no member holding the state is
+        alive, the failure watch's whole-job-death rule decides (local jobs: an
+        agent sees one node)."""
+        if self.agent or any(
+            m in self._holders and w.proc.poll() is None for m, w in self.workers.items()
+        ):
+            return None
+        start = self.resume_step if self.resume_step is not None else (self.plain_step or 0)
+        has = self._newest_checkpoint() != NO_CHECKPOINT or self.plain_step is not None
+        return self.failures.on_job_death(int(self.status.get("step", 0)), start, has)
 
     def _spare_for(self, dead: str) -> str | None:
         """A live standby of this launcher, per the last status (as it was before
@@ -752,6 +819,11 @@ class Launcher:
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
+                stop = self._job_died()
+                if stop is not None:
+                    self._stop_reason = ("failed", self._stop_text(stop))
+                    self._stop.set()
+                    return
                 self._spawn(replacement=True, replaces=arg[0], replaces_pid=arg[1])
         elif what == "finish":
             self._stop_reason = ("done", "")
@@ -781,6 +853,10 @@ class Launcher:
         self._max_gen = max(self._max_gen, int(status.get("gen", 0)))
         self.status = status
         self._claimed &= set(status.get("standby") or [])
+        if status.get("ready"):
+            self._holders.update(status.get("members") or [])
+            if any(m in self.workers for m in status.get("members") or []):
+                self.failures.on_state_held()
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))

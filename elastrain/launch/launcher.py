@@ -648,9 +648,12 @@ class Launcher:
         w = self.workers.pop(member, None)
         if self.device_pool is not None:
             self.device_pool.release(member, poisoned=rc == EXIT_DEVICE_POISONED)
-        self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc)
         err = read_record(self.run_dir, member, pid) if rc > 0 else None
         e_ = (err.type, err.message, err.where) if err is not None else ("", "", "")
+        error = dict(zip(("error_type", "error_message", "error_where"), e_, strict=True))
+        self.events.emit(
+            EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc, **(error if err else {})
+        )
         self._report_exit(p.ExitRequest(member, pid, rc, *e_))
         if rc == 0:
             if not self.done_members:

@@ -30,6 +30,7 @@ files and exit records and hands them in (`Exit`).
 
 from __future__ import annotations
 
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -143,6 +144,14 @@ class FailureWatch:
             ex.returncode in (0, EXIT_LEFT, EXIT_PREEMPTED) or ex.returncode < 0 or ex.injected
         )
 
+    @staticmethod
+    def costs_a_replacement(ex: Exit) -> bool:
+        """Whether the restart budget counts the exit: any failure, a kill from
+        outside included (an out-of-memory kill, a lost machine), but no leave
+        (SIGTERM, SIGINT, EXIT_LEFT), preemption or injected fault."""
+        left = ex.returncode in (0, EXIT_LEFT, EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGINT)
+        return not (left or ex.injected)
+
     def _prune(self, times: deque[tuple[float, str]], now: float) -> None:
         while times and now - times[0][0] > self.window_s:
             times.popleft()
@@ -186,16 +195,22 @@ class FailureWatch:
             else f"{members[0]} and {len(members) - 1} others"
         )
         span = ex.t - times[0][0]
-        head = (
-            f"{who} raised the same {err.type} at the same line, {len(times)} times in "
-            f"{span:.1f} s: a bug in the script, not a hardware failure"
-        )
+        if ex.committed:
+            head = (
+                f"{who} raised the same {err.type} at the same line, {len(times)} times in "
+                f"{span:.1f} s: a bug in the script, not a hardware failure"
+            )
+        else:  # the start-up rule's words: nothing was trained yet
+            head = (
+                f"{who} failed the same way before their first step ({err.type}, exit "
+                f"{ex.returncode})"
+            )
         return Stop(StopCause.SAME_ERROR, head, times[0][1], err, len(times))
 
     def on_replace(self, ex: Exit) -> Stop | None:
         """The restart budget, asked before a failed worker is replaced: stop
         rather than replace one more than `max_replacements` within the window."""
-        if self.max_replacements <= 0 or not self.counts(ex):
+        if self.max_replacements <= 0 or not self.costs_a_replacement(ex):
             return None
         self._prune(self.replaced, ex.t)
         if len(self.replaced) >= self.max_replacements:

@@ -3,8 +3,9 @@ tests' job (a script error is not a hardware failure).
 
     elastrain run -n 4 tests/scripts/train_raising.py -- --raise-at 3 --raise-on w0
 
-`--raise-at STEP`: after the step STEP commits, a member named in `--raise-on` (all
-of them when empty) raises `ValueError` from the line marked below. `--once FILE`:
+`--raise-at STEP`: after the step STEP commits (and, with `--repeat`, after every
+later one), a member named in `--raise-on` (member ids, or `leader`: rank 0; all of
+them when empty) raises `ValueError` from the line marked below. `--once FILE`:
 only the first member to get there raises (it creates FILE), so the error is
 transient, not repeated. Without `--raise-at` it trains like train_sharded.py, the
 same loss curve bit for bit.
@@ -25,11 +26,12 @@ BUG_LINE = "raise ValueError"
 """The text of the line the tests expect the job's report to name."""
 
 
-def should_raise(step: int, args: argparse.Namespace) -> bool:
+def should_raise(step: int, rank: int, args: argparse.Namespace) -> bool:
     me = os.environ.get("ELASTRAIN_MEMBER_ID", "")
-    if args.raise_at is None or step != args.raise_at:
+    if args.raise_at is None or step < args.raise_at or (step > args.raise_at and not args.repeat):
         return False
-    if args.raise_on and me not in args.raise_on.split(","):
+    who = args.raise_on.split(",") if args.raise_on else []
+    if who and me not in who and not ("leader" in who and rank == 0):
         return False
     if args.once:
         try:
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--raise-at", type=int, default=None)
     ap.add_argument("--raise-on", default="")
+    ap.add_argument("--repeat", action="store_true")
     ap.add_argument("--once", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -62,7 +65,7 @@ def main() -> None:
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
     for r in trainer.steps():
-        if should_raise(r.step, args):
+        if should_raise(r.step, r.rank, args):
             raise ValueError(f"grad norm is None at step {r.step}")  # the planted bug
 
 

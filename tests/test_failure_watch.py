@@ -142,3 +142,23 @@ def test_the_exit_request_carries_the_error_and_old_bodies_still_decode() -> Non
     assert p.decode(p.ExitRequest, p.encode(req)) == req
     with pytest.raises(p.ProtocolError):
         p.decode(p.ExitRequest, {**old, "error_message": "x" * 600})
+
+
+def test_failures_of_one_script_error_are_one_row_with_their_count() -> None:
+    from elastrain.observe.failures import recognise_failures
+    from elastrain.observe.recovery import by_cause, format_recoveries, recoveries
+
+    err = {"error_type": BUG.type, "error_message": BUG.message, "error_where": BUG.where}
+    evs: list[dict[str, object]] = [{"kind": "job_start", "t": 0.0, "proc": "launcher"}]
+    for i, m in enumerate(("w0", "w1", "w2")):
+        evs.append({"kind": "worker_exited", "t": 1.0 + i, "proc": "launcher", "member": m,
+                    "pid": 10 + i, "returncode": 1, **err})  # fmt: skip
+    evs.append({"kind": "worker_exited", "t": 5.0, "proc": "launcher", "member": "w3",
+                "pid": 13, "returncode": -9})  # fmt: skip
+    fails = recognise_failures(evs)
+    assert [f.cause for f in fails] == [f"ValueError at {BUG.where}"] * 3 + [None]
+    assert fails[0].how == f"raised ValueError: {BUG.message}"
+    grouped = by_cause(recoveries(evs, fails))
+    assert [(r.member, n) for r, n in grouped] == [("w0", 3), ("w3", 1)]
+    table = format_recoveries(recoveries(evs, fails)).splitlines()
+    assert len(table) == 3 and "(x3, the same error: ValueError at" in table[1]

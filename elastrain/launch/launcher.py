@@ -497,6 +497,10 @@ class Launcher:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if self._stopped_by and self.workers:
+                # The failure watch stopped the job: the members' leaves as they are
+                # stopped are on purpose, not more failures (`recognise_failures`).
+                self.events.emit(EventKind.DRAIN, members=sorted(self.workers), reason="stopped")
             self._shutdown()
             self.events.emit(
                 EventKind.JOB_END,

@@ -162,3 +162,12 @@ def test_failures_of_one_script_error_are_one_row_with_their_count() -> None:
     assert [(r.member, n) for r, n in grouped] == [("w0", 3), ("w3", 1)]
     table = format_recoveries(recoveries(evs, fails)).splitlines()
     assert len(table) == 3 and "(x3, the same error: ValueError at" in table[1]
+
+
+def test_a_whole_job_death_the_fault_schedule_injected_resumes_as_before() -> None:
+    """The soak's kill-all: every member killed by the launcher's own schedule is a
+    simulated hardware failure, resumed from whatever there is."""
+    w = FailureWatch()
+    assert w.on_job_death(progress=12, start=0, has_checkpoint=False, injected=True) is None
+    w.on_state_held()
+    assert w.on_job_death(progress=12, start=0, has_checkpoint=False) is not None

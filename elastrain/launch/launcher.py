@@ -133,6 +133,9 @@ class Launcher:
         """When replacing cannot help (`elastrain.launch.startup`)."""
         self._stopped_by: dict[str, Any] = {}
         """The failure watch's stop, for the job_end event (cause, count, error_*)."""
+        self._deaths_injected = True
+        """Every worker exit since a live member last held the state was a kill the
+        fault schedule injected, or a leave (the whole-job-death rule exempts those)."""
         self._holders: set[str] = set()
         """Members a status showed in a ready generation: they hold the training state
         (a fresh replacement or a standby does not until then)."""
@@ -678,6 +681,8 @@ class Launcher:
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
         ex = self._exit_seen(member, pid, rc, err)
+        # A leave or an injected kill is no failure of the job's own.
+        self._deaths_injected = self._deaths_injected and not FailureWatch.costs_a_replacement(ex)
         stop = self.failures.on_exit(ex)
         if stop is not None:
             return "failed", self._stop_text(stop)
@@ -756,7 +761,8 @@ class Launcher:
             return None
         start = self.resume_step if self.resume_step is not None else (self.plain_step or 0)
         has = self._newest_checkpoint() != NO_CHECKPOINT or self.plain_step is not None
-        return self.failures.on_job_death(int(self.status.get("step", 0)), start, has)
+        injected = self._deaths_injected
+        return self.failures.on_job_death(int(self.status.get("step", 0)), start, has, injected)
 
     def _spare_for(self, dead: str) -> str | None:
         """A live standby of this launcher, per the last status (as it was before
@@ -864,6 +870,7 @@ class Launcher:
             self._holders.update(status.get("members") or [])
             if any(m in self.workers for m in status.get("members") or []):
                 self.failures.on_state_held()
+                self._deaths_injected = True
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))

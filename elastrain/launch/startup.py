@@ -224,12 +224,19 @@ class FailureWatch:
         self.replaced.append((ex.t, ex.member))
         return None
 
-    def on_job_death(self, progress: int, start: int, has_checkpoint: bool) -> Stop | None:
+    def on_job_death(
+        self, progress: int, start: int, has_checkpoint: bool, injected: bool = False
+    ) -> Stop | None:
         """Every member holding the state died, with `progress` steps committed
         (the job started at `start`): stop, or None to resume from the newest
         checkpoint (see the module docstring). Asked before each replacement
-        starts, until `on_state_held`."""
+        starts, until `on_state_held`. `injected`: the launcher's fault schedule
+        killed every one of them (the chaos soak's kill-all): a simulated
+        hardware failure, resumed from whatever there is, as before this rule."""
         if self.dead:
+            return None
+        if injected:
+            self.dead = True
             return None
         if progress <= start and self.death_progress is None:
             return None  # nothing committed: the start-up rule's business

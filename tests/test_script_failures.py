@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from elastrain.launch.launcher import LaunchConfig, Launcher
+from elastrain.observe.events import read_events
 from elastrain.observe.failures import FailureKind, recognise_failures
 from elastrain.observe.ledger import check_same_state, loss_curve
 
@@ -60,12 +61,12 @@ def _job(tmp: Path, name: str, args: list[str], **kw: Any) -> Job:
                     pytest.fail(f"process {pid} outlived its job")
 
 
-def _replacements(job: Job) -> list[dict[str, Any]]:
-    return [e for e in job.of("worker_spawned") if e.get("replacement")]
+def _replacements(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "worker_spawned" and e.get("replacement")]
 
 
-def _failed_exits(job: Job) -> list[dict[str, Any]]:
-    return [e for e in job.of("worker_exited") if e["returncode"] == 1]
+def _failed_exits(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "worker_exited" and e["returncode"] == 1]
 
 
 def test_a_leader_raising_after_every_step_stops_the_job_with_the_error(tmp_path: Path) -> None:
@@ -88,17 +89,13 @@ def test_a_leader_raising_after_every_step_stops_the_job_with_the_error(tmp_path
     assert f"train_raising.py:{BUG_LINE}" in out, out
     assert "not a hardware failure" in out, out
     assert "--ckpt-every" in out, out  # what to run next: no checkpoint to resume from
-    job = Job.__new__(Job)
-    job.run_dir = run_dir
-    from elastrain.observe.events import read_events
-
-    job.events = read_events(run_dir)
-    failed = _failed_exits(job)
+    events = read_events(run_dir)
+    failed = _failed_exits(events)
     assert len(failed) >= 2
-    end = job.of("job_end")[0]
+    end = next(e for e in events if e["kind"] == "job_end")
     assert end["t"] - sorted(e["t"] for e in failed)[1] < 30.0
     assert end["cause"] == "same_error" and end["error_type"] == "ValueError"
-    assert len(_replacements(job)) <= 2
+    assert len(_replacements(events)) <= 2
     # The stop message shows the exception once (above it, the console followed
     # the leader's log), and the final table one row for the two failures.
     stop = out[out.index("job failed") :]
@@ -114,13 +111,13 @@ def test_every_member_raising_at_one_step_stops_and_trains_nothing_twice(tmp_pat
     job = _job(tmp_path, "all", ["--raise-at", "5"])
     assert job.result.status == "failed"
     assert "ValueError" in job.result.message and f":{BUG_LINE}" in job.result.message
-    assert len(_replacements(job)) <= 2
+    assert len(_replacements(job.events)) <= 2
     commits = job.of("step_commit")
     assert {e["step"] for e in commits} == set(range(6))
     starts = [e["step"] for e in job.of("generation_start")]
     assert starts == [0] * len(starts)  # one generation, from step 0, never again
     ends = job.of("job_end")
-    assert ends[0]["t"] - sorted(e["t"] for e in _failed_exits(job))[1] < 30.0
+    assert ends[0]["t"] - sorted(e["t"] for e in _failed_exits(job.events))[1] < 30.0
 
 
 def test_a_whole_job_death_after_committed_steps_without_a_checkpoint_stops(
@@ -147,7 +144,7 @@ def test_max_same_error_zero_replaces_as_before_until_the_restart_budget(tmp_pat
         max_replacements=3,
     )
     assert job.result.status == "failed"
-    assert len(_replacements(job)) >= 3
+    assert len(_replacements(job.events)) >= 3
     assert "restart budget" in job.result.message or "every member died" in job.result.message
 
 

@@ -138,7 +138,7 @@ class Launcher:
         fault schedule injected, or a leave (the whole-job-death rule exempts those)."""
         self._holders: set[str] = set()
         """Members a status showed in a ready generation: they hold the training state
-        (a fresh replacement or a standby does not until then)."""
+        (a fresh replacement or a standby does not until then; see `_job_died`)."""
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
         self.injector = Injector(
             config.faults,
@@ -755,8 +755,14 @@ class Launcher:
         """Asked before a replacement starts: if no member holding the state is
         alive, the failure watch's whole-job-death rule decides (local jobs: an
         agent sees one node)."""
+        standby = set(self.status.get("standby") or [])
         if self.agent or any(
-            m in self._holders and w.proc.poll() is None for m, w in self.workers.items()
+            w.proc.poll() is None
+            # A worker started with the job holds its state from the start (a
+            # replacement or a standby only once a status shows it in a ready
+            # generation: statuses come every 0.25 s, a short job may show none).
+            and (m in self._holders or not (w.replacement or m in standby))
+            for m, w in self.workers.items()
         ):
             return None
         start = self.resume_step if self.resume_step is not None else (self.plain_step or 0)

@@ -134,6 +134,30 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         help="seconds before a dead worker is replaced (stands in for pod scheduling)",
     )
     ap.add_argument("--no-replace", action="store_true", help="do not replace dead workers")
+    ap.add_argument(
+        "--max-same-error",
+        type=int,
+        default=_default("max_same_error"),
+        metavar="N",
+        help="stop the job (exit 1) when N worker exits raised the same exception at the same "
+        "script line within --replacement-window: a bug in the script, not a hardware "
+        "failure (default 2; 0: never stop for it)",
+    )
+    ap.add_argument(
+        "--max-replacements",
+        type=int,
+        default=_default("max_replacements"),
+        metavar="K",
+        help="restart budget: stop the job (exit 1) rather than replace more than K failed "
+        "workers within --replacement-window (default 20; 0: no budget)",
+    )
+    ap.add_argument(
+        "--replacement-window",
+        type=float,
+        default=_default("replacement_window_s"),
+        metavar="S",
+        help="seconds over which --max-replacements and --max-same-error count (default 3600)",
+    )
     ap.add_argument("--run-dir", default=None, help="run directory (default runs/<job-id>)")
     ap.add_argument("--steps", type=int, default=None, help="override the script's total steps")
     ap.add_argument(
@@ -300,6 +324,9 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         evict_stragglers=args.evict_stragglers,
         evict_threshold=args.evict_threshold,
         replace_delay_s=args.replace_delay,
+        max_same_error=args.max_same_error,
+        max_replacements=args.max_replacements,
+        replacement_window_s=args.replacement_window,
         replace=not args.no_replace,
         run_dir=args.run_dir,
         steps=args.steps,

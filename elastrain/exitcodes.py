@@ -19,6 +19,12 @@ EXIT_NO_COORDINATOR = 1
 """Could not reach the coordinator within the register timeout: a crash."""
 
 
+EXIT_SCRIPT_ERROR = 1
+"""The script raised an exception it did not catch (Python's own status for that).
+The worker entry point leaves an exit record naming it (`elastrain.exitrecord`); the
+launcher replaces the worker unless the same exception at the same script line
+ended another worker recently (`elastrain.launch.failwatch`)."""
+
 EXIT_MISCONFIGURED = 78
 """The script is set up in a way elastrain cannot run (it initialises its own process
 group, wraps the model in DistributedDataParallel, or its batch sizes do not fit):

@@ -11,7 +11,16 @@ library free of process-level decisions:
 - a `WorkerExit` raised by the library (leave, preemption, refusal, no
   coordinator, a misconfigured script) becomes the process exit status, here
   and nowhere else; an error torch raises for a well-known mistake (a script
-  using torch.distributed directly) exits EXIT_MISCONFIGURED with what to change.
+  using torch.distributed directly) exits EXIT_MISCONFIGURED with what to change;
+- any other exception the script raises is a bug in the script, not a hardware
+  failure: the traceback is printed, the exception's type, message and script
+  line are written as the worker's exit record (`elastrain.exitrecord`), and
+  the process ends at once with status 1, as a kill would end it. At once,
+  because its peers are waiting for it in a collective: its sockets closing is
+  what fails their wait in milliseconds, where the orderly shutdown of a live
+  process (seconds) made a sharded group-mate suspect it of hanging. What that
+  skips (atexit hooks, the last asynchronous checkpoint write) is what a kill
+  skips, which the peers and the checkpoints already survive.
 """
 
 from __future__ import annotations
@@ -21,9 +30,13 @@ import os
 import runpy
 import sys
 import traceback
+from pathlib import Path
+from typing import NoReturn
 
+from elastrain import env
 from elastrain.children import die_with_parent
-from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.exitcodes import EXIT_MISCONFIGURED, EXIT_SCRIPT_ERROR, WorkerExit
+from elastrain.exitrecord import from_exception, write_record
 from elastrain.runtime.preflight import explain
 
 
@@ -64,12 +77,29 @@ def main(argv: list[str] | None = None) -> int:
         # A well-known mistake that torch reports in words pointing the wrong way
         # ("Default process group has not been initialized"): say what to change.
         why = explain(e)
-        if why is None:
-            raise
         traceback.print_exc()
+        if why is None:
+            script_failed(e)
         print(f"elastrain: misconfigured: {why}", file=sys.stderr, flush=True)
         return EXIT_MISCONFIGURED
     return 0
+
+
+def script_failed(e: Exception) -> NoReturn:
+    """The script raised `e` (its traceback is printed): record it and end the
+    process now (see the module docstring)."""
+    err = from_exception(e)
+    print(f"elastrain: the script raised {err.headline()}", file=sys.stderr, flush=True)
+    run_dir, member = os.environ.get(env.RUN_DIR), os.environ.get(env.MEMBER_ID)
+    if run_dir and member:
+        try:
+            write_record(Path(run_dir), member, os.getpid(), err)
+        except OSError as why:
+            print(f"elastrain: could not write the exit record: {why}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(EXIT_SCRIPT_ERROR)
 
 
 if __name__ == "__main__":

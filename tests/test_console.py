@@ -13,7 +13,7 @@ from elastrain.cli import exit_status
 from elastrain.exitcodes import EXIT_MISCONFIGURED, RUN_PREEMPTED, RUN_USAGE
 from elastrain.launch.console import ConsoleMode, LogFollower
 from elastrain.launch.preflight import script_problems
-from elastrain.launch.startup import StartupWatch, signature
+from elastrain.launch.startup import Exit, FailureWatch, signature, stop_message, tail
 from elastrain.observe.events import read_events
 from elastrain.runtime.preflight import Misconfigured, batch_problems, explain, preflight
 
@@ -114,17 +114,22 @@ def test_startup_watch_stops_at_the_first_repeat(tmp_path: Path) -> None:
     for m in ("w0", "w1", "w2"):
         write(tmp_path, m, tb)
     (tmp_path / "events" / "w2-12.jsonl").write_text('{"kind": "step_commit"}\n')
-    w = StartupWatch(tmp_path)
-    assert signature(tb.splitlines()) == "ValueError: bad batch"
-    assert w.on_exit("w0", 10, 1, injected=False) is None
-    assert w.on_exit("w2", 12, 1, injected=False) is None  # it had committed a step
-    assert w.on_exit("w1", 11, -9, injected=False) is None  # a signal from outside
-    msg = w.on_exit("w1", 11, 1, injected=False)
-    assert msg is not None and "w0 and w1 failed the same way" in msg
+    w = FailureWatch()
+    sig = signature(tail(tmp_path / "logs" / "w0.log"))
+    assert sig == signature(tb.splitlines()) == "ValueError: bad batch"
+    assert w.on_exit(Exit("w0", 10, 1, 0.0, log_signature=sig)) is None
+    # it had committed a step
+    assert w.on_exit(Exit("w2", 12, 1, 0.1, committed=True, log_signature=sig)) is None
+    assert w.on_exit(Exit("w1", 11, -9, 0.2, log_signature=sig)) is None  # a signal from outside
+    stop = w.on_exit(Exit("w1", 11, 1, 0.3, log_signature=sig))
+    assert stop is not None and stop.member == "w0"
+    log = tmp_path / "logs" / "w0.log"
+    msg = stop_message(stop, log, tail(log), "")
+    assert "w0 and w1 failed the same way" in msg
     assert "  | ValueError: bad batch" in msg
     write(tmp_path, "w3", "elastrain: misconfigured: the model is wrapped\n")
-    msg = StartupWatch(tmp_path).on_exit("w3", 13, EXIT_MISCONFIGURED, injected=False)
-    assert msg is not None and "found a mistake in the script" in msg
+    stop = FailureWatch().on_exit(Exit("w3", 13, EXIT_MISCONFIGURED, 0.0))
+    assert stop is not None and "found a mistake in the script" in stop.head
 
 
 def run_cli(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:

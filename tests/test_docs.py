@@ -24,12 +24,6 @@ README_MAX_LINES = 200
 DOCS_MAX_LINES = 600
 CELL_MAX_WORDS = 40
 
-# Pages the index and the README link to that are written on other branches of
-# the same change (the architecture map, the script-failure page). Once they are
-# merged, `test_pending_pages_are_still_pending` fails: empty this set then, and
-# the link check covers them like every other page.
-PENDING = frozenset({"docs/design/map.md", "docs/design/script-failures.md"})
-
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _INLINE_CODE = re.compile(r"(`+).*?\1")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -97,9 +91,7 @@ def _broken_links(path: Path, root: Path = ROOT) -> list[str]:
         dest = (path.parent / file_part).resolve() if file_part else path
         where = f"{path.relative_to(root)}:{number}: {target}"
         if not dest.exists():
-            rel = dest.relative_to(root).as_posix() if dest.is_relative_to(root) else str(dest)
-            if rel not in PENDING:
-                broken.append(f"{where} (no such file)")
+            broken.append(f"{where} (no such file)")
             continue
         if fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
             broken.append(f"{where} (no heading with anchor #{fragment})")
@@ -137,11 +129,6 @@ def test_every_docs_page_is_at_most_600_lines() -> None:
 def test_every_relative_link_lands() -> None:
     broken = [b for path in _markdown_files() for b in _broken_links(path)]
     assert not broken, "\n".join(broken)
-
-
-def test_pending_pages_are_still_pending() -> None:
-    arrived = sorted(p for p in PENDING if (ROOT / p).exists())
-    assert not arrived, f"{arrived} exist now: remove them from PENDING in tests/test_docs.py"
 
 
 @pytest.mark.parametrize(

@@ -264,7 +264,9 @@ class CoordinatorClient:
         return self._op("preempt", req, p.OkResponse)
 
     def exit(self, req: p.ExitRequest) -> p.OkResponse:
-        return self._op("exit", req, p.OkResponse)
+        # Without an error the body is the one every coordinator version decodes.
+        body = {k: v for k, v in p.encode(req).items() if v != "" or not k.startswith("error_")}
+        return p.decode(p.OkResponse, self.call("POST", "exit", body, timeout=self.timeout_s))
 
     def status(self) -> dict[str, Any]:
         return self.call("GET", "status", None)

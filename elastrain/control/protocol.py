@@ -122,6 +122,8 @@ the field: names are echoed into answers and every event, so an unbounded one
 grows the event log by its length per event."""
 STRING_LIMITS: dict[str, int] = {
     "RendezvousResponse.message": 4096,
+    "ExitRequest.error_message": 512,
+    "ExitRequest.error_where": 1024,
     "signature": 1024,
     "signature.dtype": 64,
 }
@@ -434,9 +436,21 @@ class PreemptRequest:
 
 @dataclass(frozen=True)
 class ExitRequest:
+    """A worker process exited (the launcher saw it). The `error_*` fields, empty
+    unless the script raised an exception it did not catch, are its exit record
+    (`elastrain.exitrecord.ScriptError`); optional, so the body of a launcher that
+    predates them still decodes, and one that has no error to report sends the
+    same body as before."""
+
     member: str
     pid: int
     returncode: int
+    error_type: str = ""
+    """The exception's class name (`ValueError`)."""
+    error_message: str = ""
+    """Its message, at most 500 characters."""
+    error_where: str = ""
+    """The script line that raised it, ``file:line``."""
 
 
 # ---- vocabulary -----------------------------------------------------------

@@ -444,6 +444,15 @@ class Coordinator:
                 member=req.member,
                 pid=req.pid,
                 returncode=req.returncode,
+                **(
+                    {
+                        "error_type": req.error_type,
+                        "error_message": req.error_message,
+                        "error_where": req.error_where,
+                    }
+                    if req.error_type
+                    else {}
+                ),
             )
             self._flush(wake=True)
             return p.OkResponse(ok)

@@ -93,6 +93,25 @@ class LaunchConfig:
     """Give up after this many consecutive workers die within 10 s of their start."""
     max_coordinator_restarts: int = 5
     """Give up after the coordinator died this many times within 10 minutes."""
+    max_same_error: int = 2
+    """Stop the job (exit status 1) once this many worker exits within
+    `replacement_window_s` raised the same Python exception at the same script
+    line, whichever members and steps (--max-same-error): a bug in the script,
+    which every replacement would hit again, not a hardware failure. The console
+    shows the exception and the first failing member's last log lines. 0: never
+    stop for it (every such exit is replaced, within `max_replacements`).
+    Injected faults and exits by a signal never count (`elastrain.launch.startup`)."""
+    max_replacements: int = 20
+    """The restart budget (--max-replacements): stop the job (exit status 1) when a
+    worker failure would be the (K+1)th replaced within `replacement_window_s`.
+    20 per hour: a healthy job of hundreds of devices loses a few a day, so 20 in
+    an hour means something systematic (a bad node pool, an out-of-memory loop)
+    that replacing does not fix, and each replacement costs the survivors a
+    regroup. Graceful leaves, preemptions and injected faults never count. 0: no
+    budget."""
+    replacement_window_s: float = 3600.0
+    """Seconds over which `max_replacements` and `max_same_error` count failures
+    (--replacement-window)."""
     progress: bool = True
     """Show live progress."""
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -239,6 +258,14 @@ class LaunchConfig:
             )
         if self.replace_delay_s < 0:
             raise ValueError("--replace-delay must be >= 0")
+        if self.max_same_error < 0 or self.max_same_error == 1:
+            raise ValueError(
+                "--max-same-error must be 0 (never stop) or >= 2 (one failure is not a pattern)"
+            )
+        if self.max_replacements < 0:
+            raise ValueError("--max-replacements must be >= 0 (0: no budget)")
+        if not (math.isfinite(self.replacement_window_s) and self.replacement_window_s > 0):
+            raise ValueError("--replacement-window must be a number of seconds > 0")
         if not Path(self.script).is_file():
             raise ValueError(f"training script not found: {self.script}")
         if self.steps is not None and self.steps < 0:

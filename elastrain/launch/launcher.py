@@ -46,6 +46,7 @@ from elastrain.children import spawn_env
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorClient, CoordinatorError
 from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitrecord import read_record
 from elastrain.launch import faults
 from elastrain.launch.config import LaunchConfig
 from elastrain.launch.devices import DevicePool
@@ -59,7 +60,7 @@ from elastrain.launch.resume import (
     newest_checkpoint_note,
     plain_start,
 )
-from elastrain.launch.startup import StartupWatch
+from elastrain.launch.startup import FailureWatch, Stop, read_exit, stop_fields, stop_text
 from elastrain.observe.events import EventKind, EventLog, EventTail
 from elastrain.observe.stragglers import StragglerScores, choose_evictions
 from elastrain.observe.tensorboard import TensorBoardSink
@@ -125,7 +126,18 @@ class Launcher:
         self._seq = 0
         self._stop = threading.Event()
         self._fast_failures = 0
-        self.startup = StartupWatch(self.run_dir)
+        self.failures = FailureWatch(
+            config.max_same_error, config.max_replacements, config.replacement_window_s
+        )
+        """When replacing cannot help (`elastrain.launch.startup`)."""
+        self._stopped_by: dict[str, Any] = {}
+        """The failure watch's stop, for the job_end event (cause, count, error_*)."""
+        self._deaths_injected = True
+        """Every worker exit since a live member last held the state was a kill the
+        fault schedule injected, or a leave (the whole-job-death rule exempts those)."""
+        self._holders: set[str] = set()
+        """Members a status showed in a ready generation: they hold the training state
+        (a fresh replacement or a standby does not until then; see `_job_died`)."""
         self.checkpoint_dir = self.run_dir / CHECKPOINTS
         self.injector = faults.injector_for(
             config.faults,
@@ -489,9 +501,17 @@ class Launcher:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if self._stopped_by and self.workers:
+                # The failure watch stopped the job: the members' leaves as they are
+                # stopped are on purpose, not more failures (`recognise_failures`).
+                self.events.emit(EventKind.DRAIN, members=sorted(self.workers), reason="stopped")
             self._shutdown()
             self.events.emit(
-                EventKind.JOB_END, status=status, steps=self.status.get("step", 0), message=message
+                EventKind.JOB_END,
+                status=status,
+                steps=self.status.get("step", 0),
+                message=message,
+                **self._stopped_by,
             )
             if sink is not None:
                 try:
@@ -636,8 +656,10 @@ class Launcher:
         w = self.workers.pop(member, None)
         if self.device_pool is not None:
             self.device_pool.release(member, poisoned=rc == EXIT_DEVICE_POISONED)
-        self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc)
-        self._report_exit(p.ExitRequest(member, pid, rc))
+        err = read_record(self.run_dir, member, pid) if rc > 0 else None
+        error = err.fields() if err is not None else {}
+        self.events.emit(EventKind.WORKER_EXITED, member=member, pid=pid, returncode=rc, **error)
+        self._report_exit(p.ExitRequest(member, pid, rc, **error))
         if rc == 0:
             if not self.done_members:
                 # The job is finishing: members still alive get a grace period to finish too.
@@ -656,9 +678,13 @@ class Launcher:
             return None
         if rc == EXIT_REFUSED:
             return "failed", f"{member} was refused by the coordinator; see logs/{member}.log"
-        stop = self.startup.on_exit(member, pid, rc, injected=pid in self.injector.killed)
+        killed = pid in self.injector.killed
+        ex = read_exit(self.run_dir, member, pid, rc, time.monotonic(), killed, err)
+        # A leave or an injected kill is no failure of the job's own.
+        self._deaths_injected = self._deaths_injected and not FailureWatch.costs_a_replacement(ex)
+        stop = self.failures.on_exit(ex)
         if stop is not None:
-            return "failed", stop
+            return "failed", self._stop_text(stop)
         if (
             w is not None
             and time.monotonic() - w.started < 10
@@ -674,6 +700,9 @@ class Launcher:
         else:
             self._fast_failures = 0
         if self.config.replace and not self.status.get("finished") and not self.done_members:
+            stop = self.failures.on_replace(ex)
+            if stop is not None:
+                return "failed", self._stop_text(stop)
             delay = self.injector.replace_delay(pid, self.config.replace_delay_s)
             spare = self._spare_for(member)
             if spare is not None:
@@ -684,6 +713,32 @@ class Launcher:
             else:
                 self._at(delay, "spawn", (member, pid))
         return None
+
+    def _stop_text(self, stop: Stop) -> str:
+        """The console's message for `stop` (`startup.stop_text`); keeps its fields
+        for the job_end event."""
+        self._stopped_by = stop_fields(stop)
+        note = self._newest_checkpoint()
+        return stop_text(stop, self.run_dir, None if note == NO_CHECKPOINT else note)
+
+    def _job_died(self) -> Stop | None:
+        """Asked before a replacement starts: if no member holding the state is
+        alive, the failure watch's whole-job-death rule decides (local jobs: an
+        agent sees one node)."""
+        standby = set(self.status.get("standby") or [])
+        if self.agent or any(
+            w.proc.poll() is None
+            # A worker started with the job holds its state from the start (a
+            # replacement or a standby only once a status shows it in a ready
+            # generation: statuses come every 0.25 s, a short job may show none).
+            and (m in self._holders or not (w.replacement or m in standby))
+            for m, w in self.workers.items()
+        ):
+            return None
+        start = self.resume_step if self.resume_step is not None else (self.plain_step or 0)
+        has = self._newest_checkpoint() != NO_CHECKPOINT or self.plain_step is not None
+        injected = self._deaths_injected
+        return self.failures.on_job_death(int(self.status.get("step", 0)), start, has, injected)
 
     def _spare_for(self, dead: str) -> str | None:
         """A live standby of this launcher, per the last status (as it was before
@@ -753,6 +808,11 @@ class Launcher:
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
+                stop = self._job_died()
+                if stop is not None:
+                    self._stop_reason = ("failed", self._stop_text(stop))
+                    self._stop.set()
+                    return
                 self._spawn(replacement=True, replaces=arg[0], replaces_pid=arg[1])
         elif what == "finish":
             self._stop_reason = ("done", "")
@@ -782,6 +842,11 @@ class Launcher:
         self._max_gen = max(self._max_gen, int(status.get("gen", 0)))
         self.status = status
         self._claimed &= set(status.get("standby") or [])
+        if status.get("ready"):
+            self._holders.update(status.get("members") or [])
+            if any(m in self.workers for m in status.get("members") or []):
+                self.failures.on_state_held()
+                self._deaths_injected = True
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))

@@ -14,7 +14,10 @@ A failure is recognised from evidence (docs/guide/events.md, "Failures"):
                announced `worker_exit` reason `left`, or the coordinator
                removed it as `left`
   crash        the worker exited with a non-zero code (other than EXIT_LEFT and
-               EXIT_PREEMPTED; EXIT_DEVICE_POISONED says its device failed)
+               EXIT_PREEMPTED; EXIT_DEVICE_POISONED says its device failed); when
+               its script raised, the coordinator's `exit_reported` names the
+               exception (`error_type`, `error_where`): that is its `cause`, and
+               failures with the same cause are one bug, tables show them once
   hang         the worker stayed alive but went silent: the coordinator removed
                it (`lease_expired`, `suspected`, `not_ready`), or the others'
                watchdog fired in a generation that no other failure explains
@@ -165,6 +168,9 @@ class Failure:
     evidence: tuple[Evidence, ...]
     injected: str | None = None
     exit_t: float | None = None
+    cause: str | None = None
+    """The exception the script raised, ``ValueError at train.py:66`` (None: it
+    raised none, or its exit record was not reported)."""
 
     @property
     def exited(self) -> bool:
@@ -183,6 +189,7 @@ class _Open:
     pid: int | None
     evidence: list[Evidence] = field(default_factory=list)
     exit_t: float | None = None
+    cause: str | None = None
     closed: bool = False
     stall_t: float | None = None
 
@@ -308,9 +315,15 @@ def recognise_failures(events: Sequence[Event]) -> list[Failure]:
                 if o is not None and not o.closed and o.kind is FailureKind.TERM:
                     o.exit_t = _first(o.exit_t, t)  # a leave that ended with status 0
                 continue
-            o = note(member, pid, verdict[0], Evidence(t, k, verdict[1]))
+            how, cause = verdict[1], None
+            if e.get("error_type"):
+                cause = f"{e['error_type']} at {e.get('error_where', '?')}"
+                first = str(e.get("error_message", "")).strip().splitlines()[:1]
+                how = f"raised {e['error_type']}: {first[0] if first else ''}".rstrip(": ")
+            o = note(member, pid, verdict[0], Evidence(t, k, how))
             if o is not None:
                 o.exit_t = _first(o.exit_t, t)
+                o.cause = o.cause or cause
         elif k == EventKind.MEMBER_REMOVED:
             member, reason = str(e.get("member")), str(e.get("reason"))
             if reason == "left" and on_purpose(member, None):
@@ -422,7 +435,8 @@ def _finish(o: _Open, evs: Sequence[Event]) -> Failure:
             t = min(t, o.stall_t)
         else:
             t = _last_sign_of_life(evs, o.member, o.pid, detected) or detected
-    return Failure(o.kind, o.member, o.pid, t, detected, tuple(o.evidence), None, o.exit_t)
+    evidence = tuple(o.evidence)
+    return Failure(o.kind, o.member, o.pid, t, detected, evidence, None, o.exit_t, o.cause)
 
 
 def _last_sign_of_life(
@@ -478,6 +492,7 @@ def _label(failures: list[Failure], evs: Sequence[Event]) -> list[Failure]:
                     f.evidence,
                     str(pick.get("fault")),
                     f.exit_t,
+                    f.cause,
                 )  # fmt: skip
             )
     out.sort(key=lambda f: (f.t, f.member))

@@ -47,6 +47,7 @@ committed step is the generation's first (`total_s` from the failure).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ class Recovery:
     how: str = ""
     injected: str | None = None
     promoted: tuple[str, ...] = ()
+    cause: str | None = None
+    """The failure's `Failure.cause`: the exception its script raised, if any."""
 
     def phase(self, name: str) -> float:
         """Seconds of the named phase (NaN if unknown)."""
@@ -240,7 +243,27 @@ def recoveries(
     ts = [_t(e) for e in evs]
     fails = list(recognise_failures(evs) if failures is None else failures)
     claimed: set[int] = set()  # ids of worker_spawned events already matched to a failure
-    return [_recovery(evs, ts, fails, f, claimed) for f in fails]
+    return [
+        dataclasses.replace(_recovery(evs, ts, fails, f, claimed), cause=f.cause) for f in fails
+    ]
+
+
+def by_cause(recs: Sequence[Recovery]) -> list[tuple[Recovery, int]]:
+    """The recoveries grouped by cause, in time order: every failure without a
+    cause on its own, and each cause (one bug in the script, however many
+    members it ended) once, as its first recovery with the count of them."""
+    out: list[tuple[Recovery, int]] = []
+    at: dict[str, int] = {}
+    for r in recs:
+        if r.cause is None:
+            out.append((r, 1))
+        elif r.cause in at:
+            first, n = out[at[r.cause]]
+            out[at[r.cause]] = (first, n + 1)
+        else:
+            at[r.cause] = len(out)
+            out.append((r, 1))
+    return out
 
 
 def _recovery(
@@ -520,14 +543,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def format_recoveries(recs: Sequence[Recovery], origin: float | None = None) -> str:
     """Plain-text table, one row per recovery; seconds with 3 decimals, unknown blank.
+    Failures with the same cause (`by_cause`) are one row, the first, whose
+    evidence says how many times it happened and where.
 
     `origin` (e.g. the job_start time) makes the t0 column relative to it.
     """
     header = ["failure", "member", "t0", "gen", *PHASES, "total", "survivors", "replacement",
               "promoted", "evidence"]  # fmt: skip
     rows = []
-    for r in recs:
+    for r, n in by_cause(recs):
         t0 = r.t0 - origin if origin is not None else r.t0
+        how = r.how if n == 1 else f"{r.how} (x{n}, the same error: {r.cause})"
         rows.append(
             [r.fault, r.member, f"{t0:.3f}", "" if r.gen is None else str(r.gen)]
             + [_s(p.seconds) for p in r.phases]
@@ -536,7 +562,7 @@ def format_recoveries(recs: Sequence[Recovery], origin: float | None = None) -> 
                 ",".join(r.survivors),
                 r.replacement or "-",
                 ",".join(r.promoted) or "-",
-                r.how + (f" [injected: {r.injected}]" if r.injected else ""),
+                how + (f" [injected: {r.injected}]" if r.injected else ""),
             ]  # fmt: skip
         )
     return _table(header, rows)

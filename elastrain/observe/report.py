@@ -27,7 +27,7 @@ from elastrain.observe import plots
 from elastrain.observe.efficiency import Efficiency, efficiency
 from elastrain.observe.events import read_events
 from elastrain.observe.goodput import BUCKETS, Goodput, goodput
-from elastrain.observe.recovery import PHASES, JoinTiming, Recovery, joins, recoveries
+from elastrain.observe.recovery import PHASES, JoinTiming, Recovery, by_cause, joins, recoveries
 from elastrain.observe.scalars import last_scalars
 from elastrain.observe.stragglers import Episode, format_episodes, straggler_episodes
 
@@ -278,6 +278,11 @@ def format_summary(rep: Report) -> str:
     if rep.scalars:
         logged = ", ".join(f"{n} {v:.4g} (step {s})" for n, (v, s) in rep.scalars.items())
         lines.append(f"  logged (last): {logged}")
+    causes = [(r, n) for r, n in by_cause(rep.recoveries) if r.cause is not None]
+    if causes:
+        lines.append("  script errors (each one bug, shown once):")
+        lines.extend(f"    {n} x {r.how} (at {str(r.cause).split(' at ', 1)[-1]}; first: {r.member})"
+                     for r, n in causes)  # fmt: skip
     if rep.stragglers:
         lines.append("  stragglers:")
         lines.extend(f"    {line}" for line in format_episodes(rep.stragglers).splitlines())
@@ -371,10 +376,11 @@ def render_html(rep: Report) -> str:
         for b in BUCKETS
     ]  # fmt: skip
     rec_rows = [
-        [r.fault, r.member, _n(r.t0 - (rep.started or 0.0), ".2f"), str(r.gen)]
+        [r.fault if n == 1 else f"{r.fault} x{n}: {r.cause}", r.member,
+         _n(r.t0 - (rep.started or 0.0), ".2f"), str(r.gen)]
         + [_n(r.phase(p)) for p in PHASES] + [_n(r.total_s), ",".join(r.survivors),
                                               r.replacement or "-", ",".join(r.promoted) or "-"]
-        for r in rep.recoveries
+        for r, n in by_cause(rep.recoveries)
     ]  # fmt: skip
     join_rows = [
         [j.member, _n(j.spawned_t - (rep.started or 0.0), ".2f"), _n(j.registered_s),

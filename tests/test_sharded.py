@@ -268,6 +268,26 @@ def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replica
     assert ready[0]["layout"].startswith("2x2: r0=[")
 
 
+def test_a_forward_in_a_pause_leaves_the_model_ready_for_the_next_step(
+    tmp_path: Path, replicated: Job
+) -> None:
+    """Issue 41: evaluating inside `trainer.pause()` on `trainer.model` (eval mode, a
+    no_grad forward, train mode) leaves FSDP2's root unsharded; the next step still
+    runs, and the loss curve is the one without the evaluations (replicated equals
+    2 x 2 bit for bit, test above). Every member evaluated the whole model: the same
+    held-out loss on all four."""
+    job = _run(tmp_path, "eval", 2, script_args=["--eval-every", "7"])
+    _assert_job(job, replicated)
+    evals: dict[str, list[str]] = {}
+    for m in sorted({e["member"] for e in job.of("worker_spawned")}):
+        evals[m] = re.findall(r"eval step (\d+: \S+)", job.log(m))
+    assert len(evals) == 4
+    want = [f"{s}:" for s in range(6, STEPS, 7)]
+    first = next(iter(evals.values()))
+    assert [e.split()[0] for e in first] == want
+    assert all(v == first for v in evals.values()), evals
+
+
 def _run_held(
     tmp: Path,
     name: str,

@@ -819,6 +819,7 @@ class ShardedBackend:
         if self._extras.numel() != extra_slots:
             self._extras = torch.zeros(extra_slots, dtype=torch.float64)
         if self.model is not None:
+            _reshard(self.model)
             self._bind(self.model)
             self.model.train()
             for p in self.model.parameters():
@@ -906,6 +907,24 @@ class ShardedBackend:
         # An abandoned all-reduce may still write into the buffers: new ones.
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
+
+
+def _reshard(model: nn.Module) -> None:
+    """Leave every FSDP2 unit of `model` holding its shard (a no-op on a sharded one).
+
+    A forward without a backward (the script's evaluation in `trainer.pause()`,
+    under ``no_grad``) leaves the root unit unsharded: FSDP2 keeps the root's
+    gathered parameters after its forward for the backward that would follow, and
+    reshards them only at that backward's end. Until then the module holds the
+    gathered plain tensors instead of the shards this backend binds and steps.
+    Every member of the replica group reshards alike (no communication: the
+    gathered copies are dropped), so a step starts from the state a backward
+    leaves, with or without a forward before it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def open_replica_group(

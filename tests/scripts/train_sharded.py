@@ -21,8 +21,8 @@ from elastrain import ElasticTrainer, TrainerConfig
 
 
 class Regression(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, n: int = 2048, d: int = 12) -> None:
-        g = torch.Generator().manual_seed(99)
+    def __init__(self, n: int = 2048, d: int = 12, seed: int = 99) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, d, generator=g)
         self.y = torch.sin(self.x[:, :3].sum(1, keepdim=True)) + 0.05 * torch.randn(
             n, 1, generator=g
@@ -68,6 +68,20 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return nn.functional.mse_loss(model(x), y)
 
 
+def evaluate(model: nn.Module | None, data: Regression, step: int) -> None:
+    """What a user runs between steps: a forward without backward (which leaves
+    FSDP2's root unsharded) over fixed held-out batches, printed per member."""
+    if model is None:
+        return
+    model.eval()
+    with torch.no_grad():
+        total = sum(
+            float(loss_fn(model, (data.x[i : i + 6], data.y[i : i + 6]))) for i in (0, 6, 12, 18)
+        )
+    model.train()
+    print(f"eval step {step}: {total!r}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -88,6 +102,13 @@ def main() -> None:
         default="",
         help="comma-separated member ids that build the model on the meta device (their "
         "state comes from a checkpoint or from their twins' heal)",
+    )
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="every this many steps, evaluate inside trainer.pause() on trainer.model (eval "
+        "mode, a no_grad forward over held-out batches, train mode again); 0: never",
     )
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -110,8 +131,12 @@ def main() -> None:
         reduce_dtype=args.reduce_dtype,
     )
     trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
+    held_out = Regression(n=24, seed=7)
     last = time.monotonic()
-    for _ in trainer.steps():
+    for r in trainer.steps():
+        if args.eval_every and r.step % args.eval_every == args.eval_every - 1:
+            with trainer.pause():
+                evaluate(trainer.model, held_out, r.step)
         if args.pace_file:
             try:
                 pace = float(Path(args.pace_file).read_text())

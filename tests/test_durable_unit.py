@@ -195,7 +195,8 @@ def members_save(
         for r in (0, 1)
     ]
     for r in ranks:
-        assert cks[r].after_commit(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
+        assert cks[r].save_due(n, r)
+        cks[r].save(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
     return cks, model, opt
 
 
@@ -213,7 +214,7 @@ def test_every_member_writes_its_stripe_and_rank0_commits(tmp_path: Path) -> Non
     (done,) = [e for e in ev if e["kind"] == "checkpoint_committed"]
     assert done["proc"] == "w0" and done["step"] == 5 and done["blocking_s"] > 0
     # Not due: nothing happens.
-    assert not cks[0].after_commit(6, 3, ["w0", "w1"], 0, state_fn(model, opt, 6))
+    assert not cks[0].save_due(6, 0)
 
 
 def test_save_due_answers_before_anything_is_snapshotted(tmp_path: Path) -> None:

@@ -354,7 +354,7 @@ class Checkpointing:
         self.events = events
         self.member = member
         self.format = format
-        """What this member writes (`written_format`): DCP (`after_commit`'s state is
+        """What this member writes (`written_format`): DCP (`save`'s state is
         then a `PartsFn`, a sharded or a replicated member's) or flat (a `StateFn`)."""
         self.schedule = Schedule(config.every, config.mtbf_s)
         self.store: CheckpointConfig | None = None
@@ -495,23 +495,6 @@ class Checkpointing:
             mark_failed(self.directory, n, role.shard, role.num_shards, gen)
             return
         self._save(n, gen, members, role, state, deadline=None)
-
-    def after_commit(
-        self,
-        n: int,
-        gen: int,
-        members: list[str],
-        rank: int,
-        state: StateFn | PartsFn,
-        role: SaveRole | None = None,
-        *,
-        final: bool = False,
-    ) -> bool:
-        """`save_due` then, if due, `save`; returns whether it was due."""
-        if not self.save_due(n, rank, final=final):
-            return False
-        self.save(n, gen, members, rank, state, role, final=final)
-        return True
 
     def emergency(
         self,

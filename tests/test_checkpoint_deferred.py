@@ -122,7 +122,8 @@ def test_the_copier_thread_copies_in_chunks_and_the_writer_waits_for_it() -> Non
 
 def engine_save(model: nn.Module, opt: torch.optim.Optimizer, n: int, ck: Checkpointing) -> None:
     """What the trainer does after committing the step that makes its count ``n``."""
-    assert ck.after_commit(n, 1, ["w0"], 0, state_fn(model, opt, n))
+    assert ck.save_due(n, 0)
+    ck.save(n, 1, ["w0"], 0, state_fn(model, opt, n))
 
 
 def checkpointing(tmp_path: Path) -> Checkpointing:

@@ -195,7 +195,8 @@ def members_save(
         for r in (0, 1)
     ]
     for r in ranks:
-        assert cks[r].after_commit(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
+        assert cks[r].save_due(n, r)
+        cks[r].save(n, 3, ["w0", "w1"], r, state_fn(model, opt, n))
     return cks, model, opt
 
 
@@ -213,7 +214,25 @@ def test_every_member_writes_its_stripe_and_rank0_commits(tmp_path: Path) -> Non
     (done,) = [e for e in ev if e["kind"] == "checkpoint_committed"]
     assert done["proc"] == "w0" and done["step"] == 5 and done["blocking_s"] > 0
     # Not due: nothing happens.
-    assert not cks[0].after_commit(6, 3, ["w0", "w1"], 0, state_fn(model, opt, 6))
+    assert not cks[0].save_due(6, 0)
+
+
+def test_save_due_answers_before_anything_is_snapshotted(tmp_path: Path) -> None:
+    """The engine's first question: `save_due` writes nothing and marks a due step
+    taken; only `save` writes, so nothing is built for a step that is not due."""
+    model, opt = trained()
+    c = cfg(checkpoint_every=5, checkpoint_fsync=False)
+    ck = Checkpointing(c.checkpoint, str(tmp_path / "ck"), EventLog(tmp_path, "w0"), "w0")
+    assert not ck.save_due(4, 0)
+    assert ck.save_due(5, 0)
+    assert latest_verified(tmp_path / "ck") is None  # the answer wrote nothing
+    assert ck.schedule.last == 5
+    ck.save(5, 1, ["w0"], 0, state_fn(model, opt, 5))
+    assert not ck.save_due(6, 0)
+    assert ck.save_due(7, 0, final=True)  # the last step, off the interval
+    ck.close()
+    ckpt = latest_verified(tmp_path / "ck")
+    assert ckpt is not None and ckpt.step == 5
 
 
 def test_a_missing_member_never_yields_a_complete_checkpoint(tmp_path: Path) -> None:

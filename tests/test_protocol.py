@@ -23,6 +23,7 @@ import torch
 
 import elastrain.transfer.landing as landing
 from elastrain.checkpoint import latest_verified, load
+from elastrain.checkpoint import replicated_parts as replicated_parts_module
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.checkpoint.writer import CheckpointWriter
@@ -702,7 +703,7 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
     assert load(ckpt)[1]["data"] == {"order": "feistel", "position": [3, 3 * G]}
     # The fake state has no manifest to check: install the checkpoint's tensor as is.
     monkeypatch.setattr(
-        replicas_module,
+        replicated_parts_module,
         "install_checkpoint",
         lambda state, tensors, section, where: state.backend.w.copy_(tensors["w"]),
     )

@@ -171,7 +171,8 @@ def write_by_members(tmp_path: Path, members: int, state: TorchState, step: int)
     for r, ck in enumerate(cks):
         role = SaveRole.replicated(r, names)
         parts = lambda r=r: replicated_parts(state, {"committed": step}, r, members)  # noqa: E731
-        assert ck.after_commit(step, 2, names, r, parts, role)
+        assert ck.save_due(step, r)
+        ck.save(step, 2, names, r, parts, role)
     for ck in cks:
         ck.close()
     ckpt = latest_verified(tmp_path / "ck")

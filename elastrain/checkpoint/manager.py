@@ -334,7 +334,7 @@ class Checkpointing:
     """One worker's part in durable checkpoints (see the module docstring).
 
     Who calls: the trainer's training thread only (`contribution`, `absorb`,
-    `after_commit`, `emergency`, `settle`, `close`); the writer and committer
+    `save_due`, `save`, `emergency`, `settle`, `close`); the writer and committer
     threads it owns never touch the model, and its copier thread only reads
     the state, until `settle`. ``directory`` None disables everything
     (no run directory and no configured directory).
@@ -354,7 +354,7 @@ class Checkpointing:
         self.events = events
         self.member = member
         self.format = format
-        """What this member writes (`written_format`): DCP (`after_commit`'s state is
+        """What this member writes (`written_format`): DCP (`save`'s state is
         then a `PartsFn`, a sharded or a replicated member's) or flat (a `StateFn`)."""
         self.schedule = Schedule(config.every, config.mtbf_s)
         self.store: CheckpointConfig | None = None
@@ -429,7 +429,25 @@ class Checkpointing:
 
     # ---- saving ------------------------------------------------------------------
 
-    def after_commit(
+    def save_due(self, n: int, rank: int, *, final: bool = False) -> bool:
+        """Is checkpoint ``n`` due (the engine's first question, asked before it
+        builds anything to snapshot)? Called by every member right after committing
+        the step that made its committed count ``n``, with the same ``final`` (``n``
+        is the job's last step: a periodic schedule takes a checkpoint there
+        whatever its interval, `Schedule.due`). A pure function of the schedule and
+        the committed count, so every member of the generation answers alike. A
+        due answer marks ``n`` taken: the caller then calls `save` for it (even
+        with checkpoints disabled, where `save` writes nothing); rank 0 announces
+        an interval the schedule chose."""
+        choice = self.schedule.plan(n)
+        if choice is not None and rank == 0:
+            self._announce(choice)
+        if not self.schedule.due(n, final=final):
+            return False
+        self.schedule.taken(n)
+        return True
+
+    def save(
         self,
         n: int,
         gen: int,
@@ -439,28 +457,19 @@ class Checkpointing:
         role: SaveRole | None = None,
         *,
         final: bool = False,
-    ) -> bool:
-        """Take this member's shard of checkpoint ``n`` if one is due; returns whether it was due.
+    ) -> None:
+        """Take this member's shard of checkpoint ``n``, which `save_due` found due.
 
-        Called by every member right after committing the step that made its
-        committed count ``n``. Blocks only for the snapshot's synchronous copy
-        (the rest runs until `settle`). ``role``: what
-        this member writes and whether it commits (default: stripe ``rank`` of
-        ``len(members)``, rank 0 commits); sharded, ``state`` is a `PartsFn`.
-        ``final``: ``n`` is the job's last step. A periodic schedule takes a
-        checkpoint there whatever its interval (`Schedule.due`), and it is not
-        skipped for a previous save still writing: it waits for it (at most the
+        Blocks only for the snapshot's synchronous copy (the rest runs until
+        `settle`). ``role``: what this member writes and whether it commits
+        (default: stripe ``rank`` of ``len(members)``, rank 0 commits); sharded,
+        ``state`` is a `PartsFn`. ``final``: as `save_due`'s; the last save is not
+        skipped for a previous one still writing: it waits for it (at most the
         commit timeout), since no later checkpoint will hold the trained state.
         Every member passes the same ``final``, so they all wait or all skip.
         """
-        choice = self.schedule.plan(n)
-        if choice is not None and rank == 0:
-            self._announce(choice)
-        if not self.schedule.due(n, final=final):
-            return False
-        self.schedule.taken(n)
         if not self.enabled:
-            return True
+            return
         assert self.writer is not None
         role = role or SaveRole.replicated(rank, members)
         if final and role.shard is not None and self._handle is not None:
@@ -484,9 +493,8 @@ class Checkpointing:
             )
             assert self.directory is not None
             mark_failed(self.directory, n, role.shard, role.num_shards, gen)
-            return True
+            return
         self._save(n, gen, members, role, state, deadline=None)
-        return True
 
     def emergency(
         self,

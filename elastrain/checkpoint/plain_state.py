@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from elastrain.checkpoint.plain import PlainLayout, TensorInfo
+from elastrain.checkpoint.plain import (
+    PlainCheckpointError,
+    PlainLayout,
+    PlainReader,
+    TensorInfo,
+    read_layout,
+    read_step,
+)
+from elastrain.checkpoint.plain import resume_step as plain_resume_step
 from elastrain.transfer import TorchState
 from elastrain.transfer.flatten import OBJECTS_KEY, OBJECTS_PREFIX, optimizer_class
 from elastrain.transfer.names import named_parameters
@@ -180,3 +188,18 @@ def with_script_objects(
     for name, t in flat.tensors:
         if name.startswith(OBJECTS_PREFIX):
             tensors[name] = t.clone()
+
+
+def plain_reader(
+    directory: str, wanted_step: int | None, script: ScriptState
+) -> tuple[int, dict[str, Any], PlainReader]:
+    """A plain DCP directory's step, its schema against ``script`` and its reader;
+    PlainCheckpointError if it does not fit this script's model and optimizer."""
+    layout = read_layout(directory)
+    step = plain_resume_step(read_step(directory, layout), wanted_step, directory)
+    problem = plain_problem(layout, script)
+    if problem is not None:
+        raise PlainCheckpointError(
+            f"{directory} does not fit this script's model and optimizer: {problem}"
+        )
+    return step, plain_schema(layout, script), PlainReader(directory, layout)

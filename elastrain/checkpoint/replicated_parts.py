@@ -35,12 +35,34 @@ from typing import Any
 
 import torch
 
-from elastrain.checkpoint.dcp import Chunk, ShardParts, model_key, optim_key, row_count
-from elastrain.checkpoint.restore import from_ordered_json, ordered_json
-from elastrain.checkpoint.sharded_parts import TensorReader, declared_tensors, object_key
+from elastrain.checkpoint import VerifiedCheckpoint
+from elastrain.checkpoint.dcp import (
+    Chunk,
+    ShardedReader,
+    ShardParts,
+    model_key,
+    optim_key,
+    row_count,
+)
+from elastrain.checkpoint.plain import PlainCheckpointError
+from elastrain.checkpoint.plain_state import ScriptState, plain_reader, with_script_objects
+from elastrain.checkpoint.restore import (
+    NOT_THIS_MODEL,
+    ResumeError,
+    from_ordered_json,
+    install_checkpoint,
+    ordered_json,
+)
+from elastrain.checkpoint.sharded_parts import (
+    ResumeMismatch,
+    TensorReader,
+    declared_tensors,
+    object_key,
+    replicated_state,
+)
 from elastrain.runtime.sharded import group_entries, shard_rows, state_entries
-from elastrain.transfer import TorchState
-from elastrain.transfer.flatten import encode_object, optimizer_class
+from elastrain.transfer import NamedState, TorchState
+from elastrain.transfer.flatten import OBJECTS_KEY, encode_object, optimizer_class
 from elastrain.transfer.manifest import tensor_refs
 from elastrain.transfer.names import model_state, named_parameters
 
@@ -174,3 +196,45 @@ def saved_objects(
             raise ValueError(f"registered object tensor {ref!r} is not in the checkpoint")
         tensors[ref] = reader.read(key)
     return section, tensors
+
+
+def restore_whole(
+    ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], state: NamedState
+) -> int:
+    """Install checkpoint ``ckpt`` whole into ``state`` (the caller adopts it): a
+    flat one as `load_resume` read it (``tensors``), a DCP one (a replicated
+    job's rows or a sharded job's shards) read whole now. Returns the bytes
+    read; ResumeError if it does not fit this model and optimizer."""
+    if ckpt.kind != "dcp":
+        install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
+        return ckpt.total_bytes
+    reader = ShardedReader(ckpt)
+    if not isinstance(state, TorchState):
+        raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
+    try:
+        tensors, section = replicated_state(reader, meta["schema"], state)
+        objects = saved_objects(reader, meta)
+    except (ResumeMismatch, ValueError) as e:
+        raise ResumeError(
+            f"checkpoint {ckpt.path} does not fit this model and optimizer: {e}. " + NOT_THIS_MODEL
+        ) from None
+    if objects is not None:  # a replicated job's: its registered objects too
+        section[OBJECTS_KEY], more = objects
+        tensors.update(more)
+    install_checkpoint(state, tensors, section, str(ckpt.path))
+    return reader.bytes_read
+
+
+def read_plain_whole(directory: str, wanted_step: int | None, state: NamedState) -> tuple[int, int]:
+    """Read a plain torch DCP checkpoint whole into ``state`` now (the caller
+    adopts it): its step and the bytes read. PlainCheckpointError (or a
+    ResumeMismatch) if it does not fit this script's model and optimizer."""
+    if not isinstance(state, TorchState):
+        raise PlainCheckpointError("a JAX job cannot start from a torch.distributed.checkpoint")
+    script = ScriptState.of_torch(state.model, state.optimizer)
+    step, schema, reader = plain_reader(directory, wanted_step, script)
+    reader.read_all()
+    tensors, section = replicated_state(reader, schema, state)
+    with_script_objects(state, tensors, section)
+    install_checkpoint(state, tensors, section, directory)
+    return step, reader.bytes_read

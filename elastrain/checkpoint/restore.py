@@ -27,6 +27,10 @@ from elastrain.transfer.manifest import build_manifest, validate_manifest
 log = logging.getLogger("elastrain.checkpoint")
 
 
+NOT_THIS_MODEL = "Resume with the same script, or start in a fresh --run-dir."
+"""What a resume that does not fit this model and optimizer tells the user."""
+
+
 class ResumeError(RuntimeError):
     """The checkpoint to resume from cannot be loaded into this model and optimizer."""
 

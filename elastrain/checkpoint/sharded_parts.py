@@ -30,7 +30,11 @@ from typing import Any, Protocol
 
 import torch
 
-from elastrain.checkpoint.dcp import ShardParts, model_key, optim_key, row_count
+from elastrain.checkpoint import VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader, ShardParts, model_key, optim_key, row_count
+from elastrain.checkpoint.plain import PlainCheckpointError
+from elastrain.checkpoint.plain_state import ScriptState, plain_reader
+from elastrain.checkpoint.restore import NOT_THIS_MODEL, ResumeError
 from elastrain.control.layout import Layout
 from elastrain.runtime.sharded import ResumedShard, ShardedBackend, shard_rows
 from elastrain.transfer import TorchState
@@ -209,3 +213,50 @@ def replicated_state(
         groups.append({**g, "params": [index[n] for n in g["params"]]})
     reader.close()
     return tensors, {"class": schema["class"], "param_groups": groups, "state": section_state}
+
+
+def restore_rows(
+    ckpt: VerifiedCheckpoint,
+    meta: dict[str, Any],
+    backend: ShardedBackend,
+    on_read: Callable[[int, float], None],
+) -> None:
+    """Check DCP checkpoint ``ckpt`` against this sharded model now and hand
+    ``backend`` the source of its slot's rows, which it reads when it takes its
+    slot (its first `place`, whatever the layout), then calls ``on_read(bytes,
+    seconds)``. ResumeError if it does not fit this model and optimizer."""
+    schema = meta["schema"]
+    reader = ShardedReader(ckpt)
+    problem = schema_problem(schema, backend)
+    if problem is not None:
+        reader.close()
+        raise ResumeError(
+            f"checkpoint {ckpt.path} does not fit this model and optimizer: {problem}. "
+            + NOT_THIS_MODEL
+        )
+    backend.resume_from(shard_source(reader, schema, on_read))
+
+
+def read_plain_rows(
+    directory: str, wanted_step: int | None, backend: ShardedBackend
+) -> tuple[int, Callable[[Callable[[int, float], None]], None]]:
+    """Check a plain torch DCP checkpoint against this sharded model now: its step
+    and the function that hands ``backend`` the source of its slot's rows
+    (read when it takes its slot). PlainCheckpointError if it does not fit."""
+    mine = backend.model_schema()
+    if backend.on_meta and mine["nonpersistent_buffers"]:
+        raise PlainCheckpointError(
+            "this model is built on the meta device and its buffers "
+            f"{mine['nonpersistent_buffers'][:3]} are not in its state_dict "
+            "(persistent=False), so no plain checkpoint holds them: build the "
+            "model on a real device to start from one"
+        )
+    step, schema, reader = plain_reader(directory, wanted_step, ScriptState.of_sharded(mine))
+    problem = schema_problem(schema, backend)
+    if problem is not None:
+        raise PlainCheckpointError(f"{directory}: {problem}")
+
+    def install(on_read: Callable[[int, float], None]) -> None:
+        backend.resume_from(shard_source(reader, schema, on_read))
+
+    return step, install

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
-from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
-from elastrain.checkpoint.plain import PlainCheckpointError
-from elastrain.checkpoint.plain_state import ScriptState, with_script_objects
-from elastrain.checkpoint.replicated_parts import replicated_parts, replicated_schema, saved_objects
-from elastrain.checkpoint.restore import ResumeError, from_ordered_json, install_checkpoint
-from elastrain.checkpoint.sharded_parts import ResumeMismatch, replicated_state
+from elastrain.checkpoint.replicated_parts import (
+    read_plain_whole,
+    replicated_parts,
+    replicated_schema,
+    restore_whole,
+)
 from elastrain.data import assign_microbatches
 from elastrain.observe.events import EventKind
 from elastrain.runtime import hooks
@@ -30,17 +30,14 @@ from elastrain.runtime.context import Context, Links
 from elastrain.runtime.group import tensor_allreduce
 from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.topology import (
-    NOT_THIS_MODEL,
     Healed,
     HealJob,
     Loaded,
     Reduction,
     Snapshots,
     Turns,
-    plain_reader,
 )
 from elastrain.transfer import Role, TorchState
-from elastrain.transfer.flatten import OBJECTS_KEY
 
 
 class Replicated:
@@ -152,50 +149,23 @@ class Replicated:
     def restore(
         self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
     ) -> int | None:
-        """A flat checkpoint installs as saved; a DCP one is read whole now."""
-        backend = self.ctx.backend
-        if ckpt.kind != "dcp":
-            state = backend.state()
-            install_checkpoint(state, tensors, from_ordered_json(meta["optimizer"]), str(ckpt.path))
-            backend.adopt(state)
-            return ckpt.total_bytes
-        reader = ShardedReader(ckpt)
-        state = backend.state()
-        if not isinstance(state, TorchState):
-            raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
-        try:
-            tensors, section = replicated_state(reader, meta["schema"], state)
-            objects = saved_objects(reader, meta)
-        except (ResumeMismatch, ValueError) as e:
-            raise ResumeError(
-                f"checkpoint {ckpt.path} does not fit this model and optimizer: {e}. "
-                + NOT_THIS_MODEL
-            ) from None
-        if objects is not None:  # a replicated job's: its registered objects too
-            section[OBJECTS_KEY], more = objects
-            tensors.update(more)
-        install_checkpoint(state, tensors, section, str(ckpt.path))
-        backend.adopt(state)
-        return reader.bytes_read
+        """The whole state, installed now (`restore_whole`: flat or DCP)."""
+        state = self.ctx.backend.state()
+        nbytes = restore_whole(ckpt, tensors, meta, state)
+        self.ctx.backend.adopt(state)
+        return nbytes
 
     def read_plain(
         self, directory: str, wanted_step: int | None
     ) -> tuple[int, Callable[[Loaded], None]]:
-        """Read the whole plain checkpoint now; installing it is adopting it."""
+        """Read the whole plain checkpoint now (`read_plain_whole`); installing it
+        is adopting it."""
         backend = self.ctx.backend
-        named = backend.state()
-        if not isinstance(named, TorchState):
-            raise PlainCheckpointError("a JAX job cannot start from a torch.distributed.checkpoint")
-        state = named
-        script = ScriptState.of_torch(state.model, state.optimizer)
-        step, schema, reader = plain_reader(directory, wanted_step, script)
-        reader.read_all()
-        tensors, section = replicated_state(reader, schema, state)
-        with_script_objects(state, tensors, section)
-        install_checkpoint(state, tensors, section, directory)
+        state = backend.state()
+        step, nbytes = read_plain_whole(directory, wanted_step, state)
 
         def install(loaded: Loaded) -> None:
             backend.adopt(state)
-            loaded(reader.bytes_read, 0.0)
+            loaded(nbytes, 0.0)
 
         return step, install

@@ -1,9 +1,9 @@
 """Checkpoint saves from the engine: what a snapshot reads, when, and the emergency one.
 
-`Checkpointing` (`elastrain.checkpoint.manager`) decides when a save is due and
-writes it; this part tells it what this member's part of each checkpoint is
-(the topology's `save_part`: a stripe, rows, a shard) and holds the
-preemption's emergency checkpoint. Contract: every member of the generation
+`Checkpointing` (`elastrain.checkpoint.manager`) answers whether a save is due
+(`save_due`) and writes it (`save`); this part asks first, then tells it what
+this member's part of a due checkpoint is (the topology's `save_part`: a
+stripe, rows, a shard), and holds the preemption's emergency checkpoint. Contract: every member of the generation
 calls `after_commit` for the same committed count (a due save is collective
 through its commit marker, rank 0 commits) and `emergency` on the same notice.
 """
@@ -67,12 +67,13 @@ class Saving:
 
     def after_commit(self, step: int, gen: int, members: list[str], rank: int) -> None:
         """Step `step` committed (by `members`, this one `rank`) and its caller's
-        work is done: a due checkpoint of it, then the commit hook."""
+        work is done: ask the manager whether a checkpoint of it is due, and only
+        then build this member's part of it and save; then the commit hook."""
         n = step + 1
-        self.ckpt.after_commit(
-            n, gen, members, rank, *self.save_args(n),
-            final=n >= self.ctx.config.total_steps,
-        )  # fmt: skip
+        final = n >= self.ctx.config.total_steps
+        if self.ckpt.save_due(n, rank, final=final):
+            state, role = self.save_args(n)
+            self.ckpt.save(n, gen, members, rank, state, role, final=final)
         self.ctx.hook(step, hooks.StepPoint.COMMIT)
 
     def emergency(self, a: m.Action) -> m.Observation:

@@ -17,15 +17,11 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
-from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
-from elastrain.checkpoint.plain import PlainCheckpointError
-from elastrain.checkpoint.plain_state import ScriptState
-from elastrain.checkpoint.restore import ResumeError
 from elastrain.checkpoint.sharded_parts import (
-    schema_problem,
+    read_plain_rows,
+    restore_rows,
     shard_parts,
-    shard_source,
     writer_shard,
 )
 from elastrain.runtime import hooks
@@ -35,7 +31,6 @@ from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
 from elastrain.runtime.topology import (
-    NOT_THIS_MODEL,
     CannotCompute,
     Healed,
     HealJob,
@@ -45,7 +40,6 @@ from elastrain.runtime.topology import (
     StateLost,
     Turns,
     Unfillable,
-    plain_reader,
 )
 
 log = logging.getLogger("elastrain.shards")
@@ -171,48 +165,23 @@ class ShardedGroups:
         self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
     ) -> int | None:
         """This member reads its slot's rows when it takes its slot (its first
-        `place`, in the first generation's heal, whatever the layout) and says so
-        then through `loaded`; returns None."""
-        schema = meta["schema"]
-        reader = ShardedReader(ckpt)
-        problem = schema_problem(schema, self.backend)
-        if problem is not None:
-            reader.close()
-            raise ResumeError(
-                f"checkpoint {ckpt.path} does not fit this model and optimizer: {problem}. "
-                + NOT_THIS_MODEL
-            )
+        `place`, in the first generation's heal, whatever the layout;
+        `restore_rows`) and says so then through `loaded`; returns None."""
 
         def on_read(nbytes: int, seconds: float) -> None:
             log.info("%s read its shard of %s: %d bytes in %.3f s", self.ctx.member, ckpt.path,
                      nbytes, seconds)  # fmt: skip
             loaded(nbytes, seconds)
 
-        self.backend.resume_from(shard_source(reader, schema, on_read))
+        restore_rows(ckpt, meta, self.backend, on_read)
         return None
 
     def read_plain(
         self, directory: str, wanted_step: int | None
     ) -> tuple[int, Callable[[Loaded], None]]:
-        """Check now; this member reads its slot's rows when it takes its slot."""
-        backend = self.backend
-        mine = backend.model_schema()
-        if backend.on_meta and mine["nonpersistent_buffers"]:
-            raise PlainCheckpointError(
-                "this model is built on the meta device and its buffers "
-                f"{mine['nonpersistent_buffers'][:3]} are not in its state_dict "
-                "(persistent=False), so no plain checkpoint holds them: build the "
-                "model on a real device to start from one"
-            )
-        step, schema, reader = plain_reader(directory, wanted_step, ScriptState.of_sharded(mine))
-        problem = schema_problem(schema, backend)
-        if problem is not None:
-            raise PlainCheckpointError(f"{directory}: {problem}")
-
-        def install(loaded: Loaded) -> None:
-            backend.resume_from(shard_source(reader, schema, loaded))
-
-        return step, install
+        """Check now; this member reads its slot's rows when it takes its slot
+        (`read_plain_rows`)."""
+        return read_plain_rows(directory, wanted_step, self.backend)
 
 
 def sharded_groups(backend: ShardedBackend) -> Callable[[Context], ShardedGroups]:

@@ -33,9 +33,6 @@ import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
-from elastrain.checkpoint.plain import PlainCheckpointError, PlainReader, read_layout, read_step
-from elastrain.checkpoint.plain import resume_step as plain_resume_step
-from elastrain.checkpoint.plain_state import ScriptState, plain_problem, plain_schema
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
@@ -190,21 +187,3 @@ class Topology(Protocol):
 
 TopologyFactory = Callable[[Context], Topology]
 """Builds a worker's topology from the engine's `Context` (the trainer picks one)."""
-
-
-def plain_reader(
-    directory: str, wanted_step: int | None, script: ScriptState
-) -> tuple[int, dict[str, Any], PlainReader]:
-    """A plain DCP directory's step, its schema against ``script`` and its reader;
-    PlainCheckpointError if it does not fit this script's model and optimizer."""
-    layout = read_layout(directory)
-    step = plain_resume_step(read_step(directory, layout), wanted_step, directory)
-    problem = plain_problem(layout, script)
-    if problem is not None:
-        raise PlainCheckpointError(
-            f"{directory} does not fit this script's model and optimizer: {problem}"
-        )
-    return step, plain_schema(layout, script), PlainReader(directory, layout)
-
-
-NOT_THIS_MODEL = "Resume with the same script, or start in a fresh --run-dir."

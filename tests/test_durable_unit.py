@@ -18,6 +18,9 @@ from elastrain.checkpoint.files import MARKER, step_dir
 from elastrain.checkpoint.manager import Checkpointing, failed_marker, mark_failed
 from elastrain.checkpoint.policy import Schedule
 from elastrain.checkpoint.restore import (
+    Loaded,
+    RestoreRefused,
+    RestoreSource,
     ResumeError,
     from_ordered_json,
     install_checkpoint,
@@ -338,6 +341,74 @@ def test_resume_into_a_different_model_is_refused_clearly(tmp_path: Path) -> Non
 
 
 # ---- the coordinator's preemption verdict ---------------------------------------------
+
+
+class FakeTarget:
+    """A worker side that records what the manager asked it to install."""
+
+    def __init__(self, framework: str = "torch", order_ok: bool = True) -> None:
+        self.framework = framework
+        self.order_ok = order_ok
+        self.installed: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.plain_installed: list[str] = []
+
+    def restore_problem(self, ckpt: Any) -> str | None:
+        return None
+
+    def order_problem(self, order: Any) -> str | None:
+        return None if self.order_ok else f"trained on {order}, this job differs"
+
+    def restore(self, ckpt: Any, tensors: Any, meta: dict[str, Any], loaded: Loaded) -> int | None:
+        self.installed.append((ckpt.step, tensors))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def read_plain(self, directory: str, wanted: int | None) -> tuple[int, Any]:
+        if not Path(directory).is_dir():
+            raise ValueError(f"{directory} is not a DCP checkpoint directory")
+
+        def install(loaded: Loaded) -> None:
+            self.plain_installed.append(directory)
+            loaded(123, 0.01)
+
+        return 40, install
+
+
+def test_the_manager_restores_the_newest_verified_state_or_refuses_clearly(
+    tmp_path: Path,
+) -> None:
+    cks, model, opt = members_save(tmp_path, 10, [0, 1])
+    for ck in cks:
+        ck.close()
+    ck = Checkpointing(cfg().checkpoint, str(tmp_path / "ck"), EventLog(tmp_path, "r"), "r")
+    target = FakeTarget()
+    got = ck.restore("latest", target)
+    assert got is not None and got.source is RestoreSource.CHECKPOINT and got.step == 10
+    assert got.meta is not None and got.meta["committed"] == 10
+    assert got.meta["data"]["order"] in ("randperm", "feistel")
+    assert [s for s, _ in target.installed] == [10]
+    loaded = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint_loaded"]
+    assert [(e["step"], e["generation"]) for e in loaded] == [(10, 3)] and loaded[0]["bytes"] > 0
+    # A standby's refresh takes only a newer one; "none" takes nothing.
+    assert ck.restore("latest", FakeTarget(), newer_than=10) is None
+    assert ck.restore("latest", FakeTarget(), newer_than=9) is not None
+    assert ck.restore("none", FakeTarget()) is None
+    # Another framework's checkpoint, or another data order, is refused with why.
+    with pytest.raises(RestoreRefused, match="written by a torch job, this is jax"):
+        ck.restore("latest", FakeTarget(framework="jax"))
+    with pytest.raises(RestoreRefused, match="cannot be resumed: trained on"):
+        ck.restore("latest", FakeTarget(order_ok=False))
+    # With no checkpoint, a plain directory given as the source; a bad one is refused.
+    empty = Checkpointing(cfg().checkpoint, str(tmp_path / "none"), EventLog(tmp_path, "p"), "p")
+    plain = FakeTarget()
+    got = empty.restore("latest", plain, plain=(str(tmp_path / "ck"), None))
+    assert got is not None and got.source is RestoreSource.PLAIN and got.step == 40
+    assert got.meta is None and plain.plain_installed == [str(tmp_path / "ck")]
+    with pytest.raises(RestoreRefused, match="--resume-from: .* is not a DCP"):
+        empty.restore("latest", FakeTarget(), plain=(str(tmp_path / "missing"), None))
+    # A checkpoint there wins over the plain source.
+    assert ck.restore("latest", FakeTarget(), plain=(str(tmp_path / "ck"), None)).source is (
+        RestoreSource.CHECKPOINT
+    )
 
 
 def test_preemption_is_decided_once_per_step_for_every_member(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import torch
 import elastrain.transfer.landing as landing
 from elastrain.checkpoint import latest_verified, load
 from elastrain.checkpoint import replicated_parts as replicated_parts_module
+from elastrain.checkpoint import restore as restore_module
 from elastrain.checkpoint.deferred import DeferredCopy
 from elastrain.checkpoint.files import MARKER, list_steps
 from elastrain.checkpoint.writer import CheckpointWriter
@@ -44,7 +45,6 @@ from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime import rendezvous as rendezvous_module
 from elastrain.runtime import replicas as replicas_module
-from elastrain.runtime import start_state as start_state_module
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.engine import StepEngine, StepResult
 from elastrain.transfer import HealError, HealStats
@@ -714,7 +714,7 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
     assert e.value.code == EXIT_MISCONFIGURED
     assert "sample_order='feistel'" in e.value.message
     # A checkpoint written before orders were recorded resumes on randperm.
-    real = start_state_module.load_resume
+    real = restore_module.load_resume
 
     def from_before(*args: Any) -> Any:
         got = real(*args)
@@ -722,7 +722,7 @@ def test_a_checkpoint_keeps_its_sample_order(tmp_path: Path, monkeypatch: Any) -
         del got[2]["data"]
         return got
 
-    monkeypatch.setattr(start_state_module, "load_resume", from_before)
+    monkeypatch.setattr(restore_module, "load_resume", from_before)
     old = Harness(tmp_path, [gen_of(("a",), 3)], checkpoint_every=100)
     results = old.run()
     assert [r.step for r in results] == [3, 4, 5]

@@ -36,11 +36,12 @@ step protocol. Its distributed contract:
   at once instead of at its timeout. Rank 0 deletes what was written of a
   checkpoint it gives up on (on a full disk those shards would keep every
   later save from fitting); committed checkpoints are never touched.
-- **Resume.** `load_resume`, on every worker at start before its first
-  rendezvous, loads the checkpoint the launcher chose (or the newest verified
-  one) into the model and optimizer; the trainer then reports that committed
-  count at rendezvous, so the job goes on from there (members that are
-  behind are healed from the ones that are not, as after any failure).
+- **Resume.** `Checkpointing.restore`, on every worker at start before its
+  first rendezvous, restores the checkpoint the launcher chose (or the newest
+  verified one; with none, a plain torch DCP directory given as a source) into
+  the worker's `RestoreTarget`; the trainer then reports that committed count
+  at rendezvous, so the job goes on from there (members that are behind are
+  healed from the ones that are not, as after any failure).
 
 A checkpoint's *step* is the committed step count it holds (the next step to
 run): ``step-00000020`` is the state after steps 0..19.
@@ -82,6 +83,7 @@ from elastrain.checkpoint.config import CheckpointPolicy
 from elastrain.checkpoint.dcp import ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
 from elastrain.checkpoint.files import MARKER, read_signed_json, shard_manifest_name, step_dir
 from elastrain.checkpoint.policy import IntervalChoice, Schedule
+from elastrain.checkpoint.restore import Restored, RestoreSource, RestoreTarget, restore_newest
 from elastrain.control.protocol import GenerationReason
 from elastrain.observe.events import EventKind, EventLog
 
@@ -544,6 +546,42 @@ class Checkpointing:
             return True
         job.done.wait(timeout=max(0.0, deadline - time.monotonic()))
         return job.ok
+
+    # ---- restoring ---------------------------------------------------------------
+
+    def restore(
+        self,
+        mode: str | int,
+        target: RestoreTarget,
+        *,
+        newer_than: int | None = None,
+        plain: tuple[str, int | None] | None = None,
+    ) -> Restored | None:
+        """Restore the newest verified state into ``target`` (the engine's second
+        question): the checkpoint ``mode`` names ("latest", "none" or the step the
+        launcher chose), else the plain torch DCP directory ``plain``, else None.
+        ``newer_than``: a standby's refresh (the newest verified one, only if it
+        holds more committed steps). Emits ``checkpoint_loaded`` once the bytes are
+        read. Raises `RestoreRefused` (the worker ends as misconfigured). Before
+        the first rendezvous, training thread only; see `restore_newest`."""
+
+        def loaded(r: Restored, nbytes: int, seconds: float) -> None:
+            fields: dict[str, Any] = {}
+            if r.source is RestoreSource.PLAIN:
+                fields["plain"] = True
+            self.events.emit(
+                EventKind.CHECKPOINT_LOADED,
+                step=r.step,
+                path=r.path,
+                generation=r.generation,
+                bytes=nbytes,
+                seconds=seconds,
+                **fields,
+            )
+
+        return restore_newest(
+            self.directory, mode, target, loaded, newer_than=newer_than, plain=plain
+        )
 
     def settle(self) -> float:
         """The state is about to be written (the next optimizer step, a heal, a

@@ -211,7 +211,7 @@ class StepEngine:
         self.saving = Saving(ctx, self.ckpt, self.carried, self.topology)
         self.start = StartState(
             ctx,
-            self.ckpt.directory,
+            self.ckpt,
             self.topology,
             self.feed,
             self.carried,

@@ -33,14 +33,12 @@ import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
+from elastrain.checkpoint.restore import Loaded
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
 from elastrain.runtime.context import Context, Links
 from elastrain.transfer import HealFn, LandingReserve
-
-Loaded = Callable[[int, float], None]
-"""Told the bytes read and the seconds spent once a restore's reading is done."""
 
 
 class StateLost(Exception):

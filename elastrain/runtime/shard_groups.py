@@ -27,6 +27,7 @@ from elastrain.checkpoint.sharded_parts import (
 from elastrain.runtime import hooks
 from elastrain.runtime.collectives import TransportChoice, choose_transport
 from elastrain.runtime.context import Context, Links
+from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
@@ -114,6 +115,15 @@ class ShardedGroups:
         # differently would leave one waiting in a collective for the other until the
         # timeout. A superseded generation is seen at the verdict, one step later.
         return Turns(rounds, stop_when_superseded=False, collectives_inside=True)
+
+    def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
+        """The batches of this member's replica group (a block per complete group,
+        run by all its members together, reported by its shard 0); none for a
+        shadow (`ShardedMember.eval_share`)."""
+        try:
+            return self.shards.eval_share(num_batches, self.ctx.hang.timeout_s)
+        except NoCompleteGroup as e:
+            raise CannotCompute(str(e)) from None
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """The shard's twins first; the whole generation's all-reduce of the extras

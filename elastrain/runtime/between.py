@@ -100,15 +100,14 @@ class BetweenSteps:
         last = self.carried.eval_result
         held = last if last and last.step == n else None
         wait_s = 0.0
-        share = EvalShare([], False, False, False)
         try:
+            share = self._share(len(batches), size, rank, gen)
+            ctx.events.emit(
+                EventKind.EVAL_BEGIN, step=n, gen=gen, members=size, batches=len(share.batches)
+            )
             result = self._handover(held, n, gen, size, rank)
             computed = result is None
             if result is None:
-                share = self._share(len(batches), size, rank, gen)
-                ctx.events.emit(
-                    EventKind.EVAL_BEGIN, step=n, gen=gen, members=size, batches=len(share.batches)
-                )
                 names, table = self._compute(ev, n, gen, batches, share)
                 t_wait = time.monotonic()
                 timeout = eval_wait_timeout(

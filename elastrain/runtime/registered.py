@@ -14,9 +14,12 @@ a checkpoint's writer, a resume). Tensors in a state dict travel inline
 The schedulers themselves need one more thing: a scheduler the script built
 over the optimizer it gave the trainer steps that optimizer's param groups,
 while the optimizer that steps is the trainer's own over the shard, rebuilt
-whenever the shard is (placement, a reshard, a reset). `repoint` moves every
-registered scheduler (and the children of a registered `SequentialLR` or
-`ChainedScheduler`) onto the new optimizer when it is built.
+whenever the shard is (placement, a reshard, a reset). `repoint` moves the
+schedulers onto the new optimizer when it is built: the registered ones (and
+the children of a registered `SequentialLR` or `ChainedScheduler`), and those
+alive over the script's optimizer at the first placement (a scheduler the
+script carries through ``extra_state=`` is not registered, and must step the
+shard's optimizer all the same).
 
 All functions are local (no communication).
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -72,9 +75,16 @@ def objects_meta(objects: Mapping[str, Stateful]) -> dict[str, Any]:
     [dtype, shape, base64 bytes]). The same on every member holding the same state."""
     tensors: list[tuple[str, torch.Tensor]] = []
     section = {name: encode_object(name, obj, tensors) for name, obj in objects.items()}
+    return meta_of_section(section, dict(tensors))
+
+
+def meta_of_section(section: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """`objects_meta`'s JSON from the objects' flattened section (tensor references)
+    and their tensors by reference, e.g. as a replicated DCP checkpoint stores them
+    (`elastrain.checkpoint.replicated_parts.saved_objects`)."""
     return {
         "state": ordered_json(section),
-        "tensors": {ref: _tensor_json(t) for ref, t in tensors},
+        "tensors": {ref: _tensor_json(t) for ref, t in tensors.items()},
     }
 
 
@@ -110,9 +120,9 @@ def schedulers_in(objects: Mapping[str, Stateful]) -> Iterator[Any]:
         todo.extend(getattr(obj, "_schedulers", []))
 
 
-def repoint(objects: Mapping[str, Stateful], new: torch.optim.Optimizer) -> int:
-    """Make every registered scheduler step ``new`` (the sharded trainer's optimizer,
-    just rebuilt over this member's shard). Returns how many were moved.
+def repoint(schedulers: Iterable[Any], new: torch.optim.Optimizer) -> int:
+    """Make every scheduler in ``schedulers`` step ``new`` (the sharded trainer's
+    optimizer, just rebuilt over this member's shard). Returns how many were moved.
 
     A scheduler reads and writes only its optimizer's ``param_groups`` (``lr``,
     ``initial_lr``), which the new optimizer was built with, so its next ``step()``
@@ -120,7 +130,7 @@ def repoint(objects: Mapping[str, Stateful], new: torch.optim.Optimizer) -> int:
     their first step, that ``optimizer.step`` carries their call counter (a
     warning otherwise): the new optimizer's step gets one (`_count_steps`)."""
     moved = 0
-    for sched in schedulers_in(objects):
+    for sched in schedulers:
         if sched.optimizer is not new:
             sched.optimizer = new
             moved += 1

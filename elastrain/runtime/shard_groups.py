@@ -17,8 +17,11 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
+from elastrain.checkpoint.replicated_parts import saved_objects
 from elastrain.checkpoint.sharded_parts import (
+    OBJECTS_META,
     read_plain_rows,
     restore_rows,
     shard_parts,
@@ -29,6 +32,7 @@ from elastrain.runtime.collectives import TransportChoice, choose_transport
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.preflight import format_problem
+from elastrain.runtime.registered import REGISTERED_META, meta_of_section
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
 from elastrain.runtime.topology import (
@@ -184,6 +188,16 @@ class ShardedGroups:
             loaded(nbytes, seconds)
 
         restore_rows(ckpt, meta, self.backend, on_read)
+        if REGISTERED_META not in meta and meta.get(OBJECTS_META) is not None:
+            # A replicated job's DCP checkpoint: its registered objects as that job
+            # wrote them, into the meta this member installs next (`load_meta`).
+            reader = ShardedReader(ckpt)
+            try:
+                got = saved_objects(reader, meta)
+            finally:
+                reader.close()
+            if got is not None:
+                meta[REGISTERED_META] = meta_of_section(*got)
         return None
 
     def read_plain(

@@ -77,9 +77,10 @@ from elastrain.runtime.registered import (
     load_objects_meta,
     objects_meta,
     repoint,
+    schedulers_in,
 )
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
-from elastrain.runtime.update import scheduler_problems
+from elastrain.runtime.update import scheduler_problems, schedulers_of
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 from elastrain.transfer.flatten import MODEL_PREFIX, Stateful
 from elastrain.transfer.torch_state import fresh_entries, fresh_param_state
@@ -250,6 +251,9 @@ class ShardedBackend:
         """The script's optimizer: its schedulers are checked (`problems`), its param
         groups as they are at the first `place` (a scheduler built since has set
         their ``lr`` and ``initial_lr``) are the shard optimizer's."""
+        self._moved: list[Any] | None = None
+        """The schedulers found over the script's optimizer at the first `_install`,
+        moved onto every shard optimizer since (`elastrain.runtime.registered`)."""
         self._problems = model_problems(model)
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
@@ -484,7 +488,11 @@ class ShardedBackend:
             )
         self.local, self.optimizer = local, opt
         # The script's schedulers step the optimizer that steps (a new one each time).
-        repoint(self.objects, opt)
+        if self._moved is None:
+            # Those over the script's optimizer now (registered or carried by its
+            # extra_state), found once: afterwards they hold the shard's optimizer.
+            self._moved = schedulers_of(self._given_optimizer)
+        repoint([*schedulers_in(self.objects), *self._moved], opt)
         self.shard_size, self.shard = size, shard
         self._offsets = offsets
         self._grad = torch.zeros(off, dtype=self._grad_dtype)
@@ -825,7 +833,7 @@ class ShardedBackend:
         check_registrable(name, obj, self.objects)
         self.objects[name] = obj
         if self.optimizer is not None:
-            repoint(self.objects, self.optimizer)
+            repoint(schedulers_in(self.objects), self.optimizer)
 
     def state_hash(self) -> str:
         """The shard's state and the registered objects (the same on every member)."""

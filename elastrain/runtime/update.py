@@ -145,7 +145,7 @@ def clip(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> bool
 # ---- schedulers the script did not register ----------------------------------------
 
 
-def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
     """The LR schedulers over ``optimizer`` that are alive: the optimizer's referrers
     that are schedulers holding it as ``.optimizer`` (one scan of the heap, ~25 ms
     here, once per worker at start). The flag torch's schedulers leave on
@@ -195,7 +195,7 @@ def scheduler_problems(
         return []
     carried = _carried(objects)
     return [
-        _unregistered(type(s).__name__) for s in _schedulers_of(optimizer) if id(s) not in carried
+        _unregistered(type(s).__name__) for s in schedulers_of(optimizer) if id(s) not in carried
     ]
 
 

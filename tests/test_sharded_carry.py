@@ -28,7 +28,6 @@ import pytest
 import torch
 from torch import nn
 
-from elastrain.chaos.schedule import parse_fault
 from elastrain.checkpoint import CheckpointConfig
 from elastrain.checkpoint.dcp import ShardedWriter, ShardSnapshot, commit_sharded
 from elastrain.checkpoint.replicated_parts import restore_whole
@@ -221,7 +220,7 @@ def test_a_sharded_member_resumes_a_replicated_checkpoints_registered_state(
 ) -> None:
     """A replicated job's DCP checkpoint has its objects under ``objects`` only: the
     sharded topology's restore turns them into the meta the member installs."""
-    from tests.test_replicated_dcp import write_by_members
+    from .test_replicated_dcp import write_by_members
 
     torch.manual_seed(0)
     model = Net()
@@ -468,7 +467,7 @@ def test_a_reshard_2x2_to_1x3_carries_the_schedule(
         shard_size=2,
         reshard_after_s=0.5,
         replace_delay_s=1.0,
-        faults=[parse_fault("kill@4:w1")],
+        faults=["kill@4:w1"],
         script_args=["--pace-file", str(pace)],
         on_status=watch,
     )

@@ -54,27 +54,24 @@ from elastrain.checkpoint.restore import (
     ordered_json,
 )
 from elastrain.checkpoint.sharded_parts import (
+    OBJECTS_META,
     ResumeMismatch,
     TensorReader,
     declared_tensors,
     object_key,
+    objects_section,
     replicated_state,
 )
 from elastrain.runtime.sharded import group_entries, shard_rows, state_entries
 from elastrain.transfer import NamedState, TorchState
-from elastrain.transfer.flatten import OBJECTS_KEY, encode_object, optimizer_class
+from elastrain.transfer.flatten import OBJECTS_KEY, optimizer_class
 from elastrain.transfer.manifest import tensor_refs
 from elastrain.transfer.names import model_state, named_parameters
-
-OBJECTS_META = "objects"
-"""The meta key of the registered objects' JSON state (tensors as references)."""
 
 
 def _objects(state: TorchState) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
     """The registered objects' JSON state (tensor references) and their tensors."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    section = {name: encode_object(name, obj, tensors) for name, obj in state.objects.items()}
-    return section, tensors
+    return objects_section(state.objects)
 
 
 def replicated_schema(state: TorchState) -> dict[str, Any]:

@@ -25,20 +25,33 @@ knows the sharded layout (docs/design/sharded-checkpoints.md):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 
 from elastrain.checkpoint import VerifiedCheckpoint
-from elastrain.checkpoint.dcp import ShardedReader, ShardParts, model_key, optim_key, row_count
+from elastrain.checkpoint.dcp import (
+    Chunk,
+    ShardedReader,
+    ShardParts,
+    model_key,
+    optim_key,
+    row_count,
+)
 from elastrain.checkpoint.plain import PlainCheckpointError
 from elastrain.checkpoint.plain_state import ScriptState, plain_reader
-from elastrain.checkpoint.restore import NOT_THIS_MODEL, ResumeError
+from elastrain.checkpoint.restore import NOT_THIS_MODEL, ResumeError, ordered_json
 from elastrain.control.layout import Layout
 from elastrain.runtime.sharded import ResumedShard, ShardedBackend, shard_rows
 from elastrain.transfer import TorchState
-from elastrain.transfer.flatten import MODEL_PREFIX, OBJECTS_PREFIX, OPTIM_PREFIX
+from elastrain.transfer.flatten import (
+    MODEL_PREFIX,
+    OBJECTS_PREFIX,
+    OPTIM_PREFIX,
+    Stateful,
+    encode_object,
+)
 from elastrain.transfer.manifest import TENSOR_REF
 from elastrain.transfer.names import model_state, named_parameters
 
@@ -56,6 +69,20 @@ class TensorReader(Protocol):
     def read_rows(self, key: str, lo: int, hi: int) -> torch.Tensor: ...
 
     def close(self) -> None: ...
+
+
+OBJECTS_META = "objects"
+"""The meta key of the registered objects' JSON state (tensors as references), in a
+replicated and in a sharded DCP checkpoint; their tensors are `object_key`s."""
+
+
+def objects_section(
+    objects: Mapping[str, Stateful],
+) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    """The registered objects' JSON state (tensor references) and their tensors."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    section = {name: encode_object(name, obj, tensors) for name, obj in objects.items()}
+    return section, tensors
 
 
 class ResumeMismatch(ValueError):
@@ -101,13 +128,22 @@ def declared_tensors(schema: dict[str, Any]) -> dict[str, tuple[str, tuple[int, 
 
 def shard_parts(backend: ShardedBackend, meta: dict[str, Any], shard: int) -> ShardParts:
     """What writer `shard` writes: its chunks, the checkpoint's tensor list and
-    its meta with the schema (aliases of the live tensors: snapshot them now)."""
+    its meta with the schema (aliases of the live tensors: snapshot them now).
+
+    The registered objects are in the meta already (the backend's ``registered``,
+    which a sharded resume reads); they are also written as a replicated DCP
+    checkpoint writes them (their JSON under ``objects``, their tensors by writer
+    0 under `object_key`s), so that a replicated job resumes them too."""
     schema = backend.checkpoint_schema()
-    return ShardParts(
-        declared_tensors(schema),
-        backend.checkpoint_chunks(schema, whole=shard == 0),
-        {**meta, "schema": schema},
-    )
+    chunks = backend.checkpoint_chunks(schema, whole=shard == 0)
+    more: dict[str, Any] = {}
+    if backend.objects:
+        section, tensors = objects_section(backend.objects)
+        schema["objects"] = [[n, [int(x) for x in t.shape], str(t.dtype)] for n, t in tensors]
+        more[OBJECTS_META] = ordered_json(section)
+        if shard == 0:
+            chunks += [Chunk(object_key(n), 0, row_count(tuple(t.shape)), t) for n, t in tensors]
+    return ShardParts(declared_tensors(schema), chunks, {**meta, "schema": schema, **more})
 
 
 def schema_problem(schema: dict[str, Any], backend: ShardedBackend) -> str | None:

@@ -12,10 +12,12 @@ a pause never).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
 
 import torch
+import torch.distributed as dist
 
 from elastrain.observe.events import EventKind
 from elastrain.runtime import hooks
@@ -23,7 +25,9 @@ from elastrain.runtime import member as m
 from elastrain.runtime.carried import Carried
 from elastrain.runtime.context import Context
 from elastrain.runtime.evaluate import (
+    EvalProblem,
     EvalResult,
+    EvalShare,
     EvalTable,
     Evaluation,
     HandoverFailed,
@@ -31,10 +35,11 @@ from elastrain.runtime.evaluate import (
     eval_wait_timeout,
     hand_over,
     metric_values,
-    my_batches,
     pause_timeout,
 )
 from elastrain.runtime.group import CollectiveAborted
+from elastrain.runtime.step_run import collective_error, dist_errors
+from elastrain.runtime.topology import CannotCompute, Topology
 
 log = logging.getLogger("elastrain.engine")
 
@@ -51,9 +56,11 @@ class Aborted(Exception):
 class BetweenSteps:
     """Evaluations and pause barriers (see the module docstring)."""
 
-    def __init__(self, ctx: Context, carried: Carried) -> None:
+    def __init__(self, ctx: Context, carried: Carried, topology: Topology) -> None:
         self.ctx = ctx
         self.carried = carried
+        self.topology = topology
+        """Who runs and reports which evaluation batches (`Topology.eval_share`)."""
         self.evaluation: Evaluation | None = None
         """The evaluation the script asked for (`set_evaluation`), if any."""
         self._fresh: EvalResult | None = None
@@ -79,8 +86,9 @@ class BetweenSteps:
         starts a generation at it. One small collective first asks who already
         holds this count's result (a member whose table all-reduce completed
         before a peer died, or one healed or resumed with it); if one does, it
-        hands it over and nobody computes. Otherwise each member computes its
-        block of batches (`evaluate.my_batches`) and the table is all-reduced
+        hands it over and nobody computes. Otherwise each member runs the batches
+        its layout gives it (`Topology.eval_share`: a block per member, or per
+        complete replica group of a sharded job) and the table is all-reduced
         (`EvalTable`). A failure aborts like a failed step; the next generation
         evaluates again. The wait for the peers is bounded by this member's own
         time (`eval_wait_timeout`), never by the step watchdog's timeout."""
@@ -88,21 +96,28 @@ class BetweenSteps:
         assert ev is not None
         n, gen, size, rank = a.step, a.gen, len(a.members), a.rank
         batches = ev.batches()
-        mine = my_batches(len(batches), size, rank)
         t0 = time.monotonic()
-        ctx.events.emit(EventKind.EVAL_BEGIN, step=n, gen=gen, members=size, batches=len(mine))
         last = self.carried.eval_result
         held = last if last and last.step == n else None
         wait_s = 0.0
         try:
+            share = self._share(len(batches), size, rank, gen)
+            ctx.events.emit(
+                EventKind.EVAL_BEGIN, step=n, gen=gen, members=size, batches=len(share.batches)
+            )
             result = self._handover(held, n, gen, size, rank)
             computed = result is None
             if result is None:
-                table = self._compute(ev, n, gen, batches, mine)
+                names, table = self._compute(ev, n, gen, batches, share)
                 t_wait = time.monotonic()
                 timeout = eval_wait_timeout(
                     t_wait - t0, ctx.hang.timeout_s, ctx.config.watchdog.multiplier
                 )
+                if share.names_shared:
+                    names = self._agree_names(names, n, gen, timeout)
+                if table is None:
+                    assert names is not None
+                    table = EvalTable(names, batches)
                 self.collective([table.table], n, gen, timeout, "eval")
                 wait_s = time.monotonic() - t_wait
                 reduced = table.reduce()
@@ -119,7 +134,7 @@ class BetweenSteps:
             gen=gen,
             seconds=seconds,
             wait_s=wait_s,
-            batches=len(mine) if computed else 0,
+            batches=len(share.batches) if computed else 0,
             samples=result.samples,
             sums=result.sums,
             computed=computed,
@@ -144,26 +159,89 @@ class BetweenSteps:
         except HandoverFailed as e:
             raise Aborted(m.AbortPhase.EVAL, f"eval: {e}") from None
 
+    def _share(self, num_batches: int, size: int, rank: int, gen: int) -> EvalShare:
+        """The topology's share for this member; with nobody able to evaluate (a
+        sharded generation without a complete group), wait for the next generation."""
+        try:
+            return self.topology.eval_share(num_batches, size, rank)
+        except CannotCompute as e:
+            ctx, session = self.ctx, self.ctx.session
+            log.warning("%s: %s", ctx.member, e)
+            ctx.waiter.wait_until(
+                lambda: session.gen_broken(gen) or session.leaving or session.expelled
+            )
+            raise Aborted(m.AbortPhase.SUPERSEDED, f"eval: {e}") from None
+
     def _compute(
-        self, ev: Evaluation, n: int, gen: int, batches: list[range], mine: list[int]
-    ) -> EvalTable:
-        """This member's rows of the table: its block of batches, in order."""
+        self, ev: Evaluation, n: int, gen: int, batches: list[range], share: EvalShare
+    ) -> tuple[tuple[str, ...] | None, EvalTable | None]:
+        """Run this member's batches, in order: the metric names (None if it ran
+        none and the names are shared) and its rows of the table (None then too;
+        the rows of batches it does not report stay zero)."""
+        names: tuple[str, ...] | None = None
         table: EvalTable | None = None
-        for k, b in enumerate(mine):
-            if self.ctx.gen_broken(gen):
+        for k, b in enumerate(share.batches):
+            if not share.collectives_inside and self.ctx.gen_broken(gen):
                 raise Aborted(m.AbortPhase.SUPERSEDED, "generation changed during the evaluation")
-            values = metric_values(ev.compute(n, b, ev.load(batches[b])))
+            values = self._run(ev, n, b, batches, share.collectives_inside)
             if table is None:
-                table = EvalTable(tuple(sorted(values)), batches)
-            table.fill(b, values)
+                names = tuple(sorted(values))
+                table = EvalTable(names, batches)
+            if share.reports:
+                table.fill(b, values)
             if k == 0:
                 self.ctx.hook(n - 1, hooks.StepPoint.EVAL)
-        if table is None:
-            # More members than batches: this one has none, and learns the metrics'
+        if table is None and not share.names_shared:
+            # More runners than batches: this one has none, and learns the metrics'
             # names from batch 0 (another member's) to shape its all-zero rows.
-            values = metric_values(ev.compute(n, 0, ev.load(batches[0])))
-            table = EvalTable(tuple(sorted(values)), batches)
-        return table
+            values = self._run(ev, n, 0, batches, share.collectives_inside)
+            names = tuple(sorted(values))
+            table = EvalTable(names, batches)
+        return names, table
+
+    def _run(
+        self, ev: Evaluation, n: int, b: int, batches: list[range], collectives_inside: bool
+    ) -> dict[str, float]:
+        """One batch through the script's function. A failed collective inside it (a
+        group-mate of a sharded member died or hung) aborts the evaluation."""
+        try:
+            return metric_values(ev.compute(n, b, ev.load(batches[b])))
+        except (RuntimeError, dist_errors()) as e:
+            if not collectives_inside or not collective_error(e):
+                raise
+            raise Aborted(m.AbortPhase.EVAL, f"eval: {str(e)[:300]}") from None
+
+    def _agree_names(
+        self, names: tuple[str, ...] | None, n: int, gen: int, timeout: float
+    ) -> tuple[str, ...]:
+        """The metric names, for members that ran no batch (a sharded job's shadows):
+        the JSON of the names, whose length and bytes are MAX all-reduced (a member
+        without names contributes zeros; every member that has them has the same,
+        else EvalProblem)."""
+        raw = json.dumps(list(names)).encode() if names is not None else b""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        pg = self.ctx.links.pg
+
+        def post(t: list[torch.Tensor]) -> object:
+            return pg.allreduce(t, opts)
+
+        length = torch.tensor([float(len(raw))], dtype=torch.float64)
+        self.collective([length], n, gen, timeout, "eval", post)
+        buf = torch.zeros(int(length.item()), dtype=torch.float64)
+        if raw:
+            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.float64)
+        self.collective([buf], n, gen, timeout, "eval", post)
+        try:
+            agreed = tuple(json.loads(bytes(int(x) for x in buf.tolist())))
+        except ValueError:
+            agreed = ()
+        if not agreed or (names is not None and agreed != names):
+            raise EvalProblem(
+                f"the members returned different evaluation metric names (this member: "
+                f"{list(names or ())}): return the same names on every member"
+            )
+        return agreed
 
     def pause_barrier(self, began: float, timeout_s: float | None) -> None:
         """The end of `trainer.pause()`: wait until every member of the generation

@@ -232,7 +232,7 @@ class StepEngine:
             self._shutdown,
         )
         self.run = StepRun(ctx, self.topology, self.feed, self.carried, self.ckpt, self.tally)
-        self.between = BetweenSteps(ctx, self.carried)
+        self.between = BetweenSteps(ctx, self.carried, self.topology)
         self._result: StepResult | None = None
         self._after_commit: Callable[[], None] | None = None
         self.started = False

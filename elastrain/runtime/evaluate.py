@@ -111,6 +111,28 @@ def eval_batches(size: int, batch_size: int) -> list[range]:
     return [range(lo, min(lo + batch_size, size)) for lo in range(0, size, batch_size)]
 
 
+@dataclass(frozen=True)
+class EvalShare:
+    """One member's part of an evaluation, as its layout decides (`Topology.eval_share`).
+
+    Contract: every batch is run by the members of exactly one runner (a
+    replicated member, or a whole replica group whose members run the same
+    batches together), and exactly one member reports each batch's sums."""
+
+    batches: list[int]
+    """The batches this member runs, in order."""
+    reports: bool
+    """It fills the table's rows of its batches (the others of its group leave zeros)."""
+    names_shared: bool
+    """Some member of the generation runs nothing (a shadow): the metric names are
+    agreed by a collective after the batches, not learned from batch 0. The same
+    on every member of the generation."""
+    collectives_inside: bool
+    """The forward runs collectives (FSDP2): a failed one aborts the evaluation, and
+    no member asks "superseded?" between batches (members of a group that answered
+    differently would wait on each other)."""
+
+
 def my_batches(num_batches: int, members: int, rank: int) -> list[int]:
     """The batch indices `rank` of `members` computes: balanced contiguous blocks;
     every batch goes to exactly one member."""

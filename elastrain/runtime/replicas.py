@@ -27,6 +27,7 @@ from elastrain.observe.events import EventKind
 from elastrain.runtime import hooks
 from elastrain.runtime.collectives import TransportChoice, choose_transport, runtime_nccl_version
 from elastrain.runtime.context import Context, Links
+from elastrain.runtime.evaluate import EvalShare, my_batches
 from elastrain.runtime.group import tensor_allreduce
 from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.topology import (
@@ -110,6 +111,10 @@ class Replicated:
         proto = self.ctx.proto
         mine = assign_microbatches(num_microbatches, len(proto.members), proto.rank)
         return Turns(list(mine), stop_when_superseded=True, collectives_inside=False)
+
+    def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
+        """A block of batches, run and reported by this member alone."""
+        return EvalShare(my_batches(num_batches, members, rank), True, False, False)
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """One all-reduce of the gradient with the extras (NCCL where chosen)."""

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
+from elastrain.checkpoint.replicated_parts import saved_objects
 from elastrain.checkpoint.sharded_parts import (
+    OBJECTS_META,
     read_plain_rows,
     restore_rows,
     shard_parts,
@@ -27,7 +30,9 @@ from elastrain.checkpoint.sharded_parts import (
 from elastrain.runtime import hooks
 from elastrain.runtime.collectives import TransportChoice, choose_transport
 from elastrain.runtime.context import Context, Links
+from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.preflight import format_problem
+from elastrain.runtime.registered import REGISTERED_META, meta_of_section
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
 from elastrain.runtime.topology import (
@@ -115,6 +120,15 @@ class ShardedGroups:
         # timeout. A superseded generation is seen at the verdict, one step later.
         return Turns(rounds, stop_when_superseded=False, collectives_inside=True)
 
+    def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
+        """The batches of this member's replica group (a block per complete group,
+        run by all its members together, reported by its shard 0); none for a
+        shadow (`ShardedMember.eval_share`)."""
+        try:
+            return self.shards.eval_share(num_batches, self.ctx.hang.timeout_s)
+        except NoCompleteGroup as e:
+            raise CannotCompute(str(e)) from None
+
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """The shard's twins first; the whole generation's all-reduce of the extras
         after, as the commit vote: one member through it proves that every member
@@ -174,6 +188,16 @@ class ShardedGroups:
             loaded(nbytes, seconds)
 
         restore_rows(ckpt, meta, self.backend, on_read)
+        if REGISTERED_META not in meta and meta.get(OBJECTS_META) is not None:
+            # A replicated job's DCP checkpoint: its registered objects as that job
+            # wrote them, into the meta this member installs next (`load_meta`).
+            reader = ShardedReader(ckpt)
+            try:
+                got = saved_objects(reader, meta)
+            finally:
+                reader.close()
+            if got is not None:
+                meta[REGISTERED_META] = meta_of_section(*got)
         return None
 
     def read_plain(

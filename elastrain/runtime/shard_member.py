@@ -36,11 +36,12 @@ import torch
 
 from elastrain.control import protocol as p
 from elastrain.control.layout import Layout
-from elastrain.data import assign_rounds
+from elastrain.data import assign_microbatches, assign_rounds
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.group import Graveyard, build_group, tensor_allreduce
 from elastrain.runtime.reshard import (
     ShardLost,
@@ -422,6 +423,28 @@ class ShardedMember:
         )
         self.backend.plan_rounds(len(turns))
         return turns
+
+    def eval_share(self, num_batches: int, watchdog_s: float) -> EvalShare:
+        """This member's part of an evaluation: its replica group's block of the
+        batches (`assign_microbatches` over the complete groups), run by every member
+        of the group together (FSDP2's collectives) and reported by its shard 0
+        alone, so each batch's sums are counted once; nothing for a shadow. Bounds
+        the group's collectives by `watchdog_s`, as a step's rounds do."""
+        layout = self.layout
+        assert layout is not None
+        slot = layout.slots[self.member]
+        complete = layout.complete_replicas()
+        if not complete:
+            raise NoCompleteGroup(
+                f"no complete replica group in {layout.describe()}: nobody can evaluate; "
+                "waiting for a replacement (or a reshard, --reshard-after)"
+            )
+        shadows = any(layout.is_shadow(w) for w in layout.slots)
+        if slot.replica not in complete:
+            return EvalShare([], False, shadows, True)
+        self.backend.set_collective_timeout(watchdog_s)
+        mine = assign_microbatches(num_batches, len(complete), complete.index(slot.replica))
+        return EvalShare(mine, slot.shard == 0, shadows, True)
 
     def reduce(self) -> list[Any]:
         """Start the all-reduce of the step's gradient over the twins. Returns the

@@ -71,9 +71,18 @@ from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.registered import (
+    REGISTERED_META,
+    check_registrable,
+    load_objects_meta,
+    objects_meta,
+    repoint,
+    schedulers_in,
+)
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
+from elastrain.runtime.update import scheduler_problems, schedulers_of
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
-from elastrain.transfer.flatten import MODEL_PREFIX
+from elastrain.transfer.flatten import MODEL_PREFIX, Stateful
 from elastrain.transfer.torch_state import fresh_entries, fresh_param_state
 
 log = logging.getLogger("elastrain.sharded")
@@ -236,6 +245,15 @@ class ShardedBackend:
         self.global_batch_size = config.global_batch_size
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
+        self.objects: dict[str, Stateful] = {}
+        """Registered objects (`register`), in registration order: carried in the meta."""
+        self._given_optimizer = optimizer
+        """The script's optimizer: its schedulers are checked (`problems`), its param
+        groups as they are at the first `place` (a scheduler built since has set
+        their ``lr`` and ``initial_lr``) are the shard optimizer's."""
+        self._moved: list[Any] | None = None
+        """The schedulers found over the script's optimizer at the first `_install`,
+        moved onto every shard optimizer since (`elastrain.runtime.registered`)."""
         self._problems = model_problems(model)
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
@@ -373,7 +391,15 @@ class ShardedBackend:
             for n in self._names:
                 lo, hi = shard_rows(self._shapes[n][0], size, shard)
                 rows[n] = params[n].detach().reshape(self._shapes[n])[lo:hi].clone()
-        self._install(size, shard, rows, {}, self._opt_groups)
+        names = {id(q): n for n, q in full.named_parameters()}
+        # The script's param groups as they are now, not when the trainer was built: a
+        # scheduler built since set their lr (its first value) and initial_lr.
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [names[id(q)] for q in g["params"]]}
+            for g in self._given_optimizer.param_groups
+        ]  # fmt: skip
+        self._install(size, shard, rows, {}, groups)
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What a heal of this member's shard is expected to bring, before it holds
@@ -461,6 +487,12 @@ class ShardedBackend:
                 }
             )
         self.local, self.optimizer = local, opt
+        # The script's schedulers step the optimizer that steps (a new one each time).
+        if self._moved is None:
+            # Those over the script's optimizer now (registered or carried by its
+            # extra_state), found once: afterwards they hold the shard's optimizer.
+            self._moved = schedulers_of(self._given_optimizer)
+        repoint([*schedulers_in(self.objects), *self._moved], opt)
         self.shard_size, self.shard = size, shard
         self._offsets = offsets
         self._grad = torch.zeros(off, dtype=self._grad_dtype)
@@ -792,17 +824,39 @@ class ShardedBackend:
                 for n, b in self.model.named_buffers():
                     b.copy_(self._buffers[n])
 
+    def register(self, name: str, obj: Stateful) -> None:
+        """Carry ``obj``'s ``state_dict()`` with the shard (`elastrain.runtime.registered`):
+        in the meta (heal, reshard, checkpoints) and in the state hash; an LR
+        scheduler is moved onto the optimizer that steps. Every member registers the
+        same objects under the same names, before the first step. Errors as
+        `TorchBackend.register`."""
+        check_registrable(name, obj, self.objects)
+        self.objects[name] = obj
+        if self.optimizer is not None:
+            repoint(schedulers_in(self.objects), self.optimizer)
+
     def state_hash(self) -> str:
-        return state_digest(self.state())
+        """The shard's state and the registered objects (the same on every member)."""
+        assert self.optimizer is not None, "state_hash() before place()"
+        return state_digest(TorchState(self.local, self.optimizer, self.objects))
 
     def meta(self) -> dict[str, Any]:
-        return torch_meta(self.extra_state)
+        out = torch_meta(self.extra_state)
+        if self.objects:
+            out[REGISTERED_META] = objects_meta(self.objects)
+        return out
 
     def load_meta(self, meta: dict[str, Any]) -> None:
         load_torch_meta(meta, self.load_extra_state)
+        raw = meta.get(REGISTERED_META)
+        if raw is not None or self.objects:
+            load_objects_meta(self.objects, raw or {"state": {}, "tensors": {}})
 
     def problems(self) -> list[str]:
-        return self._problems
+        carries = self.extra_state is not None and self.load_extra_state is not None
+        return self._problems + scheduler_problems(
+            self._given_optimizer, self.objects, script_carries=carries
+        )
 
     def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Nothing to compile in eager mode."""

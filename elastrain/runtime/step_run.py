@@ -84,7 +84,7 @@ def dist_errors() -> type[BaseException]:
     return dist.DistError
 
 
-def _collective_error(e: BaseException) -> bool:
+def collective_error(e: BaseException) -> bool:
     """A failed collective, not the user's loss function: gloo and c10d say who they are."""
     if isinstance(e, dist_errors()):
         return True
@@ -189,7 +189,7 @@ class StepRun:
             try:
                 st.loss_sum += ctx.backend.compute(s, -1 if i is None else i, batch, len(ids))
             except (RuntimeError, dist_errors()) as e:
-                if not turns.collectives_inside or not _collective_error(e):
+                if not turns.collectives_inside or not collective_error(e):
                     raise
                 return m.ComputeFailed(str(e)[:300])
             st.samples.extend(ids)

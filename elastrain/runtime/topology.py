@@ -8,6 +8,7 @@ worker that owns every question the layout answers:
     connect / drop                  the groups a generation needs besides its own
     heal                            who heals whom, and how (a copy, a reshard)
     turns                           which micro-batches this member computes
+    eval_share                      which evaluation batches it runs and reports
     reductions                      which collectives sum a step, in order
     save_part                       what this member's part of a checkpoint is
     restore_problem / restore /     how a checkpoint or a plain torch DCP
@@ -38,6 +39,7 @@ from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
 from elastrain.runtime.context import Context, Links
+from elastrain.runtime.evaluate import EvalShare
 from elastrain.transfer import HealFn, LandingReserve
 
 
@@ -155,6 +157,10 @@ class Topology(Protocol):
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """The step's collectives in order; the last one's extras decide the step."""
+
+    def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
+        """This member's part of an evaluation of `num_batches` fixed batches by the
+        generation's `members` (this one `rank`); raises CannotCompute."""
 
     def drop(self, inflight: list[Any]) -> None:
         """The generation ended: park or leave the groups `connect` built."""

@@ -28,6 +28,7 @@ from elastrain.runtime.compiled import compile_now, eager, is_compiled
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import model_device, resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.registered import check_registrable
 from elastrain.runtime.update import (
     NORM_CHUNK,
     BeforeStep,
@@ -39,7 +40,7 @@ from elastrain.runtime.update import (
     scheduler_problems,
 )
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
-from elastrain.transfer.flatten import Stateful, encode_object
+from elastrain.transfer.flatten import Stateful
 from elastrain.transfer.names import COMPILE_WRAPPER
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -272,14 +273,7 @@ class TorchBackend:
         same objects under the same names, before the first step. Raises
         ValueError for a bad or taken name, TypeError for state that cannot travel
         as tensors and JSON."""
-        if not name or "/" in name or not name.isprintable():
-            raise ValueError(f"cannot register {name!r}: a name is printable, non-empty, no '/'")
-        if name in self.objects:
-            raise ValueError(f"{name!r} is registered already")
-        for attr in ("state_dict", "load_state_dict"):
-            if not callable(getattr(obj, attr, None)):
-                raise TypeError(f"cannot register {name!r}: a {type(obj).__name__} has no {attr}()")
-        encode_object(name, obj, [])  # TypeError now, not at the first heal
+        check_registrable(name, obj, self.objects)  # now, not at the first heal
         self.objects[name] = obj
 
     def adopt(self, state: NamedState) -> None:
@@ -314,7 +308,10 @@ class TorchBackend:
         }
 
     def problems(self) -> list[str]:
-        return model_problems(self.model) + scheduler_problems(self.optimizer, self.objects)
+        carries = self.extra_state is not None and self.load_extra_state is not None
+        return model_problems(self.model) + scheduler_problems(
+            self.optimizer, self.objects, script_carries=carries
+        )
 
     def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Compile a compiled model (`torch.compile(model)` or `model.compile()`) now:

@@ -178,13 +178,20 @@ class ElasticTrainer(EngineTrainer):
         checkpoints and the state hash then carry it: a replacement gets its
         peers' state, so its learning rate equals theirs. Its state dict's
         tensors travel as tensors, everything else as JSON (str keys; no pickle).
+
+        Sharded (`TrainerConfig.shard_size` > 1): the same contract and the same
+        carrying (in each member's meta: heal, reshard, checkpoints; and in the
+        state hash). An LR scheduler built over the optimizer given to the
+        trainer is moved onto the optimizer that steps (`trainer.optimizer`, over
+        this member's shard) whenever that one is built, so ``sched.step()`` sets
+        the rate the shard is stepped with.
         """
         if self.engine.started:
             raise RuntimeError(
                 f"register({name!r}) after steps() began: register every object before the loop"
             )
-        if not isinstance(self.backend, TorchBackend):
-            raise ValueError("registered state is not carried for sharded models yet")
+        if not isinstance(self.backend, TorchBackend | ShardedBackend):
+            raise TypeError(f"register: not available with a {type(self.backend).__name__}")
         self.backend.register(name, obj)
 
     def evaluate_every(
@@ -213,23 +220,28 @@ class ElasticTrainer(EngineTrainer):
         dataset's order), and the per-batch sums are reduced exactly (float64,
         `math.fsum`), so the result is the same with any number of members. If a
         member dies or hangs during it, the survivors (and any replacement) evaluate
-        again in the next generation; the step watchdog never times it. Replicated
-        models only: sharded models and JAX raise.
+        again in the next generation; the step watchdog never times it.
+
+        Sharded (`TrainerConfig.shard_size` > 1): ``eval_fn`` gets the replica
+        group's FSDP2 wrapper (as the loss function does). The batches are spread
+        over the complete replica groups; all members of a group run the same
+        batches together (their forward needs each other) and one of them reports
+        the sums; a shadow computes nothing. The sums are reduced the same exact
+        way, so the result is the same whatever the layout, and equal to the
+        replicated job's. The model is left ready for the next step.
         """
         if self.engine.started:
             raise RuntimeError("evaluate_every() after steps() began: set it up before the loop")
-        if not isinstance(self.backend, TorchBackend):
-            raise ValueError(
-                "evaluate_every: not available for sharded models yet (TrainerConfig.shard_size "
-                "> 1: a member's forward needs its replica group and shadows compute nothing); "
-                "evaluate inside `with trainer.pause():` on trainer.model instead"
-            )
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
-        model, seed = self._model, self.config.seed
+        backend, seed = self.backend, self.config.seed
+        given = self._model
         collate = collate_fn or self.collate_fn
 
         def compute(committed: int, batch_index: int, batch: Any) -> Any:
+            # Sharded: the wrapper of the current replica group (rebuilt per generation).
+            model = backend.model if isinstance(backend, ShardedBackend) else given
+            assert model is not None, "a shadow evaluates nothing"
             was = model.training
             model.eval()
             try:

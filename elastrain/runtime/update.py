@@ -145,7 +145,7 @@ def clip(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> bool
 # ---- schedulers the script did not register ----------------------------------------
 
 
-def _schedulers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
+def schedulers_of(optimizer: torch.optim.Optimizer) -> list[torch.optim.lr_scheduler.LRScheduler]:
     """The LR schedulers over ``optimizer`` that are alive: the optimizer's referrers
     that are schedulers holding it as ``.optimizer`` (one scan of the heap, ~25 ms
     here, once per worker at start). The flag torch's schedulers leave on
@@ -176,17 +176,26 @@ def _carried(objects: Mapping[str, Stateful]) -> set[int]:
 
 
 def scheduler_problems(
-    optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Stateful],
+    *,
+    script_carries: bool = False,
 ) -> list[str]:
     """A problem for each LR scheduler over ``optimizer`` whose state would not travel.
 
     A scheduler's state (its step count) decides the learning rate of every
     later step, so one that the trainer does not carry leaves a healed
     replacement, or a resumed job, on another learning rate than its peers.
+    ``script_carries``: the script passed ``extra_state=`` and
+    ``load_extra_state=`` (the older API, whose JSON a heal and a checkpoint
+    carry): what they hold cannot be seen from here, so its schedulers count as
+    carried by it, and none is a problem.
     """
+    if script_carries:
+        return []
     carried = _carried(objects)
     return [
-        _unregistered(type(s).__name__) for s in _schedulers_of(optimizer) if id(s) not in carried
+        _unregistered(type(s).__name__) for s in schedulers_of(optimizer) if id(s) not in carried
     ]
 
 

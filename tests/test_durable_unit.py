@@ -405,6 +405,14 @@ def test_the_manager_restores_the_newest_verified_state_or_refuses_clearly(
     assert got.meta is None and plain.plain_installed == [str(tmp_path / "ck")]
     with pytest.raises(RestoreRefused, match="--resume-from: .* is not a DCP"):
         empty.restore("latest", FakeTarget(), plain=(str(tmp_path / "missing"), None))
+
+    # A model or optimizer that is not the checkpoint's is refused, not a traceback.
+    class OtherModel(FakeTarget):
+        def restore(self, ckpt: Any, tensors: Any, meta: Any, loaded: Loaded) -> int | None:
+            raise ResumeError(f"checkpoint {ckpt.path} does not fit this model: w is [3, 4]")
+
+    with pytest.raises(RestoreRefused, match="does not fit this model"):
+        ck.restore("latest", OtherModel())
     # A checkpoint there wins over the plain source.
     assert ck.restore("latest", FakeTarget(), plain=(str(tmp_path / "ck"), None)).source is (
         RestoreSource.CHECKPOINT

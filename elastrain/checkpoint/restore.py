@@ -260,7 +260,11 @@ def restore_newest(
     restored = Restored(
         RestoreSource.CHECKPOINT, ckpt.step, str(ckpt.path), meta, ckpt.generation, before
     )
-    nbytes = target.restore(ckpt, tensors, meta, lambda n, s: loaded(restored, n, before + s))
+    try:
+        nbytes = target.restore(ckpt, tensors, meta, lambda n, s: loaded(restored, n, before + s))
+    except _not_this_script() as e:
+        # Checked before anything is installed: the model or optimizer is not this script's.
+        raise RestoreRefused(str(e)) from e
     done = Restored(
         RestoreSource.CHECKPOINT,
         ckpt.step,
@@ -274,6 +278,15 @@ def restore_newest(
     return done
 
 
+def _not_this_script() -> tuple[type[Exception], ...]:
+    """The errors a target raises for a saved state that is not this script's model
+    and optimizer (raised before anything is installed)."""
+    # sharded_parts imports this module (ResumeError): read its error class late.
+    from elastrain.checkpoint.sharded_parts import ResumeMismatch
+
+    return (ResumeError, ResumeMismatch)
+
+
 def _restore_plain(
     plain: tuple[str, int | None],
     target: RestoreTarget,
@@ -283,13 +296,11 @@ def _restore_plain(
     """Start from a plain torch job's DCP directory: its model and optimizer state,
     at its step; hyperparameters, the data order's kind and everything else come
     from the script."""
-    # sharded_parts imports this module (ResumeError): read its error class late.
-    from elastrain.checkpoint.sharded_parts import ResumeMismatch
-
     directory, wanted = plain
+    refused: tuple[type[Exception], ...] = (PlainCheckpointError, ValueError, *_not_this_script())
     try:
         step, install = target.read_plain(directory, wanted)
-    except (PlainCheckpointError, ResumeMismatch, ResumeError, ValueError) as e:
+    except refused as e:
         raise RestoreRefused(f"--resume-from: {e}") from e
     before = time.monotonic() - t0
     restored = Restored(RestoreSource.PLAIN, step, str(directory), None, None, before)

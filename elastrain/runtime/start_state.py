@@ -105,7 +105,11 @@ class StartState:
             )
             return
         assert got.meta is not None  # a checkpoint's restore always carries its meta
-        committed = self.carried.load_meta(got.meta)
+        try:
+            committed = self.carried.load_meta(got.meta)
+        except ValueError as e:
+            # Its carried state (registered objects, data order) is not this script's.
+            self._misconfigured(f"checkpoint {got.path} cannot be resumed: {e}")
         if committed != got.step:
             raise RuntimeError(
                 f"checkpoint {got.path} holds committed count {committed}, not {got.step}"

@@ -11,8 +11,10 @@ the launcher's shard size sets `TrainerConfig.shard_size`, its `steps` the steps
                taken.
 
 At a clean end it writes <member>.json into BENCH_RSS_DIR: the resident size
-after the imports, after building the model, at the end, and the peak (VmHWM),
-in kB, with the member's slot.
+after the imports and after building the model, the peak (VmHWM) when the
+first forward begins (the start: construction, rendezvous, taking the shard,
+the first FSDP2 wrapper; read in the loss function's first call, before it
+computes), after the first step and at the end, in kB, with the member's slot.
 """
 
 from __future__ import annotations
@@ -59,7 +61,14 @@ def main() -> None:
         seed=shape.seed,
         shard_size=a.shard_size,
     )
-    trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
+    first: list[int] = []
+
+    def timed_loss(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if not first:
+            first.append(proc_status_kb("VmHWM"))
+        return loss_fn(m, batch)
+
+    trainer = ElasticTrainer(model, opt, data, timed_loss, cfg)
     del model, opt
     hwm_first = -1
     for r in trainer.steps():
@@ -78,6 +87,7 @@ def main() -> None:
             "shard": backend.shard,
             "rss_imports_kb": rss_imports,
             "rss_built_kb": rss_built,
+            "hwm_start_kb": first[0] if first else -1,
             "hwm_first_step_kb": hwm_first,
             "rss_end_kb": proc_status_kb("VmRSS"),
             "hwm_kb": proc_status_kb("VmHWM"),

@@ -186,8 +186,10 @@ def main() -> int:
                 f"meta {lay}: every rank's start peak < the materialised start's lowest",
                 f"< {mb(min(ws))} MB", f"{mb(max(ms))} MB", at_most(max(ms), min(ws)),
             ))  # fmt: skip
+    import torch
+
     bench.finish(
-        "torch, gloo over loopback, CPU",
+        f"torch {torch.__version__}, gloo over loopback, CPU",
         figures,
         targets,
         notes,

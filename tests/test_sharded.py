@@ -595,13 +595,16 @@ def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: 
 
 
 def test_a_fresh_job_built_on_the_meta_device_stops_with_what_to_do(tmp_path: Path) -> None:
-    """Nothing holds a meta-device model's state at a fresh start: every worker stops
-    as misconfigured with the way out, nobody is replaced, no step runs."""
+    """A fresh start of a meta-device model whose root owns a buffer and has no
+    reset_parameters (nothing could give it values; tests/test_sharded_meta.py has
+    the starts that work): every worker stops as misconfigured naming the module
+    and the ways out, nobody is replaced, no step runs."""
     meta = ["--shard-size", "2", "--meta-members", "w0,w1"]
     job = _run(tmp_path, "meta", 2, 2, script_args=meta, steps=5)
     assert job.result.status != "done"
     logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(2))
-    assert "built on the meta device" in logs and "resume it from a sharded checkpoint" in logs
+    assert "built on the meta device" in logs and "<root> (Net)" in logs
+    assert "init_fn(module, name)" in logs and "resume the job from a checkpoint" in logs
     assert not job.of("step_commit")
     assert not [e for e in job.of("worker_spawned") if e["replacement"]]
 

@@ -202,7 +202,13 @@ def test_place_never_creates_a_tensor_larger_than_one_parameter() -> None:
 
 
 def _peak_rss_worker(how: str, q: Any) -> None:
+    import ctypes
+
     torch.set_num_threads(1)
+    # glibc's dynamic mmap threshold keeps freed MiB-sized blocks in the heap, which
+    # made this peak 56 or 98 MiB from run to run for the same live tensors: a fixed
+    # threshold (M_MMAP_THRESHOLD = -3) gives them back, so the peak is the tensors'.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
     with torch.device("meta"):
         model = Wide()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -246,7 +252,7 @@ def test_a_meta_start_peaks_near_one_shard_not_the_whole_model(how: str) -> None
             p.join()
     mib = 1 << 20
     if how == "meta":
-        assert 48 * mib < added < 64 * mib, added / mib
+        assert 40 * mib < added < 64 * mib, added / mib
     else:
         assert added > 96 * mib, added / mib
 

@@ -177,9 +177,11 @@ def test_a_meta_device_model_takes_its_state_from_a_checkpoint_or_peers_never_fr
     None
 ):
     """A model built on the meta device: the backend holds zero-filled buffers and no
-    rows until a checkpoint or a heal fills them; a fresh start (nothing to fill it
-    from) is refused naming what to do, and a model half on the meta device is
-    refused at once. A healed member holds only its slot's rows."""
+    rows until a checkpoint or a heal fills them; a fresh start of this model (its
+    root owns a buffer and has no reset_parameters, so nothing can initialise it:
+    tests/test_sharded_meta.py has the starts that work) is refused naming what to
+    do, and a model half on the meta device is refused at once. A healed member
+    holds only its slot's rows."""
     import sys
 
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -193,7 +195,7 @@ def test_a_meta_device_model_takes_its_state_from_a_checkpoint_or_peers_never_fr
         model = Net()
     backend = ShardedBackend(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn, cfg)
     assert backend.on_meta and backend.needs_fill
-    with pytest.raises(MetaModelUnfilled, match="no checkpoint to resume from and no peer"):
+    with pytest.raises(MetaModelUnfilled, match=r"<root> \(Net\).*resume the job from"):
         backend.place(1, 2)
     # What a receiver of its twins' heal does: zeroed rows of its slot, then the heal.
     backend.reset(1, 2)
@@ -593,13 +595,16 @@ def test_shard_size_disagreeing_with_the_coordinator_is_a_clear_error(tmp_path: 
 
 
 def test_a_fresh_job_built_on_the_meta_device_stops_with_what_to_do(tmp_path: Path) -> None:
-    """Nothing holds a meta-device model's state at a fresh start: every worker stops
-    as misconfigured with the way out, nobody is replaced, no step runs."""
+    """A fresh start of a meta-device model whose root owns a buffer and has no
+    reset_parameters (nothing could give it values; tests/test_sharded_meta.py has
+    the starts that work): every worker stops as misconfigured naming the module
+    and the ways out, nobody is replaced, no step runs."""
     meta = ["--shard-size", "2", "--meta-members", "w0,w1"]
     job = _run(tmp_path, "meta", 2, 2, script_args=meta, steps=5)
     assert job.result.status != "done"
     logs = "".join((job.run_dir / "logs" / f"w{i}.log").read_text() for i in range(2))
-    assert "built on the meta device" in logs and "resume it from a sharded checkpoint" in logs
+    assert "built on the meta device" in logs and "<root> (Net)" in logs
+    assert "init_fn(module, name)" in logs and "resume the job from a checkpoint" in logs
     assert not job.of("step_commit")
     assert not [e for e in job.of("worker_spawned") if e["replacement"]]
 

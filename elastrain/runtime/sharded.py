@@ -70,6 +70,13 @@ from torch import nn
 from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
+from elastrain.runtime.meta_init import (
+    InitFn,
+    MetaModelUnfilled,
+    init_by_module,
+    missing_message,
+    uninitialisable,
+)
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.registered import (
     REGISTERED_META,
@@ -105,11 +112,6 @@ class ResumedShard:
 RowStateLike = tuple[list[list[torch.Tensor]], list[int]]
 """A member's row-shaped tensors per parameter and the global row each starts at."""
 ShardPolicy = Callable[[nn.Module], list[nn.Module]]
-
-
-class MetaModelUnfilled(ValueError):
-    """A model built on the meta device, with no checkpoint and no peer to take its
-    state from (`ShardedBackend.place`)."""
 
 
 def shard_rows(rows: int, shard_size: int, shard: int) -> tuple[int, int]:
@@ -200,9 +202,12 @@ def group_entries(
 class ShardedBackend:
     """`Backend` for one shard of a model, sharded with FSDP2 inside a replica group.
 
-    Contract: every member builds it with the same model (materialised, as
-    every member's initial state must be the same), optimizer type and
-    hyperparameters, loss and config. The engine calls `place` once the
+    Contract: every member builds it with the same model architecture, optimizer
+    type and hyperparameters, loss and config. In a fresh job every member
+    builds the model alike: all materialised from the same seed, or all on the
+    meta device (each then initialises only its rows, `place`, with the same
+    ``init_fn``); a member resuming or healed from its twins may be on the meta
+    device whatever the others did. The engine calls `place` once the
     member's slot is known, then `form_group` at every generation start
     (with the replica group's members in shard order, or None for a shadow),
     then the step methods of `Backend`. The `model` attribute is the current
@@ -224,6 +229,7 @@ class ShardedBackend:
         shard_policy: ShardPolicy = default_shard_policy,
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+        init_fn: InitFn | None = None,
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
@@ -260,8 +266,18 @@ class ShardedBackend:
         self.on_meta = bool(on_meta) and all(on_meta)
         """The model was built on the meta device (`with torch.device("meta")`): no
         member ever holds the full model; its rows come from a sharded checkpoint
-        (`resume_from`) or, for a member behind its twins, from their heal
-        (`reset`, then heal). A fresh job has neither: `place` refuses it."""
+        (`resume_from`), for a member behind its twins from their heal (`reset`,
+        then heal), and in a fresh job from initialising them module by module
+        (`place`, `elastrain.runtime.meta_init`)."""
+        if init_fn is not None and not self.on_meta:
+            raise ValueError(
+                "init_fn initialises a model built on the meta device, and this one is "
+                "materialised: initialise it before building the trainer, or build it with "
+                '`with torch.device("meta"):`'
+            )
+        self._init_fn = init_fn
+        self._init_missing = uninitialisable(model, init_fn) if self.on_meta else []
+        """Modules a fresh start could not initialise (`place` refuses it, naming them)."""
         self._policy = shard_policy
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
@@ -325,7 +341,9 @@ class ShardedBackend:
     @property
     def needs_fill(self) -> bool:
         """True while this member holds no shard, its model is on the meta device and
-        no checkpoint is queued to fill it (`place` would refuse it; a heal can fill it)."""
+        no checkpoint is queued to fill it: a member behind its twins takes zeroed
+        rows (`reset`) for their heal; any other is a fresh start, which `place`
+        initialises."""
         return not self.placed and self.on_meta and self._resume_source is None
 
     def rows(self) -> list[int]:
@@ -355,7 +373,11 @@ class ShardedBackend:
 
         The first call turns the full model into this member's shard parameters
         and an optimizer over them (the user's class, hyperparameters and param
-        groups); the full parameters are freed.
+        groups); the full parameters are freed. A model on the meta device (a
+        fresh start: no checkpoint queued, no heal) is initialised module by
+        module instead (`meta_init.init_by_module`): only this slot's rows are
+        kept, and no more than one module's own tensors exist whole at a time.
+        MetaModelUnfilled if a module owning tensors has nothing to initialise it.
         """
         size = self.shard_size if size is None else size
         if not 0 <= shard < size:
@@ -379,12 +401,8 @@ class ShardedBackend:
         full = self._full
         assert full is not None
         if self.on_meta:
-            raise MetaModelUnfilled(
-                "the model was built on the meta device, and this member has nothing to fill "
-                "it from: no checkpoint to resume from and no peer ahead of it (a fresh job). "
-                "Start the job from a materialised model (every member from the same seed), or "
-                "resume it from a sharded checkpoint"
-            )
+            self._init_rows(full, size, shard)
+            return
         params = dict(full.named_parameters())
         with torch.no_grad():
             rows = {}
@@ -400,6 +418,23 @@ class ShardedBackend:
             for g in self._given_optimizer.param_groups
         ]  # fmt: skip
         self._install(size, shard, rows, {}, groups)
+
+    def _init_rows(self, full: nn.Module, size: int, shard: int) -> None:
+        """A fresh start on the meta device: this slot's rows and every buffer from the
+        module-by-module initialisation (the same bits whatever `size` and `shard`)."""
+        if self._init_missing:
+            raise MetaModelUnfilled(missing_message(self._init_missing))
+
+        def mine(name: str, whole: torch.Tensor) -> torch.Tensor:
+            lo, hi = shard_rows(self._shapes[name][0], size, shard)
+            return whole.reshape(self._shapes[name])[lo:hi].clone()
+
+        # A meta copy (no storage): the walk materialises each module in turn.
+        rows, buffers = init_by_module(copy.deepcopy(full), self.seed, self._init_fn, mine)
+        with torch.no_grad():
+            for n, b in buffers.items():
+                self._buffers[n].copy_(b)
+        self._install(size, shard, rows, {}, self._opt_groups)
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What a heal of this member's shard is expected to bring, before it holds

@@ -34,6 +34,7 @@ from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, MapDataset, StepResult
 from elastrain.runtime.engine_trainer import EngineTrainer
 from elastrain.runtime.evaluate import EvalFn, EvalResult, Evaluation, eval_seed
+from elastrain.runtime.meta_init import InitFn
 from elastrain.runtime.replicas import Replicated
 from elastrain.runtime.shard_groups import sharded_groups
 from elastrain.runtime.sharded import ShardedBackend, ShardPolicy, default_shard_policy
@@ -79,7 +80,14 @@ class ElasticTrainer(EngineTrainer):
     element of an `nn.ModuleList`). The loss function then receives the FSDP2
     wrapper, not `model` (whose parameters are freed once the shard is taken),
     and the optimizer that steps is the trainer's (`trainer.optimizer`, same
-    class and hyperparameters, over this member's shard).
+    class and hyperparameters, over this member's shard). A sharded model may be
+    built on the meta device (``with torch.device("meta"): model = GPT(cfg)``):
+    a fresh job's members then initialise only their rows, module by module,
+    with each module's ``reset_parameters()`` and then ``init_fn(module, name)``
+    if given, the RNG seeded by (``config.seed``, module name), so the start is
+    the same whatever the layout (`elastrain.runtime.meta_init` has the
+    contract); a resume reads its rows from the checkpoint, a replacement
+    takes them from its twins.
 
     The step, on every member alike: the mean gradient (unscaled by
     ``grad_scaler``, a `torch.amp.GradScaler` for fp16 autocast), its global
@@ -117,6 +125,7 @@ class ElasticTrainer(EngineTrainer):
         shard_policy: ShardPolicy = default_shard_policy,
         grad_scaler: torch.amp.GradScaler | None = None,
         before_step: BeforeStep | None = None,
+        init_fn: InitFn | None = None,
     ) -> None:
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         self._model = model
@@ -151,9 +160,17 @@ class ElasticTrainer(EngineTrainer):
                 shard_policy=shard_policy,
                 extra_state=extra_state,
                 load_extra_state=load_extra_state,
+                init_fn=init_fn,
             )
             backend, topology = sharded, sharded_groups(sharded)
         else:
+            if init_fn is not None:
+                raise ValueError(
+                    "init_fn initialises a sharded model built on the meta device "
+                    "(TrainerConfig.shard_size > 1); a replicated member holds the whole model: "
+                    "materialise it with elastrain.runtime.meta_init.materialize_whole(model, "
+                    "seed, init_fn) before building its optimizer"
+                )
             backend = TorchBackend(
                 model,
                 optimizer,

@@ -68,12 +68,15 @@ import torch.distributed as dist
 from torch import nn
 
 from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
+from elastrain.runtime.backend import Update
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
+from elastrain.runtime.update import BeforeStep
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
-from elastrain.transfer.flatten import MODEL_PREFIX
+from elastrain.transfer.flatten import MODEL_PREFIX, Stateful
 from elastrain.transfer.torch_state import fresh_entries, fresh_param_state
 
 log = logging.getLogger("elastrain.sharded")
@@ -215,6 +218,9 @@ class ShardedBackend:
         shard_policy: ShardPolicy = default_shard_policy,
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        before_step: BeforeStep | None = None,
+        step_index: Callable[[], int] | None = None,
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
@@ -236,6 +242,14 @@ class ShardedBackend:
         self.global_batch_size = config.global_batch_size
         self.extra_state = extra_state
         self.load_extra_state = load_extra_state
+        self.finish = StepFinish(config.max_grad_norm, grad_scaler, before_step, step_index)
+        """Clipping, the scaler and the script's hook around the optimizer step
+        (`elastrain.runtime.shard_step`)."""
+        self.objects: dict[str, Stateful] = {}
+        """State carried with the shard (heal, the state hash): the GradScaler's scale
+        and growth tracker, as the replicated trainer carries them."""
+        if self.finish.scaler is not None:
+            self.objects["grad_scaler"] = self.finish.scaler
         self._problems = model_problems(model)
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
@@ -295,6 +309,10 @@ class ShardedBackend:
         self._rounds_left: int | None = None
         """Native: the rounds of this step not computed yet (`plan_rounds`)."""
         self._extras = torch.zeros(0, dtype=torch.float64)
+        self._pending: Reduced | None = None
+        """The step's mean gradient and norm vector (`norm_vector`), until applied."""
+        self._scratch: torch.Tensor | None = None
+        """Float64 work space of the rows' sums of squares, reused every step."""
         self._resume_source: Callable[[int, int], ResumedShard] | None = None
 
     # ---- placement and replica groups ---------------------------------------------
@@ -782,7 +800,7 @@ class ShardedBackend:
 
     def state(self) -> TorchState:
         assert self.optimizer is not None, "state() before place()"
-        return TorchState(self.local, self.optimizer)
+        return TorchState(self.local, self.optimizer, self.objects)
 
     def adopt(self, state: NamedState) -> None:
         """A heal wrote the shard parameters in place (the wrapper's storage); the
@@ -796,10 +814,18 @@ class ShardedBackend:
         return state_digest(self.state())
 
     def meta(self) -> dict[str, Any]:
-        return torch_meta(self.extra_state)
+        """The torch meta, and the GradScaler's state (JSON): a reshard's joiner and
+        a resumed member get the scale only this way (neither receives the
+        carried objects of `state`, which a heal among twins does)."""
+        out = torch_meta(self.extra_state)
+        if self.finish.scaler is not None:
+            out["grad_scaler"] = self.finish.scaler.state_dict()
+        return out
 
     def load_meta(self, meta: dict[str, Any]) -> None:
         load_torch_meta(meta, self.load_extra_state)
+        if self.finish.scaler is not None and meta.get("grad_scaler") is not None:
+            self.finish.scaler.load_state_dict(meta["grad_scaler"])
 
     def problems(self) -> list[str]:
         return self._problems
@@ -815,9 +841,11 @@ class ShardedBackend:
 
     def begin_step(self, extra_slots: int) -> None:
         self._grad.zero_()
+        self._pending = None
         self._rounds_left = None
         if self._extras.numel() != extra_slots:
             self._extras = torch.zeros(extra_slots, dtype=torch.float64)
+        self.finish.ready_scale()
         if self.model is not None:
             _reshard(self.model)
             self._bind(self.model)
@@ -838,7 +866,9 @@ class ShardedBackend:
         """One round of the replica group: every member of it calls this together
         (FSDP2's collectives), `samples` 0 for a padding round (its gradient is zero).
         Native: `plan_rounds` first; the gradient stays unsharded (accumulated by
-        autograd) until the last planned round, which reduce-scatters it."""
+        autograd) until the last planned round, which reduce-scatters it. With a
+        GradScaler the loss sum is scaled before backward, as the replicated
+        member scales it."""
         if self.model is None:
             raise RuntimeError("a shadow does not compute")
         if self.native:
@@ -854,7 +884,7 @@ class ShardedBackend:
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
             loss = self.loss_fn(self.model, batch)
-            (loss * samples).backward()
+            self.finish.scale(loss * samples).backward()
         return float(loss.detach()) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:
@@ -866,10 +896,17 @@ class ShardedBackend:
         """The step's extras: all-reduced over the whole generation."""
         return self._extras
 
-    def apply(self) -> None:
-        assert self.optimizer is not None
+    def norm_vector(self, writes: bool) -> torch.Tensor:
+        """Once the twins' all-reduce completed: the mean gradient of each trainable
+        shard parameter (the sum divided by the global batch, rounded once to the
+        parameter's dtype: float64 reductions round the exact mean, the replicated
+        member's bits), unscaled by the GradScaler; and the vector the generation
+        all-reduces for the norm (`elastrain.runtime.shard_step.NormRows`), holding
+        this shard's rows' sums of squares if this member `writes` them (one
+        holder per shard) and zeros elsewhere. Returns the vector (to all-reduce
+        in place)."""
         b = self.global_batch_size
-        g = self._grad
+        grads: dict[str, torch.Tensor] = {}
         for name in self._names:
             lp = self.local.get_parameter(_local_name(name))
             if not lp.requires_grad:
@@ -877,36 +914,71 @@ class ShardedBackend:
             lo, hi = self._offsets[name]
             # Twins divide the same all-reduced bytes: the same bits on every twin.
             # Float64: one rounding, from the exact mean; native: a view, no copy.
-            lp.grad = g[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
-        self.optimizer.step()
+            grads[name] = self._grad[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
+        self.finish.unscale(list(grads.values()))
+        rows = NormRows(grads, {n: self._shapes[n][0] for n in grads})
+        vector = torch.zeros(rows.size, dtype=torch.float64)
+        if writes:
+            assert self.shard is not None
+            first = {n: shard_rows(self._shapes[n][0], self.shard_size, self.shard)[0]
+                     for n in grads}  # fmt: skip
+            self._scratch = rows.fill(vector, grads, first, self._scratch)
+        self._pending = Reduced(grads, vector)
+        return vector
+
+    def apply(self) -> Update:
+        """The step's update from its reduced gradient and norm vector
+        (`norm_vector`, all-reduced): clipping, the non-finite skip, the hook, the
+        optimizer step, the scaler (`StepFinish.finish`). Called without
+        `norm_vector` (a caller driving one backend by hand, no generation), the
+        vector is this member's rows' alone."""
+        if self._pending is None:
+            self.norm_vector(writes=True)
+        assert self._pending is not None
+        reduced, self._pending = self._pending, None
+        return self._apply(reduced)
+
+    def _apply(self, reduced: Reduced) -> Update:
+        assert self.optimizer is not None
+        params = []
+        for name, g in reduced.grads.items():
+            lp = self.local.get_parameter(_local_name(name))
+            lp.grad = g
+            params.append(lp)
+        update = self.finish.finish(params, self.optimizer, reduced.vector)
         if self.model is not None:
             for p in self.model.parameters():
                 p.grad = None
+        return update
 
-    def take_reduced(self) -> torch.Tensor:
-        """Hand over the step's reduced gradient sum (`apply_kept` applies it later)
-        and hold a fresh buffer: the twins' all-reduce of it completed."""
-        g, self._grad = self._grad, torch.zeros_like(self._grad)
-        return g
+    def take_reduced(self) -> Reduced:
+        """Hand over the step's reduced gradient and norm vector (`apply_kept`
+        applies them later) and hold a fresh gradient buffer: the twins' and the
+        norm's all-reduces completed."""
+        if self._pending is None:
+            raise RuntimeError("take_reduced() before norm_vector(): nothing reduced to keep")
+        kept, self._pending = self._pending, None
+        self._grad = torch.zeros_like(self._grad)
+        return kept
 
-    def apply_kept(self, grad: torch.Tensor) -> None:
-        """Apply a step from its kept reduced gradient sum (`take_reduced`): the
-        same update `apply` made on the members that committed it."""
-        if grad.shape != self._grad.shape or grad.dtype != self._grad.dtype:
-            raise ValueError(
-                f"kept gradient {tuple(grad.shape)} {grad.dtype} does not fit this shard's "
-                f"{tuple(self._grad.shape)} {self._grad.dtype}"
-            )
-        self._grad = grad
-        try:
-            self.apply()
-        finally:
-            self._grad = torch.zeros_like(grad)
+    def apply_kept(self, kept: Reduced) -> Update:
+        """Apply a step from what `take_reduced` kept: the same update `apply` made on
+        the members that committed it (the same gradient rows, the same reduced
+        norm vector, so the same clipping and decisions)."""
+        for name, g in kept.grads.items():
+            lp = self.local.get_parameter(_local_name(name))
+            if g.shape != lp.shape or g.dtype != lp.dtype:
+                raise ValueError(
+                    f"kept gradient of {name} {tuple(g.shape)} {g.dtype} does not fit this "
+                    f"shard's {tuple(lp.shape)} {lp.dtype}"
+                )
+        return self._apply(kept)
 
     def discard(self) -> None:
         # An abandoned all-reduce may still write into the buffers: new ones.
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
+        self._pending = None
 
 
 def _reshard(model: nn.Module) -> None:

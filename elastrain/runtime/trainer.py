@@ -123,21 +123,6 @@ class ElasticTrainer(EngineTrainer):
         backend: Backend
         topology: TopologyFactory = Replicated
         if config.shard_size > 1:
-            unsupported = [
-                what
-                for what, given in (
-                    ("max_grad_norm", config.max_grad_norm is not None),
-                    ("grad_scaler", grad_scaler is not None),
-                    ("before_step", before_step is not None),
-                )
-                if given
-            ]
-            if unsupported:
-                # Each needs the global norm or found-inf across the shards: not built yet.
-                raise ValueError(
-                    f"{', '.join(unsupported)}: not available for sharded models yet "
-                    "(TrainerConfig.shard_size > 1)"
-                )
             if is_compiled(model):
                 raise ValueError(
                     "a compiled model cannot be sharded yet (TrainerConfig.shard_size > 1): "
@@ -151,6 +136,10 @@ class ElasticTrainer(EngineTrainer):
                 shard_policy=shard_policy,
                 extra_state=extra_state,
                 load_extra_state=load_extra_state,
+                grad_scaler=grad_scaler,
+                before_step=before_step,
+                # While a step is applied the committed count is its index.
+                step_index=lambda: self.engine.committed,
             )
             backend, topology = sharded, sharded_groups(sharded)
         else:

@@ -383,3 +383,47 @@ def test_the_loop_through_a_reshard_is_the_failure_free_one(tmp_path: Path, loop
     _assert_same(job, loop_ref)
     sizes = [e.get("shard_size") for e in job.of("generation_ready")]
     assert 3 in sizes, sizes
+
+
+# ---- FLOPs ---------------------------------------------------------------------------
+
+
+def test_a_sharded_member_counts_the_jobs_flops_without_the_full_model() -> None:
+    """The sharded count (on a meta-device copy) is the replicated member's count of
+    the same model and batch; the model given is left untouched."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from train_sharded import Net, Regression, loss_fn
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend
+    from elastrain.runtime.torch_backend import TorchBackend
+
+    data = Regression()
+    batch = torch.utils.data.default_collate([data[i] for i in range(3)])
+    torch.manual_seed(0)
+    model = Net()
+    cfg = TrainerConfig(global_batch_size=B, micro_batch_size=3, total_steps=1)
+    want = TorchBackend(model, torch.optim.AdamW(model.parameters()), loss_fn, cfg).count_flops(
+        batch, 3, B
+    )
+    sharded = Net()
+    before = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    sb = ShardedBackend(
+        sharded,
+        torch.optim.AdamW(sharded.parameters()),
+        loss_fn,
+        TrainerConfig(global_batch_size=B, micro_batch_size=3, total_steps=1, shard_size=2),
+    )
+    got = sb.count_flops(batch, 3, B)
+    assert got is not None and want["flops_per_step"] > 0
+    for k in ("flops_per_step", "flops_per_microbatch", "flops_per_sample", "device_key"):
+        assert got[k] == want[k], k
+    assert all(torch.equal(p, before[n]) for n, p in sharded.named_parameters())
+    assert all(p.grad is None for p in sharded.parameters())
+
+    def reads_a_value(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        return loss * float(loss.item() > 0)
+
+    sb.loss_fn = reads_a_value
+    assert sb.count_flops(batch, 3, B) is None

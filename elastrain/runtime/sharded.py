@@ -833,9 +833,32 @@ class ShardedBackend:
     def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Nothing to compile in eager mode."""
 
-    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
-        """Not counted for a sharded model yet (its full parameters are gone)."""
-        return None
+    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any] | None:
+        """The job's FLOPs per step, as a replicated member counts them (the whole
+        model's forward and backward of one micro-batch, scaled to the global
+        batch): counted on a meta-device copy of the model (shapes only, no
+        memory, no collective), so no member ever builds the full model for it.
+        Every member reports the same figure, as replicated members do; the MFU
+        divides it by the devices the job ran on. None (and a log line) where the
+        loss function cannot run on meta tensors (it reads a value, ``.item()``)."""
+        from elastrain.observe.efficiency import device_info
+        from elastrain.observe.flops import measure_step_flops
+
+        model = copy.deepcopy(self._template)
+        try:
+            fc = measure_step_flops(model, self.loss_fn, _on_meta(batch), micro_batch, global_batch)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            log.warning("FLOPs not counted: the loss does not run on the meta device (%s)", e)
+            return None
+        return {
+            "flops_per_step": fc.flops_per_step,
+            "flops_per_microbatch": fc.flops_per_microbatch,
+            "flops_per_sample": fc.flops_per_sample,
+            "tokens_per_sample": fc.tokens_per_sample,
+            "seconds": fc.seconds,
+            "method": f"{fc.method}, on the meta device",
+            **device_info(model),
+        }
 
     # ---- one step ------------------------------------------------------------------
 
@@ -979,6 +1002,13 @@ class ShardedBackend:
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
         self._pending = None
+
+
+def _on_meta(batch: Any) -> Any:
+    """``batch`` with every tensor on the meta device (its shapes and dtypes)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch)
 
 
 def _reshard(model: nn.Module) -> None:

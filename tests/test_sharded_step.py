@@ -136,7 +136,7 @@ def _hook_log(out: list[str]) -> Any:
     return hook
 
 
-def _backend_worker(rank: int, port: int, q: Any) -> None:
+def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     import torch.distributed as dist
     from train_sharded import Net, Regression, loss_fn
@@ -148,6 +148,11 @@ def _backend_worker(rank: int, port: int, q: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if compiled:
+        # aot_eager: dynamo and AOTAutograd without a C++ compiler (inductor takes
+        # minutes on a busy 2-core machine); the sharding does not depend on it.
+        model = torch.compile(model, backend="aot_eager")
     cfg = TrainerConfig(
         global_batch_size=B, micro_batch_size=3, total_steps=5, shard_size=2, max_grad_norm=0.05
     )
@@ -155,7 +160,7 @@ def _backend_worker(rank: int, port: int, q: Any) -> None:
     step = [0]
     sb = ShardedBackend(
         model,
-        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        opt,
         loss_fn,
         cfg,
         grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=2),
@@ -182,16 +187,17 @@ def _backend_worker(rank: int, port: int, q: Any) -> None:
         u = sb.apply()
         norms.append((u.grad_norm, u.skipped))
     params = {n: p.detach().numpy().copy() for n, p in sb.local.named_parameters()}
+    if compiled:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        assert isinstance(sb._call, OptimizedModule) and sb._call._orig_mod is sb.model
     q.put((rank, params, norms, seen))
     sb.leave_group()
 
 
-def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit() -> None:
-    """Two members as one replica group of 2, with clipping, a GradScaler whose first
-    scales overflow and a hook that skips step 2: the same norms, skips, hook
-    inputs and AdamW rows as the replicated backend, bit for bit."""
-    import torch.distributed as dist
-
+def _replicated_reference() -> tuple[dict[str, torch.Tensor], list[Any], list[str]]:
+    """The replicated backend's 5 steps of `_backend_worker`'s loop: rows, (norm,
+    skipped) per step, what the hook saw."""
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     from train_sharded import Net, Regression, loss_fn
 
@@ -229,18 +235,22 @@ def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit() -> None:
     finally:
         torch.set_num_threads(threads)
     full = {n.replace(".", "/"): p.detach() for n, p in model.named_parameters()}
-    # The first scale overflowed somewhere, then steps ran, one was the hook's skip.
-    reasons = [s for _, s in want_norms]
-    assert reasons[0] == SkipReason.NONFINITE and None in reasons and SkipReason.HOOK in reasons
+    return full, want_norms, seen
+
+
+def _two_members(compiled: bool) -> dict[int, Any]:
+    import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_backend_worker, args=(r, store.port, q)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_backend_worker, args=(r, store.port, q, compiled)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
-        got = {r: rest for r, *rest in (q.get(timeout=120) for _ in procs)}
+        got = {r: rest for r, *rest in (q.get(timeout=300) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
@@ -248,6 +258,21 @@ def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit() -> None:
                 p.kill()
                 p.join()
     assert [p.exitcode for p in procs] == [0, 0]
+    return got
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit(compiled: bool) -> None:
+    """Two members as one replica group of 2, with clipping, a GradScaler whose first
+    scales overflow and a hook that skips step 2: the same norms, skips, hook
+    inputs and AdamW rows as the (eager) replicated backend, bit for bit; also
+    when the script passed ``torch.compile(model)`` (each member's FSDP2 wrapper
+    compiled with its settings)."""
+    full, want_norms, seen = _replicated_reference()
+    # The first scale overflowed somewhere, then steps ran, one was the hook's skip.
+    reasons = [s for _, s in want_norms]
+    assert reasons[0] == SkipReason.NONFINITE and None in reasons and SkipReason.HOOK in reasons
+    got = _two_members(compiled)
     for shard in range(2):
         params, norms, hook_seen = got[shard]
         assert [(repr(n), s) for n, s in norms] == [(repr(n), s) for n, s in want_norms]
@@ -255,6 +280,20 @@ def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit() -> None:
         for name, want in full.items():
             lo, hi = shard_rows(want.shape[0], 2, shard)
             assert torch.equal(torch.from_numpy(params[name]), want[lo:hi]), (name, shard)
+
+
+def test_a_model_compiled_in_place_is_refused_with_what_to_pass() -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    from train_sharded import Net, loss_fn
+
+    from elastrain.runtime.config import TrainerConfig
+    from elastrain.runtime.sharded import ShardedBackend
+
+    model = Net()
+    model.blocks[0].compile()
+    cfg = TrainerConfig(global_batch_size=B, micro_batch_size=3, total_steps=1, shard_size=2)
+    with pytest.raises(ValueError, match=r"pass torch.compile\(model\) instead"):
+        ShardedBackend(model, torch.optim.AdamW(model.parameters()), loss_fn, cfg)
 
 
 # ---- whole jobs --------------------------------------------------------------------

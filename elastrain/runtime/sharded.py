@@ -224,6 +224,7 @@ class ShardedBackend:
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
+        model, self._compile_ctx = _uncompiled(model)
         on_meta = [p.device.type == "meta" for p in (*model.parameters(), *model.buffers())]
         if any(on_meta) and not all(on_meta):
             raise ValueError(
@@ -286,6 +287,9 @@ class ShardedBackend:
         self.shard: int | None = None
         self.model: nn.Module | None = None
         """The FSDP2 wrapper of the current replica group (None: a shadow, or not placed)."""
+        self._call: nn.Module | None = None
+        """What the loss function is given: `model`, or compiled as the script compiled
+        the model it passed (`_uncompiled`)."""
         self.group: tuple[str, ...] | None = None
         """The members of the replica group `model` is built on, in shard order."""
         self.local = nn.Module()
@@ -689,6 +693,14 @@ class ShardedBackend:
             raise ValueError(f"a replica group has {self.shard_size} members, got {len(members)}")
         open_group()
         self.model = self._wrap(dist.distributed_c10d._get_default_group())
+        self._call = self.model
+        if self._compile_ctx is not None:
+            from torch._dynamo.eval_frame import OptimizedModule
+
+            # The script's torch.compile settings, around this group's wrapper (FSDP2's
+            # hooks run eagerly between the compiled graphs). It compiles at the
+            # group's first step, on every member of the group at once.
+            self._call = OptimizedModule(self.model, self._compile_ctx)
         self.group = members
         return True
 
@@ -713,6 +725,7 @@ class ShardedBackend:
                     # Own storage again: the wrapper's goes away with it.
                     lp.data = lp.data.clone()
         self.model = None
+        self._call = None
         self.group = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -892,7 +905,7 @@ class ShardedBackend:
         autograd) until the last planned round, which reduce-scatters it. With a
         GradScaler the loss sum is scaled before backward, as the replicated
         member scales it."""
-        if self.model is None:
+        if self.model is None or self._call is None:
             raise RuntimeError("a shadow does not compute")
         if self.native:
             if not self._rounds_left:
@@ -906,7 +919,7 @@ class ShardedBackend:
             self.model.set_requires_gradient_sync(self._rounds_left == 0)  # type: ignore[operator]
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
-            loss = self.loss_fn(self.model, batch)
+            loss = self.loss_fn(self._call, batch)
             self.finish.scale(loss * samples).backward()
         return float(loss.detach()) * samples
 
@@ -1002,6 +1015,34 @@ class ShardedBackend:
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
         self._pending = None
+
+
+def _uncompiled(model: nn.Module) -> tuple[nn.Module, Any]:
+    """The model to shard and how the script compiled it: ``torch.compile(model)``
+    gives its original module and its compile settings (applied to every replica
+    group's FSDP2 wrapper, `form_group`); an uncompiled model, itself and None.
+    A model compiled in place (``Module.compile()``, on it or a submodule) is
+    refused: its compiled call is bound to the module it compiled, which the
+    shards replace."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from elastrain.runtime.compiled import is_compiled
+
+    if isinstance(model, OptimizedModule):
+        inner, ctx = model._orig_mod, model.dynamo_ctx
+        if is_compiled(inner):
+            raise ValueError(_IN_PLACE)
+        return inner, ctx
+    if is_compiled(model):
+        raise ValueError(_IN_PLACE)
+    return model, None
+
+
+_IN_PLACE = (
+    "a model compiled in place (Module.compile()) cannot be sharded (TrainerConfig.shard_size "
+    "> 1): pass torch.compile(model) instead; each replica group's FSDP2 wrapper is then "
+    "compiled with its settings"
+)
 
 
 def _on_meta(batch: Any) -> Any:

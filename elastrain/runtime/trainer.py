@@ -29,7 +29,6 @@ import torch
 from torch.utils.data import default_collate
 
 from elastrain.runtime.backend import Backend, SkipReason
-from elastrain.runtime.compiled import is_compiled
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, MapDataset, StepResult
 from elastrain.runtime.engine_trainer import EngineTrainer
@@ -96,7 +95,9 @@ class ElasticTrainer(EngineTrainer):
     ``model.compile()`` (in place, before or after the trainer is built). Its state
     keeps the uncompiled model's names, so compiled and uncompiled members agree
     and a replacement heals into a compiled model; it is compiled before the
-    member joins (`TorchBackend.warm_up`). Unsharded only.
+    member joins (`TorchBackend.warm_up`). Sharded, pass ``torch.compile(model)``: each
+    replica group's FSDP2 wrapper is compiled with its settings, at the group's
+    first step (`elastrain.runtime.sharded`).
     """
 
     def __init__(
@@ -123,11 +124,6 @@ class ElasticTrainer(EngineTrainer):
         backend: Backend
         topology: TopologyFactory = Replicated
         if config.shard_size > 1:
-            if is_compiled(model):
-                raise ValueError(
-                    "a compiled model cannot be sharded yet (TrainerConfig.shard_size > 1): "
-                    "pass the uncompiled model"
-                )
             sharded = ShardedBackend(
                 model,
                 optimizer,

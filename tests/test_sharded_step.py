@@ -190,7 +190,10 @@ def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> Non
     if compiled:
         from torch._dynamo.eval_frame import OptimizedModule
 
+        from torch._dynamo.utils import counters
+
         assert isinstance(sb._call, OptimizedModule) and sb._call._orig_mod is sb.model
+        assert counters["stats"]["unique_graphs"] >= 1  # dynamo compiled graphs of it
     q.put((rank, params, norms, seen))
     sb.leave_group()
 

@@ -136,7 +136,27 @@ def _hook_log(out: list[str]) -> Any:
     return hook
 
 
-def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> None:
+def _init_scale(autocast: torch.dtype | None) -> float:
+    """A first scale that overflows (float32 gradients: in some parameters only);
+    fp16 activations overflow at far smaller scales: one that overflows once it
+    has grown (growth_interval 2)."""
+    return 2.0**12 if autocast == torch.float16 else 2.0**126
+
+
+def _autocast(loss_fn: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return loss_fn
+
+    def loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype):
+            return loss_fn(model, batch)
+
+    return loss
+
+
+def _backend_worker(
+    rank: int, port: int, q: Any, compiled: bool = False, autocast: torch.dtype | None = None
+) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
     import torch.distributed as dist
     from train_sharded import Net, Regression, loss_fn
@@ -161,9 +181,11 @@ def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> Non
     sb = ShardedBackend(
         model,
         opt,
-        loss_fn,
+        _autocast(loss_fn, autocast),
         cfg,
-        grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=2),
+        grad_scaler=torch.amp.GradScaler(
+            "cpu", init_scale=_init_scale(autocast), growth_interval=2
+        ),
         before_step=_hook_log(seen),
         step_index=lambda: step[0],
     )
@@ -189,7 +211,6 @@ def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> Non
     params = {n: p.detach().numpy().copy() for n, p in sb.local.named_parameters()}
     if compiled:
         from torch._dynamo.eval_frame import OptimizedModule
-
         from torch._dynamo.utils import counters
 
         assert isinstance(sb._call, OptimizedModule) and sb._call._orig_mod is sb.model
@@ -198,7 +219,9 @@ def _backend_worker(rank: int, port: int, q: Any, compiled: bool = False) -> Non
     sb.leave_group()
 
 
-def _replicated_reference() -> tuple[dict[str, torch.Tensor], list[Any], list[str]]:
+def _replicated_reference(
+    autocast: torch.dtype | None,
+) -> tuple[dict[str, torch.Tensor], list[Any], list[str]]:
     """The replicated backend's 5 steps of `_backend_worker`'s loop: rows, (norm,
     skipped) per step, what the hook saw."""
     sys.path.insert(0, str(ROOT / "tests" / "scripts"))
@@ -220,9 +243,11 @@ def _replicated_reference() -> tuple[dict[str, torch.Tensor], list[Any], list[st
         tb = TorchBackend(
             model,
             torch.optim.AdamW(model.parameters(), lr=3e-3),
-            loss_fn,
+            _autocast(loss_fn, autocast),
             cfg,
-            grad_scaler=torch.amp.GradScaler("cpu", init_scale=2.0**126, growth_interval=2),
+            grad_scaler=torch.amp.GradScaler(
+                "cpu", init_scale=_init_scale(autocast), growth_interval=2
+            ),
             before_step=_hook_log(seen),
             step_index=lambda: step[0],
         )
@@ -241,14 +266,15 @@ def _replicated_reference() -> tuple[dict[str, torch.Tensor], list[Any], list[st
     return full, want_norms, seen
 
 
-def _two_members(compiled: bool) -> dict[int, Any]:
+def _two_members(compiled: bool, autocast: torch.dtype | None) -> dict[int, Any]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_backend_worker, args=(r, store.port, q, compiled)) for r in range(2)
+        ctx.Process(target=_backend_worker, args=(r, store.port, q, compiled, autocast))
+        for r in range(2)
     ]
     for p in procs:
         p.start()
@@ -264,18 +290,26 @@ def _two_members(compiled: bool) -> dict[int, Any]:
     return got
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit(compiled: bool) -> None:
+@pytest.mark.parametrize(
+    ("compiled", "autocast"),
+    [(False, None), (True, None), (False, torch.bfloat16), (False, torch.float16)],
+    ids=["eager", "compiled", "bf16-autocast", "fp16-autocast"],
+)
+def test_a_one_by_two_step_is_the_replicated_step_bit_for_bit(
+    compiled: bool, autocast: torch.dtype | None
+) -> None:
     """Two members as one replica group of 2, with clipping, a GradScaler whose first
     scales overflow and a hook that skips step 2: the same norms, skips, hook
     inputs and AdamW rows as the (eager) replicated backend, bit for bit; also
     when the script passed ``torch.compile(model)`` (each member's FSDP2 wrapper
-    compiled with its settings)."""
-    full, want_norms, seen = _replicated_reference()
-    # The first scale overflowed somewhere, then steps ran, one was the hook's skip.
-    reasons = [s for _, s in want_norms]
-    assert reasons[0] == SkipReason.NONFINITE and None in reasons and SkipReason.HOOK in reasons
-    got = _two_members(compiled)
+    compiled with its settings), and with the loss under bf16 or fp16 autocast
+    (the replicated reference under the same autocast)."""
+    full, want_norms, seen = _replicated_reference(autocast)
+    # A scale overflowed somewhere (float32 gradients: the first; fp16: after it
+    # grew), other steps ran, one was the hook's skip.
+    reasons = {s for _, s in want_norms}
+    assert reasons == {None, SkipReason.NONFINITE, SkipReason.HOOK}
+    got = _two_members(compiled, autocast)
     for shard in range(2):
         params, norms, hook_seen = got[shard]
         assert [(repr(n), s) for n, s in norms] == [(repr(n), s) for n, s in want_norms]

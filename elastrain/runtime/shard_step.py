@@ -86,15 +86,16 @@ class NormRows:
         the mean gradient, starting at global row ``first_row[name]``) and its
         non-finite count into ``out`` (zeroed, `size` float64 slots). Returns the
         scratch used."""
-        bad = 0
+        views = []
         for n, g in grads.items():
             lo = self.offsets[n] + first_row[n]
-            view = out[lo : lo + row_count(g)]
-            scratch = row_squares(g, view, scratch)
-            # Every row sum finite means every element is (inf and nan propagate); a
-            # non-finite sum may also be a float64 overflow: count what is really bad.
-            if not bool(torch.isfinite(view).all()):
-                bad += int((~torch.isfinite(g)).sum())
+            views.append(out[lo : lo + row_count(g)])
+        scratch = row_squares(list(grads.values()), views, scratch)
+        bad = 0
+        # Every row sum finite means every element is (inf and nan propagate); a
+        # non-finite sum may also be a float64 overflow: count what is really bad.
+        if not bool(torch.isfinite(out[1:]).all()):
+            bad = sum(int((~torch.isfinite(g)).sum()) for g in grads.values())
         out[0] = float(bad)
         return scratch
 

@@ -106,11 +106,11 @@ def grad_norm(grads: list[torch.Tensor], scratch: torch.Tensor | None = None) ->
         dtype=torch.float64,
         device=grads[0].device if grads else torch.device("cpu"),
     )
-    at = 0
+    outs, at = [], 0
     for g in grads:
-        n = row_count(g)
-        scratch = row_squares(g, rows[at : at + n], scratch)
-        at += n
+        outs.append(rows[at : at + row_count(g)])
+        at += row_count(g)
+    row_squares(grads, outs, scratch)
     return norm_of_rows(rows)
 
 
@@ -120,33 +120,71 @@ def row_count(g: torch.Tensor) -> int:
 
 
 def row_squares(
-    g: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``out[i]`` = the sum of the squares of row ``i`` of ``g`` (float64, a pairwise
-    tree across the row, `_tree_rows`), for `grad_norm`. Works in ``scratch``
-    (float64, grown if too small or absent); returns the scratch it used."""
-    rows = row_count(g)
-    flat = g.detach().reshape(rows, -1) if rows else g.detach().reshape(0, 1)
-    width = flat.shape[1]
-    if width == 0:
-        out.zero_()
-        return scratch if scratch is not None else torch.empty(0, dtype=torch.float64)
-    step = max(1, NORM_CHUNK // max(width, 1))
-    need = min(rows, step) * width
-    if (
-        scratch is None
-        or scratch.dtype != torch.float64
-        or scratch.device != g.device
-        or scratch.numel() < need
-    ):
-        scratch = torch.empty(max(need, 1), dtype=torch.float64, device=g.device)
-    for a in range(0, rows, step):
-        part = flat[a : a + step]
-        x = scratch[: part.numel()].view(part.shape)
-        x.copy_(part)
-        x.square_()
-        out[a : a + part.shape[0]].copy_(_tree_rows(x))
+    grads: list[torch.Tensor], outs: list[torch.Tensor], scratch: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``outs[k][i]`` = the sum of the squares of row ``i`` of ``grads[k]`` (float64,
+    a pairwise tree across the row, `_tree_rows`), for `grad_norm`.
+
+    Rows of the same width, from any of the gradients, are squared and summed
+    together, up to `NORM_CHUNK` elements at a time: a model's hundred
+    parameters cost a few passes per width, not a dozen small ops each (the
+    Python and dispatch overhead was most of the cost). A row's sum is the same
+    bits whatever it is batched with. Works in ``scratch`` (float64, grown if
+    too small or absent); returns the scratch it used."""
+    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for g, out in zip(grads, outs, strict=True):
+        rows = row_count(g)
+        if rows == 0:
+            continue
+        flat = g.detach().reshape(rows, -1)
+        if flat.shape[1] == 0:
+            out.zero_()
+            continue
+        by_width.setdefault(flat.shape[1], []).append((flat, out))
+    for width, items in by_width.items():
+        step = max(1, NORM_CHUNK // width)
+        need = min(step, sum(f.shape[0] for f, _ in items)) * width
+        if (
+            scratch is None
+            or scratch.dtype != torch.float64
+            or scratch.device != items[0][0].device
+            or scratch.numel() < need
+        ):
+            scratch = torch.empty(need, dtype=torch.float64, device=items[0][0].device)
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        filled = 0
+        for flat, out in items:
+            at = 0
+            while at < flat.shape[0]:
+                take = min(flat.shape[0] - at, step - filled)
+                batch.append((flat[at : at + take], out[at : at + take]))
+                filled += take
+                at += take
+                if filled == step:
+                    _square_rows(batch, scratch, width)
+                    batch, filled = [], 0
+        if batch:
+            _square_rows(batch, scratch, width)
     return scratch
+
+
+def _square_rows(
+    batch: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor, width: int
+) -> None:
+    """Each row's sum of squares of the pieces in ``batch`` (rows of ``width``), into
+    their outputs: copied into ``scratch`` in float64, squared, summed by one tree."""
+    n = sum(src.shape[0] for src, _ in batch)
+    x = scratch[: n * width].view(n, width)
+    at = 0
+    for src, _ in batch:
+        x[at : at + src.shape[0]].copy_(src)
+        at += src.shape[0]
+    x.square_()
+    sums = _tree_rows(x)
+    at = 0
+    for src, out in batch:
+        out.copy_(sums[at : at + src.shape[0]])
+        at += src.shape[0]
 
 
 def norm_of_rows(rows: torch.Tensor) -> float:

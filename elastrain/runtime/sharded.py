@@ -72,6 +72,7 @@ from elastrain.runtime.backend import Update
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.preflight import model_problems
+from elastrain.runtime.shard_model import compiled_as, meta_flops, uncompiled
 from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
 from elastrain.runtime.update import BeforeStep
@@ -224,7 +225,7 @@ class ShardedBackend:
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
-        model, self._compile_ctx = _uncompiled(model)
+        model, self._compile_ctx = uncompiled(model)
         on_meta = [p.device.type == "meta" for p in (*model.parameters(), *model.buffers())]
         if any(on_meta) and not all(on_meta):
             raise ValueError(
@@ -289,7 +290,7 @@ class ShardedBackend:
         """The FSDP2 wrapper of the current replica group (None: a shadow, or not placed)."""
         self._call: nn.Module | None = None
         """What the loss function is given: `model`, or compiled as the script compiled
-        the model it passed (`_uncompiled`)."""
+        the model it passed (`shard_model.uncompiled`)."""
         self.group: tuple[str, ...] | None = None
         """The members of the replica group `model` is built on, in shard order."""
         self.local = nn.Module()
@@ -695,12 +696,8 @@ class ShardedBackend:
         self.model = self._wrap(dist.distributed_c10d._get_default_group())
         self._call = self.model
         if self._compile_ctx is not None:
-            from torch._dynamo.eval_frame import OptimizedModule
-
-            # The script's torch.compile settings, around this group's wrapper (FSDP2's
-            # hooks run eagerly between the compiled graphs). It compiles at the
-            # group's first step, on every member of the group at once.
-            self._call = OptimizedModule(self.model, self._compile_ctx)
+            # It compiles at the group's first step, on every member of the group at once.
+            self._call = compiled_as(self.model, self._compile_ctx)
         self.group = members
         return True
 
@@ -847,31 +844,8 @@ class ShardedBackend:
         """Nothing to compile in eager mode."""
 
     def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any] | None:
-        """The job's FLOPs per step, as a replicated member counts them (the whole
-        model's forward and backward of one micro-batch, scaled to the global
-        batch): counted on a meta-device copy of the model (shapes only, no
-        memory, no collective), so no member ever builds the full model for it.
-        Every member reports the same figure, as replicated members do; the MFU
-        divides it by the devices the job ran on. None (and a log line) where the
-        loss function cannot run on meta tensors (it reads a value, ``.item()``)."""
-        from elastrain.observe.efficiency import device_info
-        from elastrain.observe.flops import measure_step_flops
-
-        model = copy.deepcopy(self._template)
-        try:
-            fc = measure_step_flops(model, self.loss_fn, _on_meta(batch), micro_batch, global_batch)
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-            log.warning("FLOPs not counted: the loss does not run on the meta device (%s)", e)
-            return None
-        return {
-            "flops_per_step": fc.flops_per_step,
-            "flops_per_microbatch": fc.flops_per_microbatch,
-            "flops_per_sample": fc.flops_per_sample,
-            "tokens_per_sample": fc.tokens_per_sample,
-            "seconds": fc.seconds,
-            "method": f"{fc.method}, on the meta device",
-            **device_info(model),
-        }
+        """The job's FLOPs per step, counted on a meta-device copy (`meta_flops`)."""
+        return meta_flops(self._template, self.loss_fn, batch, micro_batch, global_batch)
 
     # ---- one step ------------------------------------------------------------------
 
@@ -1015,41 +989,6 @@ class ShardedBackend:
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
         self._pending = None
-
-
-def _uncompiled(model: nn.Module) -> tuple[nn.Module, Any]:
-    """The model to shard and how the script compiled it: ``torch.compile(model)``
-    gives its original module and its compile settings (applied to every replica
-    group's FSDP2 wrapper, `form_group`); an uncompiled model, itself and None.
-    A model compiled in place (``Module.compile()``, on it or a submodule) is
-    refused: its compiled call is bound to the module it compiled, which the
-    shards replace."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    from elastrain.runtime.compiled import is_compiled
-
-    if isinstance(model, OptimizedModule):
-        inner, ctx = model._orig_mod, model.dynamo_ctx
-        if is_compiled(inner):
-            raise ValueError(_IN_PLACE)
-        return inner, ctx
-    if is_compiled(model):
-        raise ValueError(_IN_PLACE)
-    return model, None
-
-
-_IN_PLACE = (
-    "a model compiled in place (Module.compile()) cannot be sharded (TrainerConfig.shard_size "
-    "> 1): pass torch.compile(model) instead; each replica group's FSDP2 wrapper is then "
-    "compiled with its settings"
-)
-
-
-def _on_meta(batch: Any) -> Any:
-    """``batch`` with every tensor on the meta device (its shapes and dtypes)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch)
 
 
 def _reshard(model: nn.Module) -> None:

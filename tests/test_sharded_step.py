@@ -503,3 +503,24 @@ def test_a_sharded_member_counts_the_jobs_flops_without_the_full_model() -> None
 
     sb.loss_fn = reads_a_value
     assert sb.count_flops(batch, 3, B) is None
+
+
+def test_a_step_rolled_forward_is_clipped_and_scaled_as_where_it_committed(
+    tmp_path: Path, loop_ref: Job
+) -> None:
+    """Three members of 2 x 2 lose the answer of step 8's commit vote (one shard's
+    twins both among them); the fourth commits it. The three apply the step they
+    kept (its gradient and its gathered norm vector) at the next heal: the same
+    clipping, hook decision and scaler update, so the run is the replicated one
+    bit for bit."""
+    import json
+
+    lost = ("w0", "w1", "w2")
+    points = [{"member": w, "step": 8, "phase": "vote", "action": "fail"} for w in lost]
+    job = _run(tmp_path, "vote", 2, LOOP, fault_points=json.dumps(points))
+    _assert_same(job, loop_ref)
+    rolled = job.of("step_rolled_forward")
+    assert sorted(e["proc"] for e in rolled) == list(lost)
+    # The hook ran for step 8 on the three too, when they applied it, with the same inputs.
+    for m in lost:
+        assert re.search(r"^hook 8 ", job.log(m), re.M), m

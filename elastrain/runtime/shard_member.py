@@ -193,7 +193,7 @@ class ShardedMember:
                 f"{ready.commit_gens.get(self.member)}, but kept "
                 f"{'nothing' if kept is None else f'step {kept.step} of {kept.gen}'}"
             )
-        self.backend.apply_kept(kept.reduced)
+        self.backend.apply_kept(kept.reduced, kept.step)
         self.events.emit(EventKind.STEP_ROLLED_FORWARD, step=kept.step, gen=kept.gen)
         log.warning(
             "%s: applied step %d kept from generation %d (committed there by others)",

@@ -160,11 +160,13 @@ class StepFinish:
         params: list[torch.nn.Parameter],
         optimizer: torch.optim.Optimizer,
         vector: torch.Tensor,
+        step: int | None = None,
     ) -> Update:
         """The replicated member's decisions, from the reduced vector: clip, the
         non-finite skip, the hook, the optimizer step (or not), the scaler's
         update. ``params``: the trainable shard parameters, their ``.grad`` the
-        unscaled mean gradient."""
+        unscaled mean gradient. ``step``: the step's index where it is not the
+        committed count (a kept step applied after the count moved on)."""
         norm, finite = norm_and_finite(vector)
         skipped = None if finite else SkipReason.NONFINITE
         clipped = False
@@ -173,7 +175,14 @@ class StepFinish:
         if self.before_step is not None:
             assert self.step_index is not None
             decision = self.before_step(
-                StepGrads(self.step_index(), norm, finite, clipped, params, optimizer)
+                StepGrads(
+                    self.step_index() if step is None else step,
+                    norm,
+                    finite,
+                    clipped,
+                    params,
+                    optimizer,
+                )
             )
             if skipped is None and decision == Decision.SKIP:
                 skipped = SkipReason.HOOK

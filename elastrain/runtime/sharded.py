@@ -948,14 +948,14 @@ class ShardedBackend:
         reduced, self._pending = self._pending, None
         return self._apply(reduced)
 
-    def _apply(self, reduced: Reduced) -> Update:
+    def _apply(self, reduced: Reduced, step: int | None = None) -> Update:
         assert self.optimizer is not None
         params = []
         for name, g in reduced.grads.items():
             lp = self.local.get_parameter(_local_name(name))
             lp.grad = g
             params.append(lp)
-        update = self.finish.finish(params, self.optimizer, reduced.vector)
+        update = self.finish.finish(params, self.optimizer, reduced.vector, step)
         if self.model is not None:
             for p in self.model.parameters():
                 p.grad = None
@@ -971,10 +971,11 @@ class ShardedBackend:
         self._grad = torch.zeros_like(self._grad)
         return kept
 
-    def apply_kept(self, kept: Reduced) -> Update:
-        """Apply a step from what `take_reduced` kept: the same update `apply` made on
-        the members that committed it (the same gradient rows, the same reduced
-        norm vector, so the same clipping and decisions)."""
+    def apply_kept(self, kept: Reduced, step: int) -> Update:
+        """Apply step `step` from what `take_reduced` kept: the same update `apply`
+        made on the members that committed it (the same gradient rows, the same
+        reduced norm vector, so the same clipping and decisions; the hook is told
+        `step`, as it was there: the committed count has moved on by now)."""
         for name, g in kept.grads.items():
             lp = self.local.get_parameter(_local_name(name))
             if g.shape != lp.shape or g.dtype != lp.dtype:
@@ -982,7 +983,7 @@ class ShardedBackend:
                     f"kept gradient of {name} {tuple(g.shape)} {g.dtype} does not fit this "
                     f"shard's {tuple(lp.shape)} {lp.dtype}"
                 )
-        return self._apply(kept)
+        return self._apply(kept, step)
 
     def discard(self) -> None:
         # An abandoned all-reduce may still write into the buffers: new ones.

@@ -524,3 +524,26 @@ def test_a_step_rolled_forward_is_clipped_and_scaled_as_where_it_committed(
     # The hook ran for step 8 on the three too, when they applied it, with the same inputs.
     for m in lost:
         assert re.search(r"^hook 8 ", job.log(m), re.M), m
+
+
+def test_native_reductions_clip_within_1e_6_of_the_exact_run(tmp_path: Path) -> None:
+    """reduce_dtype "native" (float32 sums, FSDP2's own accumulation) with clipping
+    and the hook, 2 x 2, against the replicated float64 run: not bit for bit (the
+    float32 sums round differently), within 1e-6 (max abs) on the loss curve and
+    1e-6 (relative) on every grad norm; the hook's decisions are the same."""
+    args = ["--max-grad-norm", "0.05", "--hook"]
+    ref = _run(tmp_path, "exact", None, args)
+    job = _run(tmp_path, "native", 2, [*args, "--reduce-dtype", "native"])
+    for j in (ref, job):
+        assert j.result.status == "done", j.result.message
+    assert check_same_state(job.events) == []
+    a, b = loss_curve(ref.events), loss_curve(job.events)
+    diff = max(abs(a[s] - b[s]) for s in range(STEPS))
+    print(f"native 2x2 vs float64 replicated, clipped: max abs loss difference {diff:.3g}")
+    assert diff <= 1e-6
+    na, nb = _norms(ref), _norms(job)
+    assert sorted(na) == sorted(nb) == list(range(STEPS))
+    for s in range(STEPS):
+        assert abs(float(na[s]) - float(nb[s])) <= 1e-6 * float(na[s]), (s, na[s], nb[s])
+    assert {e["step"] for e in job.of("step_skipped")} == {e["step"] for e in ref.of(
+        "step_skipped")}  # fmt: skip

@@ -33,12 +33,15 @@ Who does what in a step:
   stays zero. It keeps its process and its shard and applies every update, so
   that a replacement needs only the dead member's shard, from its twins.
 - The engine all-reduces the shard buffer over the shard's twins (every member
-  with the same shard index, complete or shadow) and the step's extras over
-  the whole generation (in float64 in both modes). `apply` divides the sum by
-  the global batch and steps the optimizer over the shard tensors. With
-  float64 it rounds the exact sum once to the parameters' dtype: the same bits
-  as the replicated trainer's update of the same rows, whichever members
-  computed which micro-batches.
+  with the same shard index, complete or shadow), then `norm_vector` divides
+  the sum by the global batch (with float64, one rounding of the exact sum to
+  the parameters' dtype) and the generation all-reduces its rows' sums of
+  squares (the global norm and found-inf, `elastrain.runtime.shard_step`),
+  then the step's extras over the whole generation (in float64 in both
+  modes). `apply` clips, runs the script's hook and the GradScaler, and steps
+  the optimizer over the shard tensors: the same bits as the replicated
+  trainer's update of the same rows, whichever members computed which
+  micro-batches.
 
 What FSDP2 cannot do, and this module does instead: keep a member's shard
 alive across process groups. FSDP2 binds a wrapper to its mesh for good, so a

@@ -127,13 +127,18 @@ def test_a_compiled_ddp_model_is_still_refused() -> None:
     assert model_problems(torch.compile(nn.Linear(2, 2), backend=BACKEND)) == []
 
 
-def test_a_compiled_model_cannot_be_sharded_yet() -> None:
+def test_a_model_compiled_in_place_cannot_be_sharded() -> None:
+    """Sharded, ``torch.compile(model)`` is accepted (each replica group's FSDP2
+    wrapper is compiled with its settings: tests/test_sharded_step.py runs it);
+    ``model.compile()`` in place is refused before anything connects, with what
+    to pass instead."""
     model, opt = _net()
+    model.compile(backend=BACKEND)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
     cfg = TrainerConfig(global_batch_size=4, micro_batch_size=2, total_steps=2, shard_size=2)
-    with pytest.raises(ValueError, match="compiled model cannot be sharded"):
+    with pytest.raises(ValueError, match=r"pass torch.compile\(model\) instead"):
         ElasticTrainer(
-            torch.compile(model, backend=BACKEND),
+            model,
             opt,
             data,
             _loss,

@@ -130,17 +130,24 @@ class ShardedGroups:
             raise CannotCompute(str(e)) from None
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
-        """The shard's twins first; the whole generation's all-reduce of the extras
-        after, as the commit vote: one member through it proves that every member
-        reduced its shard, so any member that then loses the vote's answer can
-        apply the step it kept (`plan.roll_forwards`)."""
+        """The shard's twins first; the whole generation's all-reduce of the norm
+        vector (the global gradient norm and found-inf, `shard_step`); the
+        generation's all-reduce of the extras last, as the commit vote: one member
+        through it proves that every member reduced its shard and the norm, so any
+        member that then loses the vote's answer can apply the step it kept
+        (`plan.roll_forwards`). A member that fails before the vote keeps nothing:
+        no member can have committed that step."""
         world = links.pg
         return [
             Reduction(
                 self.shards.reduce,
                 before_wait=hooks.StepPoint.ALLREDUCE,
-                keep=self.shards.keep,
                 what="the twins' reduction",
+            ),
+            Reduction(
+                lambda: self.shards.norm(world),
+                keep=self.shards.keep,
+                what="the norm's reduction",
             ),
             Reduction(lambda: self.shards.vote(world, extras), after_wait=hooks.StepPoint.VOTE),
         ]

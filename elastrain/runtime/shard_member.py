@@ -13,8 +13,10 @@ the layout-specific work of a generation to a `ShardedMember`:
               wrapper is built (a shadow has none);
     rounds    this member's micro-batch turns in its replica group's rounds;
     reduce    the shard's gradient over the twins;
+    norm      then the rows' sums of squares over everyone: the global gradient
+              norm and found-inf (`elastrain.runtime.shard_step`);
     vote      then the extras over everyone: the commit vote (a member that
-              loses its answer keeps the reduced gradient, `keep`, and applies
+              loses its answer keeps the reduced gradient and norm, `keep`, and applies
               it at the next heal if the generation's ready answer says another
               member committed the step: `plan.roll_forwards`);
     drop      park the twins' group and leave the replica group.
@@ -50,6 +52,7 @@ from elastrain.runtime.reshard import (
     moved_bytes,
     plan_reshard,
 )
+from elastrain.runtime.shard_step import Reduced
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
 from elastrain.transfer import HealFn, LandingReserve, Role
 
@@ -66,8 +69,9 @@ class NoCompleteGroup(RuntimeError):
 class _Kept:
     step: int
     gen: int
-    grad: torch.Tensor
-    """The twins' reduced gradient sum of `step` (no collective writes it any more)."""
+    reduced: Reduced
+    """`step`'s mean gradient (the twins' reduction) and norm vector (the generation's):
+    no collective writes them any more."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,7 @@ class ShardedMember:
                 f"{ready.commit_gens.get(self.member)}, but kept "
                 f"{'nothing' if kept is None else f'step {kept.step} of {kept.gen}'}"
             )
-        self.backend.apply_kept(kept.grad)
+        self.backend.apply_kept(kept.reduced, kept.step)
         self.events.emit(EventKind.STEP_ROLLED_FORWARD, step=kept.step, gen=kept.gen)
         log.warning(
             "%s: applied step %d kept from generation %d (committed there by others)",
@@ -451,14 +455,25 @@ class ShardedMember:
         works (not waited)."""
         return tensor_allreduce(self.twins_pg, self.backend.reduce_buffers())
 
+    def norm(self, world_pg: Any) -> list[Any]:
+        """Start the all-reduce of the norm vector over the whole generation, once
+        `reduce`'s works completed here (the mean gradient is final). The first
+        twin of each shard writes its rows' sums; everyone else zeros there.
+        Returns the works (not waited)."""
+        layout = self.layout
+        assert layout is not None
+        writes = layout.twins(layout.slots[self.member].shard)[0] == self.member
+        return tensor_allreduce(world_pg, [self.backend.norm_vector(writes)])
+
     def vote(self, world_pg: Any, extras: torch.Tensor) -> list[Any]:
         """Start the commit vote, once `reduce`'s works completed here: the extras'
         all-reduce over the whole generation. Returns the works (not waited)."""
         return tensor_allreduce(world_pg, [extras])
 
     def keep(self, step: int, gen: int) -> None:
-        """Keep the reduced gradient of `step` (generation `gen`): the twins' sum
-        completed here, the vote's answer did not."""
+        """Keep the reduced gradient and norm vector of `step` (generation `gen`):
+        the twins' and the norm's all-reduces completed here, the vote's answer did
+        not."""
         self._kept = _Kept(step, gen, self.backend.take_reduced())
 
     def event_fields(self) -> dict[str, int]:

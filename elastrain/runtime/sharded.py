@@ -33,12 +33,15 @@ Who does what in a step:
   stays zero. It keeps its process and its shard and applies every update, so
   that a replacement needs only the dead member's shard, from its twins.
 - The engine all-reduces the shard buffer over the shard's twins (every member
-  with the same shard index, complete or shadow) and the step's extras over
-  the whole generation (in float64 in both modes). `apply` divides the sum by
-  the global batch and steps the optimizer over the shard tensors. With
-  float64 it rounds the exact sum once to the parameters' dtype: the same bits
-  as the replicated trainer's update of the same rows, whichever members
-  computed which micro-batches.
+  with the same shard index, complete or shadow), then `norm_vector` divides
+  the sum by the global batch (with float64, one rounding of the exact sum to
+  the parameters' dtype) and the generation all-reduces its rows' sums of
+  squares (the global norm and found-inf, `elastrain.runtime.shard_step`),
+  then the step's extras over the whole generation (in float64 in both
+  modes). `apply` clips, runs the script's hook and the GradScaler, and steps
+  the optimizer over the shard tensors: the same bits as the replicated
+  trainer's update of the same rows, whichever members computed which
+  micro-batches.
 
 What FSDP2 cannot do, and this module does instead: keep a member's shard
 alive across process groups. FSDP2 binds a wrapper to its mesh for good, so a
@@ -68,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastrain.checkpoint.dcp import Chunk, model_key, optim_key, row_count
+from elastrain.runtime.backend import Update
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.meta_init import (
@@ -86,8 +90,10 @@ from elastrain.runtime.registered import (
     repoint,
     schedulers_in,
 )
+from elastrain.runtime.shard_model import compiled_as, meta_flops, uncompiled
+from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
-from elastrain.runtime.update import scheduler_problems, schedulers_of
+from elastrain.runtime.update import BeforeStep, scheduler_problems, schedulers_of
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 from elastrain.transfer.flatten import MODEL_PREFIX, Stateful
 from elastrain.transfer.torch_state import fresh_entries, fresh_param_state
@@ -230,9 +236,13 @@ class ShardedBackend:
         extra_state: Callable[[], dict[str, Any]] | None = None,
         load_extra_state: Callable[[dict[str, Any]], None] | None = None,
         init_fn: InitFn | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        before_step: BeforeStep | None = None,
+        step_index: Callable[[], int] | None = None,
     ) -> None:
         if config.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {config.shard_size}")
+        model, self._compile_ctx = uncompiled(model)
         on_meta = [p.device.type == "meta" for p in (*model.parameters(), *model.buffers())]
         if any(on_meta) and not all(on_meta):
             raise ValueError(
@@ -260,6 +270,13 @@ class ShardedBackend:
         self._moved: list[Any] | None = None
         """The schedulers found over the script's optimizer at the first `_install`,
         moved onto every shard optimizer since (`elastrain.runtime.registered`)."""
+        self.finish = StepFinish(config.max_grad_norm, grad_scaler, before_step, step_index)
+        """Clipping, the scaler and the script's hook around the optimizer step
+        (`elastrain.runtime.shard_step`)."""
+        if self.finish.scaler is not None:
+            # Registered like any carried object, under the replicated trainer's name:
+            # heal, reshard, checkpoints and the state hash carry its scale.
+            self.objects["grad_scaler"] = self.finish.scaler
         self._problems = model_problems(model)
         self._signature = model_signature(model)
         self._full: nn.Module | None = model
@@ -306,6 +323,9 @@ class ShardedBackend:
         self.shard: int | None = None
         self.model: nn.Module | None = None
         """The FSDP2 wrapper of the current replica group (None: a shadow, or not placed)."""
+        self._call: nn.Module | None = None
+        """What the loss function is given: `model`, or compiled as the script compiled
+        the model it passed (`shard_model.uncompiled`)."""
         self.group: tuple[str, ...] | None = None
         """The members of the replica group `model` is built on, in shard order."""
         self.local = nn.Module()
@@ -329,6 +349,10 @@ class ShardedBackend:
         self._rounds_left: int | None = None
         """Native: the rounds of this step not computed yet (`plan_rounds`)."""
         self._extras = torch.zeros(0, dtype=torch.float64)
+        self._pending: Reduced | None = None
+        """The step's mean gradient and norm vector (`norm_vector`), until applied."""
+        self._scratch: torch.Tensor | None = None
+        """Float64 work space of the rows' sums of squares, reused every step."""
         self._resume_source: Callable[[int, int], ResumedShard] | None = None
 
     # ---- placement and replica groups ---------------------------------------------
@@ -738,6 +762,10 @@ class ShardedBackend:
             raise ValueError(f"a replica group has {self.shard_size} members, got {len(members)}")
         open_group()
         self.model = self._wrap(dist.distributed_c10d._get_default_group())
+        self._call = self.model
+        if self._compile_ctx is not None:
+            # It compiles at the group's first step, on every member of the group at once.
+            self._call = compiled_as(self.model, self._compile_ctx)
         self.group = members
         return True
 
@@ -762,6 +790,7 @@ class ShardedBackend:
                     # Own storage again: the wrapper's goes away with it.
                     lp.data = lp.data.clone()
         self.model = None
+        self._call = None
         self.group = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -849,6 +878,8 @@ class ShardedBackend:
 
     def state(self) -> TorchState:
         assert self.optimizer is not None, "state() before place()"
+        # The shard only: registered objects (the GradScaler too) are replicated and
+        # travel in the meta (`meta`), which every heal, reshard and checkpoint carries.
         return TorchState(self.local, self.optimizer)
 
     def adopt(self, state: NamedState) -> None:
@@ -896,17 +927,19 @@ class ShardedBackend:
     def warm_up(self, batch: Any, extra_slots: int) -> None:
         """Nothing to compile in eager mode."""
 
-    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
-        """Not counted for a sharded model yet (its full parameters are gone)."""
-        return None
+    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> dict[str, Any] | None:
+        """The job's FLOPs per step, counted on a meta-device copy (`meta_flops`)."""
+        return meta_flops(self._template, self.loss_fn, batch, micro_batch, global_batch)
 
     # ---- one step ------------------------------------------------------------------
 
     def begin_step(self, extra_slots: int) -> None:
         self._grad.zero_()
+        self._pending = None
         self._rounds_left = None
         if self._extras.numel() != extra_slots:
             self._extras = torch.zeros(extra_slots, dtype=torch.float64)
+        self.finish.ready_scale()
         if self.model is not None:
             _reshard(self.model)
             self._bind(self.model)
@@ -927,8 +960,10 @@ class ShardedBackend:
         """One round of the replica group: every member of it calls this together
         (FSDP2's collectives), `samples` 0 for a padding round (its gradient is zero).
         Native: `plan_rounds` first; the gradient stays unsharded (accumulated by
-        autograd) until the last planned round, which reduce-scatters it."""
-        if self.model is None:
+        autograd) until the last planned round, which reduce-scatters it. With a
+        GradScaler the loss sum is scaled before backward, as the replicated
+        member scales it."""
+        if self.model is None or self._call is None:
             raise RuntimeError("a shadow does not compute")
         if self.native:
             if not self._rounds_left:
@@ -942,8 +977,8 @@ class ShardedBackend:
             self.model.set_requires_gradient_sync(self._rounds_left == 0)  # type: ignore[operator]
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
-            loss = self.loss_fn(self.model, batch)
-            (loss * samples).backward()
+            loss = self.loss_fn(self._call, batch)
+            self.finish.scale(loss * samples).backward()
         return float(loss.detach()) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:
@@ -955,10 +990,17 @@ class ShardedBackend:
         """The step's extras: all-reduced over the whole generation."""
         return self._extras
 
-    def apply(self) -> None:
-        assert self.optimizer is not None
+    def norm_vector(self, writes: bool) -> torch.Tensor:
+        """Once the twins' all-reduce completed: the mean gradient of each trainable
+        shard parameter (the sum divided by the global batch, rounded once to the
+        parameter's dtype: float64 reductions round the exact mean, the replicated
+        member's bits), unscaled by the GradScaler; and the vector the generation
+        all-reduces for the norm (`elastrain.runtime.shard_step.NormRows`), holding
+        this shard's rows' sums of squares if this member `writes` them (one
+        holder per shard) and zeros elsewhere. Returns the vector (to all-reduce
+        in place)."""
         b = self.global_batch_size
-        g = self._grad
+        grads: dict[str, torch.Tensor] = {}
         for name in self._names:
             lp = self.local.get_parameter(_local_name(name))
             if not lp.requires_grad:
@@ -966,36 +1008,72 @@ class ShardedBackend:
             lo, hi = self._offsets[name]
             # Twins divide the same all-reduced bytes: the same bits on every twin.
             # Float64: one rounding, from the exact mean; native: a view, no copy.
-            lp.grad = g[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
-        self.optimizer.step()
+            grads[name] = self._grad[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
+        self.finish.unscale(list(grads.values()))
+        rows = NormRows(grads, {n: self._shapes[n][0] for n in grads})
+        vector = torch.zeros(rows.size, dtype=torch.float64)
+        if writes:
+            assert self.shard is not None
+            first = {n: shard_rows(self._shapes[n][0], self.shard_size, self.shard)[0]
+                     for n in grads}  # fmt: skip
+            self._scratch = rows.fill(vector, grads, first, self._scratch)
+        self._pending = Reduced(grads, vector)
+        return vector
+
+    def apply(self) -> Update:
+        """The step's update from its reduced gradient and norm vector
+        (`norm_vector`, all-reduced): clipping, the non-finite skip, the hook, the
+        optimizer step, the scaler (`StepFinish.finish`). Called without
+        `norm_vector` (a caller driving one backend by hand, no generation), the
+        vector is this member's rows' alone."""
+        if self._pending is None:
+            self.norm_vector(writes=True)
+        assert self._pending is not None
+        reduced, self._pending = self._pending, None
+        return self._apply(reduced)
+
+    def _apply(self, reduced: Reduced, step: int | None = None) -> Update:
+        assert self.optimizer is not None
+        params = []
+        for name, g in reduced.grads.items():
+            lp = self.local.get_parameter(_local_name(name))
+            lp.grad = g
+            params.append(lp)
+        update = self.finish.finish(params, self.optimizer, reduced.vector, step)
         if self.model is not None:
             for p in self.model.parameters():
                 p.grad = None
+        return update
 
-    def take_reduced(self) -> torch.Tensor:
-        """Hand over the step's reduced gradient sum (`apply_kept` applies it later)
-        and hold a fresh buffer: the twins' all-reduce of it completed."""
-        g, self._grad = self._grad, torch.zeros_like(self._grad)
-        return g
+    def take_reduced(self) -> Reduced:
+        """Hand over the step's reduced gradient and norm vector (`apply_kept`
+        applies them later) and hold a fresh gradient buffer: the twins' and the
+        norm's all-reduces completed."""
+        if self._pending is None:
+            raise RuntimeError("take_reduced() before norm_vector(): nothing reduced to keep")
+        kept, self._pending = self._pending, None
+        self._grad = torch.zeros_like(self._grad)
+        return kept
 
-    def apply_kept(self, grad: torch.Tensor) -> None:
-        """Apply a step from its kept reduced gradient sum (`take_reduced`): the
-        same update `apply` made on the members that committed it."""
-        if grad.shape != self._grad.shape or grad.dtype != self._grad.dtype:
-            raise ValueError(
-                f"kept gradient {tuple(grad.shape)} {grad.dtype} does not fit this shard's "
-                f"{tuple(self._grad.shape)} {self._grad.dtype}"
-            )
-        self._grad = grad
-        try:
-            self.apply()
-        finally:
-            self._grad = torch.zeros_like(grad)
+    def apply_kept(self, kept: Reduced, step: int) -> Update:
+        """Apply step `step` from what `take_reduced` kept: the same update `apply`
+        made on the members that committed it (the same gradient rows, the same
+        reduced norm vector, so the same clipping and decisions; the hook is told
+        `step`, as it was there: the committed count has moved on by now)."""
+        for name, g in kept.grads.items():
+            lp = self.local.get_parameter(_local_name(name))
+            if g.shape != lp.shape or g.dtype != lp.dtype:
+                raise ValueError(
+                    f"kept gradient of {name} {tuple(g.shape)} {g.dtype} does not fit this "
+                    f"shard's {tuple(lp.shape)} {lp.dtype}"
+                )
+        return self._apply(kept, step)
 
     def discard(self) -> None:
         # An abandoned all-reduce may still write into the buffers: new ones.
         self._grad = torch.zeros_like(self._grad)
         self._extras = torch.zeros_like(self._extras)
+        self._pending = None
 
 
 def _reshard(model: nn.Module) -> None:

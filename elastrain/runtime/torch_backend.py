@@ -248,6 +248,8 @@ class TorchBackend:
         self._extra_slots = 0
         self._flats: list[torch.Tensor] = []
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._ordered: list[torch.Tensor] = []
+        """The trainable parameters' .grad views in the model's order (`_grads`)."""
         self._reduce: list[torch.Tensor] = []
         self._scratch = torch.empty(0, dtype=torch.float64, device=self.device)
         """Float64 work space, reused every step (a fresh buffer per step would be
@@ -420,14 +422,13 @@ class TorchBackend:
         return Update(norm, skipped)
 
     def _grads(self) -> list[torch.Tensor]:
-        """The mean gradient, one flat tensor per dtype (the extras left out)."""
-        if self.native and self._extra_slots:
-            return [self._flats[0][: -self._extra_slots], *self._flats[1:]]
-        return list(self._flats)
+        """The mean gradient, each trainable parameter's view in the model's order
+        (the order `grad_norm`'s rows are summed in, as the sharded trainer's)."""
+        return self._ordered
 
     def discard(self) -> None:
         self._release_captures()
-        self._flats, self._views, self._reduce = [], [], []
+        self._flats, self._views, self._reduce, self._ordered = [], [], [], []
 
     def _release_captures(self) -> None:
         for c in self._captures:
@@ -491,6 +492,8 @@ class TorchBackend:
             flats.append(flat)
             grouped.append(mine)
         self._flats, self._views = flats, [qv for mine in grouped for qv in mine]
+        view_of = {id(q): v for q, v in self._views}
+        self._ordered = [view_of[id(q)] for q in params]
         if self.native:
             self._reduce = flats
         else:

@@ -29,7 +29,6 @@ import torch
 from torch.utils.data import default_collate
 
 from elastrain.runtime.backend import Backend, SkipReason
-from elastrain.runtime.compiled import is_compiled
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, MapDataset, StepResult
 from elastrain.runtime.engine_trainer import EngineTrainer
@@ -104,7 +103,9 @@ class ElasticTrainer(EngineTrainer):
     ``model.compile()`` (in place, before or after the trainer is built). Its state
     keeps the uncompiled model's names, so compiled and uncompiled members agree
     and a replacement heals into a compiled model; it is compiled before the
-    member joins (`TorchBackend.warm_up`). Unsharded only.
+    member joins (`TorchBackend.warm_up`). Sharded, pass ``torch.compile(model)``: each
+    replica group's FSDP2 wrapper is compiled with its settings, at the group's
+    first step (`elastrain.runtime.sharded`).
     """
 
     def __init__(
@@ -132,26 +133,6 @@ class ElasticTrainer(EngineTrainer):
         backend: Backend
         topology: TopologyFactory = Replicated
         if config.shard_size > 1:
-            unsupported = [
-                what
-                for what, given in (
-                    ("max_grad_norm", config.max_grad_norm is not None),
-                    ("grad_scaler", grad_scaler is not None),
-                    ("before_step", before_step is not None),
-                )
-                if given
-            ]
-            if unsupported:
-                # Each needs the global norm or found-inf across the shards: not built yet.
-                raise ValueError(
-                    f"{', '.join(unsupported)}: not available for sharded models yet "
-                    "(TrainerConfig.shard_size > 1)"
-                )
-            if is_compiled(model):
-                raise ValueError(
-                    "a compiled model cannot be sharded yet (TrainerConfig.shard_size > 1): "
-                    "pass the uncompiled model"
-                )
             sharded = ShardedBackend(
                 model,
                 optimizer,
@@ -161,6 +142,10 @@ class ElasticTrainer(EngineTrainer):
                 extra_state=extra_state,
                 load_extra_state=load_extra_state,
                 init_fn=init_fn,
+                grad_scaler=grad_scaler,
+                before_step=before_step,
+                # While a step is applied the committed count is its index.
+                step_index=lambda: self.engine.committed,
             )
             backend, topology = sharded, sharded_groups(sharded)
         else:

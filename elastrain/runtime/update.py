@@ -10,7 +10,8 @@ clock, no thread count), so every member takes the same decisions and makes
 the same update without a word to the others:
 
 - `grad_norm`: the global L2 norm of the mean gradient, in float64, by a
-  reduction whose order is fixed by the model's layout alone;
+  reduction whose order is fixed by the parameters' shapes alone (row by row,
+  so that a sharded member's rows give the same bits, `row_squares`);
 - clipping to `TrainerConfig.max_grad_norm` with torch's own
   `clip_grads_with_norm_` (what `clip_grad_norm_` does, given that norm);
 - a non-finite gradient is never applied: the step commits as skipped;
@@ -32,9 +33,9 @@ import torch
 from elastrain.transfer.flatten import Stateful
 
 NORM_CHUNK = 1 << 20
-"""Elements squared and summed as one tree by `grad_norm` (8 MiB of float64 scratch);
-the chunks' sums are then summed by a tree of their own. Part of the norm's
-definition: changing it changes the last bits of every norm."""
+"""Elements squared at a time by `row_squares` (8 MiB of float64 scratch): whole rows
+of a gradient, at least one. Not part of the norm's definition (rows are summed
+alone, so how many are squared together changes no bit)."""
 
 
 class Decision(StrEnum):
@@ -77,44 +78,134 @@ it. Returning `Decision.SKIP` skips the update on every member."""
 
 
 def grad_norm(grads: list[torch.Tensor], scratch: torch.Tensor | None = None) -> float:
-    """The L2 norm of the concatenation of ``grads``, in float64, bit-identical on
-    every member whatever its intra-op thread count or vector width.
+    """The L2 norm of ``grads`` (each parameter's gradient, in the model's order),
+    in float64, bit-identical on every member whatever its intra-op thread count
+    or vector width, and whatever rows of the gradient it holds.
 
     torch's own reductions (``vector_norm``, ``sum``) split work by thread count
     and SIMD width, so two members holding the same gradient could get norms
     differing in the last bit, clip by different factors and drift apart.
-    Here each chunk of `NORM_CHUNK` elements is squared in float64 (exact for
-    float32, bfloat16 and float16) and summed by a pairwise tree of elementwise
-    additions (`_tree_sum`); the chunks' sums likewise. An elementwise addition
-    rounds the same however torch splits or vectorises it, and the tree's shape
-    depends on the element counts alone, so the norm does too.
+    Here the norm is defined on rows (a gradient's dim-0 slices; a 0-dim or 1-D
+    gradient's elements): each row's squares (float64: exact for float32,
+    bfloat16 and float16) are summed by a pairwise tree of elementwise additions
+    (`row_squares`), and the rows' sums, every parameter's in turn, by another
+    (`norm_of_rows`). An elementwise addition rounds the same however torch
+    splits or vectorises it, and the trees' shapes depend on the shapes alone.
+    Because a row is summed alone, a sharded member that holds some rows of every
+    parameter computes those rows' sums bit-identical to the replicated member
+    that holds them all: the sharded trainer gathers the rows' sums in this
+    order and gets this norm, bit for bit (`elastrain.runtime.shard_step`).
 
     ``scratch``: a float64 tensor of at least `NORM_CHUNK` elements (or of the
-    largest gradient's) to work in, overwritten; without one, a buffer is
-    allocated per call (a fresh one is page-faulted in on every call: ~0.6 ms
-    per 10 MB here, more than the sum itself).
+    widest row) to work in, overwritten; without one, a buffer is allocated
+    per call (a fresh one is page-faulted in on every call: ~0.6 ms per 10 MB
+    here, more than the sum itself).
     """
-    flats = [g.detach().reshape(-1) for g in grads]
-    widest = min(NORM_CHUNK, max((f.numel() for f in flats), default=0))
-    device = flats[0].device if flats else torch.device("cpu")
-    if (
-        scratch is None
-        or scratch.dtype != torch.float64
-        or scratch.device != device
-        or scratch.numel() < widest
-    ):
-        scratch = torch.empty(widest, dtype=torch.float64, device=device)
-    sums: list[torch.Tensor] = []
-    for f in flats:
-        for a in range(0, f.numel(), NORM_CHUNK):
-            part = f[a : a + NORM_CHUNK]
-            x = scratch[: part.numel()]
-            x.copy_(part)
-            x.square_()
-            sums.append(_tree_sum(x).clone())
-    if not sums:
+    rows = torch.empty(
+        sum(row_count(g) for g in grads),
+        dtype=torch.float64,
+        device=grads[0].device if grads else torch.device("cpu"),
+    )
+    outs, at = [], 0
+    for g in grads:
+        outs.append(rows[at : at + row_count(g)])
+        at += row_count(g)
+    row_squares(grads, outs, scratch)
+    return norm_of_rows(rows)
+
+
+def row_count(g: torch.Tensor) -> int:
+    """The rows `grad_norm` sums ``g`` in: its dim-0 size (a 0-dim tensor: one)."""
+    return g.shape[0] if g.dim() else 1
+
+
+def row_squares(
+    grads: list[torch.Tensor], outs: list[torch.Tensor], scratch: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``outs[k][i]`` = the sum of the squares of row ``i`` of ``grads[k]`` (float64,
+    a pairwise tree across the row, `_tree_rows`), for `grad_norm`.
+
+    Rows of the same width, from any of the gradients, are squared and summed
+    together, up to `NORM_CHUNK` elements at a time: a model's hundred
+    parameters cost a few passes per width, not a dozen small ops each (the
+    Python and dispatch overhead was most of the cost). A row's sum is the same
+    bits whatever it is batched with. Works in ``scratch`` (float64, grown if
+    too small or absent); returns the scratch it used."""
+    by_width: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for g, out in zip(grads, outs, strict=True):
+        rows = row_count(g)
+        if rows == 0:
+            continue
+        flat = g.detach().reshape(rows, -1)
+        if flat.shape[1] == 0:
+            out.zero_()
+            continue
+        by_width.setdefault(flat.shape[1], []).append((flat, out))
+    for width, items in by_width.items():
+        step = max(1, NORM_CHUNK // width)
+        need = min(step, sum(f.shape[0] for f, _ in items)) * width
+        if (
+            scratch is None
+            or scratch.dtype != torch.float64
+            or scratch.device != items[0][0].device
+            or scratch.numel() < need
+        ):
+            scratch = torch.empty(need, dtype=torch.float64, device=items[0][0].device)
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        filled = 0
+        for flat, out in items:
+            at = 0
+            while at < flat.shape[0]:
+                take = min(flat.shape[0] - at, step - filled)
+                batch.append((flat[at : at + take], out[at : at + take]))
+                filled += take
+                at += take
+                if filled == step:
+                    _square_rows(batch, scratch, width)
+                    batch, filled = [], 0
+        if batch:
+            _square_rows(batch, scratch, width)
+    return scratch
+
+
+def _square_rows(
+    batch: list[tuple[torch.Tensor, torch.Tensor]], scratch: torch.Tensor, width: int
+) -> None:
+    """Each row's sum of squares of the pieces in ``batch`` (rows of ``width``), into
+    their outputs: copied into ``scratch`` in float64, squared, summed by one tree."""
+    n = sum(src.shape[0] for src, _ in batch)
+    x = scratch[: n * width].view(n, width)
+    at = 0
+    for src, _ in batch:
+        x[at : at + src.shape[0]].copy_(src)
+        at += src.shape[0]
+    x.square_()
+    sums = _tree_rows(x)
+    at = 0
+    for src, out in batch:
+        out.copy_(sums[at : at + src.shape[0]])
+        at += src.shape[0]
+
+
+def norm_of_rows(rows: torch.Tensor) -> float:
+    """The norm from the rows' sums of squares (`row_squares`, every trainable
+    parameter's rows in the model's order): the square root of their pairwise
+    tree sum. ``rows`` is left as it was."""
+    if rows.numel() == 0:
         return 0.0
-    return float(_tree_sum(torch.stack(sums)).sqrt())
+    return float(_tree_sum(rows.clone()).sqrt())
+
+
+def _tree_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of 2-D ``x`` (destroyed): while a row has n > 1 columns, add
+    the last n // 2 columns elementwise into the first n // 2. Returns a view of
+    column 0."""
+    n = x.shape[1]
+    while n > 1:
+        h = n // 2
+        x[:, :h].add_(x[:, n - h : n])
+        n -= h
+    return x[:, 0]
 
 
 def _tree_sum(x: torch.Tensor) -> torch.Tensor:

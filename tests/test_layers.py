@@ -111,11 +111,13 @@ MAX_CLASS_LINES = 600
 MAX_CLASS_METHODS = 40
 MAX_MODULE_LINES = 900
 OVER_BUDGET = {
-    "runtime/sharded.py": "the sharded backend and its groups (928 lines); the engine's "
+    "runtime/sharded.py": "the sharded backend and its groups (1,117 lines); the engine's "
     "branches on it moved into the topology strategy (runtime/shard_groups.py), its own "
     "placement, reshard and checkpoint-part code is the next to move out",
-    "runtime/sharded.py:ShardedBackend": "the sharded backend (718 lines, 42 methods): one "
-    "shard's FSDP2 wrapping, placement, reshard and checkpoint parts; split with the above",
+    "runtime/sharded.py:ShardedBackend": "the sharded backend (869 lines, 46 methods): one "
+    "shard's FSDP2 wrapping, placement, reshard and checkpoint parts, registered state; the "
+    "step's loop (shard_step.py), compile and FLOPs (shard_model.py) and the meta start "
+    "(meta_init.py) moved out; placement and checkpoint parts are the next; split with the above",
     "runtime/member.py:MemberProtocol": "the member protocol's state machine: one method per "
     "event or query, each small and pure; 42 methods of one transition table",
     "control/quorum.py:Membership": "the coordinator's membership state machine (697 lines): "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +170,6 @@ def test_the_sharded_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     e, _ = first_heal(ev) or ({}, [])
     assert 0.45 < e["bytes"] / state_bytes() < 0.55
     assert "regroups in memory" in out and "first replacement:" in out
+    # The recipe: clipping by the global norm, a registered schedule, evaluations.
+    assert "global gradient norm over all shards:" in out, out[-3000:]
+    assert re.search(r"held-out loss: step 25: \d\.\d{3}.*step 50: .*step 75: ", out), out[-3000:]

@@ -11,6 +11,12 @@ read as bytes (vocabulary 256).
 It also runs sharded (`elastrain demo --sharded` runs it as 2 x 2 with
 `--dim 192 --layers 4`): the loss function uses the model it is given (the
 FSDP2 wrapper), and the blocks sit in an `nn.ModuleList`, one FSDP2 unit each.
+
+The sharded demo also turns on what an LLM recipe has (`--clip 1.0 --warmup 5
+--eval-every 25`): gradient clipping by the global norm, a warm-up + cosine
+learning rate (`LambdaLR`, registered with the trainer so that heals, reshards
+and checkpoints carry it), and an evaluation on held-out text that the
+trainer runs and redoes if a member dies during it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,6 +104,27 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def eval_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The summed loss of a held-out batch (the trainer adds the sums exactly)."""
+    return {"loss": loss_fn(model, batch) * len(batch[0])}
+
+
+def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
+    """The LR factor: linear warm-up over `warmup` steps, then cosine decay to a tenth."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+
+    return factor
+
+
+HELD_OUT = 64 * 1024
+"""Bytes at the corpus's end kept out of training for `--eval-every`."""
+
+
 def _pace(path: str | None, default: float) -> float:
     if path:
         try:
@@ -116,6 +144,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up steps of a warm-up + cosine LR schedule (registered with the trainer)",
+    )
+    ap.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="evaluate on held-out text every N steps (the corpus's last 64 KiB)",
+    )
     ap.add_argument(
         "--min-step-s",
         type=float,
@@ -135,24 +176,47 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every member
     model = GPT(block=args.block, d=args.dim, layers=args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    data = ByteBlocks(stdlib_corpus(), args.block)
+    corpus = stdlib_corpus()
+    held_out = args.eval_every is not None
+    data = ByteBlocks(corpus[:-HELD_OUT] if held_out else corpus, args.block)
     cfg = TrainerConfig(
         global_batch_size=args.batch,
         micro_batch_size=args.micro,
         total_steps=args.steps,
         seed=args.seed,
+        max_grad_norm=args.clip,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
+    sched = None
+    if args.warmup is not None:
+        total = trainer.config.total_steps  # the launcher's --steps wins
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, total))
+        trainer.register("sched", sched)
+    if held_out:
+        val = ByteBlocks(corpus[-HELD_OUT:], args.block)
+        trainer.evaluate_every(args.eval_every, eval_fn, val, batch_size=4 * args.micro)
     for r in trainer.steps():
+        if sched is not None:
+            sched.step()
         pace = _pace(args.pace_file, args.min_step_s)
         if r.step_s < pace:
             time.sleep(pace - r.step_s)  # the pace, not a synchronisation
-        if r.rank == 0 and (r.step % 10 == 0 or r.step == trainer.config.total_steps - 1):
+        last = r.step == trainer.config.total_steps - 1
+        if r.rank == 0 and (r.step % 10 == 0 or last or r.evaluation is not None):
+            extra = ""
+            if r.grad_norm is not None:
+                extra += f" |g| {r.grad_norm:.2f}"
+            if sched is not None:
+                extra += f" lr {sched.get_last_lr()[0]:.2e}"
+            if r.evaluation is not None:
+                extra += f" val loss {r.evaluation.means['loss']:.4f}"
             print(
                 f"step {r.step} loss {r.loss:.4f} ppl {math.exp(r.loss):.1f} "
-                f"members {r.members} gen {r.gen}",
+                f"members {r.members} gen {r.gen}{extra}",
                 flush=True,
             )
+    if trainer.last_evaluation is not None and trainer.rank == 0:
+        print(f"val loss after the last step {trainer.last_evaluation.means['loss']:.4f}")
     sys.stdout.flush()
 
 

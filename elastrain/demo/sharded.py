@@ -51,6 +51,11 @@ computes one round per step. (This once avoided a member leaving between its
 group's rounds while its group-mate waited in the next round's collective; the
 engine no longer asks "superseded?" between rounds, see runtime/shard_groups.py
 `ShardedGroups.turns`, so the choice now only keeps the demo's steps short.)"""
+RECIPE_ARGS = ["--clip", "1.0", "--warmup", "5", "--eval-every", "25"]
+"""What an LLM recipe has, on for the sharded demo: clipping to a global norm of
+1.0 (the norm over every shard), a warm-up + cosine LR registered with the
+trainer (heals and reshards carry it), and an evaluation on held-out text every
+25 steps that every complete replica group shares."""
 SHARD_SIZE = 2
 FIRST_KILL_STEP = 8
 FIRST_VICTIM = "w1"
@@ -179,7 +184,7 @@ def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: b
         pace.write_text(f"{BASE_PACE_S:g}")
         cfg = LaunchConfig(
             script=script,
-            script_args=[*GPT_ARGS, "--pace-file", str(pace)],
+            script_args=[*GPT_ARGS, *RECIPE_ARGS, "--pace-file", str(pace)],
             workers=4,
             shard_size=SHARD_SIZE,
             reshard_after_s=RESHARD_AFTER_S,
@@ -222,7 +227,7 @@ def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: b
         result,
         launcher,
         sections=lambda ev: "\n\n".join(
-            [format_layouts(ev), format_first_heal(ev, full)]
+            [format_layouts(ev), format_first_heal(ev, full), format_recipe(ev)]
             + [f"NOT SHOWN: {p}" for p in problems(ev)]
         ),
         ok=lambda ev: driver.phase == "done" and not problems(ev),
@@ -334,9 +339,49 @@ def layout_sizes(events: Sequence[Event]) -> list[int]:
     return out
 
 
+def evaluations(events: Sequence[Event]) -> dict[int, tuple[float, int]]:
+    """Step -> (mean held-out loss, evaluations run for it) from the `eval_end`
+    events: the result every member got (the same sums on all of them), and how
+    many times that step's evaluation completed (more than once: redone after a
+    member died during it)."""
+    out: dict[int, tuple[float, int]] = {}
+    gens: dict[int, set[Any]] = {}
+    for e in events:
+        if e.get("kind") == "eval_end" and e.get("samples"):
+            step = int(e["step"])
+            gens.setdefault(step, set()).add(e.get("gen"))
+            out[step] = (float(e["sums"]["loss"]) / int(e["samples"]), len(gens[step]))
+    return out
+
+
+def format_recipe(events: Sequence[Event]) -> str:
+    """The recipe's line: the clipped norms and the held-out losses."""
+    norms = [
+        float(e["grad_norm"])
+        for e in events
+        if e.get("kind") == "step_commit" and e.get("grad_norm") is not None
+    ]
+    evals = evaluations(events)
+    lines = ["the recipe (clipping to 1.0, warm-up + cosine LR registered, held-out evaluation):"]
+    if norms:
+        lines.append(
+            f"  global gradient norm over all shards: {norms[0]:.2f} at the first step, "
+            f"{norms[-1]:.2f} at the last (clipped to 1.0)"
+        )
+    if evals:
+        shown = ", ".join(
+            f"step {s}: {loss:.3f}" + (f" (run {n}x)" if n > 1 else "")
+            for s, (loss, n) in sorted(evals.items())
+        )
+        lines.append(f"  held-out loss: {shown}")
+    return "\n".join(lines)
+
+
 def problems(events: Sequence[Event]) -> list[str]:
     """What the demo set out to show and did not (empty: all of it)."""
     out = []
+    if not evaluations(events):
+        out.append("no evaluation completed")
     sizes = layout_sizes(events)
     if sizes != [2, 3, 2]:
         out.append(f"shard sizes went {sizes}, not 2 -> 3 -> 2")

@@ -33,7 +33,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 import elastrain.transfer.chunks as chunks
 import elastrain.transfer.landing as landing
-import elastrain.transfer.striped as striped
+import elastrain.transfer.payload as payload
 from elastrain.transfer import (
     HealError,
     HealStats,
@@ -720,9 +720,9 @@ def test_heal_threads_a_joiners_reserve_is_estimated_exactly_and_receives_the_st
 def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(
     master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Senders seal through striped.seal_stripe, receivers through StripeSeal, so
+    # Senders seal through payload.seal_stripe, receivers through StripeSeal, so
     # corrupting the former fakes damage in flight.
-    monkeypatch.setattr(striped, "seal_stripe", lambda *args: bytes(STRIPE_SEAL_BYTES))
+    monkeypatch.setattr(payload, "seal_stripe", lambda *args: bytes(STRIPE_SEAL_BYTES))
     states = [trained(), trained(), fresh()]
     before = state_hash(*states[2])
     weight_before = states[2][0].fc1.weight.clone()

@@ -24,7 +24,7 @@ is the `NamedState` built on them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -186,10 +186,32 @@ def state_digest(state: NamedState) -> str:
     ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
     holding the GIL (docs/design/heal.md, "The first step after a join"; benchmarks/digest.py).
     """
-    h = xxhash.xxh3_128(DIGEST_LABEL)
-    for part in digest_input(state):
-        h.update(part)
+    return flat_digest(state.flatten())
+
+
+def flat_digest(flat: FlatState) -> str:
+    """`state_digest` of an already flattened state (a sender's `FlatState`)."""
+    h = digest_hasher(((n, t.dtype, t.shape) for n, t in flat.tensors), flat.section)
+    for _, t in flat.tensors:
+        if t.numel():
+            h.update(cpu_bytes(t).numpy().data)
     return h.hexdigest()
+
+
+def digest_hasher(
+    layout: Iterable[tuple[str, torch.dtype, Sequence[int]]], section: dict[str, Any]
+) -> xxhash.xxh3_128:
+    """The running `state_digest` of a state with this layout (name, dtype, shape per
+    tensor, in order) and JSON section, its label and header already hashed: feed it
+    the tensors' raw bytes in order (how they are cut does not matter) and read
+    ``hexdigest()``. A heal's receiver feeds it the payload as it lands."""
+    header = {
+        "tensors": [[n, str(d), list(s)] for n, d, s in layout],
+        "optimizer": section,
+    }
+    h = xxhash.xxh3_128(DIGEST_LABEL)
+    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    return h
 
 
 def digest_input(state: NamedState) -> Iterator[bytes | memoryview]:

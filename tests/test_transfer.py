@@ -35,6 +35,7 @@ import elastrain.transfer.chunks as chunks
 import elastrain.transfer.landing as landing
 import elastrain.transfer.payload as payload
 from elastrain.transfer import (
+    HealAuth,
     HealError,
     HealStats,
     TorchState,
@@ -728,7 +729,10 @@ def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(
     weight_before = states[2][0].fc1.weight.clone()
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0)
+        return heal(
+            pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0,
+            auth=HealAuth.MAC,
+        )  # fmt: skip
 
     res = run_threads(master_store, 3, fn)
     # Both senders' stripes were refused: nobody is left to send them again, and
@@ -820,8 +824,9 @@ def test_every_manifest_lie_is_caught_with_a_clear_message(lie: str, needle: str
         )
 
 
+@pytest.mark.parametrize("auth", list(HealAuth))
 def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
-    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+    master_store: TCPStore, auth: HealAuth, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small thresholds: the flipped bytes land in direct messages (written straight
     # into the receiver's landing buffer) as well as packed ones.
@@ -834,8 +839,9 @@ def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(flip=40, seed=rank) if rank == 0 else None
         return heal(
-            pg, rank, [0, 1], [2, 3], TorchState(*states[rank]), {"step": 3}, 10.0, tamper=tamper
-        )
+            pg, rank, [0, 1], [2, 3], TorchState(*states[rank]), {"step": 3}, 10.0,
+            tamper=tamper, auth=auth,
+        )  # fmt: skip
 
     res = run_threads(master_store, 4, fn)
     assert all(isinstance(r, tuple) for r in res), res
@@ -900,8 +906,9 @@ def test_heal_threads_lying_manifest_root_is_replaced_by_the_next_sender(
         Tamper(forge=True),
     ],
 )
+@pytest.mark.parametrize("auth", list(HealAuth))
 def test_heal_threads_no_honest_sender_left_fails_loudly(
-    master_store: TCPStore, tamper: Tamper, monkeypatch: pytest.MonkeyPatch
+    master_store: TCPStore, tamper: Tamper, auth: HealAuth, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     states = [trained(), fresh()]
     before = state_hash(*states[1])
@@ -909,7 +916,10 @@ def test_heal_threads_no_honest_sender_left_fails_loudly(
 
     def fn(rank: int, pg: Any) -> Any:
         mine = tamper if rank == 0 else None
-        return heal(pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY, tamper=mine)
+        return heal(
+            pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY, tamper=mine,
+            auth=auth,
+        )  # fmt: skip
 
     t0 = time.perf_counter()
     res = run_threads(master_store, 2, fn)
@@ -922,7 +932,13 @@ def test_heal_threads_no_honest_sender_left_fails_loudly(
         "truncated": "not JSON",
         "huge_length": f"rank 0 announced {TIB} manifest bytes",
         "huge_optim": f"claims {HUGE_OPTIM_BYTES // 4} elements; param",
-        None: "seal mismatch on the stripe" if tamper.flip else "seal of the manifest from rank 0",
+        None: (
+            "seal of the manifest from rank 0"
+            if not tamper.flip
+            else "seal mismatch on the stripe"
+            if auth == HealAuth.MAC
+            else "state digest mismatch"
+        ),
     }
     assert why[tamper.manifest] in str(res[1])
     assert state_hash(*states[1]) == before

@@ -178,8 +178,12 @@ def state_digest(state: NamedState) -> str:
     XXH3-128 (the ``xxhash`` package), a non-cryptographic hash built for
     exactly that: telling apart data that differ by accident, with 128 bits of
     output. It is not a defence against someone who chooses a state to collide,
-    and nothing here trusts it for that: what a heal installs is checked by
-    seals keyed with the job token (`elastrain.transfer.seal`). Why XXH3: every
+    and nothing here trusts it for that. A digest-mode heal checks what a
+    receiver installs against it (the expected value travels in the manifest,
+    sealed under the job token): that catches damage and a sender whose state
+    differs, while a party able to write chosen bytes into the group's
+    connections could equally write the gradients (docs/design/trust.md); a
+    mac-mode heal seals every stripe instead (`elastrain.transfer.seal`). Why XXH3: every
     member hashes its whole state at every generation start, on a thread beside
     the first step. XXH3 runs at about 11 GB/s here and releases the GIL while
     it hashes, so the training thread's Python is not held up by it; SHA-256

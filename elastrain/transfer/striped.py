@@ -59,8 +59,9 @@ own verdicts (any rank can make a heal fail); the manifest seal keeps out
 every process without the token. In mac mode the stripe seals keep out any
 byte it did not seal; in digest mode the payload is as exposed as a step's
 gradients on the same connections, and the digest detects damage, not a
-chosen collision (docs/design/trust.md). A whole earlier heal replayed on the wire fails the manifest seal
-(fresh nonces), so a joiner cannot be fed stale state.
+chosen collision (docs/design/trust.md). A whole earlier heal replayed on the
+wire fails the manifest seal (fresh nonces), so a joiner cannot be fed stale
+state.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ class HealStats:
     refused sender) or received (the whole payload, plus what was fetched
     again); the manifest is not counted. seconds: wall time of the whole `heal`
     call here. refused: sender ranks whose manifest or stripe was refused
-    (malformed, or a seal mismatch) and replaced by another sender's; the
+    (malformed, or a stripe that failed its check) and replaced by another sender's; the
     same on every rank. payload_s: the part of ``seconds`` spent moving the
-    payload (steps 4-5: the stripes and their seals sent, received and checked,
+    payload (steps 4-5: the stripes (and mac seals) sent, received and checked,
     the outcome, any stripe sent again); the rest is the flatten, the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
     receivers' landing allocation overlap the verdict's) and the install.

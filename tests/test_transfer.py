@@ -854,6 +854,29 @@ def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
     assert stats[2].bytes == stats[3].bytes == total + s0
 
 
+@pytest.mark.parametrize("flip", [0, 2])
+def test_heal_threads_digest_mode_judges_the_bytes_and_the_claims(
+    master_store: TCPStore, flip: int
+) -> None:
+    """Digest mode: a second sender without the token (forged key) whose bytes are
+    right is not refused (what the digest checks is the bytes; the manifest, which
+    only the token opens, came from the root). With its bytes damaged, its claim
+    in the blame round does not verify: refused, its stripe fetched from the root."""
+    states = [trained(), trained(), fresh()]
+    want = state_hash(*states[1])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(forge=True, flip=flip, seed=4) if rank == 0 else None
+        return heal(
+            pg, rank, [1, 0], [2], TorchState(*states[rank]), {}, 10.0, key=KEY, tamper=tamper
+        )
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert all(r[1].refused == ((0,) if flip else ()) for r in res)
+    assert state_hash(*states[2]) == want
+
+
 def test_heal_threads_two_bad_senders_of_three(master_store: TCPStore) -> None:
     """Both refused stripes go to the one good sender: two ranges, one receiver, one round."""
     states = [trained(), trained(), trained(), fresh()]

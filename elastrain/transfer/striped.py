@@ -296,8 +296,8 @@ def _sender_difference(
 
 
 class HealFn(Protocol):
-    """What the trainers call to heal over a generation's group: `heal`, or a test's
-    or another wire's stand-in with its signature (see `heal`; the test seam
+    """What the trainers call to heal over a generation's group: `heal_with(mode)`
+    (the engine's), `heal`, or a test's or another wire's stand-in with its signature (see `heal`; the test seam
     ``tamper`` is not part of it: trainers never pass it)."""
 
     def __call__(

@@ -42,18 +42,15 @@ def test_the_launchers_override_reaches_the_config() -> None:
     assert read_worker_env({}).apply(base).heal_auth == HealAuth.DIGEST
 
 
-def test_the_manifest_carries_the_mode_and_the_digest() -> None:
+def test_the_manifest_carries_the_mode() -> None:
     t = [("model/w", torch.arange(6, dtype=torch.float32))]
     m = build_manifest("torch", t, {}, [0], {}, 3, auth=HealAuth.MAC)
     assert decode_manifest(encode_manifest(m)) == m
-    m = build_manifest("torch", t, {}, [0], {}, 3, digest="0f" * 16)
+    m = build_manifest("torch", t, {}, [0], {}, 3)
     got = decode_manifest(encode_manifest(m))
-    assert got.auth == HealAuth.DIGEST and got.digest == "0f" * 16
+    assert got == m and got.auth == HealAuth.DIGEST
     bad = encode_manifest(m).replace(b'"auth":"digest"', b'"auth":"none"')
     with pytest.raises(HealError, match="auth is 'none'"):
-        decode_manifest(bad)
-    bad = encode_manifest(m).replace(b"0f" * 16, b"zz" * 16)
-    with pytest.raises(HealError, match="expected 32 hex digits"):
         decode_manifest(bad)
 
 

@@ -30,8 +30,9 @@ from elastrain.transfer import (
     heal_over,
     state_hash,
 )
+from elastrain.transfer.chunks import MAX_CHUNKS
 from elastrain.transfer.flatten import flatten_state
-from elastrain.transfer.seal import STRIPE_SEAL_BYTES
+from elastrain.transfer.seal import REFERENCE_BYTES, STRIPE_SEAL_BYTES
 from elastrain.transfer.transport import Pending, Reduce
 
 KEY = b"job-token"
@@ -212,10 +213,11 @@ def test_a_heal_over_an_in_memory_transport_installs_the_senders_state() -> None
 
 
 def _flip_from(sender: int, wire_counter: list[Wire]) -> Damage:
-    """Flip one byte of every payload message `sender` sends (not its seals)."""
+    """Flip one byte of every payload message `sender` sends (not its seals, nor
+    its sealed state digest: both travel under the seal tag)."""
 
     def damage(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
-        if src == sender and msg.numel() > STRIPE_SEAL_BYTES:
+        if src == sender and tag & MAX_CHUNKS != MAX_CHUNKS:
             msg[msg.numel() // 2] ^= 0x5A
             wire_counter[0].damaged += 1
         return msg
@@ -292,19 +294,42 @@ def test_mac_mode_refuses_a_forged_stripe_seal() -> None:
     assert state_hash(*states[2]) == want
 
 
-def test_digest_mode_sends_nothing_but_the_payload() -> None:
+def test_digest_mode_sends_the_payload_and_one_sealed_digest_per_receiver() -> None:
     """No seal or claim messages in a heal that went well: every point-to-point
-    message is payload."""
-    states = [_state(True), _state(False)]
-    sizes: list[int] = []
+    message is payload, but one per receiver: the root's sealed state digest,
+    after its stripes."""
+    states = [_state(True), _state(False), _state(False)]
+    sent: list[tuple[int, int, int]] = []
 
     def watch(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
-        sizes.append(msg.numel())
+        sent.append((dst, tag & MAX_CHUNKS == MAX_CHUNKS, msg.numel()))
         return msg
 
-    res = run(Wire(2, watch), states, senders=[0], receivers=[1])
+    res = run(Wire(3, watch), states, senders=[0], receivers=[1, 2])
     assert all(isinstance(r, tuple) for r in res), res
-    assert sum(sizes) == res[1][1].bytes  # type: ignore[index]
+    for r in (1, 2):
+        mine = [(sealed, n) for dst, sealed, n in sent if dst == r]
+        assert sum(n for sealed, n in mine if not sealed) == res[r][1].bytes  # type: ignore[index]
+        assert [n for sealed, n in mine if sealed] == [REFERENCE_BYTES]
+        assert mine[-1] == (True, REFERENCE_BYTES)
+
+
+def test_a_forged_state_digest_message_is_refused_and_nothing_installed() -> None:
+    """The root's digest message damaged on the wire (its HMAC no longer verifies):
+    the receiver cannot vouch for what landed, so every rank raises HealError and
+    the receiver's state is untouched."""
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+
+    def forge(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        if tag & MAX_CHUNKS == MAX_CHUNKS:
+            msg[0] ^= 0x01
+        return msg
+
+    res = run(Wire(2, forge), states, senders=[0], receivers=[1])
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "does not verify" in str(res[1])
+    assert state_hash(*states[1]) == before
 
 
 def test_a_sender_whose_state_differs_from_the_roots_is_refused_in_digest_mode() -> None:

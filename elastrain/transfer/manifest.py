@@ -8,10 +8,9 @@ then judges it against its own state (`NamedState.bound` / `check`). All
 functions here are local and raise `HealError` with a message that names the
 offending entry or stripe.
 
-Wire format (version 3)::
+Wire format (version 4)::
 
-    {"version": 3, "kind": str, "heal_id": int, "auth": "digest" | "mac",
-     "digest": str | null,
+    {"version": 4, "kind": str, "heal_id": int, "auth": "digest" | "mac",
      "entries": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
      "total_bytes": int,
      "stripes": [{"sender_rank", "offset", "nbytes"}, ...],
@@ -20,11 +19,14 @@ Wire format (version 3)::
 
 ``kind`` names the state's kind ("torch", "jax"); entries are the state's
 named tensors in `NamedState.flatten` order and tile ``[0, total_bytes)``;
-``section`` is the state's JSON section. ``auth`` is the root's `HealAuth`;
-``digest`` is its `state_digest` (32 hex digits) in digest mode, null in mac
-mode. Stripes split the same byte range
+``section`` is the state's JSON section. ``auth`` is the root's `HealAuth`:
+in digest mode it commits the root to sending its `state_digest`, sealed under
+the job token and bound to this manifest's seal, to every receiver after its
+stripes (`elastrain.transfer.payload.Reference`; version 3 carried the digest
+here, which held the manifest back until the root had hashed its whole
+state). Stripes split the same byte range
 evenly over the senders, in the order of the ``senders`` list. A manifest
-``{"version": 3, "error": str}`` tells every rank that the root could not
+``{"version": 4, "error": str}`` tells every rank that the root could not
 build one (`ManifestUnavailable`).
 """
 
@@ -42,7 +44,7 @@ from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.dtypes import dtype_from_name, dtype_name
 from elastrain.transfer.errors import HealError, ManifestUnavailable
 
-VERSION = 3
+VERSION = 4
 TENSOR_REF = "$tensor"
 """Key of the placeholder ``{"$tensor": entry_name}`` in a state's JSON section."""
 
@@ -85,8 +87,6 @@ class Manifest:
     meta: dict[str, Any]
     auth: HealAuth = HealAuth.DIGEST
     """How the payload is checked (`elastrain.transfer.auth`)."""
-    digest: str | None = None
-    """The root's `state_digest` of the state it describes (digest mode)."""
 
     def stripe_of(self, rank: int) -> Stripe:
         """The stripe that ``rank`` sends (HealError if it has none)."""
@@ -118,10 +118,9 @@ def build_manifest(
     heal_id: int,
     *,
     auth: HealAuth = HealAuth.DIGEST,
-    digest: str | None = None,
 ) -> Manifest:
     """Lay the named tensors out back to back and stripe the result over ``senders``;
-    ``auth`` and ``digest`` as in `Manifest`."""
+    ``auth`` as in `Manifest`."""
     entries = []
     offset = 0
     for name, t in tensors:
@@ -140,7 +139,6 @@ def build_manifest(
         section=section,
         meta=meta,
         auth=auth,
-        digest=digest,
     )
 
 
@@ -151,7 +149,6 @@ def encode_manifest(m: Manifest) -> bytes:
         "kind": m.kind,
         "heal_id": m.heal_id,
         "auth": m.auth.value,
-        "digest": m.digest,
         "entries": [
             {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
              "nbytes": e.nbytes}
@@ -196,10 +193,6 @@ def _list(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
         raise HealError(f"malformed manifest: {what} is not a JSON array")
     return value
-
-
-def _is_hex(s: str) -> bool:
-    return all(c in "0123456789abcdef" for c in s)
 
 
 def decode_manifest(data: bytes) -> Manifest:
@@ -258,11 +251,6 @@ def decode_manifest(data: bytes) -> Manifest:
         auth = doc["auth"]
         if auth not in tuple(HealAuth):
             raise HealError(f"malformed manifest: auth is {auth!r}")
-        digest = doc["digest"]
-        if digest is not None and not (
-            isinstance(digest, str) and len(digest) == 32 and _is_hex(digest)
-        ):
-            raise HealError(f"malformed manifest: digest is {digest!r}, expected 32 hex digits")
         return Manifest(
             version=version,
             kind=kind,
@@ -273,7 +261,6 @@ def decode_manifest(data: bytes) -> Manifest:
             section=_dict(doc["section"], "section"),
             meta=_dict(doc["meta"], "meta"),
             auth=HealAuth(auth),
-            digest=digest,
         )
     except KeyError as e:
         raise HealError(f"malformed manifest: missing field {e}") from e

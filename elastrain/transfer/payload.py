@@ -6,11 +6,14 @@ cut into messages by `plan_chunks` (large tensor pieces straight from the live
 tensors into the receiver's landing, small ones packed). What vouches for the
 bytes is the heal's `HealAuth`, one `PayloadCheck` chosen once per heal:
 
-- `DigestCheck` (digest mode, the default): nothing travels besides the bytes.
-  A receiver feeds the state digest (`elastrain.transfer.flatten.digest_hasher`)
-  the payload in order as its messages land, and compares it with the
-  manifest's (the root's `state_digest`, sealed under the job token). One
-  all-reduce of per-receiver verdicts follows. Only when a receiver
+- `DigestCheck` (digest mode, the default): besides the bytes, one small
+  message travels: the root's `state_digest`, sealed with HMAC-SHA256 under the
+  job token and bound to the manifest seal (`Reference`), which the root sends
+  each receiver after its stripes. The root computes it on a thread from its
+  flatten on, overlapping the manifest rounds and the payload, so that it
+  never delays the manifest. A receiver feeds the state digest
+  (`elastrain.transfer.flatten.digest_hasher`) the payload in order as its
+  messages land, then compares it with the root's. One all-reduce of per-receiver verdicts follows. Only when a receiver
   mismatched does a *blame* round run: every sender of a stripe that receiver
   got states the stripe's XXH3-128 digest of its own live bytes, sealed with
   HMAC-SHA256 under the job token and bound to the manifest seal
@@ -35,7 +38,7 @@ are local.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -53,10 +56,12 @@ from elastrain.transfer.manifest import Manifest, Stripe
 from elastrain.transfer.rounds import Deadline, outcome, sum_flags
 from elastrain.transfer.seal import (
     CLAIM_BYTES,
+    REFERENCE_BYTES,
     STRIPE_SEAL_BYTES,
     StripeSeal,
     check_seal,
     claim_tag,
+    reference_tag,
     seal_stripe,
 )
 from elastrain.transfer.state import FlatState
@@ -188,6 +193,50 @@ class Landed:
         return self.mismatch or next(iter(self.failed.values()), None)
 
 
+class Reference:
+    """A receiver's receive of the root's sealed state digest (digest mode), posted
+    before the payload's receives; the root sends it after its stripes (`vouch`).
+    Its seal is checked once, on the first `digest`, and the digest kept for the
+    rounds that fetch stripes again."""
+
+    def __init__(self, tx: HealTransport, dl: Deadline, rd: Round) -> None:
+        self._rd, self._dl = rd, dl
+        self._buf = torch.zeros(REFERENCE_BYTES, dtype=torch.uint8)
+        post = partial(tx.recv, self._buf, rd.root, seal_tag(rd.m.heal_id))
+        self._work = dl.call(post, f"receive the state digest from rank {rd.root}")
+        self._got: str | HealError | None = None
+
+    def digest(self) -> str:
+        """The root's state digest; HealError if its seal does not verify (forged or
+        damaged: nothing this receiver holds can then be vouched for)."""
+        if self._got is None:
+            self._dl.wait(self._work, f"receiving the state digest from rank {self._rd.root}")
+            raw = self._buf.numpy().tobytes()
+            digest, tag = raw[:16], raw[16:]
+            rd = self._rd
+            if hmac.compare_digest(tag, reference_tag(rd.key, rd.seal, rd.root, digest)):
+                self._got = digest.hex()
+            else:
+                self._got = HealError(
+                    f"the state digest message of rank {rd.root} does not verify: forged by a "
+                    "process without the job token, or damaged in transit"
+                )
+        if isinstance(self._got, HealError):
+            raise self._got
+        return self._got
+
+
+def vouch(
+    tx: HealTransport, dl: Deadline, rd: Round, receivers: Sequence[int], digest: str
+) -> list[tuple[int, Pending]]:
+    """The root's side of `Reference`: post its sealed ``digest`` to every receiver."""
+    raw = bytes.fromhex(digest)
+    raw += reference_tag(rd.key, rd.seal, rd.root, raw)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    tag = seal_tag(rd.m.heal_id)
+    return [(r, dl.call(partial(tx.send, buf, r, tag), f"send to {r}")) for r in receivers]
+
+
 class PayloadCheck(Protocol):
     """How a heal vouches for its payload (see the module docstring)."""
 
@@ -203,11 +252,35 @@ class PayloadCheck(Protocol):
         """The seal message of a sender's stripe (None: no seal message). Local."""
         ...
 
+    def expect(self, tx: HealTransport, dl: Deadline, rd: Round) -> Reference | None:
+        """A receiver's receive of what its checks compare against beyond the
+        stripes (digest mode: the root's `Reference`), posted before the payload."""
+        ...
+
+    def vouch(
+        self,
+        tx: HealTransport,
+        dl: Deadline,
+        rd: Round,
+        receivers: Sequence[int],
+        digest: Callable[[], str] | None,
+    ) -> list[tuple[int, Pending]]:
+        """The root's message after its first round's stripes (digest mode: its
+        sealed ``digest()``); posted sends."""
+        ...
+
     def land(
-        self, dl: Deadline, rd: Round, landing: Landing, posted: list[Posted], whole: bool
+        self,
+        dl: Deadline,
+        rd: Round,
+        landing: Landing,
+        posted: list[Posted],
+        whole: bool,
+        ref: Reference | None,
     ) -> Landed:
         """Wait for a receiver's messages of one round, put them in place, check them.
-        ``whole``: ``posted`` is every stripe of the payload in order."""
+        ``whole``: ``posted`` is every stripe of the payload in order; ``ref``: what
+        `expect` posted."""
         ...
 
     def outcome(
@@ -239,8 +312,27 @@ class MacCheck:
         digest = seal_stripe(key, rd.seal, stripe, bufs)
         return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
 
+    def expect(self, tx: HealTransport, dl: Deadline, rd: Round) -> Reference | None:
+        return None
+
+    def vouch(
+        self,
+        tx: HealTransport,
+        dl: Deadline,
+        rd: Round,
+        receivers: Sequence[int],
+        digest: Callable[[], str] | None,
+    ) -> list[tuple[int, Pending]]:
+        return []
+
     def land(
-        self, dl: Deadline, rd: Round, landing: Landing, posted: list[Posted], whole: bool
+        self,
+        dl: Deadline,
+        rd: Round,
+        landing: Landing,
+        posted: list[Posted],
+        whole: bool,
+        ref: Reference | None,
     ) -> Landed:
         out = Landed()
         for p in posted:
@@ -312,10 +404,31 @@ class DigestCheck:
     ) -> torch.Tensor | None:
         return None
 
+    def expect(self, tx: HealTransport, dl: Deadline, rd: Round) -> Reference | None:
+        return Reference(tx, dl, rd)
+
+    def vouch(
+        self,
+        tx: HealTransport,
+        dl: Deadline,
+        rd: Round,
+        receivers: Sequence[int],
+        digest: Callable[[], str] | None,
+    ) -> list[tuple[int, Pending]]:
+        assert digest is not None  # the root computes one in digest mode
+        return vouch(tx, dl, rd, receivers, digest())
+
     def land(
-        self, dl: Deadline, rd: Round, landing: Landing, posted: list[Posted], whole: bool
+        self,
+        dl: Deadline,
+        rd: Round,
+        landing: Landing,
+        posted: list[Posted],
+        whole: bool,
+        ref: Reference | None,
     ) -> Landed:
         m = rd.m
+        assert ref is not None
         if not posted and not whole:
             return Landed()  # nothing landed here this round: what did already matched
         # Round one brings the whole payload in order: hash it as it lands, so the
@@ -329,12 +442,16 @@ class DigestCheck:
                 if chunk.packed:
                     _unpack(m, landing, chunk, buf)
         got = h.hexdigest() if h is not None else landing_digest(m, landing)
-        if got == m.digest:
+        try:
+            want = ref.digest()
+        except HealError as e:
+            return Landed(mismatch=e)
+        if got == want:
             return Landed()
         return Landed(
             mismatch=HealError(
-                f"state digest mismatch: what landed hashes to {got}, the manifest of rank "
-                f"{rd.root} says {m.digest} (damaged in transit, or the senders' states differ)"
+                f"state digest mismatch: what landed hashes to {got}, the root (rank "
+                f"{rd.root}) says {want} (damaged in transit, or the senders' states differ)"
             )
         )
 
@@ -354,6 +471,11 @@ class DigestCheck:
         bad = {r for r, f in enumerate(sum_flags(tx, flags, "digest verdict all-reduce", dl)) if f}
         if not bad:
             return {}
+        if not work:  # no bytes moved, yet the layout or the root's message did not match
+            raise HealError(
+                f"heal on rank {tx.rank}: the state digest mismatched on rank(s) {sorted(bad)} "
+                "and there are no payload bytes to fetch again"
+            )
         return outcome(tx, len(work), self._blame(tx, dl, rd, work, bad, flat, landing, tamper), dl)
 
     def _blame(
@@ -436,17 +558,23 @@ def run_payload(
     refused: list[int],
     tamper: Tamper | None,
     staged: dict[Stripe, Staged],
+    digest: Callable[[], str] | None,
 ) -> int:
     """Send/receive the stripes, retry the refused ones from other trusted senders.
     Collective; returns this rank's payload bytes. ``staged``: this sender's
     stripes staged ahead (`stage`); the others (stripes sent again) are staged
-    here. Mutates ``trusted`` and ``refused``; HealError when no trusted sender is
-    left. On return every receiver's landing passed the check."""
+    here. ``digest``: on the root, its state digest (waited for only once its
+    first round's stripes are posted). Mutates ``trusted`` and ``refused``;
+    HealError when no trusted sender is left. On return every receiver's landing
+    passed the check."""
     m, rank = rd.m, tx.rank
-    work = [Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes and receivers]
+    if not receivers:
+        return 0
+    ref = check.expect(tx, dl, rd) if landing is not None else None
+    work = [Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes]
     nbytes = 0
     whole = True
-    while work:
+    while True:  # the first round runs even with no bytes: the digest still travels
         sends: list[tuple[int, Pending]] = []
         posted: list[Posted] = []
         for j, a in enumerate(work):
@@ -460,15 +588,17 @@ def run_payload(
                 assert landing is not None
                 posted.append(post_range(tx, dl, m, landing, j, a.stripe, tid, check.sealed))
                 nbytes += a.stripe.nbytes
+        if whole and rank == rd.root:
+            sends += check.vouch(tx, dl, rd, receivers, digest)
         for r, w in sends:
             dl.wait(w, f"sending stripe to rank {r}")
         landed = Landed()
         if landing is not None:
-            landed = check.land(dl, rd, landing, posted, whole)
+            landed = check.land(dl, rd, landing, posted, whole, ref)
         whole = False
         failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper)
         if not failed:
-            break
+            return nbytes
         bad = sorted({work[j].stripe.sender_rank for j in failed})
         refused += [b for b in bad if b not in refused]
         trusted[:] = [t for t in trusted if t not in bad]
@@ -491,9 +621,3 @@ def run_payload(
             )
             for k, j in enumerate(sorted(failed))
         ]
-    if landing is not None and check.auth == HealAuth.DIGEST and whole:
-        # No payload round ran (nothing to move): the section alone must still match.
-        got = landing_digest(m, landing)
-        if got != m.digest:
-            raise HealError(f"heal on rank {rank}: state digest mismatch: {got} != {m.digest}")
-    return nbytes

@@ -51,6 +51,7 @@ STRIPE_SEAL_BYTES = 16
 _MANIFEST_LABEL = b"elastrain/heal/manifest/2\0"
 _STRIPE_LABEL = b"elastrain/heal/stripe/3\0"
 _CLAIM_LABEL = b"elastrain/heal/stripe-digest/1\0"
+_REFERENCE_LABEL = b"elastrain/heal/state-digest/1\0"
 CLAIM_BYTES = 48
 """A stripe digest claim on the wire: the XXH3-128 digest (16) and its `claim_tag` (32)."""
 
@@ -115,6 +116,23 @@ def claim_tag(key: bytes | None, heal_seal: bytes, stripe: Stripe, digest: bytes
     digest mismatched (`elastrain.transfer.payload.DigestCheck`)."""
     h = _hmac(key, _CLAIM_LABEL + heal_seal)
     h.update(struct.pack("<3q", stripe.sender_rank, stripe.offset, stripe.nbytes))
+    h.update(digest)
+    return h.digest()
+
+
+REFERENCE_BYTES = 48
+"""The root's state digest on the wire (digest mode): the XXH3-128 digest (16) and
+its `reference_tag` (32)."""
+
+
+def reference_tag(key: bytes | None, heal_seal: bytes, root: int, digest: bytes) -> bytes:
+    """HMAC-SHA256 by which the manifest's root vouches, in digest mode, that
+    ``digest`` is the `state_digest` of the state its manifest describes: bound to
+    the manifest seal (this heal and round) and the root's rank. Sent to every
+    receiver after the root's stripes (`elastrain.transfer.payload.Reference`), so
+    that computing it overlaps the payload instead of delaying the manifest."""
+    h = _hmac(key, _REFERENCE_LABEL + heal_seal)
+    h.update(struct.pack("<q", root))
     h.update(digest)
     return h.digest()
 

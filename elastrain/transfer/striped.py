@@ -35,9 +35,11 @@ Every rank of the group calls it with the same ``senders`` and
    tensor pieces straight from the live tensors, small ones packed).
    Receivers post every receive at once (each entry into its own fresh
    tensor, `Landing`). How the bytes are vouched for is the heal's `HealAuth`
-   (`elastrain.transfer.payload`): in digest mode (the default) the manifest
-   carries the root's `state_digest`, and each receiver hashes the payload as
-   it lands and compares; in mac mode each stripe is followed by its Poly1305
+   (`elastrain.transfer.payload`): in digest mode (the default) the root sends
+   each receiver its `state_digest`, sealed under the job token and bound to
+   the manifest seal, after its stripes (computed on a thread overlapping the
+   rounds before), and each receiver hashes the payload as it lands and
+   compares; in mac mode each stripe is followed by its Poly1305
    seal (a key bound to the manifest seal, the sender's rank and the stripe's
    range), which a sender computes before the verdict round completes.
 5. **outcome** -- one all-reduce of per-receiver verdicts (digest mode: a
@@ -67,7 +69,6 @@ state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import secrets
 import threading
@@ -244,8 +245,6 @@ def _local_problem(
         validate_manifest(m, trusted)
         if not 1 <= m.heal_id <= MAX_HEAL_ID:
             raise HealError(f"manifest heal_id {m.heal_id} is outside [1, {MAX_HEAL_ID}]")
-        if m.auth == HealAuth.DIGEST and m.digest is None:
-            raise HealError("malformed manifest: digest mode without the senders' state digest")
     except (HealError, TypeError, ValueError) as e:
         return Verdict.MALFORMED, e if isinstance(e, HealError) else HealError(str(e))
     if m.auth != auth:
@@ -373,9 +372,11 @@ def heal_with(auth: HealAuth) -> HealFn:
 
 
 class _Digesting:
-    """The first root's `state_digest` of its flattened state, computed on a thread
-    from the flatten on, so that it overlaps the announce round (xxhash releases
-    the GIL). Joined before the manifest is sealed, and at the end of the heal."""
+    """A root's `state_digest` of its flattened state, computed on a thread from the
+    moment it becomes the root (the first root: from its flatten on), so that it
+    overlaps the manifest rounds and its own stripes' sends (xxhash releases the
+    GIL). Waited for only when the root sends it, after its stripes are posted;
+    joined at the end of the heal either way."""
 
     def __init__(self, flat: FlatState) -> None:
         self._flat = flat
@@ -400,11 +401,6 @@ class _Digesting:
 
     def join(self) -> None:
         self._thread.join()
-
-
-_PENDING_DIGEST = "0" * 32
-"""The root's digest while it is still being computed: the manifest's length, which
-the announce round carries, does not depend on the digest's value."""
 
 
 def heal_over(
@@ -478,15 +474,15 @@ def heal_over(
             flat = state.flatten()
         except TypeError as e:
             flat_error = e
-    digesting = None
+    digesting: dict[int, _Digesting] = {}
     if check.auth == HealAuth.DIGEST and flat is not None and rank == senders[0] and receivers:
-        digesting = _Digesting(flat)
+        digesting[rank] = _Digesting(flat)
     try:
         return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
                      check, t0, flat, flat_error, digesting)  # fmt: skip
     finally:
-        if digesting is not None:
-            digesting.join()
+        for d in digesting.values():
+            d.join()
 
 
 def _heal(
@@ -503,17 +499,14 @@ def _heal(
     t0: float,
     flat: FlatState | None,
     flat_error: Exception | None,
-    digesting: _Digesting | None,
+    digesting: dict[int, _Digesting],
 ) -> tuple[dict[str, Any], HealStats]:
-    """`heal_over`'s protocol, once its arguments are checked and its state flattened."""
+    """`heal_over`'s protocol, once its arguments are checked and its state flattened.
+    ``digesting``: this rank's state digest once it is a root (digest mode), by rank."""
     rank = tx.rank
     dl = Deadline(rank, timeout_s)
     role = Role.of(rank, senders, receivers)
     sealing_key = tamper.sealing_key(key) if tamper is not None else key
-    mode = {
-        "auth": check.auth,
-        "digest": _PENDING_DIGEST if check.auth == HealAuth.DIGEST else None,
-    }
 
     trusted = list(senders)
     refused: list[int] = []
@@ -523,6 +516,10 @@ def _heal(
         built: Exception | None = None
         data, length = b"", 0
         if rank == root:
+            digest_now = check.auth == HealAuth.DIGEST and flat is not None and receivers
+            if digest_now and rank not in digesting:  # a later root: its digest starts now
+                assert flat is not None
+                digesting[rank] = _Digesting(flat)
             try:
                 if flat is None:
                     raise flat_error or HealError("no state")
@@ -533,7 +530,7 @@ def _heal(
                     trusted,
                     dict(meta or {}),
                     secrets.randbelow(MAX_HEAL_ID) + 1,
-                    **mode,  # type: ignore[arg-type]
+                    auth=check.auth,
                 )
                 data = encode_manifest(manifest)
                 if tamper is not None:
@@ -554,14 +551,6 @@ def _heal(
             )
         # 2. manifest, sealed by the root
         elif rank == root:
-            if built is None and manifest.digest is not None:
-                # The digest was computed while the announce round ran; same length.
-                assert flat is not None
-                got = digesting.result() if digesting is not None and root == senders[0] else None
-                manifest = dataclasses.replace(manifest, digest=got or flat_digest(flat))
-                data = encode_manifest(manifest)
-                if tamper is not None:
-                    data = tamper.manifest_bytes(data)
             seal = seal_manifest(sealing_key, ann.nonces, root, data)
             _broadcast_bytes(tx, root, data + seal, ann.length, dl)
             if built is not None:
@@ -627,9 +616,11 @@ def _heal(
     # 4-5. payload, checked, with refused stripes sent again by trusted senders
     rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
+    own = digesting.get(rank)
     nbytes = run_payload(
-        tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged
-    )
+        tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
+        own.result if own is not None else None,
+    )  # fmt: skip
     payload_s = time.perf_counter() - t_payload
     if landing is not None:
         state.install(landing.tensors, manifest.section)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import json
 import threading
 from typing import Any
 
@@ -107,3 +108,30 @@ def test_heal_with_a_member_in_another_mode_is_refused(master_store: TCPStore) -
     assert all(isinstance(r, HealError) for r in res), res
     assert "heal_auth='mac'" in str(res[1])
     assert state_hash(*states[1]) != state_hash(*states[0])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("name", 7, r"entries\[0\]\.name is not a string"),
+        ("dtype", None, "dtype is not a string"),
+        ("shape", [2, True], "shape is True, expected an integer"),
+        ("shape", [2, -3], "shape is negative"),
+        ("shape", "6", "shape is not a JSON array"),
+        ("offset", 0.0, "offset is 0.0, expected an integer"),
+        ("nbytes", False, "nbytes is False, expected an integer"),
+        ("nbytes", None, "nbytes is None, expected an integer"),
+    ],
+)
+def test_a_malformed_entry_is_refused_by_name(field: str, value: object, match: str) -> None:
+    """The decoder's one-test path for well-formed entries lets nothing through that
+    the field-by-field checks refuse (a bool is not an integer), and the refusal
+    still names the field."""
+    t = [("model/w", torch.arange(6, dtype=torch.float32))]
+    raw = json.loads(encode_manifest(build_manifest("torch", t, {}, [0], {}, 3)))
+    raw["entries"][0][field] = value
+    with pytest.raises(HealError, match=match):
+        decode_manifest(json.dumps(raw).encode())
+    del raw["entries"][0][field]
+    with pytest.raises(HealError, match=f"missing field '{field}'"):
+        decode_manifest(json.dumps(raw).encode())

@@ -195,6 +195,46 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
+def _entry(i: int, raw: Any) -> Entry:
+    """Manifest entry ``i`` with strict types: one cheap test for a well-formed entry
+    (a manifest has one per tensor, and its decoding is on the heal's critical
+    path), the checks that name what is wrong only for one that is not."""
+    if type(raw) is dict:
+        name, dtype, shape = raw.get("name"), raw.get("dtype"), raw.get("shape")
+        offset, nbytes = raw.get("offset"), raw.get("nbytes")
+        if (
+            type(name) is str
+            and type(dtype) is str
+            and type(shape) is list
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(offset) is int
+            and offset >= 0
+            and type(nbytes) is int
+            and nbytes >= 0
+        ):  # type() is, not isinstance: a bool is not an integer here
+            return Entry(name, dtype, tuple(shape), offset, nbytes)
+    return _strict_entry(i, raw)
+
+
+def _strict_entry(i: int, raw: Any) -> Entry:
+    """`_entry`'s checks one by one: HealError (or KeyError) naming what is wrong."""
+    ent = _dict(raw, f"entries[{i}]")
+    name = ent["name"]
+    if not isinstance(name, str):
+        raise HealError(f"malformed manifest: entries[{i}].name is not a string")
+    dtype = ent["dtype"]
+    if not isinstance(dtype, str):
+        raise HealError(f"malformed manifest: entry {name!r} dtype is not a string")
+    shape = tuple(_nonneg(d, f"entry {name!r} shape") for d in _list(ent["shape"], f"{name} shape"))
+    return Entry(
+        name,
+        dtype,
+        shape,
+        _nonneg(ent["offset"], f"entry {name!r} offset"),
+        _nonneg(ent["nbytes"], f"entry {name!r} nbytes"),
+    )
+
+
 def decode_manifest(data: bytes) -> Manifest:
     """Parse manifest bytes with strict types (HealError on anything malformed).
 
@@ -214,27 +254,7 @@ def decode_manifest(data: bytes) -> Manifest:
             raise ManifestUnavailable(
                 f"the manifest root could not build the manifest: {doc['error']}"
             )
-        entries = []
-        for i, raw in enumerate(_list(doc["entries"], "entries")):
-            ent = _dict(raw, f"entries[{i}]")
-            name = ent["name"]
-            if not isinstance(name, str):
-                raise HealError(f"malformed manifest: entries[{i}].name is not a string")
-            dtype = ent["dtype"]
-            if not isinstance(dtype, str):
-                raise HealError(f"malformed manifest: entry {name!r} dtype is not a string")
-            shape = tuple(
-                _nonneg(d, f"entry {name!r} shape") for d in _list(ent["shape"], f"{name} shape")
-            )
-            entries.append(
-                Entry(
-                    name,
-                    dtype,
-                    shape,
-                    _nonneg(ent["offset"], f"entry {name!r} offset"),
-                    _nonneg(ent["nbytes"], f"entry {name!r} nbytes"),
-                )
-            )
+        entries = [_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries"))]
         stripes = []
         for i, raw in enumerate(_list(doc["stripes"], "stripes")):
             s = _dict(raw, f"stripes[{i}]")

@@ -27,9 +27,9 @@ machine's load hits all five alike):
 - fresh: the same into memory the receiver allocated just before (a heal's
   receiver lands its state in memory it has not touched yet);
 - heal: `elastrain.transfer.heal` of the TorchState from the S senders into
-  the receiver in digest mode (manifest sealed under a job key and carrying
-  the root's state digest, verdicts, stripes, the receiver's digest of what
-  landed, install: the code the trainers run), timed on the receiver from the
+  the receiver in digest mode (manifest sealed under a job key, verdicts,
+  stripes, the root's state digest sealed after them, the receiver's digest of
+  what landed, install: the code the trainers run), timed on the receiver from the
   barrier to the end of its call. It lands in a `LandingReserve` the receiver
   mapped and touched before the barrier (untimed: the trainer's joiner
   prepares it while it waits to be admitted; its preparation time is
@@ -276,8 +276,8 @@ def main() -> int:
         "receiver in a 2-rank gloo group of their own; warm: into memory touched before; "
         "fresh: into a tensor allocated just before",
         "heal: elastrain.transfer.heal in digest mode (the default heal_auth: the manifest "
-        "sealed under a job key carries the root's state digest, the receiver hashes what "
-        "lands and compares before installing) of model + optimizer from "
+        "sealed under a job key; the root's state digest, sealed likewise, follows its "
+        "stripes; the receiver hashes what lands and compares before installing) of model + optimizer from "
         "the senders, striped, into the receiver, installed; mac heal: the same with "
         "heal_auth=mac (every stripe sealed with Poly1305, checked on arrival); the receiver's state hash equals "
         "the senders' after the last round (checked). The heal lands in a LandingReserve "

@@ -244,7 +244,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="how a heal vouches for the state it installs: digest (the default: the "
         "payload goes bare over the generation's group, as gradients do, and is installed "
-        "only if its state digest equals the one in the manifest sealed under the job "
+        "only if its state digest equals the root's, sent sealed under the job "
         "token) or mac (every stripe also sealed with Poly1305, for a data plane that is "
         "not trusted at all); overrides the script (docs/design/trust.md)",
     )

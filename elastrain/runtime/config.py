@@ -223,7 +223,7 @@ class TrainerConfig:
     """How a heal vouches for the state it installs (docs/design/trust.md, "Trust
     boundary"): "digest" (the default) sends the payload bare over the
     generation's group, as the gradients go, and the receiver installs it only
-    if its state digest equals the one in the manifest, which is sealed under
+    if its state digest equals the root's, which the root sends sealed under
     the job token; "mac" also seals every stripe with Poly1305 under the job
     token, for a data plane that is not trusted at all (a MAC pass over the
     bytes on each end). Every member of a job must use the same (a heal between

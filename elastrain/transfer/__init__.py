@@ -2,7 +2,7 @@
 
 No pickle anywhere: tensors travel as raw bytes described by a JSON manifest,
 the manifest sealed with HMAC-SHA256 under the job token; the payload checked
-by the state digest the manifest carries (`HealAuth.DIGEST`, the default) or
+by the root's state digest, sealed likewise (`HealAuth.DIGEST`, the default) or
 sealed stripe by stripe with Poly1305 (`HealAuth.MAC`).
 `heal` is the one collective, generic over a `NamedState` (`TorchState` here,
 `elastrain.jax.state.JaxState` for JAX) and over a `HealTransport` (`heal_over`;

@@ -1,14 +1,15 @@
 """How a heal vouches for the bytes it installs: the one choice `heal_auth` makes.
 
-Both modes authenticate the manifest (layout, sizes, the senders' meta and, in
-digest mode, the senders' state digest) with HMAC-SHA256 under the job token,
-bound to fresh per-round nonces (`elastrain.transfer.seal`). They differ in how
-the payload's bytes are checked:
+Both modes authenticate the manifest (layout, sizes, the senders' meta) with
+HMAC-SHA256 under the job token, bound to fresh per-round nonces
+(`elastrain.transfer.seal`). They differ in how the payload's bytes are checked:
 
 - `HealAuth.DIGEST` (the default): the bytes travel bare over the generation's
   group, exactly as a step's gradients do; the receiver computes the state
   digest (`elastrain.transfer.flatten.state_digest`, XXH3-128) of what landed,
-  as it lands, and compares it with the manifest's before installing. A
+  as it lands, and compares it, before installing, with the root's: a 48-byte
+  message the root sends after its stripes, HMAC-SHA256-sealed under the job
+  token and bound to the manifest seal (`elastrain.transfer.payload.Reference`). A
   mismatch is traced to the stripe that caused it (each sender states its
   stripes' digests, sealed under the job token) and that stripe is fetched
   again from another sender. It detects damage, lost or misplaced bytes and

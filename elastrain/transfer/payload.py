@@ -393,7 +393,7 @@ _CLAIM_SLOTS = CLAIM_BYTES // 8
 
 
 class DigestCheck:
-    """Digest mode: the state digest of what landed against the manifest's."""
+    """Digest mode: the state digest of what landed against the root's (`Reference`)."""
 
     auth = HealAuth.DIGEST
     word = "digest"

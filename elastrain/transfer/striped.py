@@ -435,7 +435,7 @@ def heal_over(
     not JSON, lies about sizes or claims more than a receiver's state could
     hold makes the next sender the root, before anything is allocated for it;
     a stripe whose seal does not match (mac mode), or that made the receiver's
-    state digest differ from the manifest's (digest mode), is sent again by
+    state digest differ from the root's (digest mode), is sent again by
     another sender, to the receivers that refused it. The refused senders are listed in
     ``HealStats.refused`` on every rank.
 
@@ -451,7 +451,7 @@ def heal_over(
     or when a stripe failed its check and no unrefused sender is left to send
     it again; on the rank that sees it, for a transport error or timeout. A
     receiver's state is replaced (`NamedState.install`) only after every stripe
-    arrived and matched its seal (mac mode), or what landed has the manifest's
+    arrived and matched its seal (mac mode), or what landed has the root's sealed
     state digest (digest mode). After a HealError from a transport failure or timeout, drop the
     group.
 

@@ -110,6 +110,44 @@ def test_heal_with_a_member_in_another_mode_is_refused(master_store: TCPStore) -
     assert state_hash(*states[1]) != state_hash(*states[0])
 
 
+class _Empty(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(0))
+
+
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_a_heal_with_no_payload_bytes_still_installs_the_checked_section(
+    master_store: TCPStore, auth: HealAuth
+) -> None:
+    """Every tensor empty: no stripe moves, yet the section (here the lr) arrives,
+    in digest mode checked against the root's sealed digest of layout and section."""
+    states = [(m, torch.optim.SGD(m.parameters(), lr=lr)) for m, lr in ((_Empty(), 0.1),
+              (_Empty(), 0.5))]  # fmt: skip
+    results: list[Any] = [None, None]
+    prefix = f"empty{next(_GROUPS)}"
+
+    def body(rank: int) -> None:
+        client = TCPStore("127.0.0.1", master_store.port, is_master=False)
+        pg = ProcessGroupGloo(PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=20))
+        try:
+            results[rank] = heal_with(auth)(
+                pg, rank, [0], [1], TorchState(*states[rank]), {}, 10.0, key=KEY
+            )
+        except HealError as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert results[1][1].bytes == 0
+    assert states[1][1].param_groups[0]["lr"] == 0.1
+
+
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [

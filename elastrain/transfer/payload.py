@@ -364,6 +364,8 @@ class MacCheck:
         landing: Landing | None,
         tamper: Tamper | None,
     ) -> dict[int, list[int]]:
+        if not work:  # no stripe, no seal: nothing can have failed (every rank knows)
+            return {}
         return outcome(tx, len(work), sorted(landed.failed), dl)
 
 

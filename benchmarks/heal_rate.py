@@ -1,12 +1,14 @@
-"""Heal rate against a plain gloo broadcast of the same bytes, side by side (issues 16, 18 item 3).
+"""Heal rate against a plain gloo broadcast of the same bytes, side by side (issues 16, 18, 42).
 
 Run from the repository root:
 
     .venv/bin/python benchmarks/heal_rate.py [--quick] [--no-record] [--senders 1,2]
         [--reps N] [--dim D --layers L --heads H]
 
-The target of both issues: a replacement's heal runs at >= 50% of a plain gloo
-broadcast of the same bytes over the same loopback, measured in the same run.
+The target (issue 42): a replacement's heal in digest mode (the default
+`heal_auth`) runs at >= 80% of a plain gloo broadcast of the same bytes over
+the same loopback, measured in the same run; the mac mode's rate is reported
+beside it (issues 16 and 18 asked >= 50% of it, before the digest existed).
 recovery.py and sharded.py measure it inside a whole job (minutes, one heal per
 run); this measures just the transfer, many times, so that a change to the heal
 code can be judged in a minute or two.
@@ -25,12 +27,16 @@ machine's load hits all five alike):
 - fresh: the same into memory the receiver allocated just before (a heal's
   receiver lands its state in memory it has not touched yet);
 - heal: `elastrain.transfer.heal` of the TorchState from the S senders into
-  the receiver (manifest, seals, verdicts, stripes, install: the code the
-  trainers run, under a job key), timed on the receiver from the barrier to
-  the end of its call. It lands in a `LandingReserve` the receiver mapped
-  and touched before the barrier (untimed: the trainer's joiner prepares it
-  while it waits to be admitted; its preparation time is reported apart);
-- cold: the same heal without a reserve, landing in memory the receiver has
+  the receiver in digest mode (manifest sealed under a job key, verdicts,
+  stripes, the root's state digest sealed after them, the receiver's digest of
+  what landed, install: the code the trainers run), timed on the receiver from the
+  barrier to the end of its call. It lands in a `LandingReserve` the receiver
+  mapped and touched before the barrier (untimed: the trainer's joiner
+  prepares it while it waits to be admitted; its preparation time is
+  reported apart);
+- mac: the same heal in mac mode (every stripe sealed with Poly1305), into a
+  reserve prepared the same way;
+- cold: the digest heal without a reserve, landing in memory the receiver has
   not touched (what every heal did before the reserve);
 - floor: the authenticated floor, the least any heal that authenticates its
   bytes must do: sender rank 0 seals the payload bytes with Poly1305 in 4 MiB
@@ -53,8 +59,10 @@ between rounds moves less), the cold heal's against the warm broadcast, the heal
 milliseconds of the heal outside it (flatten, manifest rounds, install), the
 reserve's preparation in milliseconds, CPU milliseconds of all processes per
 operation, the receiver process's first heal (timed alone, before the rounds:
-what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 50% of warm (the
-rounds' median). Prints the table and records
+what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 80% of warm (the
+rounds' median). Prints the table, then as its last line
+``heal/broadcast: <digest ratio> (mac <ratio>)`` for the sender count whose
+digest ratio is lowest, and records
 the run (benchmarks/results/) with date, machine, load, command and commit
 (unless --no-record). --quick (S = 1, a 10 MB state, 3 rounds) is a smoke run
 and never records. About 1 minute on the 2-core machine (--quick: 10 s).
@@ -79,9 +87,9 @@ sys.path.insert(0, str(HERE))
 from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
 from _steady import JOBS, kill_all  # noqa: E402
 
-TARGET = 0.5
-"""The heal's rate as a fraction of the warm broadcast's (issues 16 and 18)."""
-KINDS = ("warm", "fresh", "heal", "cold", "floor")
+TARGET = 0.8
+"""The digest heal's rate as a fraction of the warm broadcast's (issue 42)."""
+KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor")
 FULL: dict[str, int | str] = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
 QUICK: dict[str, int | str] = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
 MMAP_THRESHOLD = "131072"
@@ -144,6 +152,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     # The receiver's heal split in two: moving the payload, and the rest (flatten,
     # manifest rounds, install), from `HealStats.payload_s`.
     payload = [nbytes / 1e6 / s for s in recv["payload_s"]["heal"]]
+    mac_payload = [nbytes / 1e6 / s for s in recv["payload_s"]["mac"]]
     outside = [
         h - s for h, s in zip(recv["seconds"]["heal"], recv["payload_s"]["heal"], strict=True)
     ]
@@ -154,6 +163,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "per_round": per_round,
         "first": first,
         "payload": payload,
+        "mac_payload": mac_payload,
         "outside": outside,
         "prepare_s": recv["prepare_s"],
     }
@@ -172,6 +182,8 @@ def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
             f"{fmt(min(r['rates']['heal']), 0)} / {fmt(max(r['rates']['heal']), 0)}",
             fmt(ratio, 2),
             fmt(med(r["per_round"]["warm"]), 2),
+            f"{fmt(m['mac'], 0)} ({fmt(m['mac'] / m['warm'], 2)})",
+            f"{fmt(med(r['mac_payload']), 0)} ({fmt(med(r['mac_payload']) / m['warm'], 2)})",
             f"{fmt(m['cold'], 0)} ({fmt(m['cold'] / m['warm'], 2)})",
             f"{fmt(med(r['payload']), 0)} ({fmt(med(r['payload']) / m['warm'], 2)})",
             fmt(med(r["outside"]) * 1e3, 1),
@@ -194,11 +206,13 @@ HEADER = [
     "heal min / max",
     "heal / warm",
     "per-round heal / warm",
+    "mac heal MB/s (/ warm)",
+    "mac payload MB/s (/ warm)",
     "cold heal MB/s (/ warm)",
     "heal payload MB/s (/ warm)",
     "heal outside payload ms",
     "reserve touched ms: rounds / first",
-    "CPU ms warm / fresh / heal / cold / floor",
+    "CPU ms warm / fresh / heal / mac / cold / floor",
     "first heal MB/s (/ warm)",
     "authenticated floor MB/s (/ warm)",
     "heal / floor",
@@ -255,14 +269,17 @@ def main() -> int:
         f"state: the demo GPT, dim {dim}, {layers} layers, {heads} heads, context 64, with "
         "AdamW after one step (model + optimizer state, as a heal moves it); the receiver "
         "starts from another seed with no optimizer state",
-        f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal, cold "
-        "heal, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
+        f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal (digest), "
+        "mac heal, cold heal, floor, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
         "barrier to its end of the operation; medians over rounds",
         "broadcast: one uint8 tensor of the payload's bytes, from sender rank 0 to the "
         "receiver in a 2-rank gloo group of their own; warm: into memory touched before; "
         "fresh: into a tensor allocated just before",
-        "heal: elastrain.transfer.heal (sealed under a job key) of model + optimizer from "
-        "the senders, striped, into the receiver, installed; the receiver's state hash equals "
+        "heal: elastrain.transfer.heal in digest mode (the default heal_auth: the manifest "
+        "sealed under a job key; the root's state digest, sealed likewise, follows its "
+        "stripes; the receiver hashes what lands and compares before installing) of model + optimizer from "
+        "the senders, striped, into the receiver, installed; mac heal: the same with "
+        "heal_auth=mac (every stripe sealed with Poly1305, checked on arrival); the receiver's state hash equals "
         "the senders' after the last round (checked). The heal lands in a LandingReserve "
         "the receiver mapped and touched before the barrier, sized by its "
         "TorchState.landing_estimate() (what a joiner does while it waits to be admitted; "
@@ -273,8 +290,8 @@ def main() -> int:
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",
         "heal payload: the payload bytes over the receiver's payload phase alone "
-        "(HealStats.payload_s: stripes and seals sent, received and checked, the "
-        "outcome); outside payload: the rest of its heal (flatten, the manifest rounds "
+        "(HealStats.payload_s: stripes (and mac seals) sent, received and checked, the "
+        "outcome; 'mac payload' the same for the mac heal); outside payload: the rest of its heal (flatten, the manifest rounds "
         "with the senders' staging and the landing's allocation overlapping the verdict's, "
         "the install), medians over rounds",
         "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
@@ -303,7 +320,7 @@ def main() -> int:
     notes += [
         f"{s} sender(s): the authenticated floor itself runs at "
         f"{fmt(med(r['rates']['floor']) / med(r['rates']['warm']), 3)} of the warm broadcast, "
-        f"below the {TARGET:.0%} target: no heal that authenticates its bytes (Poly1305) "
+        f"below the {TARGET:.0%} target: no heal that MACs its bytes (Poly1305) "
         "meets it on this machine"
         for s, r in res.items()
         if med(r["rates"]["floor"]) < TARGET * med(r["rates"]["warm"])
@@ -321,13 +338,15 @@ def main() -> int:
             Figure(f"heal_mb_s[{n}]", f"heal rate, {n} sender(s)", med(r["rates"]["heal"]), "MB/s"),
             Figure(f"heal_over_warm[{n}]", f"heal / warm loopback broadcast, {n} sender(s)",
                    ratio(r, "heal"), ""),
+            Figure(f"mac_over_warm[{n}]",
+                   f"mac-mode heal / warm loopback broadcast, {n} sender(s)", ratio(r, "mac"), ""),
             Figure(f"floor_over_warm[{n}]",
                    f"authenticated floor / warm loopback broadcast, {n} sender(s)",
                    ratio(r, "floor"), ""),
         )
     ]  # fmt: skip
     targets = [
-        target(f"heal rate, {n} sender(s)", f">= {TARGET:g} of a warm loopback broadcast",
+        target(f"heal rate (digest), {n} sender(s)", f">= {TARGET:g} of a warm loopback broadcast",
                f"{ratio(r, 'heal'):.2f}", ratio(r, "heal") >= TARGET)
         for n, r in res.items()
     ]  # fmt: skip
@@ -335,6 +354,10 @@ def main() -> int:
                  anomalies)  # fmt: skip
     if args.quick:
         print("\n(--quick smoke run: not recorded, and no number in it means anything)")
+    for n, r in res.items():
+        print(f"{n} sender(s): heal/broadcast {ratio(r, 'heal'):.2f} (mac {ratio(r, 'mac'):.2f})")
+    worst = min(res.values(), key=lambda r: ratio(r, "heal"))
+    print(f"heal/broadcast: {ratio(worst, 'heal'):.2f} (mac {ratio(worst, 'mac'):.2f})")
     return 0
 
 

@@ -59,6 +59,7 @@ def _devices_arg(text: str) -> tuple[str, ...] | str:
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    from elastrain.launch.config import HEAL_AUTHS
     from elastrain.launch.config_file import CONFIG_FLAG, AppendReplacingDefault
 
     ap.add_argument(
@@ -238,6 +239,16 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "always write dcp)",
     )
     ap.add_argument(
+        "--heal-auth",
+        choices=HEAL_AUTHS,
+        default=None,
+        help="how a heal vouches for the state it installs: digest (the default: the "
+        "payload goes bare over the generation's group, as gradients do, and is installed "
+        "only if its state digest equals the root's, sent sealed under the job "
+        "token) or mac (every stripe also sealed with Poly1305, for a data plane that is "
+        "not trusted at all); overrides the script (docs/design/trust.md)",
+    )
+    ap.add_argument(
         "--resume-from",
         default=None,
         metavar="DIR",
@@ -339,6 +350,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         checkpoint_every=args.ckpt_every,
         checkpoint_mtbf_s=args.ckpt_mtbf,
         checkpoint_format=args.ckpt_format,
+        heal_auth=args.heal_auth,
         resume_from=args.resume_from,
         resume_step=args.resume_step,
         grace_s=args.grace,

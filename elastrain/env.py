@@ -65,6 +65,10 @@ CKPT_FORMAT = "ELASTRAIN_CKPT_FORMAT"
 """Optional override of TrainerConfig.checkpoint_format, "flat" or "dcp" (the
 launcher's --ckpt-format)."""
 
+HEAL_AUTH = "ELASTRAIN_HEAL_AUTH"
+"""Optional override of TrainerConfig.heal_auth, "digest" or "mac" (the launcher's
+--heal-auth)."""
+
 RESUME = "ELASTRAIN_RESUME"
 """Which checkpoint a worker loads before its first rendezvous: "none", "latest"
 (the newest verified one), or a step number (the one the launcher chose and

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+import elastrain.transfer.striped as striped
 from elastrain.transfer import (
+    HealAuth,
     HealError,
     HealStats,
     HealTransport,
@@ -28,7 +30,9 @@ from elastrain.transfer import (
     heal_over,
     state_hash,
 )
-from elastrain.transfer.seal import STRIPE_SEAL_BYTES
+from elastrain.transfer.chunks import MAX_CHUNKS
+from elastrain.transfer.flatten import flatten_state
+from elastrain.transfer.seal import REFERENCE_BYTES, STRIPE_SEAL_BYTES
 from elastrain.transfer.transport import Pending, Reduce
 
 KEY = b"job-token"
@@ -156,6 +160,7 @@ def run(
     senders: list[int],
     receivers: list[int],
     timeout_s: float = 10.0,
+    auth: HealAuth = HealAuth.DIGEST,
 ) -> list[tuple[dict[str, Any], HealStats] | BaseException]:
     """Every rank heals over the wire on its own thread; its result or exception."""
     results: list[Any] = [None] * wire.size
@@ -165,8 +170,9 @@ def run(
         meta = {"step": 7} if rank in senders else None
         try:
             results[rank] = heal_over(
-                tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY
-            )
+                tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY,
+                auth=auth,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
 
@@ -207,10 +213,11 @@ def test_a_heal_over_an_in_memory_transport_installs_the_senders_state() -> None
 
 
 def _flip_from(sender: int, wire_counter: list[Wire]) -> Damage:
-    """Flip one byte of every payload message `sender` sends (not its seals)."""
+    """Flip one byte of every payload message `sender` sends (not its seals, nor
+    its sealed state digest: both travel under the seal tag)."""
 
     def damage(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
-        if src == sender and msg.numel() > STRIPE_SEAL_BYTES:
+        if src == sender and tag & MAX_CHUNKS != MAX_CHUNKS:
             msg[msg.numel() // 2] ^= 0x5A
             wire_counter[0].damaged += 1
         return msg
@@ -218,31 +225,170 @@ def _flip_from(sender: int, wire_counter: list[Wire]) -> Damage:
     return damage
 
 
-def test_a_stripe_corrupted_on_the_wire_is_refused_and_sent_again_by_another_sender() -> None:
+def _same_bytes(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: Any) -> bool:
+    """Every tensor of model and optimizer state bit-identical, and the same section."""
+    fa, fb = flatten_state(*a), flatten_state(*b)
+    return (
+        [n for n, _ in fa.tensors] == [n for n, _ in fb.tensors]
+        and all(
+            x.dtype == y.dtype
+            and x.shape == y.shape
+            and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+            for (_, x), (_, y) in zip(fa.tensors, fb.tensors, strict=True)
+        )
+        and fa.section == fb.section
+    )
+
+
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_a_stripe_corrupted_on_the_wire_is_refused_and_sent_again_by_another_sender(
+    auth: HealAuth,
+) -> None:
+    """One flipped byte in the transport: the digest (or the seal) catches it, the
+    other sender sends the stripe again, the receiver ends bit-identical."""
     states = [_state(True), _state(True), _state(False)]
     want = state_hash(*states[0])
     holder: list[Wire] = []
     wire = Wire(3, _flip_from(0, holder))
     holder.append(wire)
-    res = run(wire, states, senders=[0, 1], receivers=[2])
+    res = run(wire, states, senders=[0, 1], receivers=[2], auth=auth)
     assert all(isinstance(r, tuple) for r in res), res
     assert wire.damaged > 0
     stats = [r[1] for r in res if isinstance(r, tuple)]
     assert all(st.refused == (0,) for st in stats)  # the same verdict on every rank
     assert state_hash(*states[2]) == want
+    assert _same_bytes(states[2], states[0])
     # Sender 1 sent its own stripe and, again, the refused one: the whole payload.
     assert stats[1].bytes == stats[2].bytes - stats[0].bytes
 
 
-def test_when_every_sender_is_corrupted_the_receiver_is_left_untouched() -> None:
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_when_every_sender_is_corrupted_the_receiver_is_left_untouched(auth: HealAuth) -> None:
     states = [_state(True), _state(False)]
     before = state_hash(*states[1])
     holder: list[Wire] = []
     wire = Wire(2, _flip_from(0, holder))
     holder.append(wire)
-    res = run(wire, states, senders=[0], receivers=[1])
+    res = run(wire, states, senders=[0], receivers=[1], auth=auth)
     assert all(isinstance(r, HealError) for r in res), res
-    assert "failed their seal" in str(res[1]) and "no sender is left" in str(res[1])
+    word = "digest" if auth == HealAuth.DIGEST else "seal"
+    assert f"failed their {word}" in str(res[1]) and "no sender is left" in str(res[1])
+    if auth == HealAuth.DIGEST:
+        assert "state digest mismatch" in str(res[1])
+    assert state_hash(*states[1]) == before
+
+
+def test_mac_mode_refuses_a_forged_stripe_seal() -> None:
+    """A seal message replaced on the wire (by a process without the token) is
+    refused in mac mode, and the stripe comes again from the other sender."""
+    states = [_state(True), _state(True), _state(False)]
+    want = state_hash(*states[0])
+
+    def forge(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        if src == 0 and msg.numel() == STRIPE_SEAL_BYTES:
+            return torch.full_like(msg, 7)
+        return msg
+
+    res = run(Wire(3, forge), states, senders=[0, 1], receivers=[2], auth=HealAuth.MAC)
+    assert all(isinstance(r, tuple) and r[1].refused == (0,) for r in res), res
+    assert state_hash(*states[2]) == want
+
+
+def test_digest_mode_sends_the_payload_and_one_sealed_digest_per_receiver() -> None:
+    """No seal or claim messages in a heal that went well: every point-to-point
+    message is payload, but one per receiver: the root's sealed state digest,
+    after its stripes."""
+    states = [_state(True), _state(False), _state(False)]
+    sent: list[tuple[int, int, int]] = []
+
+    def watch(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        sent.append((dst, tag & MAX_CHUNKS == MAX_CHUNKS, msg.numel()))
+        return msg
+
+    res = run(Wire(3, watch), states, senders=[0], receivers=[1, 2])
+    assert all(isinstance(r, tuple) for r in res), res
+    for r in (1, 2):
+        mine = [(sealed, n) for dst, sealed, n in sent if dst == r]
+        assert sum(n for sealed, n in mine if not sealed) == res[r][1].bytes  # type: ignore[index]
+        assert [n for sealed, n in mine if sealed] == [REFERENCE_BYTES]
+        assert mine[-1] == (True, REFERENCE_BYTES)
+
+
+def test_a_forged_state_digest_message_is_refused_and_nothing_installed() -> None:
+    """The root's digest message damaged on the wire (its HMAC no longer verifies):
+    the receiver cannot vouch for what landed, so every rank raises HealError and
+    the receiver's state is untouched."""
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+
+    def forge(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        if tag & MAX_CHUNKS == MAX_CHUNKS:
+            msg[0] ^= 0x01
+        return msg
+
+    res = run(Wire(2, forge), states, senders=[0], receivers=[1])
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "does not verify" in str(res[1])
+    assert state_hash(*states[1]) == before
+
+
+def test_a_sender_whose_state_differs_from_the_roots_is_refused_in_digest_mode() -> None:
+    """Same layout, other values: the whole digest differs, every claim matches its
+    own bytes, so the stripes of the non-root sender go again from the root, and
+    the receiver holds exactly the root's state."""
+    states = [_state(True), _state(True), _state(False)]
+    with torch.no_grad():  # the whole state, whatever stripe sender 1 is given
+        for p in states[1][0].parameters():
+            p.add_(1.0)
+        for st in states[1][1].state.values():
+            st["exp_avg"].add_(1.0)
+    res = run(Wire(3), states, senders=[0, 1], receivers=[2])
+    assert all(isinstance(r, tuple) and r[1].refused == (1,) for r in res), res
+    assert _same_bytes(states[2], states[0])
+
+
+def test_a_receiver_never_installs_state_whose_digest_does_not_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The root's manifest states a digest that what it sends does not have (as a
+    root whose state changed under it would): the blame finds every stripe as
+    claimed, the root's stripes are the only ones, nobody is left; the receiver's
+    state is untouched."""
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+    monkeypatch.setattr(striped, "flat_digest", lambda flat: "ab" * 16)
+    res = run(Wire(2), states, senders=[0], receivers=[1])
+    assert all(isinstance(r, HealError) and "no sender is left" in str(r) for r in res), res
+    assert "state digest mismatch" in str(res[1])
+    assert state_hash(*states[1]) == before
+
+
+def test_members_configured_with_different_modes_refuse_the_heal() -> None:
+    """A receiver set to mac never accepts a digest-mode heal (no downgrade)."""
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+    wire = Wire(2)
+    results: list[Any] = [None, None]
+
+    def body(rank: int, auth: HealAuth) -> None:
+        try:
+            results[rank] = heal_over(
+                wire.member(rank), [0], [1], TorchState(*states[rank]), {}, 10.0, key=KEY,
+                auth=auth,
+            )  # fmt: skip
+        except HealError as e:
+            results[rank] = e
+
+    threads = [
+        threading.Thread(target=body, args=(0, HealAuth.DIGEST), daemon=True),
+        threading.Thread(target=body, args=(1, HealAuth.MAC), daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(r, HealError) for r in results), results
+    assert "heal_auth='digest'" in str(results[1]) and "heal_auth='mac'" in str(results[1])
     assert state_hash(*states[1]) == before
 
 

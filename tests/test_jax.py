@@ -30,7 +30,7 @@ from elastrain.jax.state import (  # noqa: E402
     state_hash,
 )
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
-from elastrain.transfer import HealError, TorchState, heal  # noqa: E402
+from elastrain.transfer import HealAuth, HealError, TorchState, heal  # noqa: E402
 from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest  # noqa: E402
 from elastrain.transfer.tamper import Tamper  # noqa: E402
 
@@ -113,14 +113,20 @@ def test_heal_stripes_a_jax_state_from_two_senders() -> None:
     assert states[0].healed is None and states[2].healed is None
 
 
-def test_heal_jax_forged_stripe_is_fetched_from_the_other_sender() -> None:
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_heal_jax_forged_stripe_is_fetched_from_the_other_sender(auth: HealAuth) -> None:
+    """mac: a stripe sealed without the token is refused; digest: a stripe damaged on
+    the wire makes the digest differ. Either way the other sender sends it again."""
     good, behind = _state(0), _state(5)
     states = {0: JaxState(good), 1: JaxState(good), 2: JaxState(behind)}
+    bad = Tamper(forge=True) if auth == HealAuth.MAC else Tamper(flip=3)
 
     def fn(pg: Any, rank: int) -> Any:
-        tamper = Tamper(forge=True) if rank == 0 else None
+        tamper = bad if rank == 0 else None
         meta = {"committed": 3} if rank < 2 else None
-        return heal(pg, rank, [1, 0], [2], states[rank], meta, 30.0, key=KEY, tamper=tamper)
+        return heal(
+            pg, rank, [1, 0], [2], states[rank], meta, 30.0, key=KEY, tamper=tamper, auth=auth
+        )
 
     res = _run_ranks(3, fn)
     assert all(isinstance(r, tuple) and r[1].refused == (0,) for r in res), res

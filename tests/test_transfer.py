@@ -33,8 +33,9 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 import elastrain.transfer.chunks as chunks
 import elastrain.transfer.landing as landing
-import elastrain.transfer.striped as striped
+import elastrain.transfer.payload as payload
 from elastrain.transfer import (
+    HealAuth,
     HealError,
     HealStats,
     TorchState,
@@ -720,15 +721,18 @@ def test_heal_threads_a_joiners_reserve_is_estimated_exactly_and_receives_the_st
 def test_heal_threads_seal_mismatch_raises_and_leaves_receiver_intact(
     master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Senders seal through striped.seal_stripe, receivers through StripeSeal, so
+    # Senders seal through payload.seal_stripe, receivers through StripeSeal, so
     # corrupting the former fakes damage in flight.
-    monkeypatch.setattr(striped, "seal_stripe", lambda *args: bytes(STRIPE_SEAL_BYTES))
+    monkeypatch.setattr(payload, "seal_stripe", lambda *args: bytes(STRIPE_SEAL_BYTES))
     states = [trained(), trained(), fresh()]
     before = state_hash(*states[2])
     weight_before = states[2][0].fc1.weight.clone()
 
     def fn(rank: int, pg: Any) -> Any:
-        return heal(pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0)
+        return heal(
+            pg, rank, [0, 1], [2], TorchState(*states[rank]), {"step": 3}, 10.0,
+            auth=HealAuth.MAC,
+        )  # fmt: skip
 
     res = run_threads(master_store, 3, fn)
     # Both senders' stripes were refused: nobody is left to send them again, and
@@ -820,8 +824,9 @@ def test_every_manifest_lie_is_caught_with_a_clear_message(lie: str, needle: str
         )
 
 
+@pytest.mark.parametrize("auth", list(HealAuth))
 def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
-    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+    master_store: TCPStore, auth: HealAuth, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small thresholds: the flipped bytes land in direct messages (written straight
     # into the receiver's landing buffer) as well as packed ones.
@@ -834,8 +839,9 @@ def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(flip=40, seed=rank) if rank == 0 else None
         return heal(
-            pg, rank, [0, 1], [2, 3], TorchState(*states[rank]), {"step": 3}, 10.0, tamper=tamper
-        )
+            pg, rank, [0, 1], [2, 3], TorchState(*states[rank]), {"step": 3}, 10.0,
+            tamper=tamper, auth=auth,
+        )  # fmt: skip
 
     res = run_threads(master_store, 4, fn)
     assert all(isinstance(r, tuple) for r in res), res
@@ -846,6 +852,29 @@ def test_heal_threads_bad_stripe_is_refused_and_fetched_from_another_sender(
     s0, s1 = stats[0].bytes // 2, stats[1].bytes // 2 - stats[0].bytes // 2
     assert abs(s0 - s1) <= 1 and s0 + s1 == total  # sender 1 sent its stripe and 0's
     assert stats[2].bytes == stats[3].bytes == total + s0
+
+
+@pytest.mark.parametrize("flip", [0, 2])
+def test_heal_threads_digest_mode_judges_the_bytes_and_the_claims(
+    master_store: TCPStore, flip: int
+) -> None:
+    """Digest mode: a second sender without the token (forged key) whose bytes are
+    right is not refused (what the digest checks is the bytes; the manifest, which
+    only the token opens, came from the root). With its bytes damaged, its claim
+    in the blame round does not verify: refused, its stripe fetched from the root."""
+    states = [trained(), trained(), fresh()]
+    want = state_hash(*states[1])
+
+    def fn(rank: int, pg: Any) -> Any:
+        tamper = Tamper(forge=True, flip=flip, seed=4) if rank == 0 else None
+        return heal(
+            pg, rank, [1, 0], [2], TorchState(*states[rank]), {}, 10.0, key=KEY, tamper=tamper
+        )
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert all(r[1].refused == ((0,) if flip else ()) for r in res)
+    assert state_hash(*states[2]) == want
 
 
 def test_heal_threads_two_bad_senders_of_three(master_store: TCPStore) -> None:
@@ -900,8 +929,9 @@ def test_heal_threads_lying_manifest_root_is_replaced_by_the_next_sender(
         Tamper(forge=True),
     ],
 )
+@pytest.mark.parametrize("auth", list(HealAuth))
 def test_heal_threads_no_honest_sender_left_fails_loudly(
-    master_store: TCPStore, tamper: Tamper, monkeypatch: pytest.MonkeyPatch
+    master_store: TCPStore, tamper: Tamper, auth: HealAuth, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     states = [trained(), fresh()]
     before = state_hash(*states[1])
@@ -909,7 +939,10 @@ def test_heal_threads_no_honest_sender_left_fails_loudly(
 
     def fn(rank: int, pg: Any) -> Any:
         mine = tamper if rank == 0 else None
-        return heal(pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY, tamper=mine)
+        return heal(
+            pg, rank, [0], [1], TorchState(*states[rank]), {}, 20.0, key=KEY, tamper=mine,
+            auth=auth,
+        )  # fmt: skip
 
     t0 = time.perf_counter()
     res = run_threads(master_store, 2, fn)
@@ -922,7 +955,13 @@ def test_heal_threads_no_honest_sender_left_fails_loudly(
         "truncated": "not JSON",
         "huge_length": f"rank 0 announced {TIB} manifest bytes",
         "huge_optim": f"claims {HUGE_OPTIM_BYTES // 4} elements; param",
-        None: "seal mismatch on the stripe" if tamper.flip else "seal of the manifest from rank 0",
+        None: (
+            "seal of the manifest from rank 0"
+            if not tamper.flip
+            else "seal mismatch on the stripe"
+            if auth == HealAuth.MAC
+            else "state digest mismatch"
+        ),
     }
     assert why[tamper.manifest] in str(res[1])
     assert state_hash(*states[1]) == before

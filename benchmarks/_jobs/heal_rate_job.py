@@ -19,13 +19,16 @@ every rank so that they start it together:
    the receiver has touched before;
 2. ``fresh``: the same into a tensor the receiver allocated just before it;
 3. ``heal``: `elastrain.transfer.heal` of the `TorchState` (the code the
-   trainers run, sealed under a job key) from the senders into the receiver,
+   trainers run, in digest mode, the default: manifest sealed under a job key,
+   payload checked by the state digest) from the senders into the receiver,
    which lands it in a `LandingReserve` it prepared before the barrier (mapped
    and touched, untimed: a joiner does it while it waits to be admitted) and
    installs it;
-4. ``cold``: the same heal without a reserve: the receiver lands it in memory
+4. ``mac``: the same heal in mac mode (``heal_auth="mac"``: every stripe
+   sealed with Poly1305), into a reserve prepared the same way;
+5. ``cold``: the digest heal without a reserve: the receiver lands it in memory
    it has not touched yet (what every heal did before the reserve);
-5. ``floor``: the least any heal that authenticates its bytes must do, with
+6. ``floor``: the least any heal that authenticates its bytes must do, with
    nothing else: over the broadcast's 2-rank group, rank 0 seals the payload
    bytes with Poly1305 (the MAC the heal's stripe seals use) in pieces of
    `FLOOR_PIECE` bytes and sends each piece as soon as it is sealed; the
@@ -60,11 +63,18 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from elastrain.demo.gpt import GPT
-from elastrain.transfer import LandingReserve, TorchState, heal, section_bytes, state_hash
+from elastrain.transfer import (
+    HealAuth,
+    LandingReserve,
+    TorchState,
+    heal,
+    section_bytes,
+    state_hash,
+)
 
 KEY = b"heal-rate-benchmark-key"
 TIMEOUT = datetime.timedelta(seconds=120)
-KINDS = ("warm", "fresh", "heal", "cold", "floor")
+KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor")
 FLOOR_PIECE = 4 << 20
 """Bytes per sealed piece of the floor (the heal's stripes are of this order)."""
 
@@ -116,7 +126,7 @@ def main() -> None:
     )
     state = build(dim, layers, heads, rank < senders)
 
-    payload_s: dict[str, list[float]] = {"heal": [], "cold": []}
+    payload_s: dict[str, list[float]] = {"heal": [], "mac": [], "cold": []}
     prepare_s: list[float] = []
     reserve: LandingReserve | None = None
 
@@ -133,7 +143,8 @@ def main() -> None:
         nonlocal reserve
         _, stats = heal(
             pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
-            reserve=reserve if kind == "heal" else None,
+            reserve=reserve if kind != "cold" else None,
+            auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST,
         )  # fmt: skip
         reserve = None
         payload_s[kind].append(stats.payload_s)
@@ -178,7 +189,8 @@ def main() -> None:
             works = []
             for i, piece in enumerate(pieces):
                 tags[16 * i : 16 * i + 16] = torch.frombuffer(
-                    bytearray(Poly1305.generate_tag(round_key, piece.numpy())), dtype=torch.uint8
+                    bytearray(Poly1305.generate_tag(round_key, piece.numpy().data)),
+                    dtype=torch.uint8,
                 )
                 works.append(bcast.send([piece], 1, i + 1))
             works.append(bcast.send([tags], 1, 0))
@@ -189,7 +201,7 @@ def main() -> None:
         bcast.recv([tags], 0, 0).wait()
         for i, (piece, w) in enumerate(zip(pieces, recvs, strict=True)):
             w.wait()
-            Poly1305.verify_tag(round_key, piece.numpy(), bytes(tags[16 * i : 16 * i + 16]))
+            Poly1305.verify_tag(round_key, piece.numpy().data, bytes(tags[16 * i : 16 * i + 16]))
 
     for i in range(reps):
         timed("warm", lambda: broadcast(warm))
@@ -198,6 +210,8 @@ def main() -> None:
         del fresh
         prepare()
         timed("heal", do_heal)
+        prepare()
+        timed("mac", functools.partial(do_heal, "mac"))
         timed("cold", functools.partial(do_heal, "cold"))
         # A one-time Poly1305 key per round, as the heal derives one per stripe.
         timed("floor", functools.partial(floor, i.to_bytes(32, "little")))

@@ -10,6 +10,10 @@ from pathlib import Path
 from elastrain.checkpoint.config import check_format
 from elastrain.launch.faults import FaultSpec
 
+HEAL_AUTHS = ("digest", "mac")
+"""The values of `elastrain.transfer.HealAuth`, spelled out: the launcher stays
+torch-free, and the transfer package imports torch (a test keeps them equal)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
@@ -123,6 +127,9 @@ class LaunchConfig:
     checkpoint_format: str | None = None
     """Override the script's checkpoint format, "flat" or "dcp" (--ckpt-format;
     `TrainerConfig.checkpoint_format`). None: the script's (flat by default)."""
+    heal_auth: str | None = None
+    """Override the script's heal mode, "digest" or "mac" (--heal-auth;
+    `TrainerConfig.heal_auth`). None: the script's (digest by default)."""
     resume_from: str | None = None
     """A DCP checkpoint written by a plain torch job (DDP, FSDP2) to start from
     (--resume-from; docs/guide/checkpoints.md, "Starting from a plain DCP checkpoint").
@@ -275,6 +282,8 @@ class LaunchConfig:
         if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
         check_format(self.checkpoint_format)
+        if self.heal_auth is not None and self.heal_auth not in HEAL_AUTHS:
+            raise ValueError(f"--heal-auth must be one of {HEAL_AUTHS}, got {self.heal_auth!r}")
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
 

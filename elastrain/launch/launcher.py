@@ -358,6 +358,8 @@ class Launcher:
             e[env.CKPT_MTBF] = repr(c.checkpoint_mtbf_s)
         if c.checkpoint_format is not None:
             e[env.CKPT_FORMAT] = str(c.checkpoint_format)
+        if c.heal_auth is not None:
+            e[env.HEAL_AUTH] = str(c.heal_auth)
         if replacement or self.agent:
             # Peers heal it if they are further; if every worker died, it is the state.
             e[env.RESUME] = "latest"

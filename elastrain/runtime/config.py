@@ -10,6 +10,7 @@ from typing import Any
 
 from elastrain import env
 from elastrain.checkpoint.config import CheckpointFormat, CheckpointPolicy, check_format
+from elastrain.transfer.auth import HealAuth, check_auth
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,16 @@ class TrainerConfig:
     start); a sharded job always writes "dcp". Resume reads either, whatever
     this says. The launcher's --ckpt-format overrides it."""
 
+    heal_auth: str = HealAuth.DIGEST
+    """How a heal vouches for the state it installs (docs/design/trust.md, "Trust
+    boundary"): "digest" (the default) sends the payload bare over the
+    generation's group, as the gradients go, and the receiver installs it only
+    if its state digest equals the root's, which the root sends sealed under
+    the job token; "mac" also seals every stripe with Poly1305 under the job
+    token, for a data plane that is not trusted at all (a MAC pass over the
+    bytes on each end). Every member of a job must use the same (a heal between
+    members that differ is refused). The launcher's --heal-auth overrides it."""
+
     shard_size: int = 1
     """Members per replica group (issue 16). Inside a replica group the model is
     sharded, one shard per member; across groups the members holding the same
@@ -304,6 +315,7 @@ class TrainerConfig:
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
         check_format(self.checkpoint_format, "checkpoint_format")
+        check_auth(self.heal_auth, "heal_auth")
 
     def _suggest(self) -> int:
         return max(
@@ -381,6 +393,8 @@ class WorkerEnv:
     checkpoint_every: int | None = None
     checkpoint_mtbf_s: float | None = None
     checkpoint_format: str | None = None
+    heal_auth: str | None = None
+    """$ELASTRAIN_HEAL_AUTH: the launcher's --heal-auth (`TrainerConfig.heal_auth`)."""
     shard_size: int | None = None
     visible_devices: str | None = None
     """$CUDA_VISIBLE_DEVICES: the accelerators this worker sees (the launcher's
@@ -411,6 +425,8 @@ class WorkerEnv:
             changes["checkpoint_mtbf_s"] = self.checkpoint_mtbf_s
         if self.checkpoint_format is not None:
             changes["checkpoint_format"] = self.checkpoint_format
+        if self.heal_auth is not None:
+            changes["heal_auth"] = self.heal_auth
         if self.shard_size is not None:
             changes["shard_size"] = self.shard_size
         return replace(config, **changes) if changes else config  # type: ignore[arg-type]
@@ -445,6 +461,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         checkpoint_every=num(env.CKPT_EVERY, int),
         checkpoint_mtbf_s=num(env.CKPT_MTBF, float),
         checkpoint_format=e.get(env.CKPT_FORMAT) or None,
+        heal_auth=e.get(env.HEAL_AUTH) or None,
         shard_size=num(env.SHARD_SIZE, int),
         visible_devices=e.get(env.VISIBLE_DEVICES),
         local_rank=num(env.LOCAL_RANK, int),

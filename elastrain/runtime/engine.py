@@ -88,7 +88,7 @@ from elastrain.runtime.start_state import StartState
 from elastrain.runtime.step_run import EXTRA_SLOTS, StepResult, StepRun
 from elastrain.runtime.topology import TopologyFactory
 from elastrain.runtime.watchdog import HangTimeout
-from elastrain.transfer import HealFn, heal
+from elastrain.transfer import HealAuth, HealFn, heal_with
 
 __all__ = ["EXTRA_SLOTS", "DataSource", "MapDataset", "StepEngine", "StepResult"]
 
@@ -227,7 +227,7 @@ class StepEngine:
             self.topology,
             self.carried,
             self.ckpt,
-            heal_fn or heal,
+            heal_fn or heal_with(HealAuth(config.heal_auth)),
             self.saving.resume_hint,
             self._shutdown,
         )

@@ -9,7 +9,8 @@ class HealError(RuntimeError):
     Raised for: a manifest that lies (sizes, offsets or stripes inconsistent,
     claims beyond the receiver's bounds, a seal that does not verify) when no
     other sender is left to ask, a state of another kind or layout (model
-    signature, optimizer structure, JAX leaves), a stripe seal mismatch that
+    signature, optimizer structure, JAX leaves) or of another `heal_auth`, a
+    stripe seal mismatch (mac mode) or a state digest mismatch (digest mode) that
     no other sender could repair, a transport failure (peer closed the
     connection) or a timeout. Transport errors are chained as ``__cause__``.
     After a HealError the process group may hold pending operations; the

@@ -24,7 +24,7 @@ is the `NamedState` built on them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -178,18 +178,44 @@ def state_digest(state: NamedState) -> str:
     XXH3-128 (the ``xxhash`` package), a non-cryptographic hash built for
     exactly that: telling apart data that differ by accident, with 128 bits of
     output. It is not a defence against someone who chooses a state to collide,
-    and nothing here trusts it for that: what a heal installs is checked by
-    seals keyed with the job token (`elastrain.transfer.seal`). Why XXH3: every
+    and nothing here trusts it for that. A digest-mode heal checks what a
+    receiver installs against it (the expected value travels in the manifest,
+    sealed under the job token): that catches damage and a sender whose state
+    differs, while a party able to write chosen bytes into the group's
+    connections could equally write the gradients (docs/design/trust.md); a
+    mac-mode heal seals every stripe instead (`elastrain.transfer.seal`). Why XXH3: every
     member hashes its whole state at every generation start, on a thread beside
     the first step. XXH3 runs at about 11 GB/s here and releases the GIL while
     it hashes, so the training thread's Python is not held up by it; SHA-256
     ran at 1.1 GB/s, and Poly1305 (the digest until 2026-12-04) at 4.8 GB/s
     holding the GIL (docs/design/heal.md, "The first step after a join"; benchmarks/digest.py).
     """
-    h = xxhash.xxh3_128(DIGEST_LABEL)
-    for part in digest_input(state):
-        h.update(part)
+    return flat_digest(state.flatten())
+
+
+def flat_digest(flat: FlatState) -> str:
+    """`state_digest` of an already flattened state (a sender's `FlatState`)."""
+    h = digest_hasher(((n, t.dtype, t.shape) for n, t in flat.tensors), flat.section)
+    for _, t in flat.tensors:
+        if t.numel():
+            h.update(cpu_bytes(t).numpy().data)
     return h.hexdigest()
+
+
+def digest_hasher(
+    layout: Iterable[tuple[str, torch.dtype, Sequence[int]]], section: dict[str, Any]
+) -> xxhash.xxh3_128:
+    """The running `state_digest` of a state with this layout (name, dtype, shape per
+    tensor, in order) and JSON section, its label and header already hashed: feed it
+    the tensors' raw bytes in order (how they are cut does not matter) and read
+    ``hexdigest()``. A heal's receiver feeds it the payload as it lands."""
+    header = {
+        "tensors": [[n, str(d), list(s)] for n, d, s in layout],
+        "optimizer": section,
+    }
+    h = xxhash.xxh3_128(DIGEST_LABEL)
+    h.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    return h
 
 
 def digest_input(state: NamedState) -> Iterator[bytes | memoryview]:

@@ -8,9 +8,9 @@ then judges it against its own state (`NamedState.bound` / `check`). All
 functions here are local and raise `HealError` with a message that names the
 offending entry or stripe.
 
-Wire format (version 2)::
+Wire format (version 4)::
 
-    {"version": 2, "kind": str, "heal_id": int,
+    {"version": 4, "kind": str, "heal_id": int, "auth": "digest" | "mac",
      "entries": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
      "total_bytes": int,
      "stripes": [{"sender_rank", "offset", "nbytes"}, ...],
@@ -19,9 +19,14 @@ Wire format (version 2)::
 
 ``kind`` names the state's kind ("torch", "jax"); entries are the state's
 named tensors in `NamedState.flatten` order and tile ``[0, total_bytes)``;
-``section`` is the state's JSON section. Stripes split the same byte range
+``section`` is the state's JSON section. ``auth`` is the root's `HealAuth`:
+in digest mode it commits the root to sending its `state_digest`, sealed under
+the job token and bound to this manifest's seal, to every receiver after its
+stripes (`elastrain.transfer.payload.Reference`; version 3 carried the digest
+here, which held the manifest back until the root had hashed its whole
+state). Stripes split the same byte range
 evenly over the senders, in the order of the ``senders`` list. A manifest
-``{"version": 2, "error": str}`` tells every rank that the root could not
+``{"version": 4, "error": str}`` tells every rank that the root could not
 build one (`ManifestUnavailable`).
 """
 
@@ -35,10 +40,11 @@ from typing import Any
 
 import torch
 
+from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.dtypes import dtype_from_name, dtype_name
 from elastrain.transfer.errors import HealError, ManifestUnavailable
 
-VERSION = 2
+VERSION = 4
 TENSOR_REF = "$tensor"
 """Key of the placeholder ``{"$tensor": entry_name}`` in a state's JSON section."""
 
@@ -79,6 +85,8 @@ class Manifest:
     stripes: tuple[Stripe, ...]
     section: dict[str, Any]
     meta: dict[str, Any]
+    auth: HealAuth = HealAuth.DIGEST
+    """How the payload is checked (`elastrain.transfer.auth`)."""
 
     def stripe_of(self, rank: int) -> Stripe:
         """The stripe that ``rank`` sends (HealError if it has none)."""
@@ -108,8 +116,11 @@ def build_manifest(
     senders: Sequence[int],
     meta: dict[str, Any],
     heal_id: int,
+    *,
+    auth: HealAuth = HealAuth.DIGEST,
 ) -> Manifest:
-    """Lay the named tensors out back to back and stripe the result over ``senders``."""
+    """Lay the named tensors out back to back and stripe the result over ``senders``;
+    ``auth`` as in `Manifest`."""
     entries = []
     offset = 0
     for name, t in tensors:
@@ -127,6 +138,7 @@ def build_manifest(
         stripes=plan_stripes(offset, senders),
         section=section,
         meta=meta,
+        auth=auth,
     )
 
 
@@ -136,6 +148,7 @@ def encode_manifest(m: Manifest) -> bytes:
         "version": m.version,
         "kind": m.kind,
         "heal_id": m.heal_id,
+        "auth": m.auth.value,
         "entries": [
             {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
              "nbytes": e.nbytes}
@@ -182,6 +195,46 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
+def _entry(i: int, raw: Any) -> Entry:
+    """Manifest entry ``i`` with strict types: one cheap test for a well-formed entry
+    (a manifest has one per tensor, and its decoding is on the heal's critical
+    path), the checks that name what is wrong only for one that is not."""
+    if type(raw) is dict:
+        name, dtype, shape = raw.get("name"), raw.get("dtype"), raw.get("shape")
+        offset, nbytes = raw.get("offset"), raw.get("nbytes")
+        if (
+            type(name) is str
+            and type(dtype) is str
+            and type(shape) is list
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(offset) is int
+            and offset >= 0
+            and type(nbytes) is int
+            and nbytes >= 0
+        ):  # type() is, not isinstance: a bool is not an integer here
+            return Entry(name, dtype, tuple(shape), offset, nbytes)
+    return _strict_entry(i, raw)
+
+
+def _strict_entry(i: int, raw: Any) -> Entry:
+    """`_entry`'s checks one by one: HealError (or KeyError) naming what is wrong."""
+    ent = _dict(raw, f"entries[{i}]")
+    name = ent["name"]
+    if not isinstance(name, str):
+        raise HealError(f"malformed manifest: entries[{i}].name is not a string")
+    dtype = ent["dtype"]
+    if not isinstance(dtype, str):
+        raise HealError(f"malformed manifest: entry {name!r} dtype is not a string")
+    shape = tuple(_nonneg(d, f"entry {name!r} shape") for d in _list(ent["shape"], f"{name} shape"))
+    return Entry(
+        name,
+        dtype,
+        shape,
+        _nonneg(ent["offset"], f"entry {name!r} offset"),
+        _nonneg(ent["nbytes"], f"entry {name!r} nbytes"),
+    )
+
+
 def decode_manifest(data: bytes) -> Manifest:
     """Parse manifest bytes with strict types (HealError on anything malformed).
 
@@ -201,27 +254,7 @@ def decode_manifest(data: bytes) -> Manifest:
             raise ManifestUnavailable(
                 f"the manifest root could not build the manifest: {doc['error']}"
             )
-        entries = []
-        for i, raw in enumerate(_list(doc["entries"], "entries")):
-            ent = _dict(raw, f"entries[{i}]")
-            name = ent["name"]
-            if not isinstance(name, str):
-                raise HealError(f"malformed manifest: entries[{i}].name is not a string")
-            dtype = ent["dtype"]
-            if not isinstance(dtype, str):
-                raise HealError(f"malformed manifest: entry {name!r} dtype is not a string")
-            shape = tuple(
-                _nonneg(d, f"entry {name!r} shape") for d in _list(ent["shape"], f"{name} shape")
-            )
-            entries.append(
-                Entry(
-                    name,
-                    dtype,
-                    shape,
-                    _nonneg(ent["offset"], f"entry {name!r} offset"),
-                    _nonneg(ent["nbytes"], f"entry {name!r} nbytes"),
-                )
-            )
+        entries = [_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries"))]
         stripes = []
         for i, raw in enumerate(_list(doc["stripes"], "stripes")):
             s = _dict(raw, f"stripes[{i}]")
@@ -235,6 +268,9 @@ def decode_manifest(data: bytes) -> Manifest:
         kind = doc["kind"]
         if not isinstance(kind, str):
             raise HealError("malformed manifest: kind is not a string")
+        auth = doc["auth"]
+        if auth not in tuple(HealAuth):
+            raise HealError(f"malformed manifest: auth is {auth!r}")
         return Manifest(
             version=version,
             kind=kind,
@@ -244,6 +280,7 @@ def decode_manifest(data: bytes) -> Manifest:
             stripes=tuple(stripes),
             section=_dict(doc["section"], "section"),
             meta=_dict(doc["meta"], "meta"),
+            auth=HealAuth(auth),
         )
     except KeyError as e:
         raise HealError(f"malformed manifest: missing field {e}") from e

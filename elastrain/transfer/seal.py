@@ -1,4 +1,5 @@
-"""Seals: HMAC-SHA256 over a heal's manifest, Poly1305 over each stripe, keyed by the job token.
+"""Seals: HMAC-SHA256 over a heal's manifest, Poly1305 over each stripe (mac mode)
+or HMAC-SHA256 over a stripe's digest claim (digest mode), keyed by the job token.
 
 Who holds the key: every member of the job (the launcher hands each worker
 the job token, which also authenticates it to the coordinator;
@@ -49,6 +50,10 @@ STRIPE_SEAL_BYTES = 16
 """Length of a stripe seal (a Poly1305 tag)."""
 _MANIFEST_LABEL = b"elastrain/heal/manifest/2\0"
 _STRIPE_LABEL = b"elastrain/heal/stripe/3\0"
+_CLAIM_LABEL = b"elastrain/heal/stripe-digest/1\0"
+_REFERENCE_LABEL = b"elastrain/heal/state-digest/1\0"
+CLAIM_BYTES = 48
+"""A stripe digest claim on the wire: the XXH3-128 digest (16) and its `claim_tag` (32)."""
 
 
 def _hmac(key: bytes | None, prefix: bytes) -> hmac.HMAC:
@@ -102,6 +107,34 @@ def seal_stripe(
     for p in parts:
         s.update(p)
     return s.digest()
+
+
+def claim_tag(key: bytes | None, heal_seal: bytes, stripe: Stripe, digest: bytes) -> bytes:
+    """HMAC-SHA256 by which a sender vouches, in digest mode, that ``digest`` is the
+    XXH3-128 digest of the stripe it sent: bound to the manifest seal (this heal
+    and round), its rank and the stripe's range. Only sent when a receiver's state
+    digest mismatched (`elastrain.transfer.payload.DigestCheck`)."""
+    h = _hmac(key, _CLAIM_LABEL + heal_seal)
+    h.update(struct.pack("<3q", stripe.sender_rank, stripe.offset, stripe.nbytes))
+    h.update(digest)
+    return h.digest()
+
+
+REFERENCE_BYTES = 48
+"""The root's state digest on the wire (digest mode): the XXH3-128 digest (16) and
+its `reference_tag` (32)."""
+
+
+def reference_tag(key: bytes | None, heal_seal: bytes, root: int, digest: bytes) -> bytes:
+    """HMAC-SHA256 by which the manifest's root vouches, in digest mode, that
+    ``digest`` is the `state_digest` of the state its manifest describes: bound to
+    the manifest seal (this heal and round) and the root's rank. Sent to every
+    receiver after the root's stripes (`elastrain.transfer.payload.Reference`), so
+    that computing it overlaps the payload instead of delaying the manifest."""
+    h = _hmac(key, _REFERENCE_LABEL + heal_seal)
+    h.update(struct.pack("<q", root))
+    h.update(digest)
+    return h.digest()
 
 
 def check_seal(got: bytes, expected: bytes, stripe: Stripe) -> None:

@@ -32,49 +32,60 @@ Every rank of the group calls it with the same ``senders`` and
      manifest that does not fit is a divergence, not damage, so it is not retried.
 4. **payload** -- each trusted sender sends its stripe of the concatenated
    payload to every receiver, split into messages by `plan_chunks` (large
-   tensor pieces straight from the live tensors, small ones packed), then the
-   stripe's seal (Poly1305 under a key bound to the manifest seal, the sender's
-   rank and the stripe's range). A sender packs and seals its stripe before
-   the verdict round, while the receivers judge the manifest. Receivers post every receive at once (each entry into
-   its own fresh tensor, `Landing`) and check each stripe's seal once all of
-   it landed.
-5. **outcome** -- one all-reduce of (receiver, stripe) seal failures. A sender
-   whose stripe failed anywhere is refused for the rest of the heal; each
-   failed stripe is sent again by a trusted sender (round-robin), to the
-   receivers that need it, and steps 4-5 repeat. No trusted sender left for a
-   failed stripe: every rank raises HealError. Only when every stripe matched
-   do receivers install the state (`NamedState.install`): a failed heal leaves
-   them untouched.
+   tensor pieces straight from the live tensors, small ones packed).
+   Receivers post every receive at once (each entry into its own fresh
+   tensor, `Landing`). How the bytes are vouched for is the heal's `HealAuth`
+   (`elastrain.transfer.payload`): in digest mode (the default) the root sends
+   each receiver its `state_digest`, sealed under the job token and bound to
+   the manifest seal, after its stripes (computed on a thread overlapping the
+   rounds before), and each receiver hashes the payload as it lands and
+   compares; in mac mode each stripe is followed by its Poly1305
+   seal (a key bound to the manifest seal, the sender's rank and the stripe's
+   range), which a sender computes before the verdict round completes.
+5. **outcome** -- one all-reduce of per-receiver verdicts (digest mode: a
+   mismatch then runs a blame round, in which each sender vouches for its
+   stripes' digests under the job token) or of (receiver, stripe) seal
+   failures (mac mode). A sender whose stripe failed anywhere is refused for
+   the rest of the heal; each failed stripe is sent again by a trusted sender
+   (round-robin), to the receivers that need it, and steps 4-5 repeat. No
+   trusted sender left for a failed stripe: every rank raises HealError. Only
+   when every check passed do receivers install the state
+   (`NamedState.install`): a failed heal leaves them untouched.
 
 Everything is bounded by one deadline, ``timeout_s`` from the call. A transport
 error or timeout raises HealError on the rank that saw it at once; its peers
 then fail at their next collective (at the latest at the deadline).
 
 Trust: every rank that holds the job token is trusted to be honest about its
-own verdicts (any rank can make a heal fail); the seals keep out everything
-else. A whole earlier heal replayed on the wire fails the manifest seal
-(fresh nonces), so a joiner cannot be fed stale state.
+own verdicts (any rank can make a heal fail); the manifest seal keeps out
+every process without the token. In mac mode the stripe seals keep out any
+byte it did not seal; in digest mode the payload is as exposed as a step's
+gradients on the same connections, and the digest detects damage, not a
+chosen collision (docs/design/trust.md). A whole earlier heal replayed on the
+wire fails the manifest seal (fresh nonces), so a joiner cannot be fed stale
+state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import secrets
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
-from functools import partial
 from typing import Any, Protocol
 
 import torch
 
-from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag
-from elastrain.transfer.dtypes import cpu_bytes
+from elastrain.threads import HASH, name_native_thread
+from elastrain.transfer.auth import HealAuth
+from elastrain.transfer.chunks import MAX_HEAL_ID
 from elastrain.transfer.errors import HealError, ManifestUnavailable
-from elastrain.transfer.landing import Landing, LandingReserve, fresh_bytes
+from elastrain.transfer.flatten import flat_digest
+from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
     Manifest,
     Stripe,
@@ -84,18 +95,12 @@ from elastrain.transfer.manifest import (
     encode_manifest,
     validate_manifest,
 )
-from elastrain.transfer.seal import (
-    SEAL_BYTES,
-    STRIPE_SEAL_BYTES,
-    StripeSeal,
-    check_seal,
-    open_manifest,
-    seal_manifest,
-    seal_stripe,
-)
+from elastrain.transfer.payload import CHECKS, PayloadCheck, Round, Staged, run_payload, stage
+from elastrain.transfer.rounds import Deadline, Flags
+from elastrain.transfer.seal import SEAL_BYTES, open_manifest, seal_manifest
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.tamper import Tamper
-from elastrain.transfer.transport import GlooHeal, Group, HealTransport, Pending, Reduce
+from elastrain.transfer.transport import GlooHeal, Group, HealTransport, Reduce
 
 
 class Role(StrEnum):
@@ -120,9 +125,9 @@ class HealStats:
     refused sender) or received (the whole payload, plus what was fetched
     again); the manifest is not counted. seconds: wall time of the whole `heal`
     call here. refused: sender ranks whose manifest or stripe was refused
-    (malformed, or a seal mismatch) and replaced by another sender's; the
+    (malformed, or a stripe that failed its check) and replaced by another sender's; the
     same on every rank. payload_s: the part of ``seconds`` spent moving the
-    payload (steps 4-5: the stripes and their seals sent, received and checked,
+    payload (steps 4-5: the stripes (and mac seals) sent, received and checked,
     the outcome, any stripe sent again); the rest is the flatten, the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
     receivers' landing allocation overlap the verdict's) and the install.
@@ -151,40 +156,6 @@ class HealStats:
         }
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
-class _Deadline:
-    """Waits on a transport's posted operations, all against one deadline; errors
-    become HealError."""
-
-    def __init__(self, rank: int, timeout_s: float) -> None:
-        self.rank = rank
-        self.timeout_s = timeout_s
-        self.end = time.monotonic() + timeout_s
-
-    def remaining(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=max(self.end - time.monotonic(), 0.001))
-
-    def wait(self, work: Pending, what: str) -> None:
-        try:
-            work.wait(self.remaining())
-        except RuntimeError as e:
-            raise HealError(
-                f"heal on rank {self.rank}: {what} failed (timeout_s={self.timeout_s:g}): "
-                f"{_first_line(e)}"
-            ) from e
-
-    def call(self, fn: Callable[[], Pending], what: str) -> Pending:
-        """Post an operation; a transport error at post time also becomes HealError."""
-        try:
-            return fn()
-        except RuntimeError as e:
-            raise HealError(f"heal on rank {self.rank}: {what} failed: {_first_line(e)}") from e
-
-
 @dataclass(frozen=True)
 class _Announcement:
     """Step 1 of the module docstring, as every rank sees it."""
@@ -194,9 +165,7 @@ class _Announcement:
     nonces: tuple[int, ...]
 
 
-def _announce(
-    tx: HealTransport, root: int, length: int, limit: int, dl: _Deadline
-) -> _Announcement:
+def _announce(tx: HealTransport, root: int, length: int, limit: int, dl: Deadline) -> _Announcement:
     """All-reduce (max) of the root's manifest ``length`` (ignored elsewhere), minus
     every rank's limit (so the max is the smallest limit) and every rank's nonce in
     its own slot (collective)."""
@@ -212,7 +181,7 @@ def _announce(
 
 
 def _broadcast_bytes(
-    tx: HealTransport, root: int, data: bytes | None, n: int, dl: _Deadline
+    tx: HealTransport, root: int, data: bytes | None, n: int, dl: Deadline
 ) -> bytes:
     """Broadcast ``n`` bytes from ``root`` (other ranks pass None and allocate ``n``,
     which the announcement bounded); collective."""
@@ -236,46 +205,11 @@ class Verdict(IntEnum):
     """It is well-formed but does not fit this rank's state: a divergence."""
 
 
-class _Flags:
-    """An all-reduce (sum) of an int64 flag vector in which each rank set only its
-    own slots, posted: `result` waits for it. Local work can run in between."""
-
-    def __init__(self, tx: HealTransport, flags: torch.Tensor, what: str, dl: _Deadline) -> None:
-        self.flags, self.what, self.dl = flags, what, dl
-        self.work = dl.call(lambda: tx.allreduce(flags, Reduce.SUM, dl.remaining()), what)
-
-    def result(self) -> list[int]:
-        self.dl.wait(self.work, self.what)
-        return [int(f) for f in self.flags.tolist()]
-
-
-def _sum_flags(tx: HealTransport, flags: torch.Tensor, what: str, dl: _Deadline) -> list[int]:
-    """All-reduce (sum) of an int64 flag vector in which each rank set only its own slots."""
-    return _Flags(tx, flags, what, dl).result()
-
-
-def _post_verdict(tx: HealTransport, code: Verdict, dl: _Deadline) -> _Flags:
+def _post_verdict(tx: HealTransport, code: Verdict, dl: Deadline) -> Flags:
     """Post the all-reduce of verdict codes; its result is every rank's code (collective)."""
     flags = torch.zeros(tx.size, dtype=torch.int64)
     flags[tx.rank] = code
-    return _Flags(tx, flags, "verdict all-reduce", dl)
-
-
-def _outcome(tx: HealTransport, n: int, failed: list[int], dl: _Deadline) -> dict[int, list[int]]:
-    """All-reduce of seal failures over ``n`` stripes (collective).
-
-    Returns {stripe index: receiver ranks that failed it}, only for failed stripes.
-    """
-    flags = torch.zeros(tx.size * n, dtype=torch.int64)
-    for j in failed:
-        flags[tx.rank * n + j] = 1
-    got = _sum_flags(tx, flags, "seal outcome all-reduce", dl)
-    out: dict[int, list[int]] = {}
-    for r in range(tx.size):
-        for j in range(n):
-            if got[r * n + j]:
-                out.setdefault(j, []).append(r)
-    return out
+    return Flags(tx, flags, "verdict all-reduce", dl)
 
 
 def _check_args(
@@ -299,15 +233,28 @@ def _check_args(
 
 
 def _local_problem(
-    m: Manifest, role: Role, trusted: Sequence[int], flat: FlatState | None, state: NamedState
+    m: Manifest,
+    role: Role,
+    trusted: Sequence[int],
+    flat: FlatState | None,
+    state: NamedState,
+    auth: HealAuth,
 ) -> tuple[Verdict, HealError | None]:
-    """This rank's verdict on the manifest (not called on the root or idle ranks)."""
+    """This rank's verdict on the manifest (not called on the root)."""
     try:
         validate_manifest(m, trusted)
         if not 1 <= m.heal_id <= MAX_HEAL_ID:
             raise HealError(f"manifest heal_id {m.heal_id} is outside [1, {MAX_HEAL_ID}]")
     except (HealError, TypeError, ValueError) as e:
         return Verdict.MALFORMED, e if isinstance(e, HealError) else HealError(str(e))
+    if m.auth != auth:
+        # A configuration that differs between members, not damage: never a downgrade.
+        return Verdict.REJECTED, HealError(
+            f"cannot heal: the root heals with heal_auth={m.auth.value!r}, this rank is "
+            f"configured with heal_auth={auth.value!r}"
+        )
+    if role == Role.IDLE:
+        return Verdict.OK, None
     if m.kind != state.kind:
         return Verdict.REJECTED, HealError(
             f"cannot heal: the senders' state is of kind {m.kind!r}, this rank's {state.kind!r}"
@@ -347,204 +294,9 @@ def _sender_difference(
     return None
 
 
-@dataclass(frozen=True)
-class _Assignment:
-    """Byte range ``stripe`` of the payload, sent by ``stripe.sender_rank`` to ``receivers``."""
-
-    stripe: Stripe
-    receivers: tuple[int, ...]
-
-
-def _tag_id(heal_id: int, j: int) -> int:
-    """The tag namespace of assignment ``j`` in a round: distinct per assignment, so
-    one sender can send several ranges to one receiver. Rounds reuse ids: every
-    message of a round is consumed before the next round starts."""
-    return 1 + (heal_id - 1 + j) % MAX_HEAL_ID
-
-
-@dataclass(frozen=True)
-class _Round:
-    """What every message of this heal is checked against: the manifest, its seal
-    (which every stripe seal is bound to) and the key."""
-
-    m: Manifest
-    seal: bytes
-    key: bytes | None
-
-
-@dataclass(frozen=True)
-class _Staged:
-    """A sender's stripe, ready to go: its messages as they will be sent, and its seal."""
-
-    wire: list[torch.Tensor]
-    seal: torch.Tensor
-
-
-def _stage(rd: _Round, flat: FlatState, stripe: Stripe, tamper: Tamper | None) -> _Staged:
-    """Cut a stripe into its messages (large pieces as views of the live tensors,
-    small ones packed) and seal it. Local: a sender does it while the receivers
-    judge the manifest, so that neither the packing nor the seal's pass over the
-    bytes competes with the transfer for the CPU."""
-    m = rd.m
-    sources: dict[int, torch.Tensor] = {}
-    bufs: list[torch.Tensor] = []
-    for chunk in plan_chunks(m.entries, stripe):
-        parts = []
-        for p in chunk.pieces:
-            if p.entry not in sources:
-                sources[p.entry] = cpu_bytes(flat.tensors[p.entry][1])
-            rel = p.offset - m.entries[p.entry].offset
-            parts.append(sources[p.entry][rel : rel + p.nbytes])
-        bufs.append(torch.cat(parts) if chunk.packed else parts[0])
-    wire = tamper.stripe(bufs) if tamper is not None else bufs
-    key = tamper.sealing_key(rd.key) if tamper is not None else rd.key
-    digest = seal_stripe(key, rd.seal, stripe, bufs)
-    return _Staged(wire, torch.frombuffer(bytearray(digest), dtype=torch.uint8))
-
-
-def _send_range(
-    tx: HealTransport, dl: _Deadline, staged: _Staged, receivers: Sequence[int], tag_id: int
-) -> list[tuple[int, Pending]]:
-    """Post the messages of one staged stripe and its seal to every receiver;
-    returns (receiver, work) pairs."""
-    works = []
-    for r in receivers:
-        for i, buf in enumerate(staged.wire):
-            tag = data_tag(tag_id, i)
-            works.append((r, dl.call(partial(tx.send, buf, r, tag), f"send to {r}")))
-    for r in receivers:
-        tag = seal_tag(tag_id)
-        works.append((r, dl.call(partial(tx.send, staged.seal, r, tag), f"send to {r}")))
-    return works
-
-
-@dataclass
-class _Posted:
-    """The receives of one assignment on a receiver."""
-
-    j: int
-    stripe: Stripe
-    items: list[tuple[Any, torch.Tensor, Pending]]
-    seal: torch.Tensor
-    seal_work: Pending
-
-
-def _post_range(
-    tx: HealTransport, dl: _Deadline, m: Manifest, landing: Landing, j: int, s: Stripe, tag_id: int
-) -> _Posted:
-    what = f"receive from rank {s.sender_rank}"
-    items = []
-    for i, chunk in enumerate(plan_chunks(m.entries, s)):
-        if chunk.packed:
-            buf = fresh_bytes(chunk.nbytes)
-        else:
-            p = chunk.pieces[0]
-            buf = landing.target(m.entries[p.entry], p.offset, p.nbytes)
-        tag = data_tag(tag_id, i)
-        work = dl.call(partial(tx.recv, buf, s.sender_rank, tag), what)
-        items.append((chunk, buf, work))
-    seal = torch.zeros(STRIPE_SEAL_BYTES, dtype=torch.uint8)
-    tag = seal_tag(tag_id)
-    seal_work = dl.call(partial(tx.recv, seal, s.sender_rank, tag), what)
-    return _Posted(j, s, items, seal, seal_work)
-
-
-def _land(dl: _Deadline, rd: _Round, landing: Landing, posted: _Posted) -> HealError | None:
-    """Wait for every message of one assignment and check its seal; on a match, copy
-    its packed messages into the landing. Returns the mismatch, or None."""
-    s, m = posted.stripe, rd.m
-    got = StripeSeal(rd.key, rd.seal, s)
-    for _, buf, work in posted.items:
-        dl.wait(work, f"receiving stripe from rank {s.sender_rank}")
-        got.update(buf)
-    dl.wait(posted.seal_work, f"receiving the seal from rank {s.sender_rank}")
-    try:
-        check_seal(got.digest(), posted.seal.numpy().tobytes(), s)
-    except HealError as e:
-        return e
-    for chunk, buf, _ in posted.items:
-        if chunk.packed:
-            at = 0
-            for p in chunk.pieces:
-                landing.target(m.entries[p.entry], p.offset, p.nbytes).copy_(
-                    buf[at : at + p.nbytes]
-                )
-                at += p.nbytes
-    return None
-
-
-def _payload(
-    tx: HealTransport,
-    dl: _Deadline,
-    rd: _Round,
-    flat: FlatState | None,
-    landing: Landing | None,
-    receivers: Sequence[int],
-    trusted: list[int],
-    refused: list[int],
-    tamper: Tamper | None,
-    staged: dict[Stripe, _Staged],
-) -> int:
-    """Steps 3-4 of the module docstring: send/receive stripes, retry the refused ones
-    from other trusted senders. Collective; returns this rank's payload bytes.
-    ``staged``: this sender's stripes staged ahead (`_stage`); the others (stripes
-    sent again) are staged here. Mutates ``trusted`` and ``refused``; HealError when
-    no trusted sender is left."""
-    m, rank = rd.m, tx.rank
-    work = [_Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes and receivers]
-    nbytes = 0
-    while work:
-        sends: list[tuple[int, Pending]] = []
-        posted: list[_Posted] = []
-        for j, a in enumerate(work):
-            tag_id = _tag_id(m.heal_id, j)
-            if a.stripe.sender_rank == rank:
-                assert flat is not None
-                st = staged.pop(a.stripe, None) or _stage(rd, flat, a.stripe, tamper)
-                sends += _send_range(tx, dl, st, a.receivers, tag_id)
-                nbytes += a.stripe.nbytes * len(a.receivers)
-            elif rank in a.receivers:
-                assert landing is not None
-                posted.append(_post_range(tx, dl, m, landing, j, a.stripe, tag_id))
-                nbytes += a.stripe.nbytes
-        for r, w in sends:
-            dl.wait(w, f"sending stripe to rank {r}")
-        mismatches: dict[int, HealError] = {}
-        for p in posted:
-            assert landing is not None
-            if (e := _land(dl, rd, landing, p)) is not None:
-                mismatches[p.j] = e
-        failed = _outcome(tx, len(work), sorted(mismatches), dl)
-        if not failed:
-            break
-        bad = sorted({work[j].stripe.sender_rank for j in failed})
-        refused += [b for b in bad if b not in refused]
-        trusted[:] = [t for t in trusted if t not in bad]
-        if not trusted:
-            ranges = ", ".join(
-                f"[{work[j].stripe.offset}, {work[j].stripe.offset + work[j].stripe.nbytes})"
-                f" from rank {work[j].stripe.sender_rank} on rank(s) {failed[j]}"
-                for j in sorted(failed)
-            )
-            mine = next(iter(mismatches.values()), None)
-            raise HealError(
-                f"heal on rank {rank}: payload bytes {ranges} failed their seal and no "
-                f"sender is left to retry from (refused senders: {refused})"
-                + (f"; here: {mine}" if mine is not None else "")
-            ) from mine
-        work = [
-            _Assignment(
-                Stripe(trusted[k % len(trusted)], work[j].stripe.offset, work[j].stripe.nbytes),
-                tuple(failed[j]),
-            )
-            for k, j in enumerate(sorted(failed))
-        ]
-    return nbytes
-
-
 class HealFn(Protocol):
-    """What the trainers call to heal over a generation's group: `heal`, or a test's
-    or another wire's stand-in with its signature (see `heal`; the test seam
+    """What the trainers call to heal over a generation's group: `heal_with(mode)`
+    (the engine's), `heal`, or a test's or another wire's stand-in with its signature (see `heal`; the test seam
     ``tamper`` is not part of it: trainers never pass it)."""
 
     def __call__(
@@ -574,8 +326,10 @@ def heal(
     key: bytes | None = None,
     tamper: Tamper | None = None,
     reserve: LandingReserve | None = None,
+    auth: HealAuth = HealAuth.DIGEST,
 ) -> tuple[dict[str, Any], HealStats]:
-    """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`.
+    """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`
+    (in digest mode; `heal_with` gives one for either mode).
 
     ValueError if ``rank`` is not this rank of ``pg``, before any communication."""
     return heal_over(
@@ -588,7 +342,65 @@ def heal(
         key=key,
         tamper=tamper,
         reserve=reserve,
+        auth=auth,
     )
+
+
+def heal_with(auth: HealAuth) -> HealFn:
+    """The `HealFn` the trainers call, in mode ``auth`` (`TrainerConfig.heal_auth`):
+    chosen once, when the engine is built, for every topology that heals with it
+    (replicated members, sharded twins, JAX members)."""
+
+    def heal_in_mode(
+        pg: Group,
+        rank: int,
+        senders: list[int],
+        receivers: list[int],
+        state: NamedState,
+        meta: dict[str, Any] | None,
+        timeout_s: float,
+        *,
+        key: bytes | None = None,
+        reserve: LandingReserve | None = None,
+    ) -> tuple[dict[str, Any], HealStats]:
+        return heal(
+            pg, rank, senders, receivers, state, meta, timeout_s,
+            key=key, reserve=reserve, auth=auth,
+        )  # fmt: skip
+
+    return heal_in_mode
+
+
+class _Digesting:
+    """A root's `state_digest` of its flattened state, computed on a thread from the
+    moment it becomes the root (the first root: from its flatten on), so that it
+    overlaps the manifest rounds and its own stripes' sends (xxhash releases the
+    GIL). Waited for only when the root sends it, after its stripes are posted;
+    joined at the end of the heal either way."""
+
+    def __init__(self, flat: FlatState) -> None:
+        self._flat = flat
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="elastrain-heal-digest")
+        self._thread.start()
+
+    def _run(self) -> None:
+        name_native_thread(HASH)
+        try:
+            self._digest = flat_digest(self._flat)
+        except BaseException as e:  # noqa: BLE001 - raised again by result()
+            self._error = e
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._digest is not None
+        return self._digest
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def heal_over(
@@ -602,14 +414,17 @@ def heal_over(
     key: bytes | None = None,
     tamper: Tamper | None = None,
     reserve: LandingReserve | None = None,
+    auth: HealAuth = HealAuth.DIGEST,
 ) -> tuple[dict[str, Any], HealStats]:
-    """Copy senders' ``state`` onto receivers, striped over all senders, sealed by ``key``.
+    """Copy senders' ``state`` onto receivers, striped over all senders, checked in
+    mode ``auth`` (`HealAuth`) under ``key``.
 
     Collective over ALL ranks of the transport's group (``tx``, this rank being
     ``tx.rank``): every rank calls it with the same
     ``senders`` (ranks with identical, up-to-date state; senders[0] is the
     first manifest root), ``receivers`` (ranks to overwrite) and ``key`` (the
-    job token's bytes; the trainers always pass it). Every rank passes its own
+    job token's bytes; the trainers always pass it) and ``auth`` (a rank whose
+    mode differs from the root's rejects the manifest). Every rank passes its own
     ``state`` (idle ranks too: it bounds the manifest they receive). A rank in
     neither list is idle: it only takes part in the manifest round and the
     all-reduces. Blocks until the heal is done on every rank or ``timeout_s``
@@ -619,8 +434,9 @@ def heal_over(
     (see the module docstring): a manifest whose seal does not verify, that is
     not JSON, lies about sizes or claims more than a receiver's state could
     hold makes the next sender the root, before anything is allocated for it;
-    a stripe whose seal does not match is sent again by another sender, to the
-    receivers that refused it. The refused senders are listed in
+    a stripe whose seal does not match (mac mode), or that made the receiver's
+    state digest differ from the root's (digest mode), is sent again by
+    another sender, to the receivers that refused it. The refused senders are listed in
     ``HealStats.refused`` on every rank.
 
     Returns ``(meta, stats)``: senders return the ``meta`` they passed (``{}``
@@ -630,12 +446,13 @@ def heal_over(
 
     Raises ValueError for inconsistent arguments (on every rank, before any
     communication). Raises HealError on every rank when the manifest is rejected
-    (another kind of state, it does not fit a receiver, the senders' states
-    differ, or every sender's manifest was malformed), or when a stripe failed
-    its seal and no unrefused sender is left to send it again; on the rank that
-    sees it, for a transport error or timeout. A receiver's state is replaced
-    (`NamedState.install`) only after every stripe arrived and matched its
-    seal. After a HealError from a transport failure or timeout, drop the
+    (another kind of state or another mode, it does not fit a receiver, the
+    senders' states differ in layout, or every sender's manifest was malformed),
+    or when a stripe failed its check and no unrefused sender is left to send
+    it again; on the rank that sees it, for a transport error or timeout. A
+    receiver's state is replaced (`NamedState.install`) only after every stripe
+    arrived and matched its seal (mac mode), or what landed has the root's sealed
+    state digest (digest mode). After a HealError from a transport failure or timeout, drop the
     group.
 
     ``reserve``: a receiver's landing memory, mapped and touched ahead of the heal
@@ -646,8 +463,8 @@ def heal_over(
     """
     t0 = time.perf_counter()
     _check_args(tx, senders, receivers, timeout_s)
+    check = CHECKS[HealAuth(auth)]
     rank = tx.rank
-    dl = _Deadline(rank, timeout_s)
     role = Role.of(rank, senders, receivers)
 
     flat: FlatState | None = None
@@ -657,6 +474,38 @@ def heal_over(
             flat = state.flatten()
         except TypeError as e:
             flat_error = e
+    digesting: dict[int, _Digesting] = {}
+    if check.auth == HealAuth.DIGEST and flat is not None and rank == senders[0] and receivers:
+        digesting[rank] = _Digesting(flat)
+    try:
+        return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
+                     check, t0, flat, flat_error, digesting)  # fmt: skip
+    finally:
+        for d in digesting.values():
+            d.join()
+
+
+def _heal(
+    tx: HealTransport,
+    senders: list[int],
+    receivers: list[int],
+    state: NamedState,
+    meta: dict[str, Any] | None,
+    timeout_s: float,
+    key: bytes | None,
+    tamper: Tamper | None,
+    reserve: LandingReserve | None,
+    check: PayloadCheck,
+    t0: float,
+    flat: FlatState | None,
+    flat_error: Exception | None,
+    digesting: dict[int, _Digesting],
+) -> tuple[dict[str, Any], HealStats]:
+    """`heal_over`'s protocol, once its arguments are checked and its state flattened.
+    ``digesting``: this rank's state digest once it is a root (digest mode), by rank."""
+    rank = tx.rank
+    dl = Deadline(rank, timeout_s)
+    role = Role.of(rank, senders, receivers)
     sealing_key = tamper.sealing_key(key) if tamper is not None else key
 
     trusted = list(senders)
@@ -667,6 +516,10 @@ def heal_over(
         built: Exception | None = None
         data, length = b"", 0
         if rank == root:
+            digest_now = check.auth == HealAuth.DIGEST and flat is not None and receivers
+            if digest_now and rank not in digesting:  # a later root: its digest starts now
+                assert flat is not None
+                digesting[rank] = _Digesting(flat)
             try:
                 if flat is None:
                     raise flat_error or HealError("no state")
@@ -677,6 +530,7 @@ def heal_over(
                     trusted,
                     dict(meta or {}),
                     secrets.randbelow(MAX_HEAL_ID) + 1,
+                    auth=check.auth,
                 )
                 data = encode_manifest(manifest)
                 if tamper is not None:
@@ -716,19 +570,19 @@ def heal_over(
                 if flat_error is not None:
                     code = Verdict.REJECTED
                     problem = HealError(f"cannot flatten this sender's state: {flat_error}")
-                elif role != Role.IDLE:
-                    code, problem = _local_problem(manifest, role, trusted, flat, state)
+                else:
+                    code, problem = _local_problem(manifest, role, trusted, flat, state, check.auth)
 
         # 3. verdict. While the round completes, a sender stages its stripe (packed
         # and sealed) and a receiver allocates its landing: both are local, and
         # wasted only when some rank refuses.
         verdict = _post_verdict(tx, code, dl)
-        staged: dict[Stripe, _Staged] = {}
+        staged: dict[Stripe, Staged] = {}
         landing: Landing | None = None
         try:
             if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
-                rd = _Round(manifest, seal, key)
-                staged = {s: _stage(rd, flat, s, tamper) for s in manifest.stripes
+                rd = Round(manifest, seal, key, root)
+                staged = {s: stage(rd, flat, s, tamper, check) for s in manifest.stripes
                           if s.sender_rank == rank and s.nbytes}  # fmt: skip
             elif code == Verdict.OK and role == Role.RECV:
                 landing = Landing.allocate(manifest.entries, reserve)  # within `bound`
@@ -759,10 +613,14 @@ def heal_over(
             )
         break
 
-    # 4-5. payload, sealed, with refused stripes sent again by trusted senders
-    rd = _Round(manifest, seal, key)
+    # 4-5. payload, checked, with refused stripes sent again by trusted senders
+    rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
-    nbytes = _payload(tx, dl, rd, flat, landing, receivers, trusted, refused, tamper, staged)
+    own = digesting.get(rank)
+    nbytes = run_payload(
+        tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
+        own.result if own is not None else None,
+    )  # fmt: skip
     payload_s = time.perf_counter() - t_payload
     if landing is not None:
         state.install(landing.tensors, manifest.section)

@@ -178,9 +178,11 @@ class TorchState:
 
     def bound(self, m: Manifest) -> str | None:
         order = (MODEL_PREFIX, OPTIM_PREFIX, OBJECTS_PREFIX)
+        rank_of = {prefix[:-1]: i for i, prefix in enumerate(order)}
         at = 0
         for e in m.entries:
-            kind = next((i for i, prefix in enumerate(order) if e.name.startswith(prefix)), None)
+            head, slash, _ = e.name.partition("/")
+            kind = rank_of.get(head) if slash else None  # one lookup per entry, not three
             if kind is None:
                 return f"entry {e.name!r} is neither model/, optim/ nor obj/"
             if kind < at:

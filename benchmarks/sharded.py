@@ -45,7 +45,8 @@ one thread per process, gloo over loopback. In order:
       FSDP test and of torchtitan's torchft integration. Gradient
       accumulation and float32 reduction as on H; a quorum and a should_commit
       every step. Alive and gated with the others (order H E N F T | T F N E H).
-   Same model, initial weights, data order, micro-batches and per-micro-batch
+   Every side clips its gradient to a global norm of 1.0 (`CLIP`). Same model,
+   initial weights, data order, micro-batches and per-micro-batch
    RNG on every side. Target: median step_s <= 1.05 x H's, reported for E and
    for N (the report says which meets it); T's row is reported beside them (no
    target). A side T that fails is dropped from the
@@ -197,6 +198,12 @@ TARGET_HEAL_FRACTION = 0.5
 """The replacement's heal rate, as a fraction of the loopback broadcast rate."""
 HEAL_BYTES_TOLERANCE = 0.05
 """A heal "moves state / S": its payload within this fraction of the shard's state."""
+CLIP = 1.0
+"""Every side clips its gradient to this global norm before the optimizer step, as
+an LLM recipe does: elastrain by `max_grad_norm` (the norm over every shard), the
+FSDP2 sides by `clip_grad_norm_` over their DTensor gradients."""
+CLIP_ARGS = ["--clip", f"{CLIP:g}"]
+
 BASELINES = {
     "H": ("HSDP", []),
     "F": ("HSDP fp64/micro", ["--scatter-every-micro", "--reduce-fp64"]),
@@ -296,7 +303,7 @@ def tft_argv(
         sys.executable, str(JOBS / "torchft_hsdp_gpt.py"), str(group), str(rank),
         "--groups", str(WORKERS // SHARDS), "--shard-size", str(SHARDS), "--port", str(port),
         "--log", str(log), "--incarnation", str(inc), "--lighthouse", lighthouse,
-        "--pg-timeout", f"{TFT_PG_TIMEOUT_S:g}", *shape_args(shape), *extra,
+        "--pg-timeout", f"{TFT_PG_TIMEOUT_S:g}", *shape_args(shape), *CLIP_ARGS, *extra,
     ]  # fmt: skip
 
 
@@ -361,7 +368,7 @@ def elastrain_config(
     """The elastrain job of every measurement here (sharded, or shard_size 1)."""
     return LaunchConfig(
         script=str(JOBS / "sharded_gpt.py"),
-        script_args=[*shape_args(shape), "--reduce-dtype", reduce_dtype],
+        script_args=[*shape_args(shape), *CLIP_ARGS, "--reduce-dtype", reduce_dtype],
         workers=WORKERS,
         shard_size=shard_size,
         replace_delay_s=1.0,
@@ -433,7 +440,7 @@ def measure_steady(
         return lambda r: [
             sys.executable, str(JOBS / "hsdp_gpt.py"), str(r), str(WORKERS), str(store.port),
             str(out_dir / f"{key}-r{r}.json"), "--side", key, "--shard-size", str(SHARDS),
-            *gate_args, *shape_args(shape), *flags,
+            *gate_args, *shape_args(shape), *CLIP_ARGS, *flags,
         ]  # fmt: skip
 
     base_sides = [
@@ -1481,6 +1488,7 @@ def main() -> int:
         f"{mbs // WORKERS} per rank), torch.set_num_threads(1) in every process, gloo over "
         "loopback",
         f"{meets_line}. "
+        f"every side clips its gradient to a global norm of {CLIP:g}. "
         "steady state: elastrain 2x2 (Launcher, shard_size 2, _jobs/sharded_gpt.py) with "
         "reduce_dtype float64 (exact: a float64 reduce-scatter per micro-batch, the default) "
         "and native (one float32 reduce-scatter per step, FSDP2's own accumulation, float32 "

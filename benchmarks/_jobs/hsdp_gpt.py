@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--scatter-every-micro", action="store_true")
     ap.add_argument("--reduce-fp64", action="store_true")
     ap.add_argument("--side", default="H", help="this baseline's name for the gate (H)")
+    ap.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this norm")
     a = ap.parse_args()
     if a.world % a.shard_size:
         ap.error(f"world {a.world} is not a multiple of --shard-size {a.shard_size}")
@@ -126,6 +127,8 @@ def main() -> None:
         model.train()
         loss_sum, t_last = accumulate(model, data, order, shape, s, mbs, mine, W, sync)
         t_opt = time.monotonic()
+        if a.clip is not None:  # the global norm: FSDP2's DTensor gradients over the mesh
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = time.monotonic()

@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument(
         "--reduce-dtype", default="float64", help="TrainerConfig.reduce_dtype (float64, native)"
     )
+    ap.add_argument("--clip", type=float, default=None, help="TrainerConfig.max_grad_norm")
     add_shape_arguments(ap)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -67,6 +68,7 @@ def main() -> None:
         seed=shape.seed,
         shard_size=a.shard_size,
         reduce_dtype=a.reduce_dtype,
+        max_grad_norm=a.clip,
     )
     trainer = ElasticTrainer(model, opt, data, loss_fn, cfg)
     # This script's own references would keep the full parameters alive; what

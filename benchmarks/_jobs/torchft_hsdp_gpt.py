@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--block-steps", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=0, help="> 0: take turns (common.Gate)")
+    ap.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this norm")
     add_shape_arguments(ap)
     a = ap.parse_args()
     if a.blocks > 0 and (a.out is None or a.block_steps < 1):
@@ -263,6 +264,8 @@ def main() -> None:
         participating = manager.is_participating()
         participants = manager.num_participants()
         quorum = manager._quorum_id
+        if a.clip is not None:  # over the group's shard mesh, after the groups' averaging
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()  # should_commit, then AdamW's step if committed
         t1 = time.monotonic()
         committed = manager.current_step() > s

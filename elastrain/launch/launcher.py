@@ -60,6 +60,7 @@ from elastrain.launch.resume import (
     newest_checkpoint_note,
     plain_start,
 )
+from elastrain.launch.replicas import ReplicaBook, free_address
 from elastrain.launch.startup import FailureWatch, Stop, read_exit, stop_fields, stop_text
 from elastrain.observe.events import EventKind, EventLog, EventTail
 from elastrain.observe.stragglers import StragglerScores, choose_evictions
@@ -155,6 +156,16 @@ class Launcher:
         self._slot: dict[str, int] = {}
         """Member -> index of the simulated host it runs on (a replacement takes
         the host of the member it replaces, as a rescheduled pod would)."""
+        self.replicas = (
+            ReplicaBook(
+                config.replica_procs,
+                config.workers // config.replica_procs,
+                lambda: free_address(config.advertise_host or "127.0.0.1"),
+            )
+            if config.replica_procs > 1
+            else None
+        )
+        """Multi-process JAX replicas (--replica-procs): who belongs to which."""
         self.device_pool = DevicePool(config.devices) if config.devices else None
         """Which local device each worker uses (--devices; `elastrain.launch.devices`)."""
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -351,6 +362,8 @@ class Launcher:
             e[env.STEPS] = str(c.steps)
         if c.shard_size is not None:
             e[env.SHARD_SIZE] = str(c.shard_size)
+        if self.replicas is not None:
+            e.update(self.replicas.place_for(member).environ())
         e[env.CKPT_DIR] = str(self.checkpoint_dir)
         if c.checkpoint_every is not None:
             e[env.CKPT_EVERY] = str(c.checkpoint_every)
@@ -699,6 +712,7 @@ class Launcher:
                 )
         else:
             self._fast_failures = 0
+        mates = self._replica_lost(member)
         if self.config.replace and not self.status.get("finished") and not self.done_members:
             stop = self.failures.on_replace(ex)
             if stop is not None:
@@ -712,7 +726,24 @@ class Launcher:
                 self._refills.append(refill)
             else:
                 self._at(delay, "spawn", (member, pid))
+                for mate, mate_pid in mates:  # the whole replica is rebuilt
+                    self._at(delay, "spawn", (mate, mate_pid))
         return None
+
+    def _replica_lost(self, member: str) -> list[tuple[str, int]]:
+        """A worker of a multi-process replica failed: stop its replica-mates now
+        (SIGKILL: their JAX runtime cannot outlive it, and its shutdown would wait
+        for it); returns them, for the replica's rebuild."""
+        if self.replicas is None:
+            return []
+        out = []
+        for mate in self.replicas.lost(member):
+            w = self.workers.get(mate)
+            if w is not None and w.proc.poll() is None:
+                w.stopped = True
+                w.proc.send_signal(signal.SIGKILL)
+                out.append((mate, w.proc.pid))
+        return out
 
     def _stop_text(self, stop: Stop) -> str:
         """The console's message for `stop` (`startup.stop_text`); keeps its fields

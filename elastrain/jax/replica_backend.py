@@ -52,7 +52,13 @@ def _specs(params: Tree, specs: Tree | None, procs: int) -> list[tuple[str | Non
     leaves, treedef = jax.tree_util.tree_flatten(params)
     if specs is None:
         return [default_spec(np.shape(x), procs) for x in leaves]
-    given = treedef.flatten_up_to(specs)
+    # A PartitionSpec is a tuple: each one (or plain tuple) is a leaf of `specs`.
+    given, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, tuple))
+    if len(given) != len(leaves):
+        raise ValueError(
+            f"specs= has {len(given)} partitions for {len(leaves)} parameter leaves: give one "
+            "PartitionSpec per leaf, in a tree of the params' structure"
+        )
     return [tuple(s) for s in given]
 
 
@@ -134,9 +140,7 @@ class JaxReplicaBackend:
 
             return losses, jax.tree_util.tree_map(weigh, grads)
 
-        per_mb = [
-            NamedSharding(self.mesh, PartitionSpec(None, *s)) for s in self._specs
-        ]
+        per_mb = [NamedSharding(self.mesh, PartitionSpec(None, *s)) for s in self._specs]
         out = (
             NamedSharding(self.mesh, PartitionSpec()),
             jax.tree_util.tree_unflatten(self._treedef, per_mb),

@@ -153,7 +153,9 @@ class ReplicaTwins:
             "process leaves so that the replica is rebuilt"
         )
         log.warning(msg)
-        ctx.events.emit(EventKind.WORKER_EXIT, reason=m.ExitReason.LEFT, committed=ctx.proto.committed)
+        ctx.events.emit(
+            EventKind.WORKER_EXIT, reason=m.ExitReason.LEFT, committed=ctx.proto.committed
+        )
         raise WorkerExit(EXIT_LEFT, "replica_lost", msg, immediate=True)
 
     def heal(self, job: HealJob) -> Healed:
@@ -217,9 +219,7 @@ class ReplicaTwins:
                 before_wait=hooks.StepPoint.ALLREDUCE,
                 what="the twins' reduction",
             ),
-            Reduction(
-                lambda: tensor_allreduce(world, [extras]), after_wait=hooks.StepPoint.VOTE
-            ),
+            Reduction(lambda: tensor_allreduce(world, [extras]), after_wait=hooks.StepPoint.VOTE),
         ]
 
     def drop(self, inflight: list[Any]) -> None:

@@ -91,7 +91,9 @@ class JaxElasticTrainer(EngineTrainer):
             self.backend: JaxBackend | JaxReplicaBackend = multi
             return
         if specs is not None:
-            raise ValueError("specs= partitions a multi-process replica: it needs replica_procs > 1")
+            raise ValueError(
+                "specs= partitions a multi-process replica: it needs replica_procs > 1"
+            )
         backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
         self.backend = backend

@@ -340,15 +340,23 @@ class LaunchConfig:
             return
         why = []
         if self.workers % k:
-            why.append(f"-n {self.workers} is not a multiple of --replica-procs {k} (-n counts processes)")
+            why.append(
+                f"-n {self.workers} is not a multiple of --replica-procs {k} (-n counts processes)"
+            )
         if self.shard_size not in (None, 1):
-            why.append("--shard-size shards a PyTorch model over members (FSDP2); a JAX replica of K processes shards it over its own mesh")
+            why.append(
+                "--shard-size shards a PyTorch model over members (FSDP2); a JAX replica of K processes shards it over its own mesh"
+            )
         if self.coordinator is not None:
             why.append("agents (elastrain agent) are not built for multi-process replicas")
         if self.spares:
-            why.append("--spares: a hot spare is one process, a replica's rebuild needs K fresh ones")
+            why.append(
+                "--spares: a hot spare is one process, a replica's rebuild needs K fresh ones"
+            )
         if self.checkpoint_every or self.checkpoint_mtbf_s is not None:
-            why.append("checkpoints of multi-process replicas are not built yet (drop --ckpt-every/--ckpt-mtbf)")
+            why.append(
+                "checkpoints of multi-process replicas are not built yet (drop --ckpt-every/--ckpt-mtbf)"
+            )
         if why:
             raise ValueError(f"--replica-procs {k}: " + "; ".join(why))
 

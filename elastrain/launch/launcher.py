@@ -54,13 +54,13 @@ from elastrain.launch.faults import FaultView, SimHosts
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.prefork import Preforker, Proc
 from elastrain.launch.refill import Refill, refill_at, refill_due
+from elastrain.launch.replicas import ReplicaBook, free_address
 from elastrain.launch.resume import (
     NO_CHECKPOINT,
     choose_checkpoint,
     newest_checkpoint_note,
     plain_start,
 )
-from elastrain.launch.replicas import ReplicaBook, free_address
 from elastrain.launch.startup import FailureWatch, Stop, read_exit, stop_fields, stop_text
 from elastrain.observe.events import EventKind, EventLog, EventTail
 from elastrain.observe.stragglers import StragglerScores, choose_evictions
@@ -878,9 +878,31 @@ class Launcher:
             if any(m in self.workers for m in status.get("members") or []):
                 self.failures.on_state_held()
                 self._deaths_injected = True
+        if self.replicas is not None:
+            self._rebuild_expelled_replicas()
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))
+
+    def _rebuild_expelled_replicas(self) -> None:
+        """A process of a multi-process replica that held the state and is no longer
+        registered, but still runs, was expelled (a hang the coordinator confirmed):
+        its replica cannot compute again. Stop it and its mates, spawn K fresh ones."""
+        registered = self.status.get("registered") or {}
+        if not registered or self.status.get("finished") or self.done_members:
+            return  # a coordinator that just restarted, or the job's end: nobody expelled
+        for m, w in list(self.workers.items()):
+            if m not in self._holders or m in registered or w.stopped or w.proc.poll() is not None:
+                continue
+            print(
+                f"elastrain: {m} was expelled (hung) and still runs: its replica is rebuilt",
+                file=sys.stderr,
+                flush=True,
+            )
+            w.stopped = True
+            w.proc.send_signal(signal.SIGKILL)
+            for who, pid in [(m, w.proc.pid), *self._replica_lost(m)]:
+                self._at(self.config.replace_delay_s, "spawn", (who, pid))
 
     @property
     def schedule(self) -> FaultView:

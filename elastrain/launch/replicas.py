@@ -41,7 +41,9 @@ class ReplicaBook:
 
     def __init__(self, procs: int, replicas: int, address: Callable[[], str]) -> None:
         if procs < 2 or replicas < 1:
-            raise ValueError(f"need >= 2 processes per replica and >= 1 replica ({procs}, {replicas})")
+            raise ValueError(
+                f"need >= 2 processes per replica and >= 1 replica ({procs}, {replicas})"
+            )
         self.procs = procs
         self.replicas = replicas
         self._address = address
@@ -54,11 +56,7 @@ class ReplicaBook:
         of its open incarnation, or the first lost one (its next incarnation), or a new
         slot. Raises ValueError with every slot full (more workers than R*K)."""
         slot = next(
-            (
-                i
-                for i, s in enumerate(self._slots)
-                if s.lost or len(s.members) < self.procs
-            ),
+            (i for i, s in enumerate(self._slots) if s.lost or len(s.members) < self.procs),
             None,
         )
         if slot is None:

@@ -311,7 +311,9 @@ class TrainerConfig:
                 f"{self.prefetch_steps}"
             )
         if self.replica_procs < 1:
-            raise ValueError(f"replica_procs must be >= 1 (1: one process), got {self.replica_procs}")
+            raise ValueError(
+                f"replica_procs must be >= 1 (1: one process), got {self.replica_procs}"
+            )
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
         check_format(self.checkpoint_format, "checkpoint_format")

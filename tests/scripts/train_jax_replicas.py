@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 import argparse  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -31,6 +32,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="pace: at least this long per committed step, so that a rebuilt replica "
+        "(JAX import, runtime, compile: ~15 s on a busy machine) joins before the end",
+    )
     args = ap.parse_args()
     params = init(jax.random.PRNGKey(0), 16, args.hidden)
     data = Regression(n=4096, d=16, seed=1234)
@@ -38,8 +46,11 @@ def main() -> None:
         global_batch_size=24, micro_batch_size=4, total_steps=args.steps, seed=7, replica_procs=2
     )
     trainer = JaxElasticTrainer(params, optax.adam(1e-2), data, loss_fn, cfg)
+    last = time.monotonic()
     for _ in trainer.steps():
-        pass
+        if args.min_step_s > 0:
+            time.sleep(max(0.0, args.min_step_s - (time.monotonic() - last)))  # the pace
+        last = time.monotonic()
     if trainer.holds_final_state:
         leaves = jax.tree_util.tree_leaves(trainer.params)
         save_final(trainer.member, np.concatenate([np.asarray(x).reshape(-1) for x in leaves]))

@@ -133,11 +133,12 @@ def test_the_launch_config_refuses_what_replicas_cannot_do(kw: dict[str, Any], w
 # ---- jobs ----------------------------------------------------------------------------
 
 
-def _assert_invariants(job: Job, steps: int) -> None:
+def _assert_invariants(job: Job, steps: int, replicas: bool = True) -> None:
     assert job.result.status == "done", job.result.message
     starts = job.of("generation_start")
     assert starts and all(e["state_hash"] for e in starts)
-    assert all("shard" in e for e in starts)  # twins compare among themselves
+    if replicas:  # twins compare among themselves
+        assert all("shard" in e for e in starts)
     assert check_same_state(job.events) == []
     led = check_exactly_once(job.events, expected_ids)
     assert led.violations == [] and led.committed_steps == steps
@@ -176,7 +177,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
             **kw,
         )
         job = Job(la := Launcher(cfg), la.run())
-        _assert_invariants(job, steps)
+        _assert_invariants(job, steps, replicas=name == "ref")
         curves.append(loss_curve(job.events))
         if name == "ref":
             finals = _finals(job.run_dir)
@@ -218,8 +219,8 @@ def _survivors_went_on(job: Job, t_fault: float, allowance_s: float) -> None:
         commits = [e for e in job.events if e["proc"] == w and e["kind"] == "step_commit"]
         assert {e["pid"] for e in commits} == {spawned[w]["pid"]}
         assert sorted(e["step"] for e in commits) == list(range(STEPS))
-        before = [e["t"] for e in commits if e["t"] < t_fault]
-        step_s = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
+        times = sorted(e["t"] for e in commits)
+        step_s = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
         after = min(e["t"] for e in commits if e["t"] > t_fault)
         assert after - t_fault <= allowance_s + step_s, (w, after - t_fault, step_s)
 

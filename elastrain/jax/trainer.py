@@ -44,6 +44,12 @@ class JaxElasticTrainer(EngineTrainer):
     failures; a joiner is healed from its peers. `steps()` yields after each
     committed step and returns when `total_steps` are committed. SIGTERM makes
     the worker leave at the next step boundary (`WorkerExit`, exit EXIT_LEFT).
+
+    With `TrainerConfig.replica_procs` K > 1 (`elastrain run --replica-procs K`)
+    this process is one of a replica's K processes: it holds its part of each
+    leaf (`specs=`: a `PartitionSpec` per leaf over the replica mesh's ``fsdp``
+    axis; default: rows where K divides the first dimension), computes with its
+    replica-mates and reduces with its twins (`elastrain.jax.replica_topology`).
     """
 
     def __init__(

@@ -30,6 +30,7 @@ from elastrain.jax.replica import AXIS, ReplicaLayout, default_spec, local_rows 
 from elastrain.launch.config import LaunchConfig  # noqa: E402
 from elastrain.launch.replicas import ReplicaBook, free_address  # noqa: E402
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
+from elastrain.runtime.config import TrainerConfig, read_worker_env  # noqa: E402
 from elastrain.runtime.replica_place import ReplicaPlace, parse_wire  # noqa: E402
 
 from .conftest import ROOT, Job  # noqa: E402
@@ -128,6 +129,14 @@ def test_the_launch_config_refuses_what_replicas_cannot_do(kw: dict[str, Any], w
     with pytest.raises(ValueError, match=words):
         LaunchConfig(script=SCRIPT, **{"workers": 4, "replica_procs": 2, **kw})
     assert LaunchConfig(script=SCRIPT, workers=4, replica_procs=2).min_workers == 2
+
+
+def test_the_launchers_replica_procs_reaches_the_trainer_config() -> None:
+    cfg = TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=1)
+    assert read_worker_env({env.REPLICA_PROCS: "2"}).apply(cfg).replica_procs == 2
+    assert read_worker_env({}).apply(cfg).replica_procs == 1
+    with pytest.raises(ValueError, match="replica_procs must be >= 1"):
+        TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=1, replica_procs=0)
 
 
 # ---- jobs ----------------------------------------------------------------------------

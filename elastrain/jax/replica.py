@@ -49,12 +49,8 @@ def init_distributed(place: ReplicaPlace) -> None:
         num_processes=place.procs,
         process_id=place.proc,
     )
-    if jax.local_device_count() != 1:
-        raise ValueError(
-            f"a process of a multi-process replica drives one device here; this one sees "
-            f"{jax.local_device_count()} (one device per process: set CUDA_VISIBLE_DEVICES "
-            "or --devices)"
-        )
+    # Nothing here may create the XLA backend: the script's own settings (its
+    # XLA_FLAGS, set before its first JAX call) must still apply.
 
 
 def replica_place(procs: int) -> ReplicaPlace:
@@ -78,6 +74,12 @@ def replica_place(procs: int) -> ReplicaPlace:
         raise ValueError(
             "the replica's JAX runtime is not initialised: run the script through "
             "`elastrain run --replica-procs K` (its worker entry point initialises it)"
+        )
+    if jax.local_device_count() != 1:
+        raise ValueError(
+            f"a process of a multi-process replica drives one device here; this one sees "
+            f"{jax.local_device_count()} (one device per process: set CUDA_VISIBLE_DEVICES "
+            "or --devices)"
         )
     return place
 

@@ -24,6 +24,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,16 +46,18 @@ def worker(proc: int, procs: int, address: str, steps: int) -> None:
 
     mesh = Mesh(np.array(jax.devices()), ("fsdp",))
     params = init_params(jax.random.PRNGKey(0), 256, 64, 64, 2)
-    specs = jax.tree_util.tree_map(
-        lambda x: PartitionSpec("fsdp") if x.shape and x.shape[0] % procs == 0 else PartitionSpec(),
-        params,
-    )
+
+    def spec(x: Any) -> PartitionSpec:
+        return PartitionSpec("fsdp") if x.shape and x.shape[0] % procs == 0 else PartitionSpec()
+
+    specs = jax.tree_util.tree_map(spec, params)
     shard = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
-    params = jax.tree_util.tree_map(
-        lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda i, x=x: np.asarray(x)[i]),
-        params,
-        shard,
-    )
+
+    def place(x: Any, sh: NamedSharding) -> Any:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sh, lambda i: host[i])
+
+    params = jax.tree_util.tree_map(place, params, shard)
     opt = optax.adamw(3e-3, weight_decay=0.01)
     opt_state = jax.jit(opt.init)(params)
     data = ByteBlocks(stdlib_corpus(), 64)

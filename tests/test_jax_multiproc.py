@@ -28,7 +28,7 @@ from elastrain import env  # noqa: E402
 from elastrain.data import GlobalOrder  # noqa: E402
 from elastrain.jax.replica import AXIS, ReplicaLayout, default_spec, local_rows  # noqa: E402
 from elastrain.launch.config import LaunchConfig  # noqa: E402
-from elastrain.launch.replicas import ReplicaBook, free_address  # noqa: E402
+from elastrain.launch.replicas import ReplicaBook, expelled, free_address  # noqa: E402
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
 from elastrain.runtime.config import TrainerConfig, read_worker_env  # noqa: E402
 from elastrain.runtime.replica_place import ReplicaPlace, parse_wire  # noqa: E402
@@ -73,6 +73,17 @@ def test_the_book_places_replicas_in_order_and_rebuilds_a_lost_one() -> None:
     assert [(p.replica, p.incarnation, p.proc) for p in fresh] == [(0, 1, 0), (0, 1, 1)]
     assert fresh[0].coordinator not in {p.coordinator for p in places}
     assert book.lost("w2") == ["w3"]
+
+
+def test_an_expelled_process_is_one_that_held_the_state_and_is_no_longer_registered() -> None:
+    status: dict[str, Any] = {"registered": {"w0": {}, "w2": {}, "w3": {}}}
+    holders = {"w0", "w1", "w2", "w3"}
+    assert expelled(status, holders, ["w0", "w1", "w2", "w3", "w4"], False) == ["w1"]
+    # w4 is fresh (never held the state): not registered yet is no expulsion.
+    assert expelled(status, holders, ["w4"], False) == []
+    assert expelled(status, holders, ["w1"], True) == []  # the job is ending
+    assert expelled({"registered": {}}, holders, ["w1"], False) == []  # a new coordinator
+    assert expelled({**status, "finished": True}, holders, ["w1"], False) == []
 
 
 def test_a_place_travels_through_the_environment_and_refuses_a_partial_one() -> None:
@@ -201,7 +212,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return ref
 
 
-def _fault_run(run_job: Any, name: str, action: str) -> Job:  # type: ignore[no-untyped-def]
+def _fault_run(run_job: Any, name: str, action: str) -> Job:
     job = run_job(
         steps=STEPS,
         workers=4,

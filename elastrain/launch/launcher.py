@@ -54,7 +54,7 @@ from elastrain.launch.faults import FaultView, SimHosts
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.prefork import Preforker, Proc
 from elastrain.launch.refill import Refill, refill_at, refill_due
-from elastrain.launch.replicas import ReplicaBook, free_address
+from elastrain.launch.replicas import ReplicaBook, expelled, free_address, stop_mates
 from elastrain.launch.resume import (
     NO_CHECKPOINT,
     choose_checkpoint,
@@ -731,19 +731,9 @@ class Launcher:
         return None
 
     def _replica_lost(self, member: str) -> list[tuple[str, int]]:
-        """A worker of a multi-process replica failed: stop its replica-mates now
-        (SIGKILL: their JAX runtime cannot outlive it, and its shutdown would wait
-        for it); returns them, for the replica's rebuild."""
-        if self.replicas is None:
-            return []
-        out = []
-        for mate in self.replicas.lost(member):
-            w = self.workers.get(mate)
-            if w is not None and w.proc.poll() is None:
-                w.stopped = True
-                w.proc.send_signal(signal.SIGKILL)
-                out.append((mate, w.proc.pid))
-        return out
+        """A worker of a multi-process replica failed: its mates are stopped
+        (`replicas.stop_mates`); returns them, for the replica's rebuild."""
+        return [] if self.replicas is None else stop_mates(self.replicas, member, self.workers)
 
     def _stop_text(self, stop: Stop) -> str:
         """The console's message for `stop` (`startup.stop_text`); keeps its fields
@@ -885,20 +875,12 @@ class Launcher:
         self.injector.poll(self.status, list(self.workers))
 
     def _rebuild_expelled_replicas(self) -> None:
-        """A process of a multi-process replica that held the state and is no longer
-        registered, but still runs, was expelled (a hang the coordinator confirmed):
-        its replica cannot compute again. Stop it and its mates, spawn K fresh ones."""
-        registered = self.status.get("registered") or {}
-        if not registered or self.status.get("finished") or self.done_members:
-            return  # a coordinator that just restarted, or the job's end: nobody expelled
-        for m, w in list(self.workers.items()):
-            if m not in self._holders or m in registered or w.stopped or w.proc.poll() is not None:
-                continue
-            print(
-                f"elastrain: {m} was expelled (hung) and still runs: its replica is rebuilt",
-                file=sys.stderr,
-                flush=True,
-            )
+        """A process of a multi-process replica that was expelled (hung) but still
+        runs: its replica cannot compute again. Stop it and its mates, spawn K fresh."""
+        running = [m for m, w in self.workers.items() if not w.stopped and w.proc.poll() is None]
+        for m in expelled(self.status, self._holders, running, bool(self.done_members)):
+            print(f"elastrain: {m} was expelled (hung): its replica is rebuilt", file=sys.stderr)
+            w = self.workers[m]
             w.stopped = True
             w.proc.send_signal(signal.SIGKILL)
             for who, pid in [(m, w.proc.pid), *self._replica_lost(m)]:

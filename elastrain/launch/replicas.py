@@ -13,9 +13,11 @@ dead peer) and spawns K fresh processes, which form the next incarnation.
 
 from __future__ import annotations
 
+import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastrain.runtime.replica_place import ReplicaPlace
 
@@ -82,3 +84,30 @@ class ReplicaBook:
             return []
         s.lost = True
         return [w for w in s.members if w != member]
+
+
+def stop_mates(book: ReplicaBook, member: str, workers: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """`member` failed: SIGKILL its running replica-mates (their JAX runtime cannot
+    outlive it, and a JAX shutdown would wait for it) and mark them stopped (their
+    exits are no failures of their own). Returns (mate, PID) of each, for the
+    replica's rebuild. `workers`: the launcher's member -> `Worker`."""
+    out = []
+    for mate in book.lost(member):
+        w = workers.get(mate)
+        if w is not None and w.proc.poll() is None:
+            w.stopped = True
+            w.proc.send_signal(signal.SIGKILL)
+            out.append((mate, w.proc.pid))
+    return out
+
+
+def expelled(
+    status: Mapping[str, Any], holders: Collection[str], running: Iterable[str], ending: bool
+) -> list[str]:
+    """The running workers the coordinator expelled (a hang it confirmed): they held
+    the state (`holders`) and are no longer registered. None while the job ends or
+    the status lists nobody registered (a coordinator that just restarted)."""
+    registered = status.get("registered") or {}
+    if ending or not registered or status.get("finished"):
+        return []
+    return [m for m in running if m in holders and m not in registered]

@@ -47,7 +47,6 @@ from elastrain.runtime.topology import (
     CannotCompute,
     Healed,
     HealJob,
-    Loaded,
     Reduction,
     Snapshots,
     StateLost,
@@ -56,6 +55,10 @@ from elastrain.runtime.topology import (
 from elastrain.transfer import Role
 
 log = logging.getLogger("elastrain.jax.replicas")
+
+Loaded = Callable[[int, float], None]
+"""Told the bytes read and the seconds spent once a restore's reading is done
+(the `Topology.restore` callback's type, spelled here: its home module moves)."""
 
 NOT_BUILT = (
     "checkpoints of a multi-process JAX replica (--replica-procs) are not built yet: run "
@@ -221,6 +224,11 @@ class ReplicaTwins:
             ),
             Reduction(lambda: tensor_allreduce(world, [extras]), after_wait=hooks.StepPoint.VOTE),
         ]
+
+    def eval_share(self, num_batches: int, members: int, rank: int) -> Any:
+        """Evaluations are not built for multi-process replicas (JAX refuses
+        `evaluate_every`): raises CannotCompute."""
+        raise CannotCompute("evaluation is not built for multi-process JAX replicas")
 
     def drop(self, inflight: list[Any]) -> None:
         if self.twins_pg is not None:

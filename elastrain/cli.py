@@ -171,6 +171,15 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "TrainerConfig.shard_size; -n and --min must be multiples of S)",
     )
     ap.add_argument(
+        "--replica-procs",
+        type=int,
+        default=1,
+        metavar="K",
+        help="JAX: processes per replica; -n 4 --replica-procs 2 is 2 replicas of 2 "
+        "processes, the model sharded over each replica's mesh (jax.distributed), "
+        "elastic across replicas (docs/guide/jax.md)",
+    )
+    ap.add_argument(
         "--reshard-after",
         type=float,
         default=_default("reshard_after_s"),
@@ -342,6 +351,7 @@ def _launch_config(args: argparse.Namespace, script: str, script_args: list[str]
         run_dir=args.run_dir,
         steps=args.steps,
         shard_size=args.shard_size,
+        replica_procs=args.replica_procs,
         reshard_after_s=args.reshard_after,
         memory_per_member=args.memory_per_member,
         state_factor=args.state_factor,

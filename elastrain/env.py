@@ -43,6 +43,19 @@ SHARD_SIZE = "ELASTRAIN_SHARD_SIZE"
 """Optional override of TrainerConfig.shard_size (the launcher's --shard-size): the
 workers must agree with the coordinator's."""
 
+REPLICA_PROCS = "ELASTRAIN_REPLICA_PROCS"
+"""Processes per JAX replica (the launcher's --replica-procs K; unset or 1: a
+replica is one process). The next four say where this process sits."""
+REPLICA = "ELASTRAIN_REPLICA"
+"""Which replica slot (0..R-1) this process belongs to."""
+REPLICA_INCARNATION = "ELASTRAIN_REPLICA_INCARNATION"
+"""How many times that slot was rebuilt before (its JAX runtime's id with REPLICA)."""
+REPLICA_PROC = "ELASTRAIN_REPLICA_PROC"
+"""This process's JAX process id inside its replica (0..K-1): the shard it holds."""
+JAX_COORDINATOR = "ELASTRAIN_JAX_COORDINATOR"
+"""host:port of the replica's `jax.distributed` coordinator (its process 0 serves
+it), new for every incarnation of the replica."""
+
 # Device placement (--devices; `elastrain.launch.devices`): the names CUDA and
 # torchrun's workers already know, set per worker by the launcher.
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"

@@ -50,6 +50,18 @@ def install_hooks() -> None:
         hooks.install(hook)
 
 
+def join_replica_runtime() -> None:
+    """A process of a multi-process JAX replica (`elastrain run --replica-procs K`)
+    joins its replica's `jax.distributed` runtime before the script's first JAX call."""
+    from elastrain.runtime.replica_place import ReplicaPlace
+
+    place = ReplicaPlace.from_environ(os.environ)
+    if place is not None:
+        from elastrain.jax.replica import init_distributed
+
+        init_distributed(place)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args:
@@ -60,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     install_hooks()
+    join_replica_runtime()
     try:
         runpy.run_path(script, run_name="__main__")
     except WorkerExit as e:

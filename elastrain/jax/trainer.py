@@ -25,6 +25,9 @@ from typing import Any
 import jax
 
 from elastrain.jax.backend import JaxBackend
+from elastrain.jax.replica import replica_place
+from elastrain.jax.replica_backend import JaxReplicaBackend
+from elastrain.jax.replica_topology import replica_twins
 from elastrain.jax.state import LossFn, Tree, stack_collate
 from elastrain.runtime.config import TrainerConfig, worker_setup
 from elastrain.runtime.engine import DataSource, MapDataset
@@ -41,6 +44,12 @@ class JaxElasticTrainer(EngineTrainer):
     failures; a joiner is healed from its peers. `steps()` yields after each
     committed step and returns when `total_steps` are committed. SIGTERM makes
     the worker leave at the next step boundary (`WorkerExit`, exit EXIT_LEFT).
+
+    With `TrainerConfig.replica_procs` K > 1 (`elastrain run --replica-procs K`)
+    this process is one of a replica's K processes: it holds its part of each
+    leaf (`specs=`: a `PartitionSpec` per leaf over the replica mesh's ``fsdp``
+    axis; default: rows where K divides the first dimension), computes with its
+    replica-mates and reduces with its twins (`elastrain.jax.replica_topology`).
     """
 
     def __init__(
@@ -57,6 +66,7 @@ class JaxElasticTrainer(EngineTrainer):
         token: str | None = None,
         member_id: str | None = None,
         run_dir: str | None = None,
+        specs: Tree | None = None,
     ) -> None:
         if config.max_grad_norm is not None:
             # optax clips inside the jitted update, the same on every member.
@@ -75,9 +85,24 @@ class JaxElasticTrainer(EngineTrainer):
         why = format_problem(config.checkpoint.format, JaxBackend.framework, sharded=False)
         if why is not None:  # after the overrides too: `elastrain run --ckpt-format dcp`
             raise ValueError(why)
+        if config.replica_procs > 1:
+            # A replica of K processes (--replica-procs): this process holds its part.
+            place = replica_place(config.replica_procs)
+            multi = JaxReplicaBackend(
+                params, optimizer, loss_fn, config, key=key, place=place, specs=specs
+            )
+            self.attach(
+                multi, optimizer, dataset, loss_fn, collate_fn, config, where, replica_twins(multi)
+            )
+            self.backend: JaxBackend | JaxReplicaBackend = multi
+            return
+        if specs is not None:
+            raise ValueError(
+                "specs= partitions a multi-process replica: it needs replica_procs > 1"
+            )
         backend = JaxBackend(params, optimizer, loss_fn, config, key=key)
         self.attach(backend, optimizer, dataset, loss_fn, collate_fn, config, where)
-        self.backend: JaxBackend = backend
+        self.backend = backend
 
     # ---- JAX state -------------------------------------------------------------
 
@@ -92,7 +117,16 @@ class JaxElasticTrainer(EngineTrainer):
 
     @property
     def params(self) -> Tree:
+        """The parameters; in a multi-process replica, this process's part of each
+        leaf (its rows of a sharded one); `global_params()` gives the global arrays."""
         return self.backend.params
+
+    def global_params(self) -> Tree:
+        """The replica's parameters as global arrays over its mesh (a multi-process
+        replica; use them in a computation every process of the replica runs)."""
+        if not isinstance(self.backend, JaxReplicaBackend):
+            return self.backend.params
+        return self.backend.global_params()
 
     @property
     def opt_state(self) -> Tree:

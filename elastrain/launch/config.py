@@ -70,6 +70,16 @@ class LaunchConfig:
     Run mode: -n and --min must be multiples of it. An agent runs only its
     node's workers; the job's shape is its coordinator's (`elastrain
     coordinator --shard-size`), so an agent's -n need not be one."""
+    replica_procs: int = 1
+    """Processes per replica, JAX only (--replica-procs K): -n workers form -n/K
+    replicas of K processes, each replica one `jax.distributed` runtime (its own
+    coordinator address, new for every incarnation, loopback unless
+    --advertise-host) with the model sharded over its processes; process k of
+    every replica holds the same shard (twins). The launcher sets
+    `TrainerConfig.replica_procs` for the workers. When a process of a replica
+    exits, its replica-mates are killed and K fresh processes replace the whole
+    replica (`elastrain.launch.replicas`); the other replicas go on. 1: a replica is
+    one process."""
     reshard_after_s: float | None = None
     """Sharded jobs: regroup the members in memory to another shard size when a
     replica group has had a vacancy this long, and back when replacements
@@ -207,6 +217,7 @@ class LaunchConfig:
             raise ValueError(f"-n must be >= 1 (got {self.workers})")
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be >= 1 (got {self.shard_size}; 1: unsharded)")
+        self._check_replica_procs()
         shards = self.shard_size or 1
         if self.coordinator is None and self.workers % shards:
             raise ValueError(
@@ -215,7 +226,7 @@ class LaunchConfig:
             )
         if self.min_workers == 0:
             # (An agent's -n may be smaller than a group; its --min is unused.)
-            object.__setattr__(self, "min_workers", min(shards, self.workers))
+            object.__setattr__(self, "min_workers", min(shards * self.replica_procs, self.workers))
         if self.hosts < 0:
             raise ValueError(f"--hosts must be >= 0 (got {self.hosts})")
         if self.devices is not None and len(self.devices) < self.workers + self.spares:
@@ -328,6 +339,35 @@ class LaunchConfig:
                 )
         if not (math.isfinite(self.state_factor) and self.state_factor > 0):
             raise ValueError(f"--state-factor must be > 0 (got {self.state_factor})")
+
+    def _check_replica_procs(self) -> None:
+        """--replica-procs K: what a job of K-process JAX replicas cannot be combined with."""
+        k = self.replica_procs
+        if k < 1:
+            raise ValueError(f"--replica-procs must be >= 1 (got {k}; 1: one process a replica)")
+        if k == 1:
+            return
+        why = []
+        if self.workers % k:
+            why.append(
+                f"-n {self.workers} is not a multiple of --replica-procs {k} (-n counts processes)"
+            )
+        if self.shard_size not in (None, 1):
+            why.append(
+                "--shard-size shards a PyTorch model over members (FSDP2); a JAX replica of K processes shards it over its own mesh"
+            )
+        if self.coordinator is not None:
+            why.append("agents (elastrain agent) are not built for multi-process replicas")
+        if self.spares:
+            why.append(
+                "--spares: a hot spare is one process, a replica's rebuild needs K fresh ones"
+            )
+        if self.checkpoint_every or self.checkpoint_mtbf_s is not None:
+            why.append(
+                "checkpoints of multi-process replicas are not built yet (drop --ckpt-every/--ckpt-mtbf)"
+            )
+        if why:
+            raise ValueError(f"--replica-procs {k}: " + "; ".join(why))
 
     def _multiples(self, n: int) -> str:
         """The multiples of the shard size around `n`, for an error message."""

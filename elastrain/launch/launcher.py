@@ -54,6 +54,7 @@ from elastrain.launch.faults import FaultView, SimHosts
 from elastrain.launch.lock import RunDirLock, child_umask, make_run_dir, write_private
 from elastrain.launch.prefork import Preforker, Proc
 from elastrain.launch.refill import Refill, refill_at, refill_due
+from elastrain.launch.replicas import ReplicaBook, expelled, free_address, stop_mates
 from elastrain.launch.resume import (
     NO_CHECKPOINT,
     choose_checkpoint,
@@ -155,6 +156,16 @@ class Launcher:
         self._slot: dict[str, int] = {}
         """Member -> index of the simulated host it runs on (a replacement takes
         the host of the member it replaces, as a rescheduled pod would)."""
+        self.replicas = (
+            ReplicaBook(
+                config.replica_procs,
+                config.workers // config.replica_procs,
+                lambda: free_address(config.advertise_host or "127.0.0.1"),
+            )
+            if config.replica_procs > 1
+            else None
+        )
+        """Multi-process JAX replicas (--replica-procs): who belongs to which."""
         self.device_pool = DevicePool(config.devices) if config.devices else None
         """Which local device each worker uses (--devices; `elastrain.launch.devices`)."""
         self.coordinator: subprocess.Popen[bytes] | None = None
@@ -351,6 +362,8 @@ class Launcher:
             e[env.STEPS] = str(c.steps)
         if c.shard_size is not None:
             e[env.SHARD_SIZE] = str(c.shard_size)
+        if self.replicas is not None:
+            e.update(self.replicas.place_for(member).environ())
         e[env.CKPT_DIR] = str(self.checkpoint_dir)
         if c.checkpoint_every is not None:
             e[env.CKPT_EVERY] = str(c.checkpoint_every)
@@ -701,6 +714,7 @@ class Launcher:
                 )
         else:
             self._fast_failures = 0
+        mates = self._replica_lost(member)
         if self.config.replace and not self.status.get("finished") and not self.done_members:
             stop = self.failures.on_replace(ex)
             if stop is not None:
@@ -714,7 +728,14 @@ class Launcher:
                 self._refills.append(refill)
             else:
                 self._at(delay, "spawn", (member, pid))
+                for mate, mate_pid in mates:  # the whole replica is rebuilt
+                    self._at(delay, "spawn", (mate, mate_pid))
         return None
+
+    def _replica_lost(self, member: str) -> list[tuple[str, int]]:
+        """A worker of a multi-process replica failed: its mates are stopped
+        (`replicas.stop_mates`); returns them, for the replica's rebuild."""
+        return [] if self.replicas is None else stop_mates(self.replicas, member, self.workers)
 
     def _stop_text(self, stop: Stop) -> str:
         """The console's message for `stop` (`startup.stop_text`); keeps its fields
@@ -849,9 +870,23 @@ class Launcher:
             if any(m in self.workers for m in status.get("members") or []):
                 self.failures.on_state_held()
                 self._deaths_injected = True
+        if self.replicas is not None:
+            self._rebuild_expelled_replicas()
         if self.on_status is not None:
             self.on_status(self.status)
         self.injector.poll(self.status, list(self.workers))
+
+    def _rebuild_expelled_replicas(self) -> None:
+        """A process of a multi-process replica that was expelled (hung) but still
+        runs: its replica cannot compute again. Stop it and its mates, spawn K fresh."""
+        running = [m for m, w in self.workers.items() if not w.stopped and w.proc.poll() is None]
+        for m in expelled(self.status, self._holders, running, bool(self.done_members)):
+            print(f"elastrain: {m} was expelled (hung): its replica is rebuilt", file=sys.stderr)
+            w = self.workers[m]
+            w.stopped = True
+            w.proc.send_signal(signal.SIGKILL)
+            for who, pid in [(m, w.proc.pid), *self._replica_lost(m)]:
+                self._at(self.config.replace_delay_s, "spawn", (who, pid))
 
     @property
     def schedule(self) -> FaultView:

@@ -241,6 +241,15 @@ class TrainerConfig:
     with failures differs from the failure-free one in the last bits
     (docs/design/sharded.md)."""
 
+    replica_procs: int = 1
+    """Processes per replica, JAX only (issue 44): a replica's K processes run one
+    `jax.distributed` runtime and shard the model over their joint mesh (MaxText
+    inside a slice); process k of every replica holds the same rows (twins), whose
+    gradients are reduced across replicas; elasticity is across replicas (a
+    replica that loses a process is rebuilt as K fresh ones). 1: a replica is one
+    process. The launcher's --replica-procs K sets it and starts -n workers as
+    -n/K replicas; a worker not started that way refuses a value > 1."""
+
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.micro_batch_size < 1:
             raise ValueError("global_batch_size and micro_batch_size must be positive")
@@ -311,6 +320,10 @@ class TrainerConfig:
             raise ValueError(
                 f"num_workers and prefetch_steps must be >= 0, got {self.num_workers} and "
                 f"{self.prefetch_steps}"
+            )
+        if self.replica_procs < 1:
+            raise ValueError(
+                f"replica_procs must be >= 1 (1: one process), got {self.replica_procs}"
             )
         if self.shard_size < 1:
             raise ValueError(f"shard_size must be >= 1 (1: unsharded), got {self.shard_size}")
@@ -396,6 +409,9 @@ class WorkerEnv:
     heal_auth: str | None = None
     """$ELASTRAIN_HEAL_AUTH: the launcher's --heal-auth (`TrainerConfig.heal_auth`)."""
     shard_size: int | None = None
+    replica_procs: int | None = None
+    """$ELASTRAIN_REPLICA_PROCS (the launcher's --replica-procs): overrides
+    TrainerConfig.replica_procs."""
     visible_devices: str | None = None
     """$CUDA_VISIBLE_DEVICES: the accelerators this worker sees (the launcher's
     --devices places one per worker); reported in its `worker_start` event."""
@@ -429,6 +445,8 @@ class WorkerEnv:
             changes["heal_auth"] = self.heal_auth
         if self.shard_size is not None:
             changes["shard_size"] = self.shard_size
+        if self.replica_procs is not None:
+            changes["replica_procs"] = self.replica_procs
         return replace(config, **changes) if changes else config  # type: ignore[arg-type]
 
 
@@ -463,6 +481,7 @@ def read_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         checkpoint_format=e.get(env.CKPT_FORMAT) or None,
         heal_auth=e.get(env.HEAL_AUTH) or None,
         shard_size=num(env.SHARD_SIZE, int),
+        replica_procs=num(env.REPLICA_PROCS, int),
         visible_devices=e.get(env.VISIBLE_DEVICES),
         local_rank=num(env.LOCAL_RANK, int),
     )

@@ -129,6 +129,12 @@ class ElasticTrainer(EngineTrainer):
         init_fn: InitFn | None = None,
     ) -> None:
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
+        if config.replica_procs > 1:
+            raise ValueError(
+                f"replica_procs {config.replica_procs}: replicas of several processes are built "
+                "for JAX (JaxElasticTrainer); a PyTorch model is sharded over members with "
+                "--shard-size"
+            )
         self._model = model
         backend: Backend
         topology: TopologyFactory = Replicated

@@ -1,0 +1,265 @@
+"""The backend of one process of a K-process JAX replica (`--replica-procs K`).
+
+This process's state is its part of every leaf (`elastrain.jax.replica`: its
+rows of a sharded leaf, all of a replicated one), the optimizer state of that
+part and the PRNG key: `JaxState` over that tree, so heal, the state hash and
+checkpoints move this process's part only, and twins (the same process id in
+another replica) hold bit-identical bytes.
+
+A step's work, in rounds: in each round every process of the replica brings
+one micro-batch (or a zero-weight one), the K micro-batches form one global
+batch sharded over the mesh's ``fsdp`` axis, and one jitted, vmapped
+value-and-grad over the sharded parameters gives each micro-batch's float32
+gradient (of its loss *sum*) of this process's rows, computed jointly by the
+replica's JAX runtime (its collectives run inside). Each micro-batch's part is
+added into this process's float64 buffer on its own (`reduce_dtype`), so the
+sum does not depend on which round or replica computed a micro-batch; the
+twins then all-reduce the buffer over gloo. `apply` runs the optax update on
+this process's part alone, with no collective: the optimizer must work leaf by
+leaf, element by element (sgd, adam, adamw...); `clip_by_global_norm` and other
+transformations that read the whole model would see one part only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from elastrain.jax.backend import _platform
+from elastrain.jax.replica import AXIS, default_spec, local_rows
+from elastrain.jax.state import (
+    GradLayout,
+    JaxState,
+    LossFn,
+    Tree,
+    is_typed_key,
+    key_data,
+    make_apply_fn,
+)
+from elastrain.runtime.config import TrainerConfig
+from elastrain.runtime.device import resolve_reduce_dtype
+from elastrain.runtime.replica_place import ReplicaPlace
+from elastrain.transfer import NamedState, state_digest
+
+
+def _specs(params: Tree, specs: Tree | None, procs: int) -> list[tuple[str | None, ...]]:
+    """One partition per leaf: the script's (a pytree of `PartitionSpec` or tuples
+    matching `params`) or `default_spec`."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if specs is None:
+        return [default_spec(np.shape(x), procs) for x in leaves]
+    # A PartitionSpec is a tuple: each one (or plain tuple) is a leaf of `specs`.
+    given, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, tuple))
+    if len(given) != len(leaves):
+        raise ValueError(
+            f"specs= has {len(given)} partitions for {len(leaves)} parameter leaves: give one "
+            "PartitionSpec per leaf, in a tree of the params' structure"
+        )
+    return [tuple(s) for s in given]
+
+
+class JaxReplicaBackend:
+    """`Backend` of one process of a multi-process JAX replica (module docstring).
+
+    Contract: the K processes of a replica build it with the same full params
+    (same init), specs, optimizer and config after `init_distributed`, and call
+    `warm_up` and every `compute` of a step together, in the same rounds (the
+    topology's turns); `apply` is local. Who calls: the engine's training thread.
+    """
+
+    framework = "jax"
+    device = torch.device("cpu")
+    """Wire buffers are CPU tensors reduced over gloo between twins."""
+
+    def __init__(
+        self,
+        params: Tree,
+        optimizer: Any,
+        loss_fn: LossFn,
+        config: TrainerConfig,
+        *,
+        key: Any,
+        place: ReplicaPlace,
+        specs: Tree | None = None,
+    ) -> None:
+        self.place = place
+        procs, proc = place.procs, place.proc
+        self.mesh = Mesh(np.array(jax.devices()), (AXIS,))
+        leaves, self._treedef = jax.tree_util.tree_flatten(params)
+        full = [np.asarray(x) for x in leaves]
+        self._specs = _specs(params, specs, procs)
+        self._shapes = [tuple(int(d) for d in a.shape) for a in full]
+        self._full_signature = [
+            [jax.tree_util.keystr(p), list(s), str(a.dtype)]
+            for (p, _), s, a in zip(
+                jax.tree_util.tree_flatten_with_path(params)[0], self._shapes, full, strict=True
+            )
+        ]
+        self._shardings = [NamedSharding(self.mesh, PartitionSpec(*s)) for s in self._specs]
+        device = jax.local_devices()[0]
+        local = [
+            jax.device_put(np.ascontiguousarray(a[local_rows(a.shape, s, procs, proc)]), device)
+            for a, s in zip(full, self._specs, strict=True)
+        ]
+        self.params: Tree = jax.tree_util.tree_unflatten(self._treedef, local)
+        self.optimizer = optimizer
+        self.opt_state: Tree = optimizer.init(self.params)
+        self._typed_key = key is not None and is_typed_key(key)
+        self._key_impl = jax.random.key_impl(key) if self._typed_key else None
+        self.key: jax.Array = key_data(jax.random.PRNGKey(config.seed) if key is None else key)
+        self._layout = GradLayout.of(self.params)
+        self._apply = make_apply_fn(optimizer, self._layout, config.global_batch_size)
+        self._grad = self._make_grad(loss_fn, config.micro_batch_size)
+        self._rows = NamedSharding(self.mesh, PartitionSpec(AXIS))
+        self._wide = resolve_reduce_dtype(config.reduce_dtype, _platform(self.params)) == "float64"
+        self._extra_slots = 0
+        self._buf: np.ndarray[Any, Any] | None = None
+        self._wire: torch.Tensor | None = None
+
+    def _make_grad(self, loss_fn: LossFn, micro_batch: int) -> Any:
+        """Jitted ``(params, batches, keys, weights) -> (losses, grads)`` over the
+        replica's mesh: one micro-batch per process (leading axis, sharded over
+        ``fsdp``), each micro-batch's gradient of its loss sum kept apart (leading
+        axis, replicated) and laid out as its parameter (sharded rows)."""
+        typed, impl = self._typed_key, self._key_impl
+
+        def one(params: Tree, batch: Any, raw: jax.Array) -> tuple[jax.Array, Tree]:
+            k = jax.random.wrap_key_data(raw, impl=impl) if typed else raw
+            return jax.value_and_grad(loss_fn)(params, batch, k)
+
+        def f(params: Tree, batches: Any, keys: jax.Array, weights: jax.Array) -> Any:
+            losses, grads = jax.vmap(one, in_axes=(None, 0, 0))(params, batches, keys)
+            scale = weights * micro_batch
+
+            def weigh(g: jax.Array) -> jax.Array:
+                return g * scale.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+
+            return losses, jax.tree_util.tree_map(weigh, grads)
+
+        per_mb = [NamedSharding(self.mesh, PartitionSpec(None, *s)) for s in self._specs]
+        out = (
+            NamedSharding(self.mesh, PartitionSpec()),
+            jax.tree_util.tree_unflatten(self._treedef, per_mb),
+        )
+        return jax.jit(f, out_shardings=out)
+
+    # ---- state -------------------------------------------------------------------
+
+    def state_tree(self) -> Tree:
+        """This process's part: its rows of params and optimizer state, and the key."""
+        return {"params": self.params, "opt_state": self.opt_state, "key": self.key}
+
+    def signature(self) -> list[list[Any]]:
+        """The whole model's (the same on every process of the job)."""
+        return self._full_signature
+
+    def state(self) -> JaxState:
+        return JaxState(self.state_tree())
+
+    def adopt(self, state: NamedState) -> None:
+        assert isinstance(state, JaxState)
+        tree = state.healed
+        if tree is not None:
+            self.params, self.opt_state, self.key = tree["params"], tree["opt_state"], tree["key"]
+
+    def state_hash(self) -> str:
+        return state_digest(self.state())
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        pass
+
+    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
+        return None
+
+    def problems(self) -> list[str]:
+        return []
+
+    def step_key(self, step: int, microbatch: int) -> jax.Array:
+        """The PRNG key data of micro-batch `microbatch` of step `step` (membership-free)."""
+        base = (
+            jax.random.wrap_key_data(self.key, impl=self._key_impl) if self._typed_key else self.key
+        )
+        return key_data(jax.random.fold_in(jax.random.fold_in(base, step), microbatch))
+
+    def global_params(self) -> Tree:
+        """The replica's parameters as global arrays over its mesh (no copy: this
+        process's part is its addressable shard). Collective use only."""
+        arrays = [
+            jax.make_array_from_single_device_arrays(shape, sh, [x])
+            for shape, sh, x in zip(
+                self._shapes, self._shardings, jax.tree_util.tree_leaves(self.params), strict=True
+            )
+        ]
+        return jax.tree_util.tree_unflatten(self._treedef, arrays)
+
+    def _round(self, step: int, microbatch: int, batch: Any, weight: float) -> Any:
+        def rows(x: Any) -> jax.Array:
+            return jax.make_array_from_process_local_data(self._rows, np.asarray(x)[None])
+
+        batches = jax.tree_util.tree_map(rows, batch)
+        keys = rows(np.asarray(self.step_key(step, max(microbatch, 0))))
+        weights = rows(np.array(weight, dtype=np.float32))
+        return self._grad(self.global_params(), batches, keys, weights)
+
+    def warm_up(self, batch: Any, extra_slots: int) -> None:
+        """Compile the round (a collective: the replica's processes warm up together)
+        and the local update."""
+        losses, grads = self._round(0, 0, batch, 0.0)
+        jax.block_until_ready((losses, grads))
+        zeros = jax.numpy.zeros(self._layout.numel, dtype=jax.numpy.float32)
+        jax.block_until_ready(self._apply(self.params, self.opt_state, zeros))
+
+    # ---- one step ------------------------------------------------------------------
+
+    def begin_step(self, extra_slots: int) -> None:
+        self._extra_slots = extra_slots
+        self._buf = np.zeros(
+            self._layout.numel + extra_slots, dtype=np.float64 if self._wide else np.float32
+        )
+        self._wire = torch.from_numpy(self._buf)
+
+    def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
+        """One round: this process's micro-batch (weight 0 where `samples` is 0) with
+        its replica-mates'; every micro-batch's gradient of this process's rows is
+        added on its own; returns this process's micro-batch's loss sum."""
+        assert self._buf is not None
+        losses, grads = self._round(step, microbatch, batch, 1.0 if samples else 0.0)
+        off = 0
+        for g, size in zip(jax.tree_util.tree_leaves(grads), self._layout.sizes, strict=True):
+            part = np.asarray(g.addressable_shards[0].data).reshape(self.place.procs, size)
+            for row in part:  # one micro-batch at a time: the sum's order is fixed
+                self._buf[off : off + size] += row
+            off += size
+        loss = np.asarray(losses.addressable_shards[0].data)[self.place.proc]
+        return float(loss) * samples
+
+    def reduce_buffers(self) -> list[torch.Tensor]:
+        assert self._wire is not None
+        return [self._wire]
+
+    def extras(self) -> torch.Tensor:
+        assert self._wire is not None
+        return self._wire[-self._extra_slots :]
+
+    def gradient(self) -> torch.Tensor:
+        """The view of this process's rows' gradient (what its twins all-reduce)."""
+        assert self._wire is not None
+        return self._wire[: self._layout.numel]
+
+    def apply(self) -> None:
+        assert self._buf is not None
+        grad = self._buf[: self._layout.numel]
+        summed = jax.numpy.asarray(grad.astype(np.float32) if self._wide else grad)
+        params, opt_state = self._apply(self.params, self.opt_state, summed)
+        jax.block_until_ready((params, opt_state))
+        self.params, self.opt_state = params, opt_state
+
+    def discard(self) -> None:
+        self._buf, self._wire = None, None

@@ -1,0 +1,265 @@
+"""The topology of a job whose JAX replicas span K processes (`--replica-procs K`).
+
+Every member is one process; K of them (one JAX runtime, `elastrain.jax.replica`)
+form a replica. The coordinator sees members as usual; this topology finds the
+replicas in each generation (every member publishes its place over the
+generation's group in `connect`) and answers the layout's questions:
+
+- twins: process k of every replica holds the same rows; the step's gradient
+  of those rows is all-reduced among them (a gloo group per k, per generation),
+  then the extras (loss sum, sample count) over the whole generation as the
+  commit vote, so the sample count is the global batch exactly once;
+- turns: the complete replicas (all K processes present) take balanced blocks
+  of the step's micro-batches, and inside a replica the processes take turns,
+  one micro-batch each per round (`assign_rounds`); a process of an incomplete
+  replica (its mates have not all joined yet) computes nothing, reduces zeros
+  with its twins and applies their sum, so it stays current;
+- heal: inside each twins' group (bytes = this process's part only);
+- the failure domain is the replica: a process whose replica had all its
+  processes in an earlier generation and misses one now leaves (its JAX runtime
+  cannot outlive a dead peer) and the launcher rebuilds the replica as K fresh
+  processes; the other replicas go on in the next generation.
+
+Checkpoints are not built for this topology yet: `format_problems` refuses a
+job that asks for them (docs/guide/jax.md, "What it does not do").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
+from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
+from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, WorkerExit
+from elastrain.jax.replica import ReplicaLayout
+from elastrain.jax.replica_backend import JaxReplicaBackend
+from elastrain.observe.events import EventKind
+from elastrain.runtime import hooks
+from elastrain.runtime import member as m
+from elastrain.runtime.collectives import TransportChoice, choose_transport
+from elastrain.runtime.context import Context, Links
+from elastrain.runtime.group import build_group, tensor_allreduce
+from elastrain.runtime.topology import (
+    CannotCompute,
+    Healed,
+    HealJob,
+    Reduction,
+    Snapshots,
+    StateLost,
+    Turns,
+)
+from elastrain.transfer import Role
+
+log = logging.getLogger("elastrain.jax.replicas")
+
+Loaded = Callable[[int, float], None]
+"""Told the bytes read and the seconds spent once a restore's reading is done
+(the `Topology.restore` callback's type, spelled here: its home module moves)."""
+
+NOT_BUILT = (
+    "checkpoints of a multi-process JAX replica (--replica-procs) are not built yet: run "
+    "without --ckpt-every/--ckpt-mtbf (and TrainerConfig.checkpoint_every/_mtbf_s unset)"
+)
+
+
+def exchange_places(pg: Any, rank: int, size: int, mine: tuple[int, int, int, int]) -> Any:
+    """Every member's (replica, incarnation, proc, procs), by rank: one sum
+    all-reduce over the generation's group, each member filling its own row."""
+    table = torch.zeros(size, 4, dtype=torch.int64)
+    table[rank] = torch.tensor(mine, dtype=torch.int64)
+    for w in tensor_allreduce(pg, [table]):
+        w.wait()
+    return table.tolist()
+
+
+class ReplicaTwins:
+    """The `Topology` of a job of K-process JAX replicas (module docstring)."""
+
+    standby_refresh = False
+    """A standby's state is one process's part: it takes no checkpoints while it waits."""
+
+    def __init__(self, ctx: Context, backend: JaxReplicaBackend) -> None:
+        self.ctx = ctx
+        self.backend = backend
+        self.place = backend.place
+        self.layout: ReplicaLayout | None = None
+        self.twins_pg: Any = None
+        self._was_complete = False
+        """This process's replica had all its processes in a generation before: a
+        generation without one of them means a replica-mate is gone."""
+
+    def transport(self, setting: str, device: torch.device) -> TransportChoice:
+        return choose_transport(setting, "cpu", sharded=False, nccl_version=None)
+
+    def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
+        return configured
+
+    def format_problems(self, configured: CheckpointFormat, written: CheckpointFormat) -> list[str]:
+        ck = self.ctx.config.checkpoint
+        return [NOT_BUILT] if ck.every or ck.mtbf_s is not None else []
+
+    def landing_estimate(self) -> list[tuple[str, int]]:
+        return self.backend.state().landing_estimate()
+
+    def connect(self, links: Links) -> None:
+        """Learn every member's place, leave if a replica-mate is gone, build this
+        process's twins' group (blocks for the twins)."""
+        ready, ctx = links.ready, self.ctx
+        assert ready is not None
+        members = tuple(ready.members)
+        rank = members.index(ctx.member)
+        p = self.place
+        rows = exchange_places(
+            links.pg, rank, len(members), (p.replica, p.incarnation, p.proc, p.procs)
+        )
+        places: dict[str, tuple[tuple[int, int], int]] = {}
+        for w, (r, inc, k, procs) in zip(members, rows, strict=True):
+            if procs != p.procs:
+                raise WorkerExit(
+                    EXIT_MISCONFIGURED,
+                    "misconfigured",
+                    f"elastrain: misconfigured: {w} runs replicas of {procs} processes, this "
+                    f"worker of {p.procs}",
+                )
+            places[w] = ((r, inc), k)
+        layout = ReplicaLayout(members, places, p.procs)
+        mates = sum(1 for w in members if places[w][0] == p.runtime)
+        if mates == p.procs:
+            self._was_complete = True
+        elif self._was_complete:
+            self._leave(ready.gen, mates)
+        self.layout = layout
+        twins = layout.twins(p.proc)
+        store = ctx.session.store(ctx.config.timeouts.rendezvous_s)
+        self.twins_pg = build_group(
+            store,
+            f"{ctx.session.group_prefix(ready)}/twins{p.proc}",
+            twins.index(ctx.member),
+            len(twins),
+            host=ctx.host,
+            connect_timeout_s=ctx.config.timeouts.rendezvous_s,
+            op_timeout_s=ctx.config.watchdog.ceiling_s,
+        )
+
+    def _leave(self, gen: int, mates: int) -> None:
+        """A replica-mate is gone: this process's JAX runtime cannot compute again.
+        Leave at once (no JAX shutdown: its barrier would wait for the dead peer);
+        the launcher rebuilds the replica."""
+        ctx = self.ctx
+        msg = (
+            f"elastrain: {ctx.member}: replica {self.place.replica} has {mates} of its "
+            f"{self.place.procs} processes in generation {gen}: a replica-mate is gone, this "
+            "process leaves so that the replica is rebuilt"
+        )
+        log.warning(msg)
+        ctx.events.emit(
+            EventKind.WORKER_EXIT, reason=m.ExitReason.LEFT, committed=ctx.proto.committed
+        )
+        raise WorkerExit(EXIT_LEFT, "replica_lost", msg, immediate=True)
+
+    def heal(self, job: HealJob) -> Healed:
+        """Each twins' group heals on its own: a receiver gets its part from its twins."""
+        a, ctx, layout = job.action, self.ctx, self.layout
+        ready = job.links.ready
+        assert layout is not None and ready is not None
+        twins = tuple(layout.twins(self.place.proc))
+        senders, receivers, _ = m.heal_roles(
+            twins, ready.committed, ready.commit_gens, ready.start_step
+        )
+        committed = ready.committed.get(ctx.member, 0)
+        if not receivers:
+            return Healed(committed, False)
+        if not senders:
+            raise StateLost(
+                f"shard {self.place.proc} of {self.place.procs} has no up-to-date holder "
+                "(every replica holding it died)"
+            )
+        rank = twins.index(ctx.member)
+        role = Role.of(rank, senders, receivers)
+        ctx.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
+        state = self.backend.state()
+        landing = {"reserve": job.reserve} if role is Role.RECV and job.reserve is not None else {}
+        got, stats = job.heal_fn(
+            self.twins_pg,
+            rank,
+            list(senders),
+            list(receivers),
+            state,
+            job.meta(committed) if role is Role.SEND else None,
+            ctx.config.timeouts.heal_s,
+            key=ctx.key,
+            **landing,
+        )
+        received = role is Role.RECV
+        if received:
+            self.backend.adopt(state)
+            committed = job.load_meta(got)
+        ctx.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
+        return Healed(committed, received)
+
+    def turns(self, num_microbatches: int) -> Turns:
+        """This process's turns in its replica's rounds ([] in an incomplete replica)."""
+        assert self.layout is not None
+        try:
+            mine = self.layout.turns(self.ctx.member, num_microbatches)
+        except LookupError as e:
+            raise CannotCompute(str(e)) from None
+        # No "superseded?" check between rounds: a replica's processes run every
+        # round together (JAX's collectives inside the round).
+        return Turns(mine, stop_when_superseded=False, collectives_inside=True)
+
+    def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
+        """The twins' gradient first, then the extras over the whole generation as
+        the commit vote: one member through the vote proves every member reduced."""
+        world, backend = links.pg, self.backend
+        return [
+            Reduction(
+                lambda: tensor_allreduce(self.twins_pg, [backend.gradient()]),
+                before_wait=hooks.StepPoint.ALLREDUCE,
+                what="the twins' reduction",
+            ),
+            Reduction(lambda: tensor_allreduce(world, [extras]), after_wait=hooks.StepPoint.VOTE),
+        ]
+
+    def eval_share(self, num_batches: int, members: int, rank: int) -> Any:
+        """Evaluations are not built for multi-process replicas (JAX refuses
+        `evaluate_every`): raises CannotCompute."""
+        raise CannotCompute("evaluation is not built for multi-process JAX replicas")
+
+    def drop(self, inflight: list[Any]) -> None:
+        if self.twins_pg is not None:
+            self.ctx.graveyard.bury(self.twins_pg, inflight)
+            self.twins_pg = None
+        self.layout = None
+
+    def event_fields(self) -> dict[str, int]:
+        """The place, for the `generation_start` event (hashes compare among twins)."""
+        p = self.place
+        return {"shard": p.proc, "replica": p.replica, "shard_size": p.procs}
+
+    def save_part(
+        self, committed: int, snaps: Snapshots, written: CheckpointFormat
+    ) -> tuple[StateFn | PartsFn, SaveRole]:
+        raise RuntimeError(NOT_BUILT)  # format_problems refused the job at start
+
+    def restore_problem(self, ckpt: VerifiedCheckpoint) -> str | None:
+        return NOT_BUILT
+
+    def restore(
+        self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
+    ) -> int | None:
+        raise RuntimeError(NOT_BUILT)
+
+    def read_plain(
+        self, directory: str, wanted_step: int | None
+    ) -> tuple[int, Callable[[Loaded], None]]:
+        raise RuntimeError(NOT_BUILT)
+
+
+def replica_twins(backend: JaxReplicaBackend) -> Callable[[Context], ReplicaTwins]:
+    """The topology factory for a trainer that built `backend` (`TopologyFactory`)."""
+    return lambda ctx: ReplicaTwins(ctx, backend)

@@ -1,0 +1,280 @@
+"""JAX replicas of several processes (issue 44): `elastrain run -n 4 --replica-procs 2`.
+
+Pure parts: the launcher's replica book, the generation's replica layout, the
+place a process reads from its environment, the partition of a leaf, the
+launch config's refusals. Jobs (2 replicas x 2 processes, the soak's MLP with
+dropout, float64 reductions): the failure-free run's loss curve equals a plain
+2-member JAX job's bit for bit; a SIGKILL of one process: its replica-mate is
+stopped, the other replica commits its next step within 1 s + one step with
+the same PIDs, the replica is rebuilt as 2 fresh processes healed shard by
+shard from their twins (bytes = one shard), the loss curve is bit-identical to
+the failure-free run's, exactly-once holds and twins hold equal digests at every
+generation start. Skipped where JAX or optax is not installed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+
+from elastrain import env  # noqa: E402
+from elastrain.data import GlobalOrder  # noqa: E402
+from elastrain.jax.replica import AXIS, ReplicaLayout, default_spec, local_rows  # noqa: E402
+from elastrain.launch.config import LaunchConfig  # noqa: E402
+from elastrain.launch.replicas import ReplicaBook, expelled, free_address  # noqa: E402
+from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
+from elastrain.runtime.config import TrainerConfig, read_worker_env  # noqa: E402
+from elastrain.runtime.replica_place import ReplicaPlace, parse_wire  # noqa: E402
+
+from .conftest import ROOT, Job  # noqa: E402
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "train_jax_replicas.py")
+PLAIN = str(ROOT / "tests" / "scripts" / "train_jax_mlp.py")
+B, SEED, DATASET = 24, 7, 4096
+HIDDEN = 32
+STEPS = 40
+FULL_BYTES = 3 * (16 * HIDDEN + HIDDEN + HIDDEN + 1) * 4 + 4 + 8
+"""The whole model's state (params, adam's mu and nu, its count, the key): what a
+replicated heal would move."""
+PACE_S = 1.0
+"""Seconds per step at least in the fault runs: a rebuilt replica (JAX import,
+runtime, compile) took 20-31 s to join on this busy 2-core machine, and must
+join before the last step to be seen healed."""
+
+
+def expected_ids(step: int) -> list[int]:
+    return GlobalOrder(DATASET, SEED).ids(step * B, (step + 1) * B)
+
+
+# ---- pure parts --------------------------------------------------------------------
+
+
+def test_the_book_places_replicas_in_order_and_rebuilds_a_lost_one() -> None:
+    ports = iter(range(9000, 9100))
+    book = ReplicaBook(2, 2, lambda: f"127.0.0.1:{next(ports)}")
+    places = [book.place_for(f"w{i}") for i in range(4)]
+    assert [(p.replica, p.incarnation, p.proc) for p in places] == [
+        (0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
+    ]  # fmt: skip
+    assert places[0].coordinator == places[1].coordinator != places[2].coordinator
+    with pytest.raises(ValueError, match="all 2 replicas"):
+        book.place_for("w9")
+    # w1 dies: w0 is its mate to stop; w0's own exit afterwards names nobody.
+    assert book.lost("w1") == ["w0"]
+    assert book.lost("w0") == []
+    fresh = [book.place_for("w4"), book.place_for("w5")]
+    assert [(p.replica, p.incarnation, p.proc) for p in fresh] == [(0, 1, 0), (0, 1, 1)]
+    assert fresh[0].coordinator not in {p.coordinator for p in places}
+    assert book.lost("w2") == ["w3"]
+
+
+def test_an_expelled_process_is_one_that_held_the_state_and_is_no_longer_registered() -> None:
+    status: dict[str, Any] = {"registered": {"w0": {}, "w2": {}, "w3": {}}}
+    holders = {"w0", "w1", "w2", "w3"}
+    assert expelled(status, holders, ["w0", "w1", "w2", "w3", "w4"], False) == ["w1"]
+    # w4 is fresh (never held the state): not registered yet is no expulsion.
+    assert expelled(status, holders, ["w4"], False) == []
+    assert expelled(status, holders, ["w1"], True) == []  # the job is ending
+    assert expelled({"registered": {}}, holders, ["w1"], False) == []  # a new coordinator
+    assert expelled({**status, "finished": True}, holders, ["w1"], False) == []
+
+
+def test_a_place_travels_through_the_environment_and_refuses_a_partial_one() -> None:
+    p = ReplicaPlace(2, 1, 3, 1, "127.0.0.1:1234")
+    assert ReplicaPlace.from_environ(p.environ()) == p
+    assert parse_wire(p.wire()) == ((1, 3), 1, 2)
+    assert ReplicaPlace.from_environ({}) is None
+    assert ReplicaPlace.from_environ({env.REPLICA_PROCS: "1"}) is None
+    with pytest.raises(ValueError, match="incomplete"):
+        ReplicaPlace.from_environ({env.REPLICA_PROCS: "2", env.REPLICA: "0"})
+    with pytest.raises(ValueError, match="outside"):
+        ReplicaPlace(2, 0, 0, 2, "x:1")
+    host, port = free_address("127.0.0.1").split(":")
+    assert host == "127.0.0.1" and int(port) > 0
+
+
+def test_the_layout_finds_complete_replicas_twins_and_turns() -> None:
+    a, b, c = (0, 0), (1, 0), (0, 1)
+    places = {"w0": (a, 0), "w1": (a, 1), "w2": (b, 0), "w3": (b, 1), "w5": (c, 1)}
+    layout = ReplicaLayout(("w2", "w3", "w0", "w1", "w5"), places, 2)
+    assert layout.complete() == [b, a]  # by their first member's rank
+    assert layout.twins(1) == ["w3", "w1", "w5"]
+    # 6 micro-batches: replica b takes 0..2, a takes 3..5; inside each, rounds of 2.
+    assert layout.turns("w2", 6) == [0, 2]
+    assert layout.turns("w3", 6) == [1, None]  # a padding round, weight 0
+    assert layout.turns("w0", 6) == [3, 5]
+    assert layout.turns("w5", 6) == []  # its replica is incomplete: it computes nothing
+    counted = [i for w in ("w0", "w1", "w2", "w3") for i in layout.turns(w, 6) if i is not None]
+    assert sorted(counted) == list(range(6))  # every micro-batch counted once
+    with pytest.raises(LookupError):
+        ReplicaLayout(("w5",), {"w5": (c, 1)}, 2).turns("w5", 6)
+
+
+def test_a_leaf_is_split_by_rows_where_the_processes_divide_it() -> None:
+    assert default_spec((16, 32), 2) == (AXIS,)
+    assert default_spec((1,), 2) == ()
+    assert default_spec((), 2) == ()
+    assert local_rows((16, 32), (AXIS,), 2, 1) == (slice(8, 16), slice(None))
+    assert local_rows((3,), (), 2, 1) == (slice(None),)
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        local_rows((4,), ("model",), 2, 0)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"workers": 3}, "not a multiple of --replica-procs 2"),
+        ({"shard_size": 2}, "--shard-size"),
+        ({"spares": 1}, "--spares"),
+        ({"checkpoint_every": 5}, "checkpoints of multi-process replicas are not built"),
+    ],
+)
+def test_the_launch_config_refuses_what_replicas_cannot_do(kw: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        LaunchConfig(script=SCRIPT, **{"workers": 4, "replica_procs": 2, **kw})
+    assert LaunchConfig(script=SCRIPT, workers=4, replica_procs=2).min_workers == 2
+
+
+def test_the_launchers_replica_procs_reaches_the_trainer_config() -> None:
+    cfg = TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=1)
+    assert read_worker_env({env.REPLICA_PROCS: "2"}).apply(cfg).replica_procs == 2
+    assert read_worker_env({}).apply(cfg).replica_procs == 1
+    with pytest.raises(ValueError, match="replica_procs must be >= 1"):
+        TrainerConfig(global_batch_size=8, micro_batch_size=4, total_steps=1, replica_procs=0)
+
+
+# ---- jobs ----------------------------------------------------------------------------
+
+
+def _assert_invariants(job: Job, steps: int, replicas: bool = True) -> None:
+    assert job.result.status == "done", job.result.message
+    starts = job.of("generation_start")
+    assert starts and all(e["state_hash"] for e in starts)
+    if replicas:  # twins compare among themselves
+        assert all("shard" in e for e in starts)
+    assert check_same_state(job.events) == []
+    led = check_exactly_once(job.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == steps
+
+
+def _finals(run_dir: Path) -> dict[str, tuple[str, np.ndarray[Any, Any]]]:
+    return {
+        f.stem: (f.read_text(), np.load(f.with_suffix(".npy")))
+        for f in sorted((run_dir / "final").glob("*.place"))
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The failure-free 2 x 2 run's loss curve, checked against a plain 2-member JAX
+    job's (one process a replica) over its first steps: equal bit for bit."""
+    from elastrain.launch.launcher import Launcher
+
+    from .conftest import ROOT as root
+
+    curves = []
+    runs: tuple[tuple[str, str, dict[str, Any], int], ...] = (
+        ("plain", PLAIN, {"workers": 2}, 8),
+        ("ref", SCRIPT, {"workers": 4, "replica_procs": 2}, STEPS),
+    )
+    for name, script, kw, steps in runs:
+        import os
+
+        cfg = LaunchConfig(
+            script=script,
+            script_args=["--hidden", str(HIDDEN)],
+            steps=steps,
+            run_dir=str(tmp_path_factory.mktemp(name)),
+            progress=False,
+            extra_env={"PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+            **kw,
+        )
+        job = Job(la := Launcher(cfg), la.run())
+        _assert_invariants(job, steps, replicas=name == "ref")
+        curves.append(loss_curve(job.events))
+        if name == "ref":
+            finals = _finals(job.run_dir)
+            by_shard: dict[str, list[np.ndarray[Any, Any]]] = {}
+            for place, flat in finals.values():
+                by_shard.setdefault(place.split()[1], []).append(flat)
+            assert len(finals) == 4 and all(
+                np.array_equal(v[0], v[1]) for v in by_shard.values()
+            ), "twins' final parts differ"
+    plain, ref = curves
+    assert all(plain[s] == ref[s] for s in plain), (plain, ref)
+    return ref
+
+
+def _fault_run(run_job: Any, name: str, action: str) -> Job:
+    job = run_job(
+        steps=STEPS,
+        workers=4,
+        replica_procs=2,
+        name=name,
+        script=SCRIPT,
+        script_args=["--hidden", str(HIDDEN), "--min-step-s", str(PACE_S)],
+        points=[{"member": "w1", "step": 2, "phase": "compute", "action": action}],
+    )
+    _assert_invariants(job, STEPS)
+    spawned = {e["member"]: e for e in job.of("worker_spawned")}
+    # w1 (replica 0, process 1) failed; the launcher stopped it (a hang) and its mate w0.
+    exits = {e["member"]: e["returncode"] for e in job.of("worker_exited")}
+    assert exits["w1"] == -9 and exits["w0"] == -9
+    assert {spawned["w4"]["replaces"], spawned["w5"]["replaces"]} == {"w0", "w1"}
+    return job
+
+
+def _survivors_went_on(job: Job, t_fault: float, allowance_s: float) -> None:
+    """The other replica kept its PIDs, committed every step, and its first commit
+    after the fault came within `allowance_s` + one step."""
+    spawned = {e["member"]: e for e in job.of("worker_spawned")}
+    for w in ("w2", "w3"):
+        commits = [e for e in job.events if e["proc"] == w and e["kind"] == "step_commit"]
+        assert {e["pid"] for e in commits} == {spawned[w]["pid"]}
+        assert sorted(e["step"] for e in commits) == list(range(STEPS))
+        times = sorted(e["t"] for e in commits)
+        step_s = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+        after = min(e["t"] for e in commits if e["t"] > t_fault)
+        assert after - t_fault <= allowance_s + step_s, (w, after - t_fault, step_s)
+
+
+def _healed_from_twins(job: Job) -> None:
+    """The rebuilt replica was healed shard by shard from its twins: one shard's bytes."""
+    part = {m: flat for m, (_, flat) in _finals(job.run_dir).items()}
+    for w in ("w4", "w5"):
+        recv = job.of("heal_end", proc=w, role="recv")
+        assert recv, f"{w} was not healed"
+        shard_bytes = 3 * part[w].size * 4 + 4 + 8  # params, adam's mu and nu, count, key
+        assert recv[0]["bytes"] == shard_bytes < FULL_BYTES
+        assert job.of("step_commit", proc=w, step=STEPS - 1), w
+
+
+def test_a_killed_process_takes_its_replica_down_and_the_other_goes_on(  # type: ignore[no-untyped-def]
+    run_job, reference: dict[int, float]
+) -> None:
+    job = _fault_run(run_job, "kill", "kill")
+    _survivors_went_on(job, job.of("fault_injected", member="w1")[0]["t"], 1.0)
+    _healed_from_twins(job)
+    # The math does not depend on the failure (float64 reductions: bit for bit).
+    assert loss_curve(job.events) == reference
+
+
+def test_a_hung_process_takes_its_replica_down_the_same_way(  # type: ignore[no-untyped-def]
+    run_job, reference: dict[int, float]
+) -> None:
+    """SIGSTOP of w1: the other replica's watchdog confirms the hang (3 s here),
+    the coordinator expels w1, the launcher kills w1 and its mate (stuck in the
+    replica's collective) and rebuilds the replica."""
+    job = _fault_run(run_job, "hang", "hang")
+    t_fault = job.of("fault_injected", member="w1")[0]["t"]
+    ceiling = max(e["timeout_s"] for e in job.of("watchdog_fired"))
+    _survivors_went_on(job, t_fault, ceiling + 1.0)
+    _healed_from_twins(job)
+    assert loss_curve(job.events) == reference

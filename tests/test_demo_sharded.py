@@ -18,9 +18,11 @@ from elastrain.demo.sharded import (
     LATE_PACE_S,
     WAIT_PACE_S,
     Driver,
+    evaluations,
     first_heal,
     format_first_heal,
     format_layouts,
+    format_recipe,
     groups_of,
     layout_sizes,
     problems,
@@ -70,8 +72,12 @@ def recorded_like() -> list[dict[str, Any]]:
                     new_size=shard_size_of(layout), sent=0, received=got, seconds=0.2)  # fmt: skip
         for _ in range(n):
             for m in (x for g in groups_of(layout) for x in g if x != "-"):
-                add("step_commit", proc=m, gen=gen, step=step)
+                add("step_commit", proc=m, gen=gen, step=step, grad_norm=1.5)
             step += 1
+            if step % 25 == 0:  # the recipe's evaluation (RECIPE_ARGS), on every member
+                for m in (x for g in groups_of(layout) for x in g if x != "-"):
+                    add("eval_end", proc=m, gen=gen, step=step, samples=255,
+                        sums={"loss": 600.0}, computed=True)  # fmt: skip
     return ev
 
 
@@ -101,6 +107,8 @@ def test_layout_table_and_first_heal_on_recorded_events() -> None:
     assert f"gen 6 (join): {L5}  ->  {L6}" in text
     assert "3 -> 2 ways: 4 members, moved 14.343 MB" in text
     assert layout_sizes(ev) == [2, 3, 2] and problems(ev) == []
+    assert evaluations(ev) == {25: (600.0 / 255, 1), 50: (600.0 / 255, 1), 75: (600.0 / 255, 1)}
+    assert "held-out loss: step 25: 2.353, step 50: 2.353, step 75: 2.353" in format_recipe(ev)
     e, senders = first_heal(ev) or ({}, [])
     assert e["proc"] == "w4" and senders == ["w2"]
     heal = format_first_heal(ev, 22_686_000)

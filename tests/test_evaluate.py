@@ -32,6 +32,7 @@ from elastrain.runtime.evaluate import (
     eval_due,
     eval_wait_timeout,
     hand_over,
+    idle_wait_timeout,
     metric_values,
     my_batches,
     pause_timeout,
@@ -217,6 +218,11 @@ def test_the_waits_between_steps_are_not_the_step_watchdog() -> None:
     # A pause where only the leader works: the others waited ~0 s themselves.
     assert pause_timeout(0.0, 3.0, 8.0, 60.0) == 60.0
     assert pause_timeout(100.0, 3.0, 8.0, 60.0) == 803.0
+    # A sharded shadow runs none of 32 batches while a replica group runs them all
+    # (the demo's held kill: an 8.5 s step timeout fired while the group took 13 s):
+    # it has no time of its own, so the ceiling per batch bounds it, not the step's.
+    assert idle_wait_timeout(32, 60.0) == 1920.0 > 13.0
+    assert idle_wait_timeout(0, 60.0) == 60.0
 
 
 # ---------------------------------------------------------------- pauses

@@ -37,7 +37,7 @@ from elastrain.control.store import generation_key, group_prefix
 from elastrain.launch.lock import RunDirLock, RunDirLocked, make_run_dir, write_private
 from elastrain.observe.events import read_events
 from elastrain.runtime.session import MemberSession
-from elastrain.transfer import TorchState, heal, state_hash
+from elastrain.transfer import HealAuth, TorchState, heal, state_hash
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.tamper import Tamper
 from tests import netns
@@ -507,26 +507,36 @@ def test_k8s_pods_are_hardened_and_only_the_job_reaches_its_ports(coordinator: s
 # ---- heal: a forged stripe ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("auth", list(HealAuth))
 @pytest.mark.parametrize("senders", [[1, 0], [0, 1]], ids=["stripe", "manifest"])
 def test_heal_threads_forged_seal_is_refused_and_fetched_from_a_token_holder(
-    master_store: TCPStore, senders: list[int]
+    master_store: TCPStore, senders: list[int], auth: HealAuth
 ) -> None:
-    """Rank 0 seals what it sends with a key it made up: as a sender its stripe is
-    refused and sent again by rank 1; as the first root its manifest is refused and
-    rank 1 becomes root. Either way the joiner ends bit-identical to the senders."""
+    """Rank 0 seals what it sends with a key it made up. As the first root its
+    manifest is refused and rank 1 becomes root, in both modes. As a sender in MAC
+    mode its stripe is refused and sent again by rank 1; in digest mode its stripe
+    carries no seal and its bytes are the senders' state, which the root's sealed
+    digest vouches for, so they are kept. Either way the joiner ends bit-identical
+    to the senders."""
     states = [trained(), trained(), fresh()]
     want = state_hash(*states[1])
 
     def fn(rank: int, pg: Any) -> Any:
         tamper = Tamper(forge=True) if rank == 0 else None
         state = TorchState(*states[rank])
-        return heal(pg, rank, senders, [2], state, {"step": 3}, 10.0, key=KEY, tamper=tamper)
+        return heal(
+            pg, rank, senders, [2], state, {"step": 3}, 10.0, key=KEY, tamper=tamper, auth=auth
+        )
 
     res = run_threads(master_store, 3, fn)
     assert all(isinstance(r, tuple) for r in res), res
-    assert all(r[1].refused == (0,) for r in res)
     assert state_hash(*states[2]) == want == state_hash(*states[0])
     total = sum(t.nbytes for _, t in flatten_state(*states[2]).tensors)
+    if senders[0] == 1 and auth is HealAuth.DIGEST:  # its bytes matched the root's digest
+        assert all(r[1].refused == () for r in res)
+        assert res[2][1].bytes == total and res[0][1].bytes > 0
+        return
+    assert all(r[1].refused == (0,) for r in res)
     if senders[0] == 1:  # rank 0's forged half came, was refused, came again from rank 1
         assert res[2][1].bytes == total + res[0][1].bytes and res[0][1].bytes > 0
     else:  # rank 0 never got to send a byte

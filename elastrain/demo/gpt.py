@@ -121,7 +121,7 @@ def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
     return factor
 
 
-HELD_OUT = 64 * 1024
+HELD_OUT = 16 * 1024
 """Bytes at the corpus's end kept out of training for `--eval-every`."""
 
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         "--eval-every",
         type=int,
         default=None,
-        help="evaluate on held-out text every N steps (the corpus's last 64 KiB)",
+        help="evaluate on held-out text every N steps (the corpus's last 16 KiB)",
     )
     ap.add_argument(
         "--min-step-s",

@@ -34,6 +34,7 @@ from elastrain.runtime.evaluate import (
     Post,
     eval_wait_timeout,
     hand_over,
+    idle_wait_timeout,
     metric_values,
     pause_timeout,
 )
@@ -91,7 +92,9 @@ class BetweenSteps:
         complete replica group of a sharded job) and the table is all-reduced
         (`EvalTable`). A failure aborts like a failed step; the next generation
         evaluates again. The wait for the peers is bounded by this member's own
-        time (`eval_wait_timeout`), never by the step watchdog's timeout."""
+        time (`eval_wait_timeout`), or for a member that runs none of the batches
+        by the watchdog's ceiling per batch (`idle_wait_timeout`), never by the
+        step watchdog's timeout."""
         ctx, ev = self.ctx, self.evaluation
         assert ev is not None
         n, gen, size, rank = a.step, a.gen, len(a.members), a.rank
@@ -110,9 +113,12 @@ class BetweenSteps:
             if result is None:
                 names, table = self._compute(ev, n, gen, batches, share)
                 t_wait = time.monotonic()
-                timeout = eval_wait_timeout(
-                    t_wait - t0, ctx.hang.timeout_s, ctx.config.watchdog.multiplier
-                )
+                if share.batches or not batches:
+                    timeout = eval_wait_timeout(
+                        t_wait - t0, ctx.hang.timeout_s, ctx.config.watchdog.multiplier
+                    )
+                else:  # runs nothing while the runners run every batch
+                    timeout = idle_wait_timeout(len(batches), ctx.config.watchdog.ceiling_s)
                 if share.names_shared:
                     names = self._agree_names(names, n, gen, timeout)
                 if table is None:

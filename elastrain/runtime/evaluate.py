@@ -153,6 +153,18 @@ def eval_wait_timeout(own_s: float, step_timeout_s: float, multiplier: float) ->
     return step_timeout_s + multiplier * max(own_s, 0.0)
 
 
+def idle_wait_timeout(num_batches: int, ceiling_s: float) -> float:
+    """How long a member that runs none of an evaluation's batches (a sharded
+    generation's shadow, while the complete replica groups run all of them) waits
+    for the runners. It has no time of its own to scale (`eval_wait_timeout`), and
+    the runners' share is all the batches, so: the watchdog's ceiling per batch.
+    A runner that dies or stops is caught sooner, by the coordinator's lease, and a
+    runner hung with its heartbeat alive by its group-mates' collective timeouts
+    (the generation breaks and this wait ends at once); this bound is for a whole
+    group hung at once."""
+    return ceiling_s * max(1, num_batches)
+
+
 def pause_timeout(
     own_s: float, step_timeout_s: float, multiplier: float, ceiling_s: float
 ) -> float:

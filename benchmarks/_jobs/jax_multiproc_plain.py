@@ -1,7 +1,7 @@
 """The steady step of a plain multi-process JAX run (no elastrain), for comparison
 with `elastrain run -n 2 --replica-procs 2 examples/jax_multiprocess.py`.
 
-    .venv/bin/python benchmarks/jax_multiproc_plain.py [--procs 2] [--steps 30]
+    .venv/bin/python benchmarks/_jobs/jax_multiproc_plain.py [--procs 2] [--steps 30]
 
 Starts `--procs` processes of one `jax.distributed` runtime (gloo CPU
 collectives) training examples/jax_multiprocess.py's GPT with the same
@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(proc: int, procs: int, address: str, steps: int) -> None:

@@ -144,7 +144,7 @@ def main() -> None:
         _, stats = heal(
             pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
             reserve=reserve if kind != "cold" else None,
-            auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST,
+            auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST, in_place=True,
         )  # fmt: skip
         reserve = None
         payload_s[kind].append(stats.payload_s)

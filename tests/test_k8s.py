@@ -53,7 +53,8 @@ CONFIGS = {
         kueue_setup=True,
         command=("python", "examples/gpt.py", "--steps", "1000"),
     ),
-    # 3. Checkpoint PVC: durable DCP checkpoints every 50 steps on a shared volume.
+    # 3. Checkpoint PVC: durable DCP checkpoints every 50 steps on a shared volume,
+    #    heals sealed stripe by stripe.
     "ckpt-pvc": K8sConfig(
         image="registry.example/train:1",
         token=TOKEN,
@@ -61,6 +62,7 @@ CONFIGS = {
         ckpt_pvc="elastrain-ckpt",
         ckpt_every=50,
         ckpt_format="dcp",
+        heal_auth="mac",
         env=(("MY_FLAG", "1"),),
     ),
 }
@@ -460,6 +462,11 @@ def test_worker_pods(which: str, rendered: dict[str, list[Obj]]) -> None:
         assert envs[env.CKPT_FORMAT]["value"] == cfg.ckpt_format
     else:
         assert env.CKPT_FORMAT not in envs
+    # Likewise the heal's integrity mode.
+    if cfg.heal_auth is not None:
+        assert envs[env.HEAL_AUTH]["value"] == cfg.heal_auth
+    else:
+        assert env.HEAL_AUTH not in envs
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -538,6 +545,7 @@ def test_quantities() -> None:
         ({"kueue_setup": True}, "pass --queue too"),
         ({"ckpt_every": 10}, "pass --ckpt-pvc"),
         ({"ckpt_format": "zip"}, r"--ckpt-format must be one of flat, dcp \(got 'zip'\)"),
+        ({"heal_auth": "sha1"}, r"--heal-auth must be one of \('digest', 'mac'\), got 'sha1'"),
         ({"retries_per_worker": 0}, "retries_per_worker must be >= 1"),
         ({"coordinator": "statefulset"}, "'deployment' or 'jobset'"),
         ({"cpu": "lots"}, "not a Kubernetes quantity"),
@@ -576,8 +584,8 @@ def test_cli_render_writes_valid_private_yaml(tmp_path: Path, validator: Any) ->
     assert pod["containers"][0]["command"] == ["python", "train.py", "--lr", "1e-3"]
 
 
-def test_cli_render_forwards_the_checkpoint_format(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_cli_render_forwards_the_checkpoint_format_and_heal_auth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], validator: Any
 ) -> None:
     from elastrain.cli import main
 
@@ -585,20 +593,26 @@ def test_cli_render_forwards_the_checkpoint_format(
         out = tmp_path / "job.yaml"
         argv = ["k8s", "render", "--image", "img:2", "--ckpt-pvc", "ck", "-o", str(out)]
         assert main([*argv, *extra]) == 0
-        (c,) = _workers_job(list(yaml.safe_load_all(out.read_text())))["template"]["spec"][
-            "containers"
-        ]
+        objs = list(yaml.safe_load_all(out.read_text()))
+        if "mac" in extra:  # one of them through the schemas (each costs ~0.5 s)
+            assert validator.errors(objs) == []
+        (c,) = _workers_job(objs)["template"]["spec"]["containers"]
         return {e["name"]: e.get("value") for e in c["env"]}
 
     assert worker_env("--ckpt-format", "dcp")[env.CKPT_FORMAT] == "dcp"
     assert worker_env("--ckpt-format", "flat")[env.CKPT_FORMAT] == "flat"
-    assert env.CKPT_FORMAT not in worker_env()
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(["k8s", "render", "--image", "img:2", "--ckpt-format", "zip"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--ckpt-format" in err and "'flat', 'dcp'" in err
+    assert worker_env("--heal-auth", "mac")[env.HEAL_AUTH] == "mac"
+    assert worker_env("--heal-auth", "digest")[env.HEAL_AUTH] == "digest"
+    unset = worker_env()
+    assert env.CKPT_FORMAT not in unset and env.HEAL_AUTH not in unset
+    for flag, bad, choices in (("--ckpt-format", "zip", "'flat', 'dcp'"),
+                               ("--heal-auth", "sha1", "'digest', 'mac'")):  # fmt: skip
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main(["k8s", "render", "--image", "img:2", flag, bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and choices in err
 
 
 def test_cli_render_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

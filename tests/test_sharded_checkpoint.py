@@ -72,6 +72,11 @@ SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 
 
 def _script() -> Any:
+    # The script imports its model from its own directory (job_common.py), as it
+    # does under the launcher.
+    scripts = str(ROOT / "tests" / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
     spec = importlib.util.spec_from_file_location("train_sharded_ckpt", SHARDED)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -265,14 +265,9 @@ def restore_newest(
     except _not_this_script() as e:
         # Checked before anything is installed: the model or optimizer is not this script's.
         raise RestoreRefused(str(e)) from e
-    done = Restored(
-        RestoreSource.CHECKPOINT,
-        ckpt.step,
-        str(ckpt.path),
-        meta,
-        ckpt.generation,
-        time.monotonic() - t0,
-    )
+    # The same result, timed up to the install's return (a reader that calls
+    # `loaded` later was handed `restored`, timed up to the reading's start).
+    done = replace(restored, seconds=time.monotonic() - t0)
     if nbytes is not None:
         loaded(done, nbytes, done.seconds)
     return done

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from elastrain.cliutil import add_ckpt_format, error, write_output
+from elastrain.launch.config import HEAL_AUTHS
 
 PROG = "elastrain k8s"
 
@@ -98,6 +99,15 @@ def _parser() -> argparse.ArgumentParser:
         help="checkpoint every STEPS steps (needs --ckpt-pvc)",
     )
     add_ckpt_format(r)
+    r.add_argument(
+        "--heal-auth",
+        choices=HEAL_AUTHS,
+        default=None,
+        help="how the workers' heals vouch for the state they install, as elastrain run "
+        "--heal-auth: digest (the installed state's digest against the root's, sealed under "
+        "the job token) or mac (every stripe sealed too); docs/design/trust.md (default: the "
+        "script's, digest)",
+    )
     r.add_argument(
         "--grace",
         type=float,
@@ -208,6 +218,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             ckpt_pvc=args.ckpt_pvc,
             ckpt_every=args.ckpt_every,
             ckpt_format=args.ckpt_format,
+            heal_auth=args.heal_auth,
             grace_s=args.grace,
             prestop_s=args.prestop,
             retries_per_worker=args.retries_per_worker,

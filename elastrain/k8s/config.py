@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from elastrain.checkpoint.config import check_format
+from elastrain.launch.config import check_heal_auth
 from elastrain.quantity import parse_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -104,6 +105,11 @@ class K8sConfig:
     """ELASTRAIN_CKPT_FORMAT: how the workers write checkpoints, "flat" or "dcp" (a
     `CheckpointFormat`; the launcher's --ckpt-format). None: the script's (flat by default)."""
 
+    heal_auth: str | None = None
+    """ELASTRAIN_HEAL_AUTH: how the workers' heals vouch for the state they install,
+    "digest" or "mac" (`TrainerConfig.heal_auth`; the launcher's --heal-auth). None:
+    the script's (digest by default)."""
+
     grace_s: float = 30.0
     """Seconds for the emergency checkpoint after a whole-job preemption notice
     (the coordinator's --grace)."""
@@ -194,6 +200,7 @@ class K8sConfig:
                     "--ckpt-every"
                 )
         check_format(self.ckpt_format)
+        check_heal_auth(self.heal_auth)
         if not self.grace_s > 0:
             raise ValueError(f"grace_s must be > 0 (got {self.grace_s})")
         if self.prestop_s < 0 or self.margin_s < 0:

@@ -227,6 +227,8 @@ def worker_env(cfg: K8sConfig) -> list[Obj]:
         out.append({"name": env.CKPT_EVERY, "value": str(cfg.ckpt_every)})
     if cfg.ckpt_format is not None:
         out.append({"name": env.CKPT_FORMAT, "value": str(cfg.ckpt_format)})
+    if cfg.heal_auth is not None:
+        out.append({"name": env.HEAL_AUTH, "value": str(cfg.heal_auth)})
     if cfg.socket_ifname:
         out.append({"name": "GLOO_SOCKET_IFNAME", "value": cfg.socket_ifname})
     if cfg.gpus_per_worker > 0:

@@ -15,6 +15,13 @@ HEAL_AUTHS = ("digest", "mac")
 torch-free, and the transfer package imports torch (a test keeps them equal)."""
 
 
+def check_heal_auth(value: str | None) -> None:
+    """ValueError unless ``value`` is None (the script's mode) or one of `HEAL_AUTHS`:
+    the one check of every place that takes --heal-auth (the launcher, `elastrain k8s render`)."""
+    if value is not None and value not in HEAL_AUTHS:
+        raise ValueError(f"--heal-auth must be one of {HEAL_AUTHS}, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """How `elastrain run` runs a job on this machine."""
@@ -293,8 +300,7 @@ class LaunchConfig:
         if self.checkpoint_mtbf_s is not None and not self.checkpoint_mtbf_s > 0:
             raise ValueError("--ckpt-mtbf must be a number of seconds > 0")
         check_format(self.checkpoint_format)
-        if self.heal_auth is not None and self.heal_auth not in HEAL_AUTHS:
-            raise ValueError(f"--heal-auth must be one of {HEAL_AUTHS}, got {self.heal_auth!r}")
+        check_heal_auth(self.heal_auth)
         if not self.grace_s > 0:
             raise ValueError("--grace must be > 0 seconds")
 

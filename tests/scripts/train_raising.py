@@ -1,5 +1,5 @@
-"""train_sharded.py's model and data, with a bug planted in the script: the issue-40
-tests' job (a script error is not a hardware failure).
+"""The sharded scripts' model and data (job_common.py), with a bug planted in the
+script: the issue-40 tests' job (a script error is not a hardware failure).
 
     elastrain run -n 4 tests/scripts/train_raising.py -- --raise-at 3 --raise-on w0
 
@@ -17,10 +17,9 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-from train_sharded import Net, Regression, loss_fn
+from job_common import Regression, loss_fn, sharded_arguments, sharded_config, sharded_model
 
-from elastrain import ElasticTrainer, TrainerConfig
+from elastrain import ElasticTrainer
 
 BUG_LINE = "raise ValueError"
 """The text of the line the tests expect the job's report to name."""
@@ -43,27 +42,14 @@ def should_raise(step: int, rank: int, args: argparse.Namespace) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--shard-size", type=int, default=1)
-    ap.add_argument("--ckpt-every", type=int, default=0)
+    sharded_arguments(ap, steps=30)
     ap.add_argument("--raise-at", type=int, default=None)
     ap.add_argument("--raise-on", default="")
     ap.add_argument("--repeat", action="store_true")
     ap.add_argument("--once", default="")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    cfg = TrainerConfig(
-        global_batch_size=24,
-        micro_batch_size=3,
-        total_steps=args.steps,
-        seed=5,
-        shard_size=args.shard_size,
-        checkpoint_every=args.ckpt_every,
-    )
-    trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg)
+    model, opt = sharded_model()
+    trainer = ElasticTrainer(model, opt, Regression(), loss_fn, sharded_config(args))
     for r in trainer.steps():
         if should_raise(r.step, r.rank, args):
             raise ValueError(f"grad norm is None at step {r.step}")  # the planted bug

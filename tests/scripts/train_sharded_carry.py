@@ -1,5 +1,5 @@
-"""train_sharded.py's model with what a team's loop carries: a warm-up + cosine
-`LambdaLR` and an evaluation every K steps (tests/test_sharded_carry.py).
+"""The sharded scripts' model (job_common.py) with what a team's loop carries: a
+warm-up + cosine `LambdaLR` and an evaluation every K steps (tests/test_sharded_carry.py).
 
     elastrain run -n 4 --shard-size 2 tests/scripts/train_sharded_carry.py -- --eval-every 5
 
@@ -20,15 +20,21 @@ import argparse
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from job_common import (  # tests/scripts: the script's own directory
+    Pace,
+    Regression,
+    loss_fn,
+    sharded_arguments,
+    sharded_config,
+    sharded_model,
+)
 from torch import nn
-from train_sharded import Net, Regression, loss_fn  # tests/scripts: the script's own directory
 
-from elastrain import ElasticTrainer, TrainerConfig
+from elastrain import ElasticTrainer
 
 HORIZON, WARMUP = 40, 5
 """The schedule's length and warm-up in steps (fixed: a resumed run has the same)."""
@@ -50,17 +56,11 @@ def eval_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--shard-size", type=int, default=1, help="TrainerConfig.shard_size")
-    ap.add_argument("--ckpt-every", type=int, default=0, help="TrainerConfig.checkpoint_every")
+    sharded_arguments(ap, steps=20)
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate after every K steps")
     ap.add_argument("--carry", choices=["register", "extra", "none"], default="register")
-    ap.add_argument("--pace-file", default=None, help="a file holding a minimum step time (s)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model, opt = sharded_model()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     extra: dict[str, Any] = {}
     if args.carry == "extra":
@@ -68,15 +68,7 @@ def main() -> None:
             "extra_state": lambda: {"sched": sched.state_dict()},
             "load_extra_state": lambda s: sched.load_state_dict(s["sched"]),
         }
-    cfg = TrainerConfig(
-        global_batch_size=24,
-        micro_batch_size=3,
-        total_steps=args.steps,
-        seed=5,
-        shard_size=args.shard_size,
-        checkpoint_every=args.ckpt_every,
-    )
-    trainer = ElasticTrainer(model, opt, Regression(), loss_fn, cfg, **extra)
+    trainer = ElasticTrainer(model, opt, Regression(), loss_fn, sharded_config(args), **extra)
     if args.carry == "register":
         trainer.register("sched", sched)
     if args.eval_every:
@@ -87,7 +79,7 @@ def main() -> None:
     if run_dir:
         (Path(run_dir) / "loop").mkdir(exist_ok=True)
         log = (Path(run_dir) / "loop" / f"{trainer.member}.jsonl").open("a")
-    last = time.monotonic()
+    pace = Pace(args.pace_file)
     for r in trainer.steps():
         sched.step()
         if log is not None:
@@ -101,13 +93,7 @@ def main() -> None:
                 rec["eval"] = r.evaluation.to_json()
             log.write(json.dumps(rec) + "\n")
             log.flush()
-        if args.pace_file:
-            try:
-                pace = float(Path(args.pace_file).read_text())
-            except (OSError, ValueError):
-                pace = 0.0
-            time.sleep(max(0.0, pace - (time.monotonic() - last)))
-        last = time.monotonic()
+        pace.wait()
     if run_dir and trainer.last_evaluation is not None:
         out = Path(run_dir) / "final"
         out.mkdir(exist_ok=True)

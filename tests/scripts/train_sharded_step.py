@@ -11,42 +11,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from pathlib import Path
 
 import torch
-from train_sharded import Net, Regression, loss_fn
+from job_common import Pace, Regression, loss_fn, sharded_arguments, sharded_config, sharded_model
 
-from elastrain import ElasticTrainer, TrainerConfig
+from elastrain import ElasticTrainer
 from elastrain.runtime.update import Decision, StepGrads
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--shard-size", type=int, default=1)
+    sharded_arguments(ap, steps=30)
+    ap.set_defaults(reduce_dtype="float64")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--scaler-init", type=float, default=0.0, help="GradScaler init_scale; 0: none")
     ap.add_argument("--autocast", choices=["none", "bfloat16", "float16"], default="none")
     ap.add_argument("--hook", action="store_true", help="a before_step hook (see below)")
-    ap.add_argument("--hang-floor", type=float, default=3.0)
-    ap.add_argument("--reduce-dtype", default="float64")
-    ap.add_argument("--pace-file", default=None, help="a minimum step time, read every step")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    cfg = TrainerConfig(
-        global_batch_size=24,
-        micro_batch_size=3,
-        total_steps=args.steps,
-        seed=5,
-        shard_size=args.shard_size,
-        hang_timeout_floor_s=args.hang_floor,
-        reduce_dtype=args.reduce_dtype,
-        max_grad_norm=args.max_grad_norm,
-    )
+    model, opt = sharded_model()
+    cfg = sharded_config(args, max_grad_norm=args.max_grad_norm)
     member = os.environ.get("ELASTRAIN_MEMBER_ID", "?")
 
     def hook(g: StepGrads) -> Decision | None:
@@ -80,18 +63,12 @@ def main() -> None:
         grad_scaler=scaler,
         before_step=hook if args.hook else None,
     )
-    last = time.monotonic()
+    pace = Pace(args.pace_file)
     for r in trainer.steps():
         scale = scaler.get_scale() if scaler is not None else None
         print(f"{member} step {r.step} norm {r.grad_norm!r} skipped {r.skipped} scale {scale}",
               flush=True)  # fmt: skip
-        if args.pace_file:
-            try:
-                pace = float(Path(args.pace_file).read_text())
-            except (OSError, ValueError):
-                pace = 0.0
-            time.sleep(max(0.0, pace - (time.monotonic() - last)))
-        last = time.monotonic()
+        pace.wait()
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def test_the_allocation_holds_spares_and_asks_for_the_notice_and_requeue() -> No
         ({"http_port": 70000}, "port"),
         ({"script": ""}, "training script"),
         ({"ckpt_format": "zip"}, r"--ckpt-format must be one of flat, dcp \(got 'zip'\)"),
+        ({"heal_auth": "none"}, r"--heal-auth must be one of \('digest', 'mac'\), got 'none'"),
     ],
 )
 def test_bad_input_is_refused_with_what_to_change(kw: dict[str, object], match: str) -> None:
@@ -100,6 +101,18 @@ def test_the_agents_get_the_checkpoint_format_only_when_given() -> None:
     ap, _ = build_parser()
     args = ap.parse_args([*argv[1:], "--coordinator", "h:1", "train.py"])
     assert args.cmd == "agent" and args.ckpt_format == "dcp" and args.ckpt_every == 20
+
+
+def test_the_agents_get_the_heal_auth_only_when_given(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = agent_argv(cfg(heal_auth="mac"))
+    assert argv[argv.index("--heal-auth") + 1] == "mac"
+    assert "--heal-auth" not in agent_argv(cfg()) and "--heal-auth" not in render(cfg())
+    ap, _ = build_parser()
+    args = ap.parse_args([*argv[1:], "--coordinator", "h:1", "train.py"])
+    assert args.cmd == "agent" and args.heal_auth == "mac"
+    rc = slurm_main(["render", "--nodes", "2", "--gpus-per-node", "1", "--heal-auth", "digest",
+                     "train.py"])  # fmt: skip
+    assert rc == 0 and "--heal-auth digest" in capsys.readouterr().out
 
 
 def test_slurm_times_parse_in_every_format() -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from elastrain.cliutil import add_ckpt_format, error, write_output
+from elastrain.launch.config import HEAL_AUTHS
 
 PROG = "elastrain slurm"
 
@@ -76,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_ckpt_format(r)
     r.add_argument(
+        "--heal-auth",
+        choices=HEAL_AUTHS,
+        default=None,
+        help="how the workers' heals vouch for the state they install, as elastrain run "
+        "--heal-auth: digest or mac (docs/design/trust.md; default: the script's, digest)",
+    )
+    r.add_argument(
         "--no-requeue", action="store_true", help="no --requeue, no requeue after the notice"
     )
     r.add_argument(
@@ -130,6 +138,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             margin_s=args.margin,
             ckpt_every=args.ckpt_every,
             ckpt_format=args.ckpt_format,
+            heal_auth=args.heal_auth,
             requeue=not args.no_requeue,
             exclusive=not args.shared_nodes,
             elastrain=elastrain,

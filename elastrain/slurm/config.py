@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from elastrain.checkpoint.config import check_format
+from elastrain.launch.config import check_heal_auth
 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """A job name that is also a safe path component and member-id prefix."""
@@ -109,6 +110,11 @@ class SlurmConfig:
     """How the workers write checkpoints, "flat" or "dcp" (a `CheckpointFormat`; the
     agents' --ckpt-format); None leaves it to the script (flat by default)."""
 
+    heal_auth: str | None = None
+    """How the workers' heals vouch for the state they install, "digest" or "mac"
+    (the agents' --heal-auth; docs/design/trust.md); None leaves it to the script
+    (digest by default)."""
+
     requeue: bool = True
     """sbatch --requeue, and after the time-limit notice the script requeues the job
     itself (`scontrol requeue`) unless training finished."""
@@ -179,6 +185,7 @@ class SlurmConfig:
         if self.ckpt_every is not None and self.ckpt_every < 1:
             raise ValueError(f"ckpt_every must be >= 1 (got {self.ckpt_every})")
         check_format(self.ckpt_format)
+        check_heal_auth(self.heal_auth)
         if not self.elastrain or any(not a or "\n" in a for a in self.elastrain):
             raise ValueError("elastrain must be a command, e.g. ('elastrain',)")
         if self.coordinator_host is not None and not re.match(

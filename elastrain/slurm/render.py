@@ -90,6 +90,8 @@ def agent_argv(cfg: SlurmConfig) -> list[str]:
         argv += ["--ckpt-every", str(cfg.ckpt_every)]
     if cfg.ckpt_format is not None:
         argv += ["--ckpt-format", str(cfg.ckpt_format)]
+    if cfg.heal_auth is not None:
+        argv += ["--heal-auth", str(cfg.heal_auth)]
     if cfg.gpus_per_node and cfg.procs_per_node <= cfg.gpus_per_node:
         # One GPU per worker, the node's spare GPUs taking over from a failed one
         # (the step sees the allocation's GPUs as 0..G-1).

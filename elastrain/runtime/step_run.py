@@ -96,12 +96,21 @@ def collective_error(e: BaseException) -> bool:
 class _Step:
     """What one step carries between its actions."""
 
+    step: int
     t0: float
     incarnation: int
     verdict: concurrent.futures.Future[p.QuorumResponse]
     samples: list[int]
     loss_sum: float | torch.Tensor = 0.0
     """The member's micro-batches' loss sums (`Backend.compute`), read at the reduce."""
+    computed: int = 0
+    """Micro-batches this member computed in this generation (padding not counted)."""
+    held: int = 0
+    """Micro-batches of the step its group kept from an earlier generation."""
+    complete: bool = False
+    """Every turn of this member ran: its gradient buffers hold its group's sums."""
+    handed: bool = False
+    """A collective took the gradient buffers (`Reduction.hands_over`)."""
     data_s: float = 0.0
     t_compute: float = 0.0
     verdict_s: float = 0.0
@@ -135,8 +144,12 @@ class StepRun:
         self._step: _Step | None = None
 
     def forget(self) -> None:
-        """The generation was abandoned: the step in progress is dropped."""
-        self._step = None
+        """The generation was abandoned: the step in progress is dropped, but what
+        this member summed of it is kept when it ran all its turns and no
+        collective took its buffers (`Topology.hold`; before `Backend.discard`)."""
+        st, self._step = self._step, None
+        if st is not None and st.complete and not st.handed:
+            self.topology.hold(st.step, st.samples, float(st.loss_sum))
 
     def close(self) -> None:
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
@@ -151,6 +164,7 @@ class StepRun:
         s = a.step
         inc = ctx.session.incarnation
         st = _Step(
+            s,
             time.monotonic(),
             inc,
             self._quorum_pool.submit(ctx.client.quorum, self._quorum_request(s, inc)),
@@ -160,7 +174,7 @@ class StepRun:
         ctx.backend.begin_step(EXTRA_SLOTS)
         mbs = self.feed.microbatches(s)
         try:
-            turns = self.topology.turns(len(mbs))
+            turns = self.topology.turns(s, len(mbs))
         except CannotCompute as e:
             # No step can commit in this generation, so the coordinator treats it as
             # always at a step boundary: wait for the one it forms next (a joiner
@@ -172,6 +186,13 @@ class StepRun:
                 lambda: session.gen_broken(gen) or session.leaving or session.expelled
             )
             return m.Superseded()
+        except (RuntimeError, dist_errors()) as e:
+            # The generation's exchange of held sums (sharded, first step) failed.
+            if not collective_error(e):
+                raise
+            return m.ComputeFailed(str(e)[:300])
+        st.samples.extend(turns.held_samples)
+        st.loss_sum, st.held = turns.held_loss, turns.held
         self.feed.plan(s, turns.mine)
         pad = None
         for k, i in enumerate(turns.mine):
@@ -193,8 +214,11 @@ class StepRun:
                     raise
                 return m.ComputeFailed(str(e)[:300])
             st.samples.extend(ids)
+            if i is not None:
+                st.computed += 1
             if k == 0:
                 ctx.hook(s, hooks.StepPoint.COMPUTE)
+        st.complete = True
         st.t_compute = time.monotonic()
         return m.Computed()
 
@@ -262,6 +286,13 @@ class StepRun:
         kept: Reduction | None = None
         try:
             for r in self.topology.reductions(links, extras):
+                if r.hands_over:
+                    if ctx.gen_broken(gen):
+                        # Not handed over: the buffers stay this member's to keep.
+                        return m.ReduceAborted(
+                            m.AbortPhase.SUPERSEDED, f"the generation broke before {r.what}"
+                        )
+                    st.handed = True
                 links.inflight = r.start()
                 if r.before_wait is not None:
                     ctx.hook(s, r.before_wait)
@@ -404,6 +435,8 @@ class StepRun:
             samples_per_s=count / max(t_end - st.t0, 1e-9),
             grad_norm=shown_norm,
             skipped=update.skipped is not None,
+            computed=st.computed,
+            held=st.held,
         )
         self.ckpt.absorb(list(st.extras[2:]))
         self.ckpt.note_step_time(t_end - st.t0)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastrain.data import assign_rounds
-from elastrain.runtime.held_sums import Claim, claim_of, assign_rest, decide, row
+from elastrain.runtime.held_sums import Claim, assign_rest, claim_of, decide, row
 
 G = [(0, ["a0", "a1"]), (1, ["b0", "b1"])]
 

@@ -111,6 +111,8 @@ class _Step:
     """Every turn of this member ran: its gradient buffers hold its group's sums."""
     handed: bool = False
     """A collective took the gradient buffers (`Reduction.hands_over`)."""
+    idle: bool = False
+    """This member has no turn in the step (a sharded generation's shadow)."""
     data_s: float = 0.0
     t_compute: float = 0.0
     verdict_s: float = 0.0
@@ -192,7 +194,7 @@ class StepRun:
                 raise
             return m.ComputeFailed(str(e)[:300])
         st.samples.extend(turns.held_samples)
-        st.loss_sum, st.held = turns.held_loss, turns.held
+        st.loss_sum, st.held, st.idle = turns.held_loss, turns.held, not turns.mine
         self.feed.plan(s, turns.mine)
         pad = None
         for k, i in enumerate(turns.mine):
@@ -282,7 +284,14 @@ class StepRun:
         )
         ctx.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        timeout = ctx.hang.timeout_s
+        # A member with no turn (a shadow) reaches its reduction at once and waits
+        # there for the others' whole compute: it has no time of its own that the
+        # step timeout scales with, and the others' share may be twice a steady
+        # step's (a group alone after a kill). So it waits up to the watchdog's
+        # ceiling; a peer that dies or stops is caught sooner (the coordinator's
+        # lease breaks the generation, which ends this wait), and the soft deadline's
+        # hang check still asks about silent peers.
+        timeout = ctx.config.watchdog.ceiling_s if st.idle else ctx.hang.timeout_s
         kept: Reduction | None = None
         try:
             for r in self.topology.reductions(links, extras):

@@ -1277,8 +1277,10 @@ def recovery_tables(
 # ---- main --------------------------------------------------------------------------------
 
 
-def main() -> int:
-    bench = Bench("sharded.py", __doc__, quick="smoke run: tiny model, few steps")
+def main(script: str = "sharded.py", parts: str | None = None) -> int:
+    """`parts` None: the `--parts` option decides; "kill": only the two kills, recorded
+    as `script`'s run (benchmarks/sharded_kills.py)."""
+    bench = Bench(script, __doc__, quick="smoke run: tiny model, few steps")
     ap = bench.ap
     ap.add_argument("--dim", type=int, default=None, help="model width (256; --quick 64)")
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks (8; --quick 2)")
@@ -1297,12 +1299,15 @@ def main() -> int:
         help=f"torchft lighthouse heartbeat timeout ({TFT_HEARTBEAT_MS}: its default)",
     )  # fmt: skip
     ap.add_argument("--no-torchft", action="store_true", help="leave torchft's side out")
-    ap.add_argument(
-        "--parts", choices=["all", "kill"], default="all",
-        help="all (default), or kill: only an early and a late kill (KILL_POINTS), each "
-        "against 0.5 s + the run's own step",
-    )  # fmt: skip
+    if parts is None:
+        ap.add_argument(
+            "--parts", choices=["all", "kill"], default="all",
+            help="all (default), or kill: only an early and a late kill (KILL_POINTS), "
+            "each against 0.5 s + the run's own step, recorded as sharded.py's run (use "
+            "benchmarks/sharded_kills.py to record them as their own benchmark)",
+        )  # fmt: skip
     args = bench.parse()
+    parts = parts or args.parts
     q = args.quick
     base_shape = QUICK_SHAPE if q else FULL_SHAPE
     shape = Shape(
@@ -1324,7 +1329,7 @@ def main() -> int:
     mbs = shape.global_batch // shape.micro_batch
     if mbs % WORKERS:
         ap.error(f"{mbs} micro-batches per step do not split evenly over {WORKERS} ranks")
-    if args.parts == "kill":
+    if parts == "kill":
         return kills_only(bench, shape, args.kill_step, args.victim, q)
 
     t_wall0 = time.time()

@@ -3,7 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/sharded.py [--dim 256 --layers 8] [--quick] [--no-record]
-        [--no-torchft] [--tft-heartbeat-ms 5000]
+        [--no-torchft] [--tft-heartbeat-ms 5000] [--parts all|kill]
 
 Four processes as 2 replica groups x 2 shards, the demo GPT (dim 256, 8
 layers, 4 heads, context 64 by default: 6.47M parameters, 77.6 MB of
@@ -108,6 +108,14 @@ one thread per process, gloo over loopback. In order:
    replacement is held back 20 s (`kill@K:w1/hold=20s`): the survivors regroup
    in memory as 1 x 3, then back to 2 x 2 when it returns; each regroup's bytes
    received (all members) and the slowest member's seconds (`reshard_end`).
+3d. `--parts kill` runs only two recovery runs, nothing else: a 2 x 2 job
+   (float64) where w1 SIGKILLs itself at an in-worker fault point of step K,
+   early (after its first micro-batch: the healthy group keeps its shard sums
+   and the next generation computes only the lost group's micro-batches) and
+   late (once its twins' all-reduce started: the buffers were handed over, the
+   step is computed again whole). Each: kill -> next commit against 0.5 s +
+   that run's own median step before the kill; the resumed step's held and
+   computed micro-batches per rank (`step_commit`).
 Each measurement is one `measure_*` function returning a dict, each report
 table one function over it.
 
@@ -595,6 +603,132 @@ def measure_recovery(
         "pids": launcher.pids,
         "dir": out_dir,
     }
+
+
+KILL_POINTS = {
+    "early": ("compute", "once it computed its first micro-batch of the step"),
+    "late": ("allreduce", "once it started its twins' all-reduce of the step (every "
+             "micro-batch computed, the buffers handed over)"),
+}  # fmt: skip
+"""`--parts kill`: the in-worker fault points (`elastrain.chaos.points`) of the two kills."""
+
+
+def measure_kill_point(
+    shape: Shape, kill_step: int, victim: str, phase: str, out_dir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """One elastrain 2 x 2 run (float64), `victim` SIGKILLing itself at the fault point
+    (`kill_step`, `phase`); stopped once the job committed 4 steps past it (the
+    survivors go on without waiting for the replacement)."""
+    point = {"member": victim, "step": kill_step, "phase": phase, "action": "kill"}
+    cfg = elastrain_config(
+        shape, out_dir, 100_000, SHARDS, seed=0, fault_points=json.dumps([point])
+    )
+
+    def on_status(st: dict[str, Any]) -> None:
+        if int(st.get("step", 0)) >= kill_step + 4:
+            launcher.stop()
+
+    register_chaos()  # the fault points reach the workers through the fault seam
+    launcher = Launcher(cfg, on_status=on_status)
+    result, wall_s = run_bounded(launcher, timeout_s)
+    events = read_events(out_dir)
+    recs = [r for r in recoveries(events) if r.fault == "kill"]
+    rec = recs[0] if recs else None
+    resumed = [
+        e
+        for e in events
+        if rec is not None
+        and e["kind"] == "step_commit"
+        and e.get("gen") == rec.gen
+        and int(e["step"]) == kill_step
+    ]
+    return {
+        "status": result.status,
+        "wall_s": wall_s,
+        "rec": rec,
+        "own_step_s": steps_before(events, rec.t0) if rec else None,
+        "resumed": resumed,
+        "dir": out_dir,
+    }
+
+
+def kill_point_row(name: str, kp: dict[str, Any], kill_step: int, victim: str) -> list[str]:
+    """A target row: kill -> next commit against 0.5 s + the run's own step."""
+    rec, own = kp["rec"], kp["own_step_s"]
+    limit = TARGET_RECOVERY_FIXED_S + own if own is not None else None
+    total = rec.total_s if rec else None
+    phases = ", ".join(f"{n} {fmt(rec.phase(n))}" for n in PHASES) if rec else "no recovery"
+    computing = [e for e in kp["resumed"] if e.get("computed")]
+    resumed = (
+        f"resumed step {kill_step}: step_s "
+        + "/".join(fmt(float(e["step_s"])) for e in computing)
+        + ", per computing rank held "
+        + "/".join(str(e.get("held")) for e in computing)
+        + " and computed "
+        + "/".join(str(e.get("computed")) for e in computing)
+        + " micro-batches"
+        if computing
+        else "resumed step not seen"
+    )
+    return [
+        f"kill {name} in a step ({victim} {KILL_POINTS[name][1]}, step {kill_step}) -> next "
+        f"commit <= {TARGET_RECOVERY_FIXED_S:g} s + one step (this run's median step_s "
+        f"before the kill {fmt(own)} s; = {fmt(limit)} s)",
+        f"{fmt(total)} s ({phases}; {resumed})",
+        verdict(None if total is None or limit is None else total <= limit),
+    ]
+
+
+def kills_only(bench: Bench, shape: Shape, kill_step: int, victim: str, quick: bool) -> int:
+    """`--parts kill`: the early and the late kill (`KILL_POINTS`), nothing else."""
+    import torch
+
+    base = bench.run_dir("sharded-kills")
+    load = bench.load
+    assert load is not None
+    runs: dict[str, dict[str, Any]] = {}
+    anomalies: list[str] = []
+    for name, (phase, what) in KILL_POINTS.items():
+        log(f"kill {name}: {victim} SIGKILLs itself {what} (step {kill_step})")
+        kp = measure_kill_point(
+            shape, kill_step, victim, phase, base / f"kill-{name}", 300 if quick else 420
+        )
+        rec = kp["rec"]
+        log(f"kill {name}: status {kp['status']} in {kp['wall_s']:.1f} s, kill -> next commit "
+            f"{fmt(rec.total_s if rec else None)} s ({kp['dir']})")  # fmt: skip
+        if rec is None:
+            anomalies.append(f"kill {name}: no kill recognised in the run ({kp['dir']})")
+        runs[name] = kp
+    rows = [kill_point_row(n, kp, kill_step, victim) for n, kp in runs.items()]
+    targets = table(["target", "measured", "verdict"], rows)
+    print()
+    print(targets)
+    print()
+    judged, _ = targets_from_rows(rows)
+    figures = [
+        Figure(f"kill_to_next_commit_s[{n}]", f"kill -> next commit, kill {n} in a step",
+               kp["rec"].total_s, "s")
+        for n, kp in runs.items()
+        if kp["rec"] is not None and kp["rec"].total_s is not None
+    ]  # fmt: skip
+    notes = [
+        f"--parts kill: two elastrain 2 x 2 runs (float64 reductions, the default; demo GPT "
+        f"dim {shape.dim}, {shape.layers} layers; global batch {shape.global_batch}, "
+        f"micro-batch {shape.micro_batch}), no spare, replace_delay_s 1; the victim "
+        "SIGKILLs itself at an in-worker fault point (elastrain.chaos.points); each run "
+        f"stops 4 steps after the kill. 'One step' is each run's own median step_s before "
+        "its kill (the same run, the same load), not a steady phase's",
+        "early: the healthy group keeps its float64 shard sums of the interrupted step "
+        "(runtime/held_sums.py) and the next generation computes only the lost group's "
+        "micro-batches; late: the buffers were handed to the twins' all-reduce, which the "
+        "kill broke, so the step is computed again whole by the healthy group alone",
+        "runs: " + ", ".join(str(kp["dir"].relative_to(ROOT)) for kp in runs.values()),
+    ]
+    bench.finish(
+        f"torch {torch.__version__}, gloo over loopback", figures, judged, notes,
+        [targets], anomalies,
+    )  # fmt: skip
+    return 0
 
 
 def measure_reshard(
@@ -1143,8 +1277,10 @@ def recovery_tables(
 # ---- main --------------------------------------------------------------------------------
 
 
-def main() -> int:
-    bench = Bench("sharded.py", __doc__, quick="smoke run: tiny model, few steps")
+def main(script: str = "sharded.py", parts: str | None = None) -> int:
+    """`parts` None: the `--parts` option decides; "kill": only the two kills, recorded
+    as `script`'s run (benchmarks/sharded_kills.py)."""
+    bench = Bench(script, __doc__, quick="smoke run: tiny model, few steps")
     ap = bench.ap
     ap.add_argument("--dim", type=int, default=None, help="model width (256; --quick 64)")
     ap.add_argument("--layers", type=int, default=None, help="transformer blocks (8; --quick 2)")
@@ -1163,7 +1299,15 @@ def main() -> int:
         help=f"torchft lighthouse heartbeat timeout ({TFT_HEARTBEAT_MS}: its default)",
     )  # fmt: skip
     ap.add_argument("--no-torchft", action="store_true", help="leave torchft's side out")
+    if parts is None:
+        ap.add_argument(
+            "--parts", choices=["all", "kill"], default="all",
+            help="all (default), or kill: only an early and a late kill (KILL_POINTS), "
+            "each against 0.5 s + the run's own step, recorded as sharded.py's run (use "
+            "benchmarks/sharded_kills.py to record them as their own benchmark)",
+        )  # fmt: skip
     args = bench.parse()
+    parts = parts or args.parts
     q = args.quick
     base_shape = QUICK_SHAPE if q else FULL_SHAPE
     shape = Shape(
@@ -1185,6 +1329,8 @@ def main() -> int:
     mbs = shape.global_batch // shape.micro_batch
     if mbs % WORKERS:
         ap.error(f"{mbs} micro-batches per step do not split evenly over {WORKERS} ranks")
+    if parts == "kill":
+        return kills_only(bench, shape, args.kill_step, args.victim, q)
 
     t_wall0 = time.time()
     load0 = os.getloadavg()[0]

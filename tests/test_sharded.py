@@ -341,19 +341,36 @@ def _received(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     tmp_path: Path, replicated: Job
 ) -> None:
-    """Kill one rank of a 2 x 2 job: its group-mate keeps its process as a shadow, the
-    other group keeps committing, the replacement takes the dead slot and receives
-    one shard (half the state) from its twin, and the loss curve is the replicated
-    job's bit for bit. The replacement builds its model on the meta device: it
-    never holds the full model, its twin's heal is its whole state."""
+    """Kill one rank of a 2 x 2 job early in a step (after its first round of step 6):
+    its group-mate keeps its process as a shadow, the other group keeps the sums of
+    its micro-batches of step 6 and, in the next generation, computes only the dead
+    group's (issue 41 item 4), then keeps committing; the replacement takes the dead
+    slot and receives one shard (half the state) from its twin, and the loss curve
+    is the replicated job's bit for bit. The replacement builds its model on the
+    meta device: it never holds the full model, its twin's heal is its whole state."""
+    import json
+
+    point = {"member": "w1", "step": 6, "phase": "compute", "action": "kill"}
     job = _run_held(
         tmp_path,
         "kill",
         _received,
-        faults=[parse_fault("kill@6:w1")],
+        fault_points=json.dumps([point]),
         args=("--meta-members", "w4"),
     )
     _assert_job(job, replicated)
+    # Step 6 after the kill: the healthy group held its 4 micro-batches (of 8) and
+    # computed the dead group's 4, one per member per round; the shadow none.
+    at = {e["proc"]: e["replica"] for e in job.of("generation_start", gen=1)}
+    (shadow,) = [w for w in at if at[w] == at["w1"] and w != "w1"]
+    healthy = set(at) - {"w1", shadow}
+    after = _first_started_after(job, 1)
+    six = {e["proc"]: e for e in job.of("step_commit", gen=after) if e["step"] == 6}
+    assert set(six) == healthy | {shadow}, six
+    assert all(six[w]["held"] == 4 and six[w]["computed"] == 2 for w in healthy), six
+    assert six[shadow]["held"] == six[shadow]["computed"] == 0
+    contrib = job.of("step_contrib", gen=after)
+    assert all(len(e["samples"]) == 12 for e in contrib if e["step"] == 6 and e["proc"] in healthy)
     assert "w4: model built on the meta device" in job.log("w4")
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     for m in ("w0", "w2", "w3"):

@@ -201,7 +201,11 @@ class ReplicaTwins:
         ctx.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
         return Healed(committed, received)
 
-    def turns(self, num_microbatches: int) -> Turns:
+    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+        """Nothing is kept across generations (the step is computed again whole)."""
+        return False
+
+    def turns(self, step: int, num_microbatches: int) -> Turns:
         """This process's turns in its replica's rounds ([] in an incomplete replica)."""
         assert self.layout is not None
         try:

@@ -142,7 +142,9 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     # step_commit from the engine also carries verdict_s (time blocked on the quorum
     # verdict after computing) and apply_s (the update: state-hash settle, unscale,
     # norm, clip, optimizer); step_s less compute_s, verdict_s, allreduce_s and apply_s
-    # is the engine's own cost between them. Older event files lack both.
+    # is the engine's own cost between them. Older event files lack both. computed:
+    # the micro-batches this member computed (padding not counted); held: those its
+    # sharded group kept from a generation that broke in this step (not computed again).
     EventKind.STEP_COMMIT: frozenset(
         [
             "allreduce_s",

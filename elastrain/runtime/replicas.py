@@ -107,10 +107,15 @@ class Replicated:
         ctx.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
         return Healed(committed, received)
 
-    def turns(self, num_microbatches: int) -> Turns:
+    def turns(self, step: int, num_microbatches: int) -> Turns:
         proto = self.ctx.proto
         mine = assign_microbatches(num_microbatches, len(proto.members), proto.rank)
         return Turns(list(mine), stop_when_superseded=True, collectives_inside=False)
+
+    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+        """Nothing is kept: a replica's step is one member's (its buffer is
+        dropped with the generation; computed again whole)."""
+        return False
 
     def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
         """A block of batches, run and reported by this member alone."""

@@ -108,17 +108,28 @@ class ShardedGroups:
             raise Unfillable(str(e)) from None
         return Healed(out.committed, out.received)
 
-    def turns(self, num_microbatches: int) -> Turns:
-        """This member's turns in its replica group's rounds (none for a shadow)."""
+    def turns(self, step: int, num_microbatches: int) -> Turns:
+        """This member's turns in its replica group's rounds (none for a shadow),
+        less what its group kept of `step` from the generation before
+        (`ShardedMember.rounds`: at a generation's first step, an exchange over it)."""
         try:
-            rounds = self.shards.rounds(num_microbatches, self.ctx.hang.timeout_s)
+            rounds, held = self.shards.rounds(
+                step, num_microbatches, self.ctx.hang.timeout_s, self.ctx.links.pg
+            )
         except NoCompleteGroup as e:
             raise CannotCompute(str(e)) from None
+        if held is not None:
+            return Turns(rounds, False, True, tuple(held.samples), held.loss_sum,
+                         len(held.claim.mask))  # fmt: skip
         # No "superseded?" check between rounds: a group's members run every round
         # together (FSDP2's collectives), and two members that answered that question
         # differently would leave one waiting in a collective for the other until the
         # timeout. A superseded generation is seen at the verdict, one step later.
         return Turns(rounds, stop_when_superseded=False, collectives_inside=True)
+
+    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+        """Keep the interrupted step's shard buffer (`ShardedMember.hold`)."""
+        return self.shards.hold(step, samples, loss_sum)
 
     def eval_share(self, num_batches: int, members: int, rank: int) -> EvalShare:
         """The batches of this member's replica group (a block per complete group,
@@ -138,11 +149,18 @@ class ShardedGroups:
         (`plan.roll_forwards`). A member that fails before the vote keeps nothing:
         no member can have committed that step."""
         world = links.pg
+        # Float64: a handshake first, so that a twin gone since the verdict fails it
+        # and the shard buffer, never handed over, is kept for the next generation.
+        shake = [] if self.backend.native else [
+            Reduction(self.shards.handshake, what="the twins' handshake")
+        ]  # fmt: skip
         return [
+            *shake,
             Reduction(
                 self.shards.reduce,
                 before_wait=hooks.StepPoint.ALLREDUCE,
                 what="the twins' reduction",
+                hands_over=True,
             ),
             Reduction(
                 lambda: self.shards.norm(world),

@@ -11,8 +11,14 @@ the layout-specific work of a generation to a `ShardedMember`:
               size: the reshard plan moves just the rows each new shard needs
               (`elastrain.runtime.reshard`); then the replica group's FSDP2
               wrapper is built (a shadow has none);
-    rounds    this member's micro-batch turns in its replica group's rounds;
-    reduce    the shard's gradient over the twins;
+    rounds    this member's micro-batch turns in its replica group's rounds (at a
+              generation's first step, float64: less the micro-batches whose
+              sums complete groups kept from the generation before,
+              `elastrain.runtime.held_sums`);
+    hold      the generation broke before the step's buffer was handed over:
+              keep it for the next generation;
+    reduce    a handshake over the twins (float64: a dead twin fails it, not the
+              buffer's all-reduce), then the shard's gradient over the twins;
     norm      then the rows' sums of squares over everyone: the global gradient
               norm and found-inf (`elastrain.runtime.shard_step`);
     vote      then the extras over everyone: the commit vote (a member that
@@ -38,13 +44,14 @@ import torch
 
 from elastrain.control import protocol as p
 from elastrain.control.layout import Layout
-from elastrain.data import assign_microbatches, assign_rounds
+from elastrain.data import assign_microbatches
 from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.group import Graveyard, build_group, tensor_allreduce
+from elastrain.runtime.held_sums import Claim, Held, assign_rest, decide, exchange
 from elastrain.runtime.reshard import (
     ShardLost,
     broadcast_json,
@@ -114,6 +121,16 @@ class ShardedMember:
         self._prefix = ""
         self._kept: _Kept | None = None
         """The reduced step kept by `keep`, until the next heal applies or drops it."""
+        self._members: list[str] = []
+        """The generation's members in rank order (its group's ranks)."""
+        self._held: Held | None = None
+        """The buffer of a step interrupted before its reduction (`hold`), until the
+        next generation's first step reuses or drops it."""
+        self._exchanged = False
+        """This generation's members told each other what they hold (first step)."""
+        self._claim: Claim | None = None
+        """What this member's buffer will hold once the current step's rounds are
+        done (the step, its slot, its group's micro-batches): what `hold` keeps."""
 
     # ---- a generation -------------------------------------------------------------
 
@@ -130,6 +147,7 @@ class ShardedMember:
             )
         self.layout = Layout.from_wire(ready.slots, ready.shard_size)
         self._store, self._prefix = store, prefix
+        self._members, self._exchanged, self._claim = list(ready.members), False, None
         slot = self.layout.slots[self.member]
         twins = self.layout.twins(slot.shard)
         self.twins_pg = build_group(
@@ -401,11 +419,17 @@ class ShardedMember:
 
     # ---- a step -------------------------------------------------------------------
 
-    def rounds(self, num_microbatches: int, watchdog_s: float) -> list[int | None]:
+    def rounds(
+        self, step: int, num_microbatches: int, watchdog_s: float, world_pg: Any
+    ) -> tuple[list[int | None], Held | None]:
         """This member's micro-batch per round of its replica group (None: a padding
-        turn); [] for a shadow. Bounds the group's collectives by `watchdog_s` and
-        tells the backend how many rounds the step has (native reductions run in
-        the last)."""
+        turn; [] for a shadow), and what its group held of `step` from the
+        generation before (then already back in its shard buffer; None: nothing).
+        At the generation's first step (float64 reductions) the members first tell
+        each other what they hold (`held_sums.exchange`: collective over the
+        generation) and the held micro-batches are left out of the rounds. Bounds
+        the group's collectives by `watchdog_s` and tells the backend how many rounds
+        the step has (native reductions run in the last)."""
         layout = self.layout
         assert layout is not None
         slot = layout.slots[self.member]
@@ -415,18 +439,73 @@ class ShardedMember:
                 f"no complete replica group in {layout.describe()}: nobody can compute; "
                 "waiting for a replacement (or a reshard, --reshard-after)"
             )
+        held_by, mine = self._exchange(step, num_microbatches, world_pg, complete)
+        self._claim = None
         if slot.replica not in complete:
-            return []
+            return [], None
         self.backend.set_collective_timeout(watchdog_s)
-        turns = assign_rounds(
-            num_microbatches,
-            len(complete),
-            complete.index(slot.replica),
-            layout.shard_size,
-            slot.shard,
-        )
+        size = layout.shard_size
+
+        def turns_of(shard: int) -> list[int | None]:
+            return assign_rest(num_microbatches, held_by, complete, slot.replica, size, shard)
+
+        turns = turns_of(slot.shard)
+        if not self.backend.native:
+            block = set(held_by.get(slot.replica, ()))
+            for k in range(size):
+                block.update(i for i in turns_of(k) if i is not None)
+            self._claim = Claim(step, size, slot.shard, frozenset(block))
         self.backend.plan_rounds(len(turns))
-        return turns
+        return turns, mine
+
+    def _exchange(
+        self, step: int, num_microbatches: int, world_pg: Any, complete: list[int]
+    ) -> tuple[dict[int, frozenset[int]], Held | None]:
+        """At the generation's first step (float64): every member's claim, the
+        micro-batches each complete group holds (`held_sums.decide`), and this
+        member's held part, put back into its shard buffer when its group holds it.
+        Any other kept buffer is dropped. ({}, None) at later steps."""
+        if self.backend.native or self._exchanged:
+            return {}, None
+        layout = self.layout
+        assert layout is not None
+        self._exchanged = True
+        held, self._held = self._held, None
+        claims = exchange(
+            world_pg,
+            self._members.index(self.member),
+            len(self._members),
+            None if held is None else held.claim,
+            num_microbatches,
+        )
+        groups = [(r, layout.group(r)) for r in complete]
+        held_by = decide(dict(zip(self._members, claims, strict=True)), groups,
+                         layout.shard_size, step)  # fmt: skip
+        replica = layout.slots[self.member].replica
+        if held is None or replica not in held_by:
+            return held_by, None
+        buffer = self.backend.reduce_buffers()[0]
+        # `decide` checked the slot: the kept rows are this slot's rows.
+        assert buffer.shape == held.grad.shape and buffer.dtype == held.grad.dtype
+        buffer.copy_(held.grad)
+        log.info("%s: step %d resumes %d micro-batches its group summed in an earlier "
+                 "generation", self.member, step, len(held.claim.mask))  # fmt: skip
+        return held_by, held
+
+    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+        """The generation broke after this member ran all its rounds of `step` and
+        before it handed its shard buffer to a collective: keep the buffer (its
+        group's sums of the step's micro-batches so far), `samples` and `loss_sum`
+        (this member's own, for the step's contribution) for the next generation's
+        first step. Float64 only (native sums are made in the last round). True if
+        kept. Call before the backend's `discard`, which gives it a new buffer."""
+        claim, self._claim = self._claim, None
+        if claim is None or claim.step != step or not claim.mask:
+            return False
+        self._held = Held(claim, self.backend.reduce_buffers()[0], list(samples), loss_sum)
+        log.info("%s: keeps its sums of %d micro-batches of step %d for the next generation",
+                 self.member, len(claim.mask), step)  # fmt: skip
+        return True
 
     def eval_share(self, num_batches: int, watchdog_s: float) -> EvalShare:
         """This member's part of an evaluation: its replica group's block of the
@@ -449,6 +528,12 @@ class ShardedMember:
         self.backend.set_collective_timeout(watchdog_s)
         mine = assign_microbatches(num_batches, len(complete), complete.index(slot.replica))
         return EvalShare(mine, slot.shard == 0, shadows, True)
+
+    def handshake(self) -> list[Any]:
+        """Start a one-element all-reduce over the twins, before their gradient's:
+        a twin that died or left fails this one, and the shard buffer, not yet handed
+        to a collective, can be kept (`hold`). Returns the works (not waited)."""
+        return tensor_allreduce(self.twins_pg, [torch.zeros(1, dtype=torch.float64)])
 
     def reduce(self) -> list[Any]:
         """Start the all-reduce of the step's gradient over the twins. Returns the

@@ -96,12 +96,23 @@ def collective_error(e: BaseException) -> bool:
 class _Step:
     """What one step carries between its actions."""
 
+    step: int
     t0: float
     incarnation: int
     verdict: concurrent.futures.Future[p.QuorumResponse]
     samples: list[int]
     loss_sum: float | torch.Tensor = 0.0
     """The member's micro-batches' loss sums (`Backend.compute`), read at the reduce."""
+    computed: int = 0
+    """Micro-batches this member computed in this generation (padding not counted)."""
+    held: int = 0
+    """Micro-batches of the step its group kept from an earlier generation."""
+    complete: bool = False
+    """Every turn of this member ran: its gradient buffers hold its group's sums."""
+    handed: bool = False
+    """A collective took the gradient buffers (`Reduction.hands_over`)."""
+    idle: bool = False
+    """This member has no turn in the step (a sharded generation's shadow)."""
     data_s: float = 0.0
     t_compute: float = 0.0
     verdict_s: float = 0.0
@@ -135,8 +146,12 @@ class StepRun:
         self._step: _Step | None = None
 
     def forget(self) -> None:
-        """The generation was abandoned: the step in progress is dropped."""
-        self._step = None
+        """The generation was abandoned: the step in progress is dropped, but what
+        this member summed of it is kept when it ran all its turns and no
+        collective took its buffers (`Topology.hold`; before `Backend.discard`)."""
+        st, self._step = self._step, None
+        if st is not None and st.complete and not st.handed:
+            self.topology.hold(st.step, st.samples, float(st.loss_sum))
 
     def close(self) -> None:
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
@@ -151,6 +166,7 @@ class StepRun:
         s = a.step
         inc = ctx.session.incarnation
         st = _Step(
+            s,
             time.monotonic(),
             inc,
             self._quorum_pool.submit(ctx.client.quorum, self._quorum_request(s, inc)),
@@ -160,7 +176,7 @@ class StepRun:
         ctx.backend.begin_step(EXTRA_SLOTS)
         mbs = self.feed.microbatches(s)
         try:
-            turns = self.topology.turns(len(mbs))
+            turns = self.topology.turns(s, len(mbs))
         except CannotCompute as e:
             # No step can commit in this generation, so the coordinator treats it as
             # always at a step boundary: wait for the one it forms next (a joiner
@@ -172,6 +188,13 @@ class StepRun:
                 lambda: session.gen_broken(gen) or session.leaving or session.expelled
             )
             return m.Superseded()
+        except (RuntimeError, dist_errors()) as e:
+            # The generation's exchange of held sums (sharded, first step) failed.
+            if not collective_error(e):
+                raise
+            return m.ComputeFailed(str(e)[:300])
+        st.samples.extend(turns.held_samples)
+        st.loss_sum, st.held, st.idle = turns.held_loss, turns.held, not turns.mine
         self.feed.plan(s, turns.mine)
         pad = None
         for k, i in enumerate(turns.mine):
@@ -193,8 +216,11 @@ class StepRun:
                     raise
                 return m.ComputeFailed(str(e)[:300])
             st.samples.extend(ids)
+            if i is not None:
+                st.computed += 1
             if k == 0:
                 ctx.hook(s, hooks.StepPoint.COMPUTE)
+        st.complete = True
         st.t_compute = time.monotonic()
         return m.Computed()
 
@@ -258,10 +284,24 @@ class StepRun:
         )
         ctx.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        timeout = ctx.hang.timeout_s
+        # A member with no turn (a shadow) reaches its reduction at once and waits
+        # there for the others' whole compute: it has no time of its own that the
+        # step timeout scales with, and the others' share may be twice a steady
+        # step's (a group alone after a kill). So it waits up to the watchdog's
+        # ceiling; a peer that dies or stops is caught sooner (the coordinator's
+        # lease breaks the generation, which ends this wait), and the soft deadline's
+        # hang check still asks about silent peers.
+        timeout = ctx.config.watchdog.ceiling_s if st.idle else ctx.hang.timeout_s
         kept: Reduction | None = None
         try:
             for r in self.topology.reductions(links, extras):
+                if r.hands_over:
+                    if ctx.gen_broken(gen):
+                        # Not handed over: the buffers stay this member's to keep.
+                        return m.ReduceAborted(
+                            m.AbortPhase.SUPERSEDED, f"the generation broke before {r.what}"
+                        )
+                    st.handed = True
                 links.inflight = r.start()
                 if r.before_wait is not None:
                     ctx.hook(s, r.before_wait)
@@ -404,6 +444,8 @@ class StepRun:
             samples_per_s=count / max(t_end - st.t0, 1e-9),
             grad_norm=shown_norm,
             skipped=update.skipped is not None,
+            computed=st.computed,
+            held=st.held,
         )
         self.ckpt.absorb(list(st.extras[2:]))
         self.ckpt.note_step_time(t_end - st.t0)

@@ -97,6 +97,14 @@ class Turns:
     inside compute: members that answered differently would wait on each other)."""
     collectives_inside: bool
     """Compute runs collectives (FSDP2): a failed one abandons the generation."""
+    held_samples: tuple[int, ...] = ()
+    """This member's samples of the step that its group computed in an earlier
+    generation and kept (`Topology.hold`): already in its gradient, counted in its
+    contribution."""
+    held_loss: float = 0.0
+    """Their loss sum."""
+    held: int = 0
+    """How many of the step's micro-batches its group kept (not in `mine`)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,9 @@ class Reduction:
     in case another member committed it."""
     what: str = "the reduction"
     """Its name in an abort's message."""
+    hands_over: bool = False
+    """Starting it hands the step's gradient buffers to a collective: from then on
+    they cannot be kept (`Topology.hold`); not started once the generation broke."""
 
 
 class Snapshots(Protocol):
@@ -152,8 +163,16 @@ class Topology(Protocol):
         """Bring this member's state up to date; collective over the generation.
         Raises StateLost, Unfillable, or HealError/RuntimeError/ValueError (retry)."""
 
-    def turns(self, num_microbatches: int) -> Turns:
-        """This member's micro-batches of a step (raises CannotCompute)."""
+    def turns(self, step: int, num_microbatches: int) -> Turns:
+        """This member's micro-batches of `step` (raises CannotCompute; a failed
+        collective, RuntimeError, abandons the generation)."""
+
+    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+        """The generation was abandoned after this member computed all its
+        micro-batches of `step` and before a collective took its gradient buffers
+        (`Reduction.hands_over`): keep what it summed (with its `samples` and
+        `loss_sum`) for the next generation's `turns`, if this topology can. True if
+        kept. Called before `Backend.discard`."""
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """The step's collectives in order; the last one's extras decide the step."""

@@ -147,7 +147,8 @@ def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> 
     """Writers 0 and 1 of a 2-process replica write row blocks of each stored leaf
     (a leaf split along dimension 1 is stored with it first), the whole leaves by
     writer 0, every row once; processes of 1, 2, 3 or 4-process replicas read their
-    own parts back, bit for bit (3: w and v are not divisible, read whole)."""
+    own parts back, bit for bit (3: w and v are not divisible, read whole); so does a
+    process reading a single-process JAX job's flat checkpoint (every leaf whole)."""
     import torch
 
     from elastrain.checkpoint.dcp import tiling_problem
@@ -155,6 +156,7 @@ def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> 
         META,
         LeafPart,
         WholeTensors,
+        flat_leaves,
         layout_problem,
         leaf_parts,
         read_part,
@@ -187,7 +189,7 @@ def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> 
         assert tiling_problem([(c.lo, c.hi) for c in chunks], shape[0] if shape else 1) is None
         stored[fqn] = torch.cat([c.tensor.reshape(c.hi - c.lo, *shape[1:]) for c in chunks])
         stored[fqn] = stored[fqn].reshape(shape)
-    saved = saved_parts(written[0].meta, {})
+    saved = saved_parts(written[0].meta, {}, [])
     for procs in (1, 2, 3, 4):
         for k in range(procs):
             want = _replica_part(whole, procs, k)
@@ -196,6 +198,15 @@ def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> 
             got = read_part(WholeTensors(stored), saved, mine, procs, k)
             for a, b in zip(got, jax.tree_util.tree_leaves(want), strict=True):
                 assert a.dtype == np.asarray(b).dtype and np.array_equal(a, b), (procs, k)
+    # A single-process JAX job's flat checkpoint: every leaf whole, in its own order.
+    flat = {p.name: torch.from_numpy(np.array(x)) for p, x in
+            zip(parts, jax.tree_util.tree_leaves(whole), strict=True)}  # fmt: skip
+    flat = dict(reversed(flat.items()))
+    saved_flat = saved_parts({}, flat_leaves(flat), [p.name for p in parts])
+    assert [p.name for p in saved_flat] == [p.name for p in parts]
+    got = read_part(WholeTensors(flat), saved_flat, parts, 2, 1)
+    for a, b in zip(got, jax.tree_util.tree_leaves(_replica_part(whole, 2, 1)), strict=True):
+        assert np.array_equal(a, b)
     other = [*parts[:3], LeafPart("['params']['w']", (8, 6), "float64", 0)]
     assert "is ['params']['w'] float64[8, 6] here" in str(layout_problem(saved, other))
     with pytest.raises(ValueError, match="not a 4th"):

@@ -138,15 +138,17 @@ def replica_parts(
 
 
 def saved_parts(
-    meta: dict[str, Any], whole: dict[str, tuple[str, tuple[int, ...]]]
+    meta: dict[str, Any], whole: dict[str, tuple[str, tuple[int, ...]]], names: Sequence[str]
 ) -> list[LeafPart]:
     """The saved leaves: the layout in a replica checkpoint's meta, else (a flat
-    checkpoint of a single-process JAX job) every tensor whole, from ``whole``
-    (name -> (numpy dtype name, shape))."""
+    checkpoint of a single-process JAX job) every tensor of ``whole`` (name ->
+    (numpy dtype name, shape)) whole, in the order of ``names`` (this state's)
+    where it has them."""
     got = meta.get(META)
     if got is not None:
         return [LeafPart.decode(r) for r in got["leaves"]]
-    return [LeafPart(n, s, d, None) for n, (d, s) in whole.items()]
+    order = [n for n in names if n in whole] + [n for n in whole if n not in set(names)]
+    return [LeafPart(n, whole[n][1], whole[n][0], None) for n in order]
 
 
 def layout_problem(saved: Sequence[LeafPart], mine: Sequence[LeafPart]) -> str | None:

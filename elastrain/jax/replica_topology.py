@@ -306,10 +306,10 @@ class ReplicaTwins:
         mine, p = self.leaf_parts(), self.place
         source: Rows
         if ckpt.kind == "flat":
-            saved = saved_parts(meta, flat_leaves(tensors))
+            saved = saved_parts(meta, flat_leaves(tensors), [m.name for m in mine])
             source, reader = WholeTensors(tensors), None
         else:
-            saved = saved_parts(meta, {})
+            saved = saved_parts(meta, {}, [])
             source = reader = ShardedReader(ckpt)
         try:
             problem = layout_problem(saved, mine)

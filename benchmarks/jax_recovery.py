@@ -125,7 +125,11 @@ def main() -> int:
     pacer.launcher = launcher
     result, wall = run_bounded(launcher, args.timeout)
     events = read_events(run_dir)
-    recs = [r for r in recoveries(events) if r.gen is not None]
+    every = [r for r in recoveries(events) if r.gen is not None]
+    # With replicas, the mates' stops and any stall at a rebuilt replica's join are
+    # failures of their own in the events: the table's rows are the injected kills.
+    recs = every if k == 1 else [r for r in every if r.injected == "kill"]
+    stalls = [r.total_s for r in every if r.injected is None and r.fault == "hang" and r.total_s]
     js = joins(events)
     totals = [r.total_s for r in recs if r.total_s is not None]
     lines = [
@@ -139,7 +143,7 @@ def main() -> int:
         lo, hi = min(xs, default=0.0), max(xs, default=0.0)
         lines.append(f"|   {ph} | {med(xs)} | {lo:.3f} | {hi:.3f} | {len(xs)} |")
     origin = min((float(e["t"]) for e in events), default=None)
-    per_kill = format_recoveries(recs, origin)
+    per_kill = format_recoveries(every, origin)
     per_join = format_joins(js, origin)
     same = check_same_state(events)
     case = "" if k == 1 else f"[2x{k} replicas]"
@@ -153,6 +157,10 @@ def main() -> int:
         ]  # fmt: skip
         lines += [f"| {label} (s) | {v:.3f} | | | |" if v is not None else f"| {label} | - | | | |"
                   for _, label, v in steps]  # fmt: skip
+        lines.append(
+            f"| survivors' stall at a rebuilt replica's join (s) | {med(stalls)} | "
+            f"{min(stalls, default=0):.3f} | {max(stalls, default=0):.3f} | {len(stalls)} |"
+        )
     print("\n".join(lines))
     print(per_kill)
     print(per_join)
@@ -166,7 +174,9 @@ def main() -> int:
         "gloo over loopback",
         ([Figure("kill_to_next_commit_s" + case, "JAX job: kill -> next commit, median",
                  statistics.median(totals), "s")] if totals else [])
-        + [Figure(key, label, v, "s") for key, label, v in steps],
+        + [Figure(key, label, v, "s") for key, label, v in steps]
+        + ([Figure(f"join_stall_s{case}", "survivors' stall at a rebuilt replica's join, "
+                   "median", statistics.median(stalls), "s")] if stalls else []),
         [],
         [("job: examples/jax_gpt.py defaults (plain JAX/optax GPT: dim 128, 2 layers, 4 heads, "
           "context 64, dropout 0.1; AdamW + global-norm clipping), 4 workers, global batch 32, "
@@ -180,6 +190,11 @@ def main() -> int:
           "(benchmarks/_jobs/jax_multiproc_plain.py)"),
          f"each next kill scheduled once the previous replacement's generation committed "
          f"{args.settle} steps",
+         *([] if k == 1 else [
+             "kill -> next commit: the injected kills only (a kill's replica-mates, stopped "
+             "by the launcher, and a stall when the rebuilt replica joins are rows of their own "
+             "in the per-failure table: the stall is the survivors' watchdog firing while a "
+             "rebuilt process's first step is slow)"]),
          f"same state at every generation start (state_hash): {same or 'yes'}",
          f"run: {wall:.0f} s, status {result.status} (the pacer stops the job once the last "
          f"replacement settled), run dir {run_dir.name}"],

@@ -7,8 +7,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
+LINTED := elastrain tests benchmarks examples
 
-.PHONY: setup demo test lint browser slurm clean
+.PHONY: setup demo test lint system browser slurm clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -24,27 +25,37 @@ demo: $(STAMP)
 	$(BIN)/elastrain demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check elastrain tests benchmarks examples
-	$(BIN)/ruff format --check elastrain tests benchmarks examples
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-# The report test renders HTML in headless Chromium (Debian's `chromium` package).
-browser:
-	command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+# What the tests need from Debian, in one apt-get (one index update) for whatever is
+# missing: headless Chromium renders the report (tests/test_observe_run.py); slurm-wlm
+# and munge bring up a real local Slurm cluster (tests/test_slurm.py).
+system:
+	@need=""; \
+	command -v chromium >/dev/null 2>&1 || need="$$need chromium"; \
+	command -v slurmctld >/dev/null 2>&1 || need="$$need slurm-wlm munge"; \
+	if [ -n "$$need" ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "apt-get install$$need"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need; fi
 
-# tests/test_slurm.py brings up a real local Slurm cluster (Debian's slurm-wlm and munge).
-slurm:
-	command -v slurmctld >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge)
+browser slurm: system
 
 # Two pytest workers (pytest-xdist), one per core of the 2-core machines CI uses,
 # each taking whole files (--dist loadfile): a file's module fixtures (the local
 # Slurm cluster, the heal processes) are set up once, and a file's tests never run
 # beside each other. Every test is hermetic (temp dirs, port 0, its own processes
 # stopped by PID), so two files may run side by side.
-test: lint browser slurm
-	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 tests
+# mypy (about a minute of one core on a fresh clone, no cache) runs beside the tests
+# instead of before them; the target fails if either does.
+test: $(STAMP) system
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy > .mypy-test.log 2>&1 & mypy=$$!; \
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15 tests; tests=$$?; \
+	wait $$mypy; typed=$$?; cat .mypy-test.log; rm -f .mypy-test.log; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 clean:
 	rm -rf $(VENV) runs .mypy_cache .ruff_cache .pytest_cache

@@ -359,8 +359,14 @@ def poisoned_device(device: str, shape: dict[str, int], out: Path) -> dict[str, 
     gone = [e for e in events if e["kind"] == "worker_exit" and e.get("proc") == "w1"]
     exited = [e for e in events if e["kind"] == "worker_exited" and e.get("member") == "w1"]
     joiner = next((m for m in spawned if m not in ("w0", "w1")), None)
-    final = max((e["step"] for e in events if e["kind"] == "step_commit"), default=-1)
-    last = {e["proc"] for e in events if e["kind"] == "step_commit" and e["step"] == final}
+    healed = next((e["mono"] for e in events if e["kind"] == "heal_end"
+                   and e.get("proc") == joiner and e.get("role") == "recv"), None)  # fmt: skip
+    trained = {e["step"] for e in events if e["kind"] == "step_commit" and e.get("proc") == joiner
+               and healed is not None and e["mono"] > healed}  # fmt: skip
+    # The check stops the workers one SIGTERM after another, each leaving at its next
+    # step boundary: the first to see its signal leaves, and the other may commit one
+    # more step alone. So "to the end" is the joiner's own exit being that leave.
+    left = [e for e in events if e["kind"] == "worker_exit" and e.get("proc") == joiner]
     t_exit = next((e["mono"] for e in gone), None)
     later = [e["mono"] for e in events if e["kind"] == "step_commit" and e.get("proc") == "w0"
              and t_exit is not None and e["mono"] > t_exit]  # fmt: skip
@@ -372,12 +378,9 @@ def poisoned_device(device: str, shape: dict[str, int], out: Path) -> dict[str, 
             and bool(gone)
             and gone[0].get("reason") == "device_poisoned",
             "ran until a fresh process trained": stopper.done and not stopper.stalled,
-            "the fresh process was healed and trained to the last step": joiner is not None
-            and joiner in last
-            and any(
-                e["kind"] == "heal_end" and e.get("proc") == joiner and e.get("role") == "recv"
-                for e in events
-            ),
+            "the fresh process was healed, trained and left only when stopped": len(trained)
+            >= SETTLE
+            and [e.get("reason") for e in left] == ["left"],
             "w0 kept its PID": kept,
             "every sample used once": not led.violations and led.committed_steps > POISON_AT,
             "identical state at every generation start": check_same_state(events) == [],

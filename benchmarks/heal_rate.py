@@ -29,7 +29,9 @@ machine's load hits all five alike):
 - heal: `elastrain.transfer.heal` of the TorchState from the S senders into
   the receiver in digest mode (manifest sealed under a job key, verdicts,
   stripes, the root's state digest sealed after them, the receiver's digest of
-  what landed, install: the code the trainers run), timed on the receiver from the
+  what landed, install: the code the trainers run, in place as `heal_with`
+  runs it: the model's entries land straight in the receiver's live tensors),
+  timed on the receiver from the
   barrier to the end of its call. It lands in a `LandingReserve` the receiver
   mapped and touched before the barrier (untimed: the trainer's joiner
   prepares it while it waits to be admitted; its preparation time is
@@ -278,7 +280,9 @@ def main() -> int:
         "heal: elastrain.transfer.heal in digest mode (the default heal_auth: the manifest "
         "sealed under a job key; the root's state digest, sealed likewise, follows its "
         "stripes; the receiver hashes what lands and compares before installing) of model + optimizer from "
-        "the senders, striped, into the receiver, installed; mac heal: the same with "
+        "the senders, striped, into the receiver, installed; in place, as the trainers' "
+        "heal_with runs it (the model's entries land straight in the receiver's live "
+        "tensors, no install copy; the optimizer's in the reserve); mac heal: the same with "
         "heal_auth=mac (every stripe sealed with Poly1305, checked on arrival); the receiver's state hash equals "
         "the senders' after the last round (checked). The heal lands in a LandingReserve "
         "the receiver mapped and touched before the barrier, sized by its "

@@ -44,6 +44,14 @@ sticky CUDA error, or a failed device health check; `elastrain.runtime.device`):
 replace the process, never reuse it. The survivors go on and heal the replacement.
 (74: sysexits' EX_IOERR.)"""
 
+EXIT_STATE_TORN = 73
+"""A heal into this worker failed after it began writing the worker's live state
+(the heal lands the model straight in its tensors, `elastrain.transfer.TornHeal`):
+the process holds no valid state, so it must never train on it or be picked to
+send it. It leaves; the launcher replaces it without counting it against the
+job's startup checks (a peer's failure tore it), and the fresh process is healed
+again from members that hold the state. (73: sysexits' EX_CANTCREAT, unused here.)"""
+
 # ---- `elastrain run` (the launcher's own exit status) ----------------------------
 
 RUN_DONE = 0

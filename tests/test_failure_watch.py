@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastrain.control import protocol as p
-from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_STATE_LOST
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_STATE_LOST, EXIT_STATE_TORN
 from elastrain.exitrecord import ScriptError, from_exception, read_record, write_record
 from elastrain.launch.startup import Exit, FailureWatch, StopCause, stop_message
 
@@ -65,6 +65,18 @@ def test_before_the_first_step_the_startup_rule_still_reads_the_log() -> None:
     assert stop is not None and stop.cause is StopCause.STARTUP and stop.member == "w0"
     stop = FailureWatch().on_exit(Exit("w0", 1, EXIT_STATE_LOST, 0.0))
     assert stop is not None and stop.cause is StopCause.STATE_LOST
+
+
+def test_torn_heals_are_replaced_even_before_the_first_step_but_cost_the_budget() -> None:
+    """Two joiners torn by the same dying sender leave the same log: a peer's failure,
+    not a startup mistake, so the job goes on; each replacement still counts."""
+    w = FailureWatch(max_replacements=1, window_s=100.0)
+    for i in range(2):
+        torn = Exit(f"w{i}", i, EXIT_STATE_TORN, float(i), log_signature="heal failed midway")
+        assert w.on_exit(torn) is None
+    assert w.on_replace(Exit("w0", 0, EXIT_STATE_TORN, 0.0)) is None
+    stop = w.on_replace(Exit("w1", 1, EXIT_STATE_TORN, 1.0))
+    assert stop is not None and stop.cause is StopCause.BUDGET
 
 
 def test_the_restart_budget_counts_replaced_failures_within_the_window() -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import elastrain.transfer.striped as striped
+import elastrain.transfer.torch_state as torch_state
 from elastrain.transfer import (
     HealAuth,
     HealError,
@@ -27,6 +28,7 @@ from elastrain.transfer import (
     HealTransport,
     Role,
     TorchState,
+    TornHeal,
     heal_over,
     state_hash,
 )
@@ -161,6 +163,7 @@ def run(
     receivers: list[int],
     timeout_s: float = 10.0,
     auth: HealAuth = HealAuth.DIGEST,
+    in_place: bool = False,
 ) -> list[tuple[dict[str, Any], HealStats] | BaseException]:
     """Every rank heals over the wire on its own thread; its result or exception."""
     results: list[Any] = [None] * wire.size
@@ -171,7 +174,7 @@ def run(
         try:
             results[rank] = heal_over(
                 tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY,
-                auth=auth,
+                auth=auth, in_place=in_place,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the test inspects it
             results[rank] = e
@@ -275,6 +278,83 @@ def test_when_every_sender_is_corrupted_the_receiver_is_left_untouched(auth: Hea
     assert f"failed their {word}" in str(res[1]) and "no sender is left" in str(res[1])
     if auth == HealAuth.DIGEST:
         assert "state digest mismatch" in str(res[1])
+    assert not any(isinstance(r, TornHeal) for r in res)  # not in place: nothing torn
+    assert state_hash(*states[1]) == before
+
+
+def _live(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Where each of the model's tensors lives: (address, bytes)."""
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_in_place_the_model_lands_in_its_live_tensors_and_a_bad_stripe_is_fetched_again(
+    auth: HealAuth, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """in_place: the receiver's model tensors are the landing (the install copies
+    none of them); a stripe damaged on the wire is caught and fetched again from
+    the other sender into the same tensors, and the receiver ends bit-identical."""
+    copied: list[torch.Tensor] = []
+    real_copy = torch_state.copy_bytes_into
+    monkeypatch.setattr(
+        torch_state, "copy_bytes_into", lambda dst, src: (copied.append(dst), real_copy(dst, src))
+    )
+    states = [_state(True), _state(True), _state(False)]
+    where = _live(states[2][0])
+    holder: list[Wire] = []
+    wire = Wire(3, _flip_from(0, holder))
+    holder.append(wire)
+    res = run(wire, states, senders=[0, 1], receivers=[2], auth=auth, in_place=True)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert wire.damaged > 0 and all(r[1].refused == (0,) for r in res if isinstance(r, tuple))
+    assert copied == []  # every model tensor landed in place
+    assert _live(states[2][0]) == where
+    assert _same_bytes(states[2], states[0])
+
+
+@pytest.mark.parametrize("auth", list(HealAuth))
+def test_in_place_a_heal_that_fails_after_landing_began_is_torn_on_the_receiver_only(
+    auth: HealAuth,
+) -> None:
+    """Every sender's stripes damaged, in place: the receiver's model was written
+    before the check failed, so its HealError is a TornHeal (the engine then ends
+    that member); the senders' is a plain HealError, their state untouched."""
+    states = [_state(True), _state(False)]
+    sender = state_hash(*states[0])
+    holder: list[Wire] = []
+    wire = Wire(2, _flip_from(0, holder))
+    holder.append(wire)
+    res = run(wire, states, senders=[0], receivers=[1], auth=auth, in_place=True)
+    assert isinstance(res[1], TornHeal) and "no longer valid" in str(res[1]), res
+    assert isinstance(res[0], HealError) and not isinstance(res[0], TornHeal), res
+    assert state_hash(*states[0]) == sender
+
+
+def test_in_place_a_manifest_refused_before_the_payload_leaves_the_receiver_untouched() -> None:
+    """A rejection before any receive is posted (another mode here) tears nothing."""
+    states = [_state(True), _state(False)]
+    before = state_hash(*states[1])
+    wire = Wire(2)
+    results: list[Any] = [None, None]
+
+    def body(rank: int, auth: HealAuth) -> None:
+        try:
+            heal_over(
+                wire.member(rank), [0], [1], TorchState(*states[rank]), None, 10.0, key=KEY,
+                auth=auth, in_place=True,
+            )  # fmt: skip
+        except HealError as e:
+            results[rank] = e
+
+    threads = [
+        threading.Thread(target=body, args=(r, a), daemon=True)
+        for r, a in ((0, HealAuth.DIGEST), (1, HealAuth.MAC))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(r, HealError) and not isinstance(r, TornHeal) for r in results), results
     assert state_hash(*states[1]) == before
 
 

@@ -36,6 +36,7 @@ from elastrain.exitcodes import (
     EXIT_MISCONFIGURED,
     EXIT_PREEMPTED,
     EXIT_REFUSED,
+    EXIT_STATE_TORN,
     WorkerExit,
 )
 from elastrain.observe.events import read_events
@@ -47,7 +48,7 @@ from elastrain.runtime import rendezvous as rendezvous_module
 from elastrain.runtime import replicas as replicas_module
 from elastrain.runtime.config import TrainerConfig, WorkerEnv
 from elastrain.runtime.engine import StepEngine, StepResult
-from elastrain.transfer import HealError, HealStats
+from elastrain.transfer import HealError, HealStats, TornHeal
 
 G = 8  # global batch
 MB = 2  # micro-batch
@@ -456,6 +457,7 @@ class FakeCoordinator:
     gen: int = 0
     broken: int = 0
     left: list[str] = field(default_factory=list)
+    exits: list[int] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def register(self, req: p.RegisterRequest) -> p.RegisterResponse:
@@ -512,6 +514,10 @@ class FakeCoordinator:
 
     def leave(self, req: p.LeaveRequest) -> p.OkResponse:
         self.left.append(req.reason)
+        return p.OkResponse()
+
+    def exit(self, req: p.ExitRequest) -> p.OkResponse:
+        self.exits.append(req.returncode)
         return p.OkResponse()
 
     def close(self) -> None:
@@ -958,6 +964,29 @@ def test_a_heal_sender_failing_mid_transfer_abandons_and_heals_again(tmp_path: P
     assert [e["phase"] for e in h.events("step_abort")] == ["heal"]
     assert [r.step for r in results] == [4, 5]
     assert float(h.backend.w[0]) == truth(6)
+
+
+def test_a_heal_torn_after_landing_began_ends_the_member_for_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    """A heal that failed once it was writing the live state (a sender died mid-heal
+    while the model landed in place) must not leave this member in the job, where
+    it could be picked as a sender: it tells the coordinator and exits with
+    EXIT_STATE_TORN (the launcher replaces it; test_startup's decision), and no
+    step runs on the torn state."""
+    members = ("b", "c", "a")
+    at4 = (members, {"b": 4, "c": 4, "a": 0}, {"b": 3, "c": 3, "a": 0})
+
+    def torn(*args: Any, **kw: Any) -> tuple[dict[str, Any], HealStats]:
+        raise TornHeal("heal on rank 2 failed after it began landing: connection reset")
+
+    h = Harness(tmp_path, [at4, at4], heal=torn)
+    with pytest.raises(WorkerExit) as e:
+        h.run()
+    assert e.value.code == EXIT_STATE_TORN
+    assert h.coord.exits == [EXIT_STATE_TORN]
+    assert [ev["reason"] for ev in h.events("worker_exit")] == ["state_torn"]
+    assert h.events("step_commit") == [] and h.coord.gen == 1  # never regrouped
 
 
 def test_hooks_see_every_point_of_every_step(tmp_path: Path) -> None:

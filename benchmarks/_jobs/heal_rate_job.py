@@ -20,8 +20,10 @@ every rank so that they start it together:
 2. ``fresh``: the same into a tensor the receiver allocated just before it;
 3. ``heal``: `elastrain.transfer.heal` of the `TorchState` (the code the
    trainers run, in digest mode, the default: manifest sealed under a job key,
-   payload checked by the state digest) from the senders into the receiver,
-   which lands it in a `LandingReserve` it prepared before the barrier (mapped
+   payload checked by the state digest; ``in_place`` as the trainers'
+   `heal_with`: the model's entries land in the receiver's live tensors) from
+   the senders into the receiver, which lands the rest in a `LandingReserve`
+   it prepared before the barrier (mapped
    and touched, untimed: a joiner does it while it waits to be admitted) and
    installs it;
 4. ``mac``: the same heal in mac mode (``heal_auth="mac"``: every stripe
@@ -144,7 +146,7 @@ def main() -> None:
         _, stats = heal(
             pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
             reserve=reserve if kind != "cold" else None,
-            auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST,
+            auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST, in_place=True,
         )  # fmt: skip
         reserve = None
         payload_s[kind].append(stats.payload_s)

@@ -169,6 +169,10 @@ class JaxState:
                 return f"cannot heal into this state: leaf {got} where the local state has {want}"
         return None
 
+    def live_targets(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """None: JAX arrays are immutable, every leaf lands fresh and is rebuilt."""
+        return {}
+
     def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
         arrays = [
             byte_view(tensors[name]).numpy().view(a.dtype).reshape(a.shape)

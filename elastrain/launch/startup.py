@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, EXIT_PREEMPTED, EXIT_STATE_LOST
+from elastrain.exitcodes import (
+    EXIT_LEFT,
+    EXIT_MISCONFIGURED,
+    EXIT_PREEMPTED,
+    EXIT_STATE_LOST,
+    EXIT_STATE_TORN,
+)
 from elastrain.exitrecord import ScriptError
 from elastrain.runtime.preflight import explain
 
@@ -166,8 +172,8 @@ class FailureWatch:
         if ex.returncode == EXIT_MISCONFIGURED:
             head = f"{ex.member} found a mistake in the script (exit {ex.returncode})"
             return Stop(StopCause.MISCONFIGURED, head, ex.member)
-        if not self.counts(ex):
-            return None
+        if not self.counts(ex) or ex.returncode == EXIT_STATE_TORN:
+            return None  # a torn heal is a peer's failure seen here: replace it
         if ex.error is not None and self.max_same_error > 0:
             stop = self._same_error(ex, ex.error)
             if stop is not None:

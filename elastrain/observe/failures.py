@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED
+from elastrain.exitcodes import EXIT_DEVICE_POISONED, EXIT_LEFT, EXIT_PREEMPTED, EXIT_STATE_TORN
 from elastrain.observe.events import EventKind
 
 Event = Mapping[str, Any]
@@ -242,6 +242,8 @@ def classify_exit(returncode: int) -> tuple[FailureKind, str] | None:
         return FailureKind.TERM, f"left (exit {EXIT_LEFT}, e.g. after SIGTERM)"
     if returncode == EXIT_DEVICE_POISONED:
         return FailureKind.CRASH, f"its device failed (exit {EXIT_DEVICE_POISONED}, replaced)"
+    if returncode == EXIT_STATE_TORN:
+        return FailureKind.CRASH, f"a heal into it failed midway (exit {EXIT_STATE_TORN}, replaced)"
     return FailureKind.CRASH, f"exited with code {returncode}"
 
 

@@ -11,11 +11,16 @@ settles that reader before anything writes the state (`settle`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import os
 from collections.abc import Callable
+from typing import NoReturn
 
 from elastrain.checkpoint.manager import Checkpointing
-from elastrain.exitcodes import EXIT_STATE_LOST, WorkerExit
+from elastrain.control import protocol as p
+from elastrain.control.client import CoordinatorError
+from elastrain.exitcodes import EXIT_STATE_LOST, EXIT_STATE_TORN, WorkerExit
 from elastrain.observe.events import EventKind
 from elastrain.runtime import member as m
 from elastrain.runtime.carried import Carried
@@ -24,7 +29,7 @@ from elastrain.runtime.device import is_poisoned
 from elastrain.runtime.preflight import exit_misconfigured
 from elastrain.runtime.topology import HealJob, StateLost, Topology, Unfillable
 from elastrain.threads import HASH, name_native_thread
-from elastrain.transfer import HealError, HealFn, LandingReserve, section_bytes
+from elastrain.transfer import HealError, HealFn, LandingReserve, TornHeal, section_bytes
 
 log = logging.getLogger("elastrain.engine")
 
@@ -97,6 +102,8 @@ class Healing:
             raise WorkerExit(
                 EXIT_STATE_LOST, "shard_lost", f"elastrain: {e}; {self.resume_hint()}"
             ) from None
+        except TornHeal as e:
+            self._leave_torn(e)
         except Unfillable as e:
             # Every member of a fresh job built on the meta device gets here alike:
             # no retry or replacement can fill it, so stop the job and say why.
@@ -113,6 +120,30 @@ class Healing:
         self.ckpt.note_generation(ctx.links.ready.reason)
         self.start_hash(a.gen, out.committed, list(a.members), a.rank)
         return m.Healed(out.committed, out.received)
+
+    def _leave_torn(self, e: TornHeal) -> NoReturn:
+        """End this worker (`EXIT_STATE_TORN`): its heal failed after it began landing
+        in the live tensors, so it holds no valid state and must not regroup, where
+        it could be picked as a sender. The coordinator is told first, so its peers
+        regroup at once without it; the launcher starts a fresh process, which is
+        healed again."""
+        ctx = self.ctx
+        log.error("%s: %s; leaving for a fresh process", ctx.member, e)
+        with contextlib.suppress(CoordinatorError):
+            ctx.client.exit(p.ExitRequest(ctx.member, os.getpid(), EXIT_STATE_TORN))
+        ctx.events.emit(
+            EventKind.WORKER_EXIT,
+            reason=m.ExitReason.STATE_TORN,
+            committed=ctx.proto.committed,
+            error=str(e)[:300],
+        )
+        self.shutdown()
+        raise WorkerExit(
+            EXIT_STATE_TORN,
+            m.ExitReason.STATE_TORN,
+            f"elastrain: {ctx.member}'s heal failed midway and left its state torn ({e}); "
+            "a fresh process takes its place",
+        ) from None
 
     def start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:
         """Hash the state off the recovery's critical path: it overlaps the first

@@ -126,6 +126,7 @@ class ExitReason(StrEnum):
     MISCONFIGURED = "misconfigured"
     STATE_LOST = "state_lost"
     DEVICE_POISONED = "device_poisoned"
+    STATE_TORN = "state_torn"
 
 
 EXIT_CODES = {

@@ -12,7 +12,7 @@ sealed stripe by stripe with Poly1305 (`HealAuth.MAC`).
 from __future__ import annotations
 
 from elastrain.transfer.auth import HealAuth, check_auth
-from elastrain.transfer.errors import HealError
+from elastrain.transfer.errors import HealError, TornHeal
 from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
 from elastrain.transfer.signature import model_signature, signature_mismatch
@@ -33,6 +33,7 @@ __all__ = [
     "NamedState",
     "Role",
     "TorchState",
+    "TornHeal",
     "check_auth",
     "heal",
     "heal_over",

@@ -1,4 +1,5 @@
-"""The one exception type a failed heal raises."""
+"""The exception types a failed heal raises: `HealError`, and its `TornHeal` where the
+receiver's live state was already written."""
 
 from __future__ import annotations
 
@@ -21,3 +22,12 @@ class HealError(RuntimeError):
 class ManifestUnavailable(HealError):
     """The manifest root said it cannot build a manifest (its state cannot travel
     without pickle); every rank raises, nothing is retried."""
+
+
+class TornHeal(HealError):
+    """A heal that landed bytes straight in this receiver's live tensors (``in_place``)
+    failed after its first receive was posted: some of the live state may be
+    overwritten, so this member no longer holds any valid state. It must never
+    train on, checkpoint or send that state: the engine ends the process for a
+    fresh one (`elastrain.exitcodes.EXIT_STATE_TORN`), which is healed again from
+    members that hold the state."""

@@ -2,8 +2,12 @@
 
 Every entry lands in its own fresh tensor (allocated only after the manifest
 passed the receiver's `NamedState.bound`); the tensors become live only through
-`NamedState.install`, after every stripe's seal matched, so a failed heal
-leaves the live state untouched. Local; no communication.
+`NamedState.install`, after every check passed, so a failed heal leaves the
+live state untouched. Except in a heal run ``in_place`` (the trainers'): there
+the entries the state names in `NamedState.live_targets` (torch: the model's
+tensors) land straight in the live tensors, which saves the install's copy of
+them, and a heal that fails once their receives are posted leaves the state
+torn (`elastrain.transfer.errors.TornHeal`). Local; no communication.
 
 Why not ``torch.empty``: a heal's receiver is usually a process that has just
 started, so its landing memory has never been touched, and the kernel faults
@@ -223,25 +227,41 @@ class Landing:
 
     tensors: dict[str, torch.Tensor]
     raw: dict[str, torch.Tensor]
+    in_place: bool = False
+    """Some entry lands in a live tensor of the receiver's state (`NamedState.live_targets`):
+    once its receive is posted, a failed heal leaves that state torn."""
 
     @classmethod
-    def allocate(cls, entries: Sequence[Entry], reserve: LandingReserve | None = None) -> Landing:
-        """Fresh tensors for ``entries``; the entries of one section (the first
-        segment of their names: ``model``, ``optim``, ``obj`` for torch) share one
-        huge-page-advised mapping (``reserve``'s for that section when it has one
-        that fits), unmapped once none of its tensors is alive, so what
-        `NamedState.install` copies and drops (torch: the model's tensors) goes
-        back as a whole when the heal ends."""
+    def allocate(
+        cls,
+        entries: Sequence[Entry],
+        reserve: LandingReserve | None = None,
+        live: Mapping[str, torch.Tensor] | None = None,
+    ) -> Landing:
+        """Tensors for ``entries``: ``live[name]`` itself where given (the receiver's own
+        tensor, landed in place), else fresh; the fresh entries of one section (the
+        first segment of their names: ``model``, ``optim``, ``obj`` for torch) share
+        one huge-page-advised mapping (``reserve``'s for that section when it has
+        one that fits), unmapped once none of its tensors is alive, so what
+        `NamedState.install` copies and drops goes back as a whole when the heal
+        ends."""
+        live = live or {}
         tensors: dict[str, torch.Tensor] = {}
         raw: dict[str, torch.Tensor] = {}
         run: list[Entry] = []
         for e in entries:
+            if e.name in live:
+                tensors[e.name] = live[e.name]
+                raw[e.name] = byte_view(live[e.name])
+                continue
             if run and _section(run[0].name) != _section(e.name):
                 _allocate_section(run, tensors, raw, reserve)
                 run = []
             run.append(e)
         _allocate_section(run, tensors, raw, reserve)
-        return cls(tensors, raw)
+        if reserve is not None:  # a section wholly in place takes nothing: let it go now
+            reserve.release()
+        return cls(tensors, raw, bool(live))
 
     def target(self, entry: Entry, offset: int, nbytes: int) -> torch.Tensor:
         """The writable uint8 view for payload bytes ``[offset, offset + nbytes)`` of ``entry``."""

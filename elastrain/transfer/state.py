@@ -99,7 +99,18 @@ class NamedState(Protocol):
         """None if ``m`` (already within `bound`) fits this state exactly, else why not."""
         ...
 
+    def live_targets(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """The entries of ``m`` (already within `bound` and `check`) that a heal may
+        land straight in this state's live tensors, by entry name: each a
+        contiguous CPU tensor with exactly the entry's dtype and shape, sharing no
+        byte with another entry's. Only a heal run ``in_place`` asks; it writes
+        them before the payload is verified, so a heal that then fails leaves this
+        state torn (`TornHeal`). Empty: everything lands in fresh memory."""
+        ...
+
     def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
         """Make verified tensors (fresh, one per entry, owned by the callee from now
-        on) and the section the live state; HealError, state untouched, if refused."""
+        on, except those that are already the `live_targets` they were landed in)
+        and the section the live state; HealError if refused (state untouched
+        but for what landed in place)."""
         ...

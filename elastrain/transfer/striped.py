@@ -50,7 +50,10 @@ Every rank of the group calls it with the same ``senders`` and
    (round-robin), to the receivers that need it, and steps 4-5 repeat. No
    trusted sender left for a failed stripe: every rank raises HealError. Only
    when every check passed do receivers install the state
-   (`NamedState.install`): a failed heal leaves them untouched.
+   (`NamedState.install`): a failed heal leaves them untouched, except that a
+   heal run ``in_place`` (the trainers') lands the entries the state names
+   (`NamedState.live_targets`: torch's model tensors) straight in the live
+   tensors, and a receiver whose heal then fails raises `TornHeal`.
 
 Everything is bounded by one deadline, ``timeout_s`` from the call. A transport
 error or timeout raises HealError on the rank that saw it at once; its peers
@@ -83,7 +86,7 @@ import torch
 from elastrain.threads import HASH, name_native_thread
 from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.chunks import MAX_HEAL_ID
-from elastrain.transfer.errors import HealError, ManifestUnavailable
+from elastrain.transfer.errors import HealError, ManifestUnavailable, TornHeal
 from elastrain.transfer.flatten import flat_digest
 from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
@@ -327,6 +330,7 @@ def heal(
     tamper: Tamper | None = None,
     reserve: LandingReserve | None = None,
     auth: HealAuth = HealAuth.DIGEST,
+    in_place: bool = False,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`
     (in digest mode; `heal_with` gives one for either mode).
@@ -343,13 +347,16 @@ def heal(
         tamper=tamper,
         reserve=reserve,
         auth=auth,
+        in_place=in_place,
     )
 
 
-def heal_with(auth: HealAuth) -> HealFn:
+def heal_with(auth: HealAuth, *, in_place: bool = True) -> HealFn:
     """The `HealFn` the trainers call, in mode ``auth`` (`TrainerConfig.heal_auth`):
     chosen once, when the engine is built, for every topology that heals with it
-    (replicated members, sharded twins, JAX members)."""
+    (replicated members, sharded twins, JAX members). ``in_place`` (the trainers'
+    choice: the engine ends a member whose heal raised `TornHeal`, see
+    `heal_over`)."""
 
     def heal_in_mode(
         pg: Group,
@@ -365,7 +372,7 @@ def heal_with(auth: HealAuth) -> HealFn:
     ) -> tuple[dict[str, Any], HealStats]:
         return heal(
             pg, rank, senders, receivers, state, meta, timeout_s,
-            key=key, reserve=reserve, auth=auth,
+            key=key, reserve=reserve, auth=auth, in_place=in_place,
         )  # fmt: skip
 
     return heal_in_mode
@@ -415,6 +422,7 @@ def heal_over(
     tamper: Tamper | None = None,
     reserve: LandingReserve | None = None,
     auth: HealAuth = HealAuth.DIGEST,
+    in_place: bool = False,
 ) -> tuple[dict[str, Any], HealStats]:
     """Copy senders' ``state`` onto receivers, striped over all senders, checked in
     mode ``auth`` (`HealAuth`) under ``key``.
@@ -459,6 +467,14 @@ def heal_over(
     (`LandingReserve`; its sections are used up here). Without one, or for a
     section it does not fit, the payload lands in fresh memory.
 
+    ``in_place``: a receiver lands the entries its state names (`NamedState.live_targets`:
+    torch's model tensors) straight in its live tensors instead of fresh memory
+    and an install copy. Its state is then written before it is verified: a
+    heal that fails on a receiver once that receiver's payload receives were posted
+    raises `TornHeal` there (a HealError), and that member's state must be thrown
+    away (the engine ends the process for a fresh one, healed again). Every other
+    failure, and any without ``in_place``, leaves the receiver untouched.
+
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
     t0 = time.perf_counter()
@@ -479,7 +495,7 @@ def heal_over(
         digesting[rank] = _Digesting(flat)
     try:
         return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
-                     check, t0, flat, flat_error, digesting)  # fmt: skip
+                     check, t0, flat, flat_error, digesting, in_place)  # fmt: skip
     finally:
         for d in digesting.values():
             d.join()
@@ -500,6 +516,7 @@ def _heal(
     flat: FlatState | None,
     flat_error: Exception | None,
     digesting: dict[int, _Digesting],
+    in_place: bool,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over`'s protocol, once its arguments are checked and its state flattened.
     ``digesting``: this rank's state digest once it is a root (digest mode), by rank."""
@@ -585,7 +602,8 @@ def _heal(
                 staged = {s: stage(rd, flat, s, tamper, check) for s in manifest.stripes
                           if s.sender_rank == rank and s.nbytes}  # fmt: skip
             elif code == Verdict.OK and role == Role.RECV:
-                landing = Landing.allocate(manifest.entries, reserve)  # within `bound`
+                live = state.live_targets(manifest) if in_place else None
+                landing = Landing.allocate(manifest.entries, reserve, live)  # within `bound`
         except BaseException:
             with contextlib.suppress(HealError):
                 verdict.result()  # the posted round completes; its peers go on to fail
@@ -617,13 +635,21 @@ def _heal(
     rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
     own = digesting.get(rank)
-    nbytes = run_payload(
-        tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
-        own.result if own is not None else None,
-    )  # fmt: skip
-    payload_s = time.perf_counter() - t_payload
-    if landing is not None:
-        state.install(landing.tensors, manifest.section)
+    try:
+        nbytes = run_payload(
+            tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
+            own.result if own is not None else None,
+        )  # fmt: skip
+        payload_s = time.perf_counter() - t_payload
+        if landing is not None:
+            state.install(landing.tensors, manifest.section)
+    except (HealError, RuntimeError, ValueError) as e:
+        if landing is not None and landing.in_place:
+            raise TornHeal(
+                f"heal on rank {rank} failed after it began landing the payload in this "
+                f"member's live state, which is no longer valid: {e}"
+            ) from e
+        raise
 
     stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s)
     out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta

@@ -337,6 +337,33 @@ class TorchState:
                 )
         return None
 
+    def live_targets(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """The model's own tensors for its ``model/`` entries (the optimizer's state
+        is adopted, not copied, so it lands fresh either way): those that are
+        contiguous CPU tensors of the entry's dtype and shape and share no byte
+        with another model tensor (tied weights land fresh and are copied)."""
+        live = model_state(self.model)
+        spans: list[tuple[int, int, str]] = []
+        out: dict[str, torch.Tensor] = {}
+        for e in m.entries:
+            if not e.name.startswith(MODEL_PREFIX):
+                continue
+            t = live.get(e.name[len(MODEL_PREFIX) :])
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            if not t.is_contiguous() or dtype_name(t.dtype) != e.dtype:
+                continue
+            if list(t.shape) != list(e.shape) or not e.nbytes:
+                continue
+            spans.append((t.data_ptr(), t.data_ptr() + e.nbytes, e.name))
+            out[e.name] = t.detach()
+        spans.sort()
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+            if start < end:  # overlapping storage: neither lands in place
+                out.pop(a, None)
+                out.pop(b, None)
+        return out
+
     def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
         model_sd = model_state(self.model)
         state = {int(k): decode_refs(v, tensors) for k, v in section["state"].items()}
@@ -358,5 +385,6 @@ class TorchState:
                 self.objects[done].load_state_dict(before[done])
             raise HealError(f"{what}.load_state_dict refused the healed state: {e}") from e
         for key, dst in model_sd.items():
-            if dst.numel():
-                copy_bytes_into(dst, byte_view(tensors[MODEL_PREFIX + key]))
+            src = tensors[MODEL_PREFIX + key]
+            if dst.numel() and src.data_ptr() != dst.data_ptr():  # else it landed in place
+                copy_bytes_into(dst, byte_view(src))

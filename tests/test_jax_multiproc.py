@@ -127,13 +127,98 @@ def test_a_leaf_is_split_by_rows_where_the_processes_divide_it() -> None:
         local_rows((4,), ("model",), 2, 0)
 
 
+def _replica_part(whole: dict[str, Any], procs: int, proc: int) -> dict[str, Any]:
+    """Process `proc` of `procs`'s part of a test state: w split by rows, v along its
+    second dimension (where `procs` divides them), b and the key whole."""
+    w, v = whole["params"]["w"], whole["params"]["v"]
+    sw = (AXIS,) if w.shape[0] % procs == 0 else ()
+    sv = (None, AXIS) if v.shape[1] % procs == 0 else ()
+    return {
+        "params": {
+            "b": whole["params"]["b"],
+            "v": v[local_rows(v.shape, sv, procs, proc)],
+            "w": w[local_rows(w.shape, sw, procs, proc)],
+        },
+        "key": whole["key"],
+    }
+
+
+def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> None:
+    """Writers 0 and 1 of a 2-process replica write row blocks of each stored leaf
+    (a leaf split along dimension 1 is stored with it first), the whole leaves by
+    writer 0, every row once; processes of 1, 2, 3 or 4-process replicas read their
+    own parts back, bit for bit (3: w and v are not divisible, read whole); so does a
+    process reading a single-process JAX job's flat checkpoint (every leaf whole)."""
+    import torch
+
+    from elastrain.checkpoint.dcp import tiling_problem
+    from elastrain.jax.replica_checkpoint import (
+        META,
+        LeafPart,
+        WholeTensors,
+        flat_leaves,
+        layout_problem,
+        leaf_parts,
+        read_part,
+        replica_parts,
+        saved_parts,
+    )
+
+    rng = np.random.default_rng(0)
+    whole = {
+        "params": {
+            "b": np.float32(2.5),
+            "v": rng.standard_normal((3, 4)).astype(np.float32),
+            "w": rng.standard_normal((4, 6)).astype(np.float64),
+        },
+        "key": np.array([7, 9], dtype=np.uint32),
+    }
+    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), whole)
+    parts = leaf_parts(shapes, _replica_part(whole, 2, 0), 2)
+    assert [(p.name, p.dim) for p in parts] == [
+        ("['key']", None), ("['params']['b']", None), ("['params']['v']", 1), ("['params']['w']", 0),
+    ]  # fmt: skip
+    written = [replica_parts(parts, _replica_part(whole, 2, k), {"step": 3}, 2, k) for k in (0, 1)]
+    assert written[0].tensors == written[1].tensors
+    assert written[0].tensors["['params']['v']"] == ("torch.float32", (4, 3))
+    assert written[0].meta[META]["procs"] == 2 and written[0].meta["step"] == 3
+    assert {c.fqn for c in written[1].chunks} == {"['params']['v']", "['params']['w']"}
+    stored: dict[str, torch.Tensor] = {}
+    for fqn, (_, shape) in written[0].tensors.items():
+        chunks = [c for part in written for c in part.chunks if c.fqn == fqn]
+        assert tiling_problem([(c.lo, c.hi) for c in chunks], shape[0] if shape else 1) is None
+        stored[fqn] = torch.cat([c.tensor.reshape(c.hi - c.lo, *shape[1:]) for c in chunks])
+        stored[fqn] = stored[fqn].reshape(shape)
+    saved = saved_parts(written[0].meta, {}, [])
+    for procs in (1, 2, 3, 4):
+        for k in range(procs):
+            want = _replica_part(whole, procs, k)
+            mine = leaf_parts(shapes, want, procs)
+            assert layout_problem(saved, mine) is None
+            got = read_part(WholeTensors(stored), saved, mine, procs, k)
+            for a, b in zip(got, jax.tree_util.tree_leaves(want), strict=True):
+                assert a.dtype == np.asarray(b).dtype and np.array_equal(a, b), (procs, k)
+    # A single-process JAX job's flat checkpoint: every leaf whole, in its own order.
+    flat = {p.name: torch.from_numpy(np.array(x)) for p, x in
+            zip(parts, jax.tree_util.tree_leaves(whole), strict=True)}  # fmt: skip
+    flat = dict(reversed(flat.items()))
+    saved_flat = saved_parts({}, flat_leaves(flat), [p.name for p in parts])
+    assert [p.name for p in saved_flat] == [p.name for p in parts]
+    got = read_part(WholeTensors(flat), saved_flat, parts, 2, 1)
+    for a, b in zip(got, jax.tree_util.tree_leaves(_replica_part(whole, 2, 1)), strict=True):
+        assert np.array_equal(a, b)
+    other = [*parts[:3], LeafPart("['params']['w']", (8, 6), "float64", 0)]
+    assert "is ['params']['w'] float64[8, 6] here" in str(layout_problem(saved, other))
+    with pytest.raises(ValueError, match="not a 4th"):
+        leaf_parts(shapes, _replica_part(whole, 2, 0), 4)
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [
         ({"workers": 3}, "not a multiple of --replica-procs 2"),
         ({"shard_size": 2}, "--shard-size"),
         ({"spares": 1}, "--spares"),
-        ({"checkpoint_every": 5}, "checkpoints of multi-process replicas are not built"),
     ],
 )
 def test_the_launch_config_refuses_what_replicas_cannot_do(kw: dict[str, Any], words: str) -> None:
@@ -278,3 +363,53 @@ def test_a_hung_process_takes_its_replica_down_the_same_way(  # type: ignore[no-
     _survivors_went_on(job, t_fault, ceiling + 1.0)
     _healed_from_twins(job)
     assert loss_curve(job.events) == reference
+
+
+EVERY, KILL = 4, 10
+"""The killed run checkpoints every EVERY steps; every process is killed at step KILL."""
+
+
+def test_a_2x2_job_killed_whole_resumes_from_its_checkpoint_as_1x2(  # type: ignore[no-untyped-def]
+    run_job, reference: dict[int, float]
+) -> None:
+    """A 2 x 2 job checkpointing every EVERY steps loses all four processes at step
+    KILL (nothing replaces them): the job fails, its sharded checkpoint (2 parts,
+    one replica's worth) stays. Run again on the same run directory as 1 x 2, each
+    process reads its own part (bytes < the whole state), and the job goes on from
+    the checkpoint's step: exactly-once, equal states, and the loss curve equal to
+    the uninterrupted run's bit for bit (float64 reductions)."""
+    from elastrain.checkpoint import latest_verified
+
+    points = [{"member": f"w{i}", "step": KILL, "phase": "compute", "action": "kill"}
+              for i in range(4)]  # fmt: skip
+    args = ["--hidden", str(HIDDEN)]
+    first = run_job(
+        steps=STEPS,
+        workers=4,
+        replica_procs=2,
+        script=SCRIPT,
+        script_args=[*args, "--min-step-s", "0.3"],  # the checkpoints commit before the kill
+        points=points,
+        replace=False,
+        checkpoint_every=EVERY,
+    )
+    assert first.result.status == "failed"
+    newest = latest_verified(first.run_dir / "checkpoints")
+    assert newest is not None and newest.kind == "dcp" and EVERY <= newest.step < KILL
+    assert newest.num_shards == 2  # one writer per process index, not one per process
+    resumed_to = newest.step + 6
+    second = run_job(steps=resumed_to, workers=2, replica_procs=2, script=SCRIPT, script_args=args)
+    assert second.result.status == "done", second.result.message
+    assert second.result.resumed_from == newest.step
+    t0 = max(e["t"] for e in second.events if e["kind"] == "job_start")
+    ev = [e for e in second.events if e["t"] >= t0]
+    loaded = [e for e in ev if e["kind"] == "checkpoint_loaded"]
+    assert sorted(e["proc"] for e in loaded) == ["w0", "w1"]
+    part = 3 * ((16 * HIDDEN + HIDDEN + HIDDEN) // 2 + 1) * 4 + 4 + 8  # its rows, b2, count, key
+    assert all(e["step"] == newest.step and e["bytes"] == part < FULL_BYTES for e in loaded)
+    assert check_same_state(ev) == []
+    led = check_exactly_once(ev, expected_ids)
+    assert [v for v in led.violations if not v.startswith("steps never committed")] == []
+    curve = loss_curve(ev)
+    assert sorted(curve) == list(range(newest.step, resumed_to))
+    assert all(curve[s] == reference[s] for s in curve), (curve, reference)

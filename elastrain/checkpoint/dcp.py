@@ -530,6 +530,17 @@ class ShardedWriter(CheckpointWriter):
 # ---- commit and verification -----------------------------------------------------------
 
 
+def import_commit_modules() -> None:
+    """Import what a commit needs of torch's DCP (`_dcp_metadata`), which imports
+    torch.distributed.tensor and sympy: seconds on a busy machine. A process that
+    has not imported it already (a JAX job's, a replicated torch job's) calls this
+    on a background thread at start, so that its first commit is not late by that
+    much (measured: a JAX replica job's step-4 checkpoint committed only 3 s after
+    its parts were written, and a kill in between lost it)."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401
+    import torch.distributed.checkpoint.metadata  # noqa: F401
+
+
 def _dcp_metadata(tensors: Mapping[str, dict[str, Any]], checkpoint_id: str) -> Any:
     """DCP's `Metadata` of every chunk of ``tensors`` (the marker's "tensors")."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -823,6 +834,7 @@ __all__ = [
     "cover",
     "crc32_combine",
     "data_file_name",
+    "import_commit_modules",
     "model_key",
     "optim_key",
     "row_count",

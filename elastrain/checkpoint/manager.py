@@ -80,7 +80,13 @@ from elastrain.checkpoint import (
     commit,
 )
 from elastrain.checkpoint.config import CheckpointPolicy
-from elastrain.checkpoint.dcp import ShardedWriter, ShardParts, ShardSnapshot, commit_sharded
+from elastrain.checkpoint.dcp import (
+    ShardedWriter,
+    ShardParts,
+    ShardSnapshot,
+    commit_sharded,
+    import_commit_modules,
+)
 from elastrain.checkpoint.files import MARKER, read_signed_json, shard_manifest_name, step_dir
 from elastrain.checkpoint.policy import IntervalChoice, Schedule
 from elastrain.checkpoint.restore import Restored, RestoreSource, RestoreTarget, restore_newest
@@ -371,6 +377,11 @@ class Checkpointing:
             )
             writer = ShardedWriter if format == CheckpointFormat.DCP else CheckpointWriter
             self.writer = writer(self.store, events=self._writer_event)
+            if format == CheckpointFormat.DCP and (config.every or config.mtbf_s is not None):
+                # Off the training thread: its first commit (rank 0's) needs them.
+                threading.Thread(
+                    target=import_commit_modules, name="elastrain-dcp-import", daemon=True
+                ).start()
         self._snap: Snapshot | ShardSnapshot | None = None
         self._copying: tuple[Snapshot | ShardSnapshot, float] | None = None
         """The last snapshot while its deferred copy is not settled, and its take time."""

@@ -207,7 +207,11 @@ def restore_whole(
         return ckpt.total_bytes
     reader = ShardedReader(ckpt)
     if not isinstance(state, TorchState):
-        raise ResumeError(f"checkpoint {ckpt.path} is a torch model's, not this one's")
+        raise ResumeError(
+            f"checkpoint {ckpt.path} is sharded (DCP): a PyTorch job's, or a JAX job's of "
+            "multi-process replicas (--replica-procs K > 1, any K resumes it); this "
+            f"{state.kind} job of one process a member reads flat ones only"
+        )
     try:
         tensors, section = replicated_state(reader, meta["schema"], state)
         objects = saved_objects(reader, meta)

@@ -29,21 +29,11 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from elastrain.jax.backend import _platform
+from elastrain.jax.backend_base import JaxBackendBase
 from elastrain.jax.replica import AXIS, default_spec, local_rows
-from elastrain.jax.state import (
-    GradLayout,
-    JaxState,
-    LossFn,
-    Tree,
-    is_typed_key,
-    key_data,
-    make_apply_fn,
-)
+from elastrain.jax.state import LossFn, Tree, key_data
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.runtime.replica_place import ReplicaPlace
-from elastrain.transfer import NamedState, state_digest
 
 
 def _specs(params: Tree, specs: Tree | None, procs: int) -> list[tuple[str | None, ...]]:
@@ -62,18 +52,15 @@ def _specs(params: Tree, specs: Tree | None, procs: int) -> list[tuple[str | Non
     return [tuple(s) for s in given]
 
 
-class JaxReplicaBackend:
-    """`Backend` of one process of a multi-process JAX replica (module docstring).
+class JaxReplicaBackend(JaxBackendBase):
+    """`Backend` of one process of a multi-process JAX replica (module docstring;
+    the state and the step's buffer: `JaxBackendBase`).
 
     Contract: the K processes of a replica build it with the same full params
     (same init), specs, optimizer and config after `init_distributed`, and call
     `warm_up` and every `compute` of a step together, in the same rounds (the
     topology's turns); `apply` is local. Who calls: the engine's training thread.
     """
-
-    framework = "jax"
-    device = torch.device("cpu")
-    """Wire buffers are CPU tensors reduced over gloo between twins."""
 
     def __init__(
         self,
@@ -105,20 +92,15 @@ class JaxReplicaBackend:
             jax.device_put(np.ascontiguousarray(a[local_rows(a.shape, s, procs, proc)]), device)
             for a, s in zip(full, self._specs, strict=True)
         ]
-        self.params: Tree = jax.tree_util.tree_unflatten(self._treedef, local)
-        self.optimizer = optimizer
-        self.opt_state: Tree = optimizer.init(self.params)
-        self._typed_key = key is not None and is_typed_key(key)
-        self._key_impl = jax.random.key_impl(key) if self._typed_key else None
-        self.key: jax.Array = key_data(jax.random.PRNGKey(config.seed) if key is None else key)
-        self._layout = GradLayout.of(self.params)
-        self._apply = make_apply_fn(optimizer, self._layout, config.global_batch_size)
+        self.params = jax.tree_util.tree_unflatten(self._treedef, local)
+        self._hold(optimizer, config, key)
+        self._whole: Tree = {
+            "params": jax.eval_shape(lambda: params),
+            "opt_state": jax.eval_shape(optimizer.init, params),
+            "key": jax.eval_shape(lambda: self.key),
+        }
         self._grad = self._make_grad(loss_fn, config.micro_batch_size)
         self._rows = NamedSharding(self.mesh, PartitionSpec(AXIS))
-        self._wide = resolve_reduce_dtype(config.reduce_dtype, _platform(self.params)) == "float64"
-        self._extra_slots = 0
-        self._buf: np.ndarray[Any, Any] | None = None
-        self._wire: torch.Tensor | None = None
 
     def _make_grad(self, loss_fn: LossFn, micro_batch: int) -> Any:
         """Jitted ``(params, batches, keys, weights) -> (losses, grads)`` over the
@@ -149,44 +131,18 @@ class JaxReplicaBackend:
 
     # ---- state -------------------------------------------------------------------
 
-    def state_tree(self) -> Tree:
-        """This process's part: its rows of params and optimizer state, and the key."""
-        return {"params": self.params, "opt_state": self.opt_state, "key": self.key}
-
     def signature(self) -> list[list[Any]]:
         """The whole model's (the same on every process of the job)."""
         return self._full_signature
 
-    def state(self) -> JaxState:
-        return JaxState(self.state_tree())
-
-    def adopt(self, state: NamedState) -> None:
-        assert isinstance(state, JaxState)
-        tree = state.healed
-        if tree is not None:
-            self.params, self.opt_state, self.key = tree["params"], tree["opt_state"], tree["key"]
-
-    def state_hash(self) -> str:
-        return state_digest(self.state())
-
-    def meta(self) -> dict[str, Any]:
-        return {}
-
-    def load_meta(self, meta: dict[str, Any]) -> None:
-        pass
-
-    def count_flops(self, batch: Any, micro_batch: int, global_batch: int) -> None:
-        return None
-
-    def problems(self) -> list[str]:
-        return []
+    def whole_state(self) -> Tree:
+        """The whole replica's state tree as shapes and dtypes (`jax.ShapeDtypeStruct`
+        leaves, `state_tree`'s structure): what a checkpoint declares."""
+        return self._whole
 
     def step_key(self, step: int, microbatch: int) -> jax.Array:
         """The PRNG key data of micro-batch `microbatch` of step `step` (membership-free)."""
-        base = (
-            jax.random.wrap_key_data(self.key, impl=self._key_impl) if self._typed_key else self.key
-        )
-        return key_data(jax.random.fold_in(jax.random.fold_in(base, step), microbatch))
+        return key_data(self.folded_key(step, microbatch))
 
     def global_params(self) -> Tree:
         """The replica's parameters as global arrays over its mesh (no copy: this
@@ -218,13 +174,6 @@ class JaxReplicaBackend:
 
     # ---- one step ------------------------------------------------------------------
 
-    def begin_step(self, extra_slots: int) -> None:
-        self._extra_slots = extra_slots
-        self._buf = np.zeros(
-            self._layout.numel + extra_slots, dtype=np.float64 if self._wide else np.float32
-        )
-        self._wire = torch.from_numpy(self._buf)
-
     def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
         """One round: this process's micro-batch (weight 0 where `samples` is 0) with
         its replica-mates'; every micro-batch's gradient of this process's rows is
@@ -240,26 +189,7 @@ class JaxReplicaBackend:
         loss = np.asarray(losses.addressable_shards[0].data)[self.place.proc]
         return float(loss) * samples
 
-    def reduce_buffers(self) -> list[torch.Tensor]:
-        assert self._wire is not None
-        return [self._wire]
-
-    def extras(self) -> torch.Tensor:
-        assert self._wire is not None
-        return self._wire[-self._extra_slots :]
-
     def gradient(self) -> torch.Tensor:
         """The view of this process's rows' gradient (what its twins all-reduce)."""
         assert self._wire is not None
         return self._wire[: self._layout.numel]
-
-    def apply(self) -> None:
-        assert self._buf is not None
-        grad = self._buf[: self._layout.numel]
-        summed = jax.numpy.asarray(grad.astype(np.float32) if self._wide else grad)
-        params, opt_state = self._apply(self.params, self.opt_state, summed)
-        jax.block_until_ready((params, opt_state))
-        self.params, self.opt_state = params, opt_state
-
-    def discard(self) -> None:
-        self._buf, self._wire = None, None

@@ -20,8 +20,9 @@ generation's group in `connect`) and answers the layout's questions:
   cannot outlive a dead peer) and the launcher rebuilds the replica as K fresh
   processes; the other replicas go on in the next generation.
 
-Checkpoints are not built for this topology yet: `format_problems` refuses a
-job that asks for them (docs/guide/jax.md, "What it does not do").
+Checkpoints are sharded (DCP) checkpoints, one replica's worth: process k's
+part is written by its lowest-ranked holder; a resume reads each process's own
+part, on any number of replicas (`elastrain.jax.replica_checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,27 @@ from typing import Any
 import torch
 
 from elastrain.checkpoint import CheckpointFormat, VerifiedCheckpoint
-from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn
+from elastrain.checkpoint.dcp import ShardedReader
+from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
+from elastrain.checkpoint.plain import PlainCheckpointError
+from elastrain.checkpoint.restore import NOT_THIS_MODEL, ResumeError
 from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, WorkerExit
 from elastrain.jax.replica import ReplicaLayout
 from elastrain.jax.replica_backend import JaxReplicaBackend
+from elastrain.jax.replica_checkpoint import (
+    META,
+    LeafPart,
+    Rows,
+    WholeTensors,
+    flat_leaves,
+    layout_problem,
+    leaf_parts,
+    read_part,
+    replica_parts,
+    saved_parts,
+    writer_index,
+)
+from elastrain.jax.state import rebuild
 from elastrain.observe.events import EventKind
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
@@ -59,11 +77,6 @@ log = logging.getLogger("elastrain.jax.replicas")
 Loaded = Callable[[int, float], None]
 """Told the bytes read and the seconds spent once a restore's reading is done
 (the `Topology.restore` callback's type, spelled here: its home module moves)."""
-
-NOT_BUILT = (
-    "checkpoints of a multi-process JAX replica (--replica-procs) are not built yet: run "
-    "without --ckpt-every/--ckpt-mtbf (and TrainerConfig.checkpoint_every/_mtbf_s unset)"
-)
 
 
 def exchange_places(pg: Any, rank: int, size: int, mine: tuple[int, int, int, int]) -> Any:
@@ -91,16 +104,32 @@ class ReplicaTwins:
         self._was_complete = False
         """This process's replica had all its processes in a generation before: a
         generation without one of them means a replica-mate is gone."""
+        self._parts: list[LeafPart] | None = None
+
+    def leaf_parts(self) -> list[LeafPart]:
+        """This process's part of every leaf of the state (fixed for the job)."""
+        if self._parts is None:
+            b = self.backend
+            self._parts = leaf_parts(b.whole_state(), b.state_tree(), self.place.procs)
+        return self._parts
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
         return choose_transport(setting, "cpu", sharded=False, nccl_version=None)
 
     def checkpoint_format(self, configured: CheckpointFormat) -> CheckpointFormat:
-        return configured
+        """Sharded (DCP) whatever ``--ckpt-format`` says: the one format of parts."""
+        return written_format(configured, sharded=True)
 
     def format_problems(self, configured: CheckpointFormat, written: CheckpointFormat) -> list[str]:
+        """A state whose parts are not row blocks of its leaves cannot be checkpointed."""
         ck = self.ctx.config.checkpoint
-        return [NOT_BUILT] if ck.every or ck.mtbf_s is not None else []
+        if not ck.every and ck.mtbf_s is None:
+            return []
+        try:
+            self.leaf_parts()
+        except ValueError as e:
+            return [f"checkpoints of a multi-process JAX replica: {e}"]
+        return []
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         return self.backend.state().landing_estimate()
@@ -248,20 +277,72 @@ class ReplicaTwins:
     def save_part(
         self, committed: int, snaps: Snapshots, written: CheckpointFormat
     ) -> tuple[StateFn | PartsFn, SaveRole]:
-        raise RuntimeError(NOT_BUILT)  # format_problems refused the job at start
+        """Its part of every leaf if it is its part's writer (`writer_index`: one
+        replica's worth in all); rank 0 commits."""
+        layout, p = self.layout, self.place
+        if layout is None:  # between generations: no layout, nothing to write
+            return snaps.state_at(committed), SaveRole(None, 1, False)
+        k = writer_index(layout, self.ctx.member)
+        role = SaveRole(k, p.procs, self.ctx.proto.rank == 0)
+        backend = self.backend
+
+        def parts() -> Any:
+            meta = snaps.checkpoint_meta(committed)
+            return replica_parts(self.leaf_parts(), backend.state_tree(), meta, p.procs, k or 0)
+
+        return parts, role
 
     def restore_problem(self, ckpt: VerifiedCheckpoint) -> str | None:
-        return NOT_BUILT
+        if ckpt.kind == "flat" or META in ckpt.meta:
+            return None  # a single-process JAX job's whole leaves, or replicas' parts
+        return (
+            f"{ckpt.path} is a sharded PyTorch job's checkpoint, not a JAX replica's: "
+            "resume it with that job's script, or start in a fresh --run-dir"
+        )
 
     def restore(
         self, ckpt: VerifiedCheckpoint, tensors: Any, meta: dict[str, Any], loaded: Loaded
     ) -> int | None:
-        raise RuntimeError(NOT_BUILT)
+        """Read this process's part of every leaf now (`read_part`: its rows only
+        where the leaf is split as when saved) and install it; returns the bytes
+        read. ResumeError, before anything is installed, if the saved leaves are
+        not this script's."""
+        mine, p = self.leaf_parts(), self.place
+        source: Rows
+        if ckpt.kind == "flat":
+            saved = saved_parts(meta, flat_leaves(tensors), [m.name for m in mine])
+            source, reader = WholeTensors(tensors), None
+        else:
+            saved = saved_parts(meta, {}, [])
+            source = reader = ShardedReader(ckpt)
+        try:
+            problem = layout_problem(saved, mine)
+            if problem is not None:
+                raise ResumeError(
+                    f"checkpoint {ckpt.path} does not fit this model and optimizer: "
+                    f"{problem}. {NOT_THIS_MODEL}"
+                )
+            arrays = read_part(source, saved, mine, p.procs, p.proc)
+        finally:
+            if reader is not None:
+                reader.close()
+        state = self.backend.state()
+        state.healed = rebuild(state.tree, arrays)
+        self.backend.adopt(state)
+        saved_k = meta.get(META, {}).get("procs", 1)
+        log.info("%s read its part of %s (saved by replicas of %d processes, read by %d)",
+                 self.ctx.member, ckpt.path, saved_k, p.procs)  # fmt: skip
+        if reader is not None:
+            return reader.bytes_read
+        return sum(t.numel() * t.element_size() for t in tensors.values())  # read whole
 
     def read_plain(
         self, directory: str, wanted_step: int | None
     ) -> tuple[int, Callable[[Loaded], None]]:
-        raise RuntimeError(NOT_BUILT)
+        """A plain torch DCP directory holds a torch model's state: refused."""
+        raise PlainCheckpointError(
+            f"{directory}: a plain PyTorch checkpoint cannot start a JAX replica's state"
+        )
 
 
 def replica_twins(backend: JaxReplicaBackend) -> Callable[[Context], ReplicaTwins]:

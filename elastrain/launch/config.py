@@ -368,10 +368,6 @@ class LaunchConfig:
             why.append(
                 "--spares: a hot spare is one process, a replica's rebuild needs K fresh ones"
             )
-        if self.checkpoint_every or self.checkpoint_mtbf_s is not None:
-            why.append(
-                "checkpoints of multi-process replicas are not built yet (drop --ckpt-every/--ckpt-mtbf)"
-            )
         if why:
             raise ValueError(f"--replica-procs {k}: " + "; ".join(why))
 

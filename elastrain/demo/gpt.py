@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastrain import ElasticTrainer, TrainerConfig
+from elastrain.demo.pace import read_pace
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000) -> bytes:
@@ -125,15 +126,6 @@ HELD_OUT = 16 * 1024
 """Bytes at the corpus's end kept out of training for `--eval-every`."""
 
 
-def _pace(path: str | None, default: float) -> float:
-    if path:
-        try:
-            return float(Path(path).read_text())
-        except (OSError, ValueError):
-            pass
-    return default
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=60)
@@ -198,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in trainer.steps():
         if sched is not None:
             sched.step()
-        pace = _pace(args.pace_file, args.min_step_s)
+        pace = read_pace(args.pace_file, args.min_step_s)
         if r.step_s < pace:
             time.sleep(pace - r.step_s)  # the pace, not a synchronisation
         last = r.step == trainer.config.total_steps - 1

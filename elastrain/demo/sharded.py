@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastrain.chaos.injector import register as register_chaos
 from elastrain.chaos.schedule import FaultSchedule, parse_fault
+from elastrain.demo.driven import run_driven
+from elastrain.demo.pace import write_pace
 from elastrain.launch.launcher import LaunchConfig, Launcher
-from elastrain.launch.progress import Progress
 from elastrain.observe.events import EventTail
 
 Event = Mapping[str, Any]
@@ -164,15 +164,7 @@ class Driver:
             pace = LATE_PACE_S
         else:
             pace = WAIT_PACE_S
-        text = f"{pace:g}"
-        try:
-            if self.pace.read_text() == text:
-                return
-        except OSError:
-            pass
-        tmp = self.pace.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self.pace)  # the workers read it every step: never a torn file
+        write_pace(self.pace, pace)
 
 
 def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: bool = False) -> int:
@@ -181,7 +173,7 @@ def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: b
     script = str(Path(__file__).with_name("gpt.py"))
     with tempfile.TemporaryDirectory(prefix="elastrain-demo-") as tmp:
         pace = Path(tmp) / "pace"
-        pace.write_text(f"{BASE_PACE_S:g}")
+        write_pace(pace, BASE_PACE_S)
         cfg = LaunchConfig(
             script=script,
             script_args=[*GPT_ARGS, *RECIPE_ARGS, "--pace-file", str(pace)],
@@ -203,23 +195,13 @@ def run_sharded_demo(*, steps: int = STEPS, run_dir: str | None = None, plain: b
             f"{HOLD_S:g} s:\nafter {RESHARD_AFTER_S:g} s the 3 survivors regroup in memory as "
             "1x3; when the replacement\nreturns, the job goes back to 2x2.\n"
         )
-        with Progress(steps, plain=plain or None) as prog:
-            drivers: list[Driver] = []
 
-            def on_status(st: dict[str, Any]) -> None:
-                prog.update(st)
-                for d in drivers:
-                    d.on_status(st)
-
-            register_chaos()  # its faults reach the launcher through the fault seam
-            launcher = Launcher(cfg, on_status=on_status)
+        def make_driver(launcher: Launcher, note: Callable[[str], None]) -> Driver:
             schedule = launcher.schedule
-            assert isinstance(schedule, FaultSchedule)  # chaos's, registered above
-            driver = Driver(launcher.run_dir, pace, steps, schedule, prog.note)
-            drivers.append(driver)
-            prog.note(f"run directory: {launcher.run_dir}")
-            prog.attach(launcher.run_dir)
-            result = launcher.run()
+            assert isinstance(schedule, FaultSchedule)  # chaos's, registered by run_driven
+            return Driver(launcher.run_dir, pace, steps, schedule, note)
+
+        result, launcher, driver = run_driven(cfg, steps, plain, make_driver)
         if driver.phase != "done":
             print(f"\nthe demo did not reach every phase (stopped while waiting: {driver.phase})")
     full = state_bytes()

@@ -2,6 +2,7 @@
 
 elastrain demo                                # the elastic demo (about 2 minutes)
 elastrain demo --sharded                      # 2x2 shards: heal one shard, 1x3, back
+elastrain demo --jax                          # 2 JAX replicas x 2 processes: kill, rebuild, heal
 elastrain run -n 4 --min 2 --replace-delay 2 train.py -- --my-arg 1
 elastrain run -n 4 --shard-size 2 train.py       # 2 replica groups x 2 shards
 elastrain run -n 4 --shard-size 2 --reshard-after 30 train.py   # 3 left: 1x3, then back
@@ -486,10 +487,18 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from elastrain.demo.show import run_demo
 
-    steps = args.steps if args.steps is not None or args.sharded else 80
-    if args.spares and args.sharded:
-        print("elastrain demo: --spares is for the replicated demo, not --sharded", file=sys.stderr)
+    if args.sharded and args.jax:
+        print("elastrain demo: --sharded or --jax, not both", file=sys.stderr)
         return 2
+    if args.spares and (args.sharded or args.jax):
+        which = "--sharded" if args.sharded else "--jax"
+        print(f"elastrain demo: --spares is for the replicated demo, not {which}", file=sys.stderr)
+        return 2
+    if args.jax:
+        from elastrain.demo.jax_replicas import STEPS, run_jax_demo
+
+        return run_jax_demo(steps=args.steps or STEPS, run_dir=args.run_dir, plain=args.plain)
+    steps = args.steps if args.steps is not None or args.sharded else 80
     return run_demo(
         steps=steps,
         run_dir=args.run_dir,
@@ -669,13 +678,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "demo", help="the elastic demo: kill, replace, hang; PIDs and recovery phases"
     )
     d.add_argument(
-        "--steps", type=int, default=None, help="steps to train (default 80; --sharded 75)"
+        "--steps",
+        type=int,
+        default=None,
+        help="steps to train (default 80; --sharded 75; --jax 30)",
     )
     d.add_argument(
         "--sharded",
         action="store_true",
         help="2 replica groups x 2 shards: a kill healed shard-only, a reshard to 1x3 in "
         "memory and back to 2x2",
+    )
+    d.add_argument(
+        "--jax",
+        action="store_true",
+        help="2 JAX replicas x 2 processes: a kill, the other replica goes on, the lost one "
+        "rebuilt and healed shard by shard from its twins (needs elastrain[jax])",
     )
     d.add_argument(
         "--spares",

@@ -3,11 +3,13 @@ script, and its printed sections read back; its refusal without JAX."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,37 @@ def test_without_jax_the_demo_says_how_to_install_it(
     monkeypatch.setattr(jax_replicas, "jax_missing", lambda: True)
     assert jax_replicas.run_jax_demo() == 2
     assert "pip install 'elastrain[jax]'" in capsys.readouterr().err
+
+
+def test_the_driver_paces_the_wait_for_the_rebuilt_replica(tmp_path: Path) -> None:
+    """Base pace before the kill; slow while the fresh processes start, slower near
+    the end; as fast as it goes once both fresh processes (not a sender, not an
+    original member) were healed."""
+    pace, notes = tmp_path / "pace", list[str]()
+    d = jax_replicas.Driver(tmp_path, pace, 30, notes.append)
+
+    def status(step: int, *events: dict[str, Any]) -> float:
+        (tmp_path / "events").mkdir(exist_ok=True)
+        with open(tmp_path / "events" / "test.jsonl", "a") as f:
+            f.writelines(json.dumps({"t": 0.0, **e}) + "\n" for e in events)
+        d.on_status({"step": step})
+        return float(pace.read_text())
+
+    spawned = [{"kind": "worker_spawned", "member": f"w{i}"} for i in range(4)]
+    assert status(2, *spawned) == jax_replicas.BASE_PACE_S
+    kill = {"kind": "fault_injected", "fault": "kill", "member": "w1", "step": 5}
+    assert status(5, kill) == jax_replicas.WAIT_PACE_S
+    heal = {"kind": "heal_end", "role": "recv", "bytes": 9}
+    assert status(10, {**heal, "proc": "w2"}, {**heal, "proc": "w4", "role": "send"}) == (
+        jax_replicas.WAIT_PACE_S
+    )
+    assert status(25, {**heal, "proc": "w4"}) == jax_replicas.LATE_PACE_S  # one of two
+    assert status(26, {**heal, "proc": "w5"}) == jax_replicas.AFTER_PACE_S
+    assert notes == [
+        "step 5: SIGKILL w1",
+        "w4 healed 9 bytes (its shard)",
+        "w5 healed 9 bytes (its shard)",
+    ]
 
 
 def test_the_jax_demo(tmp_path: Path) -> None:

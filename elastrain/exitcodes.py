@@ -6,6 +6,13 @@ replace the worker; this module imports nothing, so the launcher does not pay
 for torch.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastrain.exitrecord import ScriptError
+
 EXIT_LEFT = 75
 """Left gracefully (SIGTERM): replace it, the job goes on."""
 
@@ -50,7 +57,9 @@ EXIT_STATE_TORN = 73
 the process holds no valid state, so it must never train on it or be picked to
 send it. It leaves; the launcher replaces it without counting it against the
 job's startup checks (a peer's failure tore it), and the fresh process is healed
-again from members that hold the state. (73: sysexits' EX_CANTCREAT, unused here.)"""
+again from members that hold the state. A heal torn by the member's own failure
+(its install refused the state) leaves its cause as the exit record, and the
+same-error rule stops repeats of it. (73: sysexits' EX_CANTCREAT, unused here.)"""
 
 # ---- `elastrain run` (the launcher's own exit status) ----------------------------
 
@@ -83,13 +92,23 @@ class WorkerExit(Exception):
     destructor, atexit hook or thread: a device with a sticky error makes torch
     abort the process when a CUDA tensor is freed, which would turn `code` into
     SIGABRT.
+    `record`: the exit record the entry point writes (`elastrain.exitrecord`), for
+    an exit whose cause would end a fresh process the same way (a torn heal of
+    this member's own, `EXIT_STATE_TORN`); None for every other exit.
     """
 
     def __init__(
-        self, code: int, reason: str, message: str = "", *, immediate: bool = False
+        self,
+        code: int,
+        reason: str,
+        message: str = "",
+        *,
+        immediate: bool = False,
+        record: ScriptError | None = None,
     ) -> None:
         super().__init__(message or f"worker exit: {reason} (status {code})")
         self.code = code
         self.reason = reason
         self.message = message
         self.immediate = immediate
+        self.record = record

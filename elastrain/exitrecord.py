@@ -79,6 +79,17 @@ def from_exception(exc: BaseException) -> ScriptError:
     return ScriptError(type(exc).__name__, str(exc)[:MAX_MESSAGE], where)
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception `exc` was raised from (``raise ... from``): the
+    library wraps a script's error (a ``load_state_dict`` refusing) in its own,
+    and the record names the script's line."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
+
+
 def record_path(run_dir: Path, member: str, pid: int) -> Path:
     return run_dir / EXITS / f"{member}-{pid}.json"
 

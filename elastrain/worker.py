@@ -10,7 +10,8 @@ library free of process-level decisions:
   never imports the tools;
 - a `WorkerExit` raised by the library (leave, preemption, refusal, no
   coordinator, a misconfigured script) becomes the process exit status, here
-  and nowhere else; an error torch raises for a well-known mistake (a script
+  and nowhere else (with the exit record it carries written: a torn heal's
+  cause of the member's own, `WorkerExit.record`); an error torch raises for a well-known mistake (a script
   using torch.distributed directly) exits EXIT_MISCONFIGURED with what to change;
 - any other exception the script raises is a bug in the script, not a hardware
   failure: the traceback is printed, the exception's type, message and script
@@ -36,7 +37,7 @@ from typing import NoReturn
 from elastrain import env
 from elastrain.children import die_with_parent
 from elastrain.exitcodes import EXIT_MISCONFIGURED, EXIT_SCRIPT_ERROR, WorkerExit
-from elastrain.exitrecord import from_exception, write_record
+from elastrain.exitrecord import ScriptError, from_exception, write_record
 from elastrain.runtime.preflight import explain
 
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerExit as e:
         if e.message:
             print(e.message, file=sys.stderr, flush=True)
+        if e.record is not None:
+            record(e.record)
         if e.immediate:
             # Still inside the handler: the traceback holds the script's frames, so
             # none of its CUDA tensors has been freed yet (see WorkerExit). Buffered
@@ -98,17 +101,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def script_failed(e: Exception) -> NoReturn:
-    """The script raised `e` (its traceback is printed): record it and end the
-    process now (see the module docstring)."""
-    err = from_exception(e)
-    print(f"elastrain: the script raised {err.headline()}", file=sys.stderr, flush=True)
+def record(err: ScriptError) -> None:
+    """Write this process's exit record, where the launcher reads it (its run directory)."""
     run_dir, member = os.environ.get(env.RUN_DIR), os.environ.get(env.MEMBER_ID)
     if run_dir and member:
         try:
             write_record(Path(run_dir), member, os.getpid(), err)
         except OSError as why:
             print(f"elastrain: could not write the exit record: {why}", file=sys.stderr)
+
+
+def script_failed(e: Exception) -> NoReturn:
+    """The script raised `e` (its traceback is printed): record it and end the
+    process now (see the module docstring)."""
+    err = from_exception(e)
+    print(f"elastrain: the script raised {err.headline()}", file=sys.stderr, flush=True)
+    record(err)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

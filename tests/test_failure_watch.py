@@ -79,6 +79,28 @@ def test_torn_heals_are_replaced_even_before_the_first_step_but_cost_the_budget(
     assert stop is not None and stop.cause is StopCause.BUDGET
 
 
+def test_torn_heals_with_the_same_cause_of_their_own_stop_the_job_naming_the_cause() -> None:
+    """A torn heal whose cause is the member's own (an object refusing the healed
+    state, in its exit record) tears every replacement again: the second with the
+    same cause stops the job, naming it; injected ones and another cause do not."""
+    refused = ScriptError("ValueError", "refuses the healed state", "/job/train.py:40")
+
+    def torn(member: str, t: float, err: ScriptError, **kw: object) -> Exit:
+        return Exit(member, int(t * 10), EXIT_STATE_TORN, t, error=err, **kw)  # type: ignore[arg-type]
+
+    w = FailureWatch(max_same_error=2, window_s=100.0)
+    assert w.on_exit(torn("w0", 0.0, refused)) is None
+    assert w.on_exit(torn("w1", 1.0, refused, injected=True)) is None
+    assert w.on_exit(torn("w2", 2.0, ScriptError("KeyError", "'x'", refused.where))) is None
+    stop = w.on_exit(torn("w3", 3.0, refused))
+    assert stop is not None and stop.cause is StopCause.SAME_ERROR, stop
+    assert stop.member == "w0" and stop.count == 2 and stop.error == refused
+    assert "exit 73" in stop.head and "ValueError: refuses the healed state" in stop.head
+    assert "torn again" in stop.head, stop.head
+    quiet = FailureWatch(max_same_error=0)
+    assert all(quiet.on_exit(torn(f"w{i}", float(i), refused)) is None for i in range(5))
+
+
 def test_the_restart_budget_counts_replaced_failures_within_the_window() -> None:
     w = FailureWatch(max_replacements=2, window_s=100.0)
     assert w.on_replace(crash("w0", 0.0, None)) is None
@@ -145,6 +167,30 @@ def test_the_record_names_the_innermost_frame_outside_libraries(tmp_path: Path) 
     write_record(tmp_path, "w3", 42, err)
     assert read_record(tmp_path, "w3", 42) == err
     assert read_record(tmp_path, "w3", 43) is None
+
+
+_TORN_SCRIPT = """
+from elastrain.exitcodes import WorkerExit
+from elastrain.exitrecord import ScriptError
+raise WorkerExit(73, "state_torn", "torn", record=ScriptError("ValueError", "no", "t.py:4"))
+"""
+
+
+def test_the_entry_point_writes_the_record_a_library_exit_carries(tmp_path: Path) -> None:
+    """A torn heal of the member's own leaves its cause where the launcher reads
+    exit records, with the exit status the library asked for."""
+    import os
+    import subprocess
+    import sys
+
+    from elastrain import env
+
+    script = tmp_path / "torn.py"
+    script.write_text(_TORN_SCRIPT)
+    environ = dict(os.environ, **{env.RUN_DIR: str(tmp_path), env.MEMBER_ID: "w2"})
+    proc = subprocess.Popen([sys.executable, "-m", "elastrain.worker", str(script)], env=environ)
+    assert proc.wait(timeout=120) == EXIT_STATE_TORN
+    assert read_record(tmp_path, "w2", proc.pid) == ScriptError("ValueError", "no", "t.py:4")
 
 
 def test_the_exit_request_carries_the_error_and_old_bodies_still_decode() -> None:

@@ -176,7 +176,7 @@ def run(
                 tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY,
                 auth=auth, in_place=in_place,
             )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:  # noqa: BLE001 - the test inspects it (interrupts too)
             results[rank] = e
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(wire.size)]
@@ -326,8 +326,53 @@ def test_in_place_a_heal_that_fails_after_landing_began_is_torn_on_the_receiver_
     holder.append(wire)
     res = run(wire, states, senders=[0], receivers=[1], auth=auth, in_place=True)
     assert isinstance(res[1], TornHeal) and "no longer valid" in str(res[1]), res
+    assert not res[1].own  # the senders' bytes failed: a fresh process may heal fine
     assert isinstance(res[0], HealError) and not isinstance(res[0], TornHeal), res
     assert state_hash(*states[0]) == sender
+
+
+class _Refuses:
+    """A registered object whose ``load_state_dict`` refuses every state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise ValueError("this object refuses the healed state")
+
+
+@pytest.mark.parametrize("fault", ["bug", "refused", "interrupt"])
+def test_in_place_whatever_the_install_raises_the_receiver_is_torn_and_says_whose_fault(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the payload landed in the live model, any failure tears it: a bug's
+    KeyError or a registered object refusing the state becomes a TornHeal of this
+    member's own (`own`, the cause chained); an interrupt stays an interrupt,
+    marked torn. The sender never tears."""
+    objects = {"sched": _Refuses()} if fault == "refused" else {}
+    states = [(*_state(True), objects), (*_state(False), objects)]
+    real = TorchState.install
+
+    def install(self: TorchState, tensors: Any, section: Any) -> None:
+        if fault == "bug":
+            raise KeyError("model/0.weight")
+        if fault == "interrupt":
+            raise KeyboardInterrupt
+        real(self, tensors, section)
+
+    monkeypatch.setattr(TorchState, "install", install)
+    res = run(Wire(2), states, senders=[0], receivers=[1], in_place=True)  # type: ignore[arg-type]
+    assert isinstance(res[0], tuple), res  # the sender is done before the receiver installs
+    err = res[1]
+    if fault == "interrupt":
+        assert isinstance(err, KeyboardInterrupt) and not isinstance(err, HealError), res
+        assert any("no longer valid" in n for n in getattr(err, "__notes__", [])), err
+        return
+    assert isinstance(err, TornHeal) and err.own, res
+    want = KeyError if fault == "bug" else HealError
+    assert isinstance(err.__cause__, want), err.__cause__
+    if fault == "refused":
+        assert isinstance(err.__cause__.__cause__, ValueError)
 
 
 def test_in_place_a_manifest_refused_before_the_payload_leaves_the_receiver_untouched() -> None:

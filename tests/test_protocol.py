@@ -32,6 +32,7 @@ from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorRefused, CoordinatorUnavailable
 from elastrain.data import GlobalOrder, OrderKind, step_microbatches
 from elastrain.exitcodes import (
+    EXIT_DEVICE_POISONED,
     EXIT_LEFT,
     EXIT_MISCONFIGURED,
     EXIT_PREEMPTED,
@@ -987,6 +988,41 @@ def test_a_heal_torn_after_landing_began_ends_the_member_for_a_fresh_process(
     assert h.coord.exits == [EXIT_STATE_TORN]
     assert [ev["reason"] for ev in h.events("worker_exit")] == ["state_torn"]
     assert h.events("step_commit") == [] and h.coord.gen == 1  # never regrouped
+    assert e.value.record is None  # a peer's failure: no exit record, nothing counted
+
+
+@pytest.mark.parametrize("cause", ["own", "poisoned"])
+def test_a_torn_heal_of_its_own_leaves_its_cause_and_a_poisoned_one_exits_74(
+    tmp_path: Path, cause: str
+) -> None:
+    """A heal torn by this member's own failure (its install refused the state)
+    leaves the innermost cause as the exit record, for the launcher's same-error
+    rule; one torn by a sticky device error (the install's copy) is a poisoned
+    device, EXIT_DEVICE_POISONED, not a torn state."""
+    members = ("b", "c", "a")
+    at4 = (members, {"b": 4, "c": 4, "a": 0}, {"b": 3, "c": 3, "a": 0})
+    why = "refuses the state" if cause == "own" else "CUDA error: an illegal memory access"
+
+    def torn(*args: Any, **kw: Any) -> tuple[dict[str, Any], HealStats]:
+        try:
+            try:
+                raise ValueError(why)
+            except ValueError as e:
+                raise HealError(f"registered object refused the healed state: {e}") from e
+        except HealError as e:
+            raise TornHeal("heal on rank 2 failed after it began landing", own=True) from e
+
+    h = Harness(tmp_path, [at4, at4], heal=torn)
+    with pytest.raises(WorkerExit) as e:
+        h.run()
+    if cause == "poisoned":
+        assert e.value.code == EXIT_DEVICE_POISONED and e.value.record is None
+        assert [ev["reason"] for ev in h.events("worker_exit")] == ["device_poisoned"]
+        return
+    assert e.value.code == EXIT_STATE_TORN
+    rec = e.value.record
+    assert rec is not None and rec.type == "ValueError" and rec.message == why, rec
+    assert rec.where.startswith(__file__), rec  # the innermost frame: the raise above
 
 
 def test_hooks_see_every_point_of_every_step(tmp_path: Path) -> None:

@@ -9,7 +9,10 @@ Four rules, each a pure decision of `FailureWatch` over what the launcher saw:
   that every replacement would hit again. Only an exception the script raised
   and did not catch leaves a record, so a kill, a hang, a device error or a
   graceful leave never counts, and neither does any exit of a process the
-  launcher's fault schedule killed (`injected`).
+  launcher's fault schedule killed (`injected`). A torn heal (EXIT_STATE_TORN)
+  leaves one only when its cause is the member's own (its install refused the
+  healed state): repeats of that cause stop the job too; one torn by a peer's
+  failure is replaced.
 - **The start-up rule** (before this issue's rule, and still the one for exits
   without a record: a crash in native code, `sys.exit(1)`): the second worker
   that dies before committing a step with the same last log line (the exception,
@@ -172,8 +175,14 @@ class FailureWatch:
         if ex.returncode == EXIT_MISCONFIGURED:
             head = f"{ex.member} found a mistake in the script (exit {ex.returncode})"
             return Stop(StopCause.MISCONFIGURED, head, ex.member)
-        if not self.counts(ex) or ex.returncode == EXIT_STATE_TORN:
-            return None  # a torn heal is a peer's failure seen here: replace it
+        if ex.returncode == EXIT_STATE_TORN and self.counts(ex):
+            # Torn by a peer's failure (no record): replace it. Torn by its own
+            # (the record names the cause): a repeat would tear every replacement.
+            if ex.error is None or self.max_same_error <= 0:
+                return None
+            return self._same_error(ex, ex.error)
+        if not self.counts(ex):
+            return None
         if ex.error is not None and self.max_same_error > 0:
             stop = self._same_error(ex, ex.error)
             if stop is not None:
@@ -201,7 +210,13 @@ class FailureWatch:
             else f"{members[0]} and {len(members) - 1} others"
         )
         span = ex.t - times[0][0]
-        if ex.committed:
+        if ex.returncode == EXIT_STATE_TORN:
+            head = (
+                f"a heal into {who} failed the same way after landing in the live state, "
+                f"{len(times)} times in {span:.1f} s (exit {ex.returncode}, torn by "
+                f"{err.headline()}): every fresh process would be torn again"
+            )
+        elif ex.committed:
             head = (
                 f"{who} raised the same {err.type} at the same line, {len(times)} times in "
                 f"{span:.1f} s: a bug in the script, not a hardware failure"

@@ -21,6 +21,7 @@ from elastrain.checkpoint.manager import Checkpointing
 from elastrain.control import protocol as p
 from elastrain.control.client import CoordinatorError
 from elastrain.exitcodes import EXIT_STATE_LOST, EXIT_STATE_TORN, WorkerExit
+from elastrain.exitrecord import from_exception, root_cause
 from elastrain.observe.events import EventKind
 from elastrain.runtime import member as m
 from elastrain.runtime.carried import Carried
@@ -103,6 +104,8 @@ class Healing:
                 EXIT_STATE_LOST, "shard_lost", f"elastrain: {e}; {self.resume_hint()}"
             ) from None
         except TornHeal as e:
+            if is_poisoned(e):  # the install's copy hit a sticky device error: exit 74
+                raise
             self._leave_torn(e)
         except Unfillable as e:
             # Every member of a fresh job built on the meta device gets here alike:
@@ -126,7 +129,9 @@ class Healing:
         in the live tensors, so it holds no valid state and must not regroup, where
         it could be picked as a sender. The coordinator is told first, so its peers
         regroup at once without it; the launcher starts a fresh process, which is
-        healed again."""
+        healed again. A failure of its own (`TornHeal.own`) would tear the fresh
+        process too: its cause becomes the exit record, which the launcher's
+        same-error rule counts."""
         ctx = self.ctx
         log.error("%s: %s; leaving for a fresh process", ctx.member, e)
         with contextlib.suppress(CoordinatorError):
@@ -143,6 +148,7 @@ class Healing:
             m.ExitReason.STATE_TORN,
             f"elastrain: {ctx.member}'s heal failed midway and left its state torn ({e}); "
             "a fresh process takes its place",
+            record=from_exception(root_cause(e)) if e.own else None,
         ) from None
 
     def start_hash(self, gen: int, step: int, members: list[str], rank: int) -> None:

@@ -30,4 +30,15 @@ class TornHeal(HealError):
     overwritten, so this member no longer holds any valid state. It must never
     train on, checkpoint or send that state: the engine ends the process for a
     fresh one (`elastrain.exitcodes.EXIT_STATE_TORN`), which is healed again from
-    members that hold the state."""
+    members that hold the state.
+
+    `own`: the failure is this member's, not a peer's: its install refused the
+    verified state (a registered object's ``load_state_dict``) or something other
+    than a HealError raised (a bug). A fresh process would be torn again the same
+    way, so the engine records the cause (``__cause__``) as the worker's exit
+    record and the launcher's same-error rule stops a repeat. A HealError of the
+    payload (a sender lost, every sender's bytes refused) is a peer's failure."""
+
+    def __init__(self, message: str, *, own: bool = False) -> None:
+        super().__init__(message)
+        self.own = own

@@ -635,21 +635,31 @@ def _heal(
     rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
     own = digesting.get(rank)
+    installing = False  # past the payload: a failure now is this member's own
     try:
         nbytes = run_payload(
             tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
             own.result if own is not None else None,
         )  # fmt: skip
         payload_s = time.perf_counter() - t_payload
+        installing = landing is not None
         if landing is not None:
             state.install(landing.tensors, manifest.section)
-    except (HealError, RuntimeError, ValueError) as e:
-        if landing is not None and landing.in_place:
-            raise TornHeal(
-                f"heal on rank {rank} failed after it began landing the payload in this "
-                f"member's live state, which is no longer valid: {e}"
-            ) from e
-        raise
+    except BaseException as e:
+        # Whatever raised (a bug's KeyError as much as a lost sender), the live
+        # tensors may hold part of the payload: never let it leave unmarked.
+        if landing is None or not landing.in_place:
+            raise
+        torn = (
+            f"heal on rank {rank} failed after it began landing the payload in this "
+            "member's live state, which is no longer valid"
+        )
+        if not isinstance(e, Exception):  # an interrupt stays one, marked
+            e.add_note(f"elastrain: {torn}")
+            raise
+        # A HealError of the payload is a peer's failure (a lost sender, every
+        # sender's bytes refused); the install's refusal, or a bug, is this member's.
+        raise TornHeal(f"{torn}: {e}", own=installing or not isinstance(e, HealError)) from e
 
     stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s)
     out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta

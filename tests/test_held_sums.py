@@ -6,6 +6,7 @@ lost group's micro-batches, bit for bit) is in tests/test_sharded.py."""
 from __future__ import annotations
 
 import concurrent.futures
+from types import SimpleNamespace as NS
 from typing import Any, cast
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from elastrain.control import protocol as p
 from elastrain.control.layout import Layout
 from elastrain.data import assign_rounds
+from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.group import CollectiveAborted
 from elastrain.runtime.held_sums import Claim, Held, assign_rest, claim_of, decide, row
@@ -313,3 +315,44 @@ def test_only_a_sharded_shadow_waits_for_the_whole_step() -> None:
     assert not waits_whole_step(Turns([], True, False))
     assert waits_whole_step(Turns([], False, True, waits_whole_step=True))
     assert not waits_whole_step(Turns([None], False, True, waits_whole_step=True))
+
+
+class _Aborting:
+    """A topology whose first step's exchange is given up (`ShardedGroups.turns`)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def turns(self, step: int, num_microbatches: int) -> Turns:
+        raise CollectiveAborted(self.reason, f"{self.reason} while waiting", ("w3",))
+
+
+@pytest.mark.parametrize("reason", ["superseded", "watchdog"])
+def test_a_given_up_exchange_abandons_the_step_not_the_worker(reason: str) -> None:
+    events: list[tuple[Any, dict[str, Any]]] = []
+    ctx = NS(
+        links=NS(broken=None),
+        session=NS(incarnation=1, leaving=False),
+        client=NS(quorum=lambda req: None),
+        proto=NS(gen=5),
+        member="w0",
+        config=NS(global_batch_size=8, watchdog=NS(ceiling_s=60.0)),
+        backend=NS(begin_step=lambda slots: None),
+        events=NS(emit=lambda kind, **f: events.append((kind, f))),
+    )
+    feed = NS(microbatches=lambda s: [[0]] * 8)
+    none = cast(Any, None)
+    carried = NS(last_loss=None)
+    tally = NS(take=lambda: {}, take_scalars=lambda: {})
+    run = StepRun(cast(Any, ctx), cast(Any, _Aborting(reason)), cast(Any, feed),
+                  cast(Any, carried), none, cast(Any, tally))  # fmt: skip
+    try:
+        got = run.compute(m.Action(m.Do.COMPUTE, step=3, gen=5))
+        run.forget()
+    finally:
+        run.close()
+    if reason == "superseded":
+        assert isinstance(got, m.Superseded) and not events
+    else:
+        assert isinstance(got, m.ComputeFailed) and "watchdog" in got.error
+        assert [f["confirmed"] for _, f in events] == [["w3"]]

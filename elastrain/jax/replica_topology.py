@@ -230,7 +230,7 @@ class ReplicaTwins:
         ctx.events.emit(EventKind.HEAL_END, gen=a.gen, **stats.event_fields())
         return Healed(committed, received)
 
-    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+    def hold(self, step: int, samples: list[int], loss_sum: float | torch.Tensor) -> bool:
         """Nothing is kept across generations (the step is computed again whole)."""
         return False
 

@@ -10,13 +10,15 @@ keeps it (`Held`): the buffer, the step, its slot, which micro-batches its group
 summed into it, and its own samples and loss sum of them.
 
 At the next generation's first step every member reports what it holds (`Claim`,
-one row each, all-reduced once over the generation, `exchange`), and every
+one row each, all-reduced once over the generation, `post_exchange`, waited for
+like a step's reductions: a broken generation ends the wait), and every
 member decides alike from the same rows (`decide`, pure):
 
 - a complete replica group of the new generation *holds* a set of micro-batches
-  only when every one of its members claims the same set for the same step from
-  the slot it has now (same shard size, same shard: its buffer's rows are its
-  slot's rows). One member that lacks it (a new member, a member whose compute
+  only when every one of its members claims the same set for the same step of
+  the state it has now (same step count and lineage, `commit_gen`: a zombie
+  commit's state has the same count but not the same rows) from the slot it has
+  now (same shard size, same shard: its buffer's rows are its slot's rows). One member that lacks it (a new member, a member whose compute
   failed, a member moved by a reshard) and the group holds nothing;
 - two groups never hold the same micro-batch (they come from one assignment;
   checked anyway: a later group that overlaps an earlier one holds nothing);
@@ -42,18 +44,21 @@ import torch
 
 from elastrain.data import assign_microbatches
 
-__all__ = ["Claim", "Held", "assign_rest", "claim_of", "decide", "exchange", "row"]
+__all__ = ["Claim", "Held", "assign_rest", "claim_of", "decide", "post_exchange", "row"]
 
-_HEAD = 3
-"""A claim row's fields before its mask: step + 1 (0: no claim), shard size, shard."""
+_HEAD = 4
+"""A claim row's fields before its mask: step + 1 (0: no claim), commit_gen, shard
+size, shard."""
 
 
 @dataclass(frozen=True)
 class Claim:
     """What one member holds of a step: micro-batches `mask` summed in the buffer
-    of its slot (`shard_size`, `shard`)."""
+    of its slot (`shard_size`, `shard`), computed from the state of `step` steps
+    committed in generation `commit_gen` (its lineage, `MemberProtocol.commit_gen`)."""
 
     step: int
+    commit_gen: int
     shard_size: int
     shard: int
     mask: frozenset[int]
@@ -77,7 +82,8 @@ def row(claim: Claim | None, num_microbatches: int) -> list[float]:
     out = [0.0] * (_HEAD + num_microbatches)
     if claim is None:
         return out
-    out[0], out[1], out[2] = float(claim.step + 1), float(claim.shard_size), float(claim.shard)
+    out[:_HEAD] = [float(claim.step + 1), float(claim.commit_gen), float(claim.shard_size),
+                   float(claim.shard)]  # fmt: skip
     for i in claim.mask:
         out[_HEAD + i] = 1.0
     return out
@@ -87,7 +93,7 @@ def claim_of(values: Sequence[float]) -> Claim | None:
     if values[0] <= 0:
         return None
     mask = frozenset(i for i, v in enumerate(values[_HEAD:]) if v > 0)
-    return Claim(int(values[0]) - 1, int(values[1]), int(values[2]), mask)
+    return Claim(int(values[0]) - 1, int(values[1]), int(values[2]), int(values[3]), mask)
 
 
 def decide(
@@ -95,10 +101,12 @@ def decide(
     groups: Sequence[tuple[int, Sequence[str]]],
     shard_size: int,
     step: int,
+    commit_gen: int,
 ) -> dict[int, frozenset[int]]:
-    """The micro-batches each complete replica group holds for `step`
-    (`groups`: the complete groups in replica order, each with its members in shard
-    order; see the module docstring). A group that holds nothing is left out."""
+    """The micro-batches each complete replica group holds for `step` of the state
+    committed in generation `commit_gen` (`groups`: the complete groups in replica
+    order, each with its members in shard order; see the module docstring). A group
+    that holds nothing is left out."""
     held: dict[int, frozenset[int]] = {}
     taken: set[int] = set()
     for replica, members in groups:
@@ -109,6 +117,7 @@ def decide(
         if not all(
             c is not None
             and c.step == step
+            and c.commit_gen == commit_gen
             and c.shard_size == shard_size
             and c.shard == k
             and c.mask == first.mask
@@ -146,13 +155,15 @@ def assign_rest(
     ]
 
 
-def exchange(
+def post_exchange(
     pg: Any, rank: int, size: int, claim: Claim | None, num_microbatches: int
-) -> list[Claim | None]:
-    """Every member's claim, by rank: one SUM all-reduce over the generation's group
-    `pg` of a (size x row) float64 table in which each member writes its own row.
-    Blocks; collective over the generation."""
+) -> tuple[list[Any], torch.Tensor]:
+    """Start the exchange of every member's claim: one SUM all-reduce over the
+    generation's group `pg` of a (size x row) float64 table in which each member
+    writes its own row. Returns the works (not waited: the caller waits as for a
+    step's reductions, so a broken generation or a hung peer ends the wait) and the
+    table, whose rows `claim_of` reads once they completed. Collective over the
+    generation."""
     table = torch.zeros(size, _HEAD + num_microbatches, dtype=torch.float64)
     table[rank] = torch.tensor(row(claim, num_microbatches), dtype=torch.float64)
-    pg.allreduce([table]).wait()
-    return [claim_of(r) for r in table.tolist()]
+    return [pg.allreduce([table])], table

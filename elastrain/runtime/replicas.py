@@ -112,7 +112,7 @@ class Replicated:
         mine = assign_microbatches(num_microbatches, len(proto.members), proto.rank)
         return Turns(list(mine), stop_when_superseded=True, collectives_inside=False)
 
-    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+    def hold(self, step: int, samples: list[int], loss_sum: float | torch.Tensor) -> bool:
         """Nothing is kept: a replica's step is one member's (its buffer is
         dropped with the generation; computed again whole)."""
         return False

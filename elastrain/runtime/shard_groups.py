@@ -31,6 +31,7 @@ from elastrain.runtime import hooks
 from elastrain.runtime.collectives import TransportChoice, choose_transport
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare
+from elastrain.runtime.group import HangCheck
 from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.registered import REGISTERED_META, meta_of_section
 from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
@@ -46,6 +47,7 @@ from elastrain.runtime.topology import (
     Turns,
     Unfillable,
 )
+from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
 
 log = logging.getLogger("elastrain.shards")
 
@@ -111,23 +113,52 @@ class ShardedGroups:
     def turns(self, step: int, num_microbatches: int) -> Turns:
         """This member's turns in its replica group's rounds (none for a shadow),
         less what its group kept of `step` from the generation before
-        (`ShardedMember.rounds`: at a generation's first step, an exchange over it)."""
+        (`ShardedMember.rounds`: at a generation's first step, an exchange over it,
+        waited for as a step's reductions are: raises CollectiveAborted when the
+        generation breaks, a peer is found hung or the watchdog's ceiling passes)."""
+        ctx = self.ctx
         try:
             rounds, held = self.shards.rounds(
-                step, num_microbatches, self.ctx.hang.timeout_s, self.ctx.links.pg
+                step,
+                num_microbatches,
+                ctx.hang.timeout_s,
+                ctx.links.pg,
+                ctx.proto.commit_gen,
+                lambda works: self._await_exchange(works, step),
             )
         except NoCompleteGroup as e:
             raise CannotCompute(str(e)) from None
         if held is not None:
             return Turns(rounds, False, True, tuple(held.samples), held.loss_sum,
-                         len(held.claim.mask))  # fmt: skip
+                         len(held.claim.mask), waits_whole_step=True)  # fmt: skip
         # No "superseded?" check between rounds: a group's members run every round
         # together (FSDP2's collectives), and two members that answered that question
         # differently would leave one waiting in a collective for the other until the
         # timeout. A superseded generation is seen at the verdict, one step later.
-        return Turns(rounds, stop_when_superseded=False, collectives_inside=True)
+        return Turns(
+            rounds, stop_when_superseded=False, collectives_inside=True, waits_whole_step=True
+        )
 
-    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+    def _await_exchange(self, works: list[Any], step: int) -> None:
+        """Wait for the held sums' exchange over the generation: members reach it
+        as their heals end, so up to the watchdog's ceiling, as gloo's own bound
+        was; a broken generation (a death, a leave) ends it at once, and past the
+        soft deadline the coordinator is asked about silent peers (a stopped one).
+        The works stay in `links.inflight` if it is given up (the group is parked
+        with them)."""
+        ctx = self.ctx
+        links, gen = ctx.links, ctx.proto.gen
+        ceiling = ctx.config.watchdog.ceiling_s
+        soft, session = ctx.hang.soft_s, ctx.session
+        check = None
+        if soft is not None:
+            check = HangCheck(soft, HANG_ASK_EVERY_S, lambda waited: session.confirm_hang(
+                gen, step, waited, max(0.05, min(ceiling - waited, 2.0))))  # fmt: skip
+        links.inflight = list(works)
+        ctx.waiter.wait(links.inflight, ceiling, lambda: ctx.gen_broken(gen), check)
+        links.inflight = []
+
+    def hold(self, step: int, samples: list[int], loss_sum: float | torch.Tensor) -> bool:
         """Keep the interrupted step's shard buffer (`ShardedMember.hold`)."""
         return self.shards.hold(step, samples, loss_sum)
 

@@ -51,7 +51,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.group import Graveyard, build_group, tensor_allreduce
-from elastrain.runtime.held_sums import Claim, Held, assign_rest, decide, exchange
+from elastrain.runtime.held_sums import Claim, Held, assign_rest, claim_of, decide, post_exchange
 from elastrain.runtime.reshard import (
     ShardLost,
     broadcast_json,
@@ -125,7 +125,8 @@ class ShardedMember:
         """The generation's members in rank order (its group's ranks)."""
         self._held: Held | None = None
         """The buffer of a step interrupted before its reduction (`hold`), until the
-        next generation's first step reuses or drops it."""
+        next generation's first step reuses or drops it, or this member's state is
+        replaced before that (a heal's receiver, a reshard, a reset: `_drop_held`)."""
         self._exchanged = False
         """This generation's members told each other what they hold (first step)."""
         self._claim: Claim | None = None
@@ -190,9 +191,12 @@ class ShardedMember:
         # size, or the same size with members moved to other shards (groups broken
         # in several places regrouped into whole ones).
         if any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items()):
+            self._drop_held("a reshard moves its rows")
             outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
         else:
             outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key, reserve)
+        if outcome.received:
+            self._drop_held("it received its state")
         self._form_group()
         if roll_forward and not outcome.received:
             # Its rows are the step's; its meta (data position, the script's state)
@@ -271,6 +275,7 @@ class ShardedMember:
         ):
             # A member that missed a reshard: its rows are stale and shaped for the
             # old layout. Take the new slot's shape; its twins heal it (it is behind).
+            self._drop_held("its rows are reset")
             backend.reset(slot.shard, layout.shard_size)
         mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         for shard in range(layout.shard_size):
@@ -292,6 +297,7 @@ class ShardedMember:
         if backend.needs_fill and rank in receivers:
             # Built on the meta device, nothing to resume from: its twins' heal is the
             # state; hold zeroed rows of the slot's shape for it to land in.
+            self._drop_held("its rows are reset")
             backend.reset(slot.shard, layout.shard_size)
         backend.place(slot.shard, layout.shard_size)
         committed = ready.committed.get(self.member, 0)
@@ -397,6 +403,16 @@ class ShardedMember:
         )
         return HealOutcome(committed, not holds)
 
+    def _drop_held(self, why: str) -> None:
+        """This member's state is replaced: sums it kept were computed from the old
+        one (its rows, its lineage), so no group may resume them. `decide` would
+        refuse most of them (step, lineage, slot); dropping them here does not rest on
+        a new state always differing in one of those."""
+        if self._held is not None:
+            log.info("%s: drops its kept sums of step %d: %s", self.member,
+                     self._held.claim.step, why)  # fmt: skip
+            self._held = None
+
     def _form_group(self) -> None:
         """Build the replica group's FSDP2 wrapper (None for a shadow)."""
         layout = self.layout
@@ -420,14 +436,22 @@ class ShardedMember:
     # ---- a step -------------------------------------------------------------------
 
     def rounds(
-        self, step: int, num_microbatches: int, watchdog_s: float, world_pg: Any
+        self,
+        step: int,
+        num_microbatches: int,
+        watchdog_s: float,
+        world_pg: Any,
+        commit_gen: int,
+        wait: Callable[[list[Any]], None],
     ) -> tuple[list[int | None], Held | None]:
         """This member's micro-batch per round of its replica group (None: a padding
         turn; [] for a shadow), and what its group held of `step` from the
         generation before (then already back in its shard buffer; None: nothing).
         At the generation's first step (float64 reductions) the members first tell
-        each other what they hold (`held_sums.exchange`: collective over the
-        generation) and the held micro-batches are left out of the rounds. Bounds
+        each other what they hold (`held_sums.post_exchange`: collective over the
+        generation, its works waited for by `wait`, which raises to give up) and the
+        held micro-batches are left out of the rounds. `commit_gen`: the lineage of
+        the state `step` starts from (`MemberProtocol.commit_gen`). Bounds
         the group's collectives by `watchdog_s` and tells the backend how many rounds
         the step has (native reductions run in the last)."""
         layout = self.layout
@@ -439,7 +463,8 @@ class ShardedMember:
                 f"no complete replica group in {layout.describe()}: nobody can compute; "
                 "waiting for a replacement (or a reshard, --reshard-after)"
             )
-        held_by, mine = self._exchange(step, num_microbatches, world_pg, complete)
+        held_by, mine = self._exchange(step, num_microbatches, world_pg, complete, commit_gen,
+                                       wait)  # fmt: skip
         self._claim = None
         if slot.replica not in complete:
             return [], None
@@ -454,12 +479,18 @@ class ShardedMember:
             block = set(held_by.get(slot.replica, ()))
             for k in range(size):
                 block.update(i for i in turns_of(k) if i is not None)
-            self._claim = Claim(step, size, slot.shard, frozenset(block))
+            self._claim = Claim(step, commit_gen, size, slot.shard, frozenset(block))
         self.backend.plan_rounds(len(turns))
         return turns, mine
 
     def _exchange(
-        self, step: int, num_microbatches: int, world_pg: Any, complete: list[int]
+        self,
+        step: int,
+        num_microbatches: int,
+        world_pg: Any,
+        complete: list[int],
+        commit_gen: int,
+        wait: Callable[[list[Any]], None],
     ) -> tuple[dict[int, frozenset[int]], Held | None]:
         """At the generation's first step (float64): every member's claim, the
         micro-batches each complete group holds (`held_sums.decide`), and this
@@ -471,16 +502,24 @@ class ShardedMember:
         assert layout is not None
         self._exchanged = True
         held, self._held = self._held, None
-        claims = exchange(
+        works, table = post_exchange(
             world_pg,
             self._members.index(self.member),
             len(self._members),
             None if held is None else held.claim,
             num_microbatches,
         )
+        try:
+            wait(works)
+        except BaseException:
+            # Given up (the generation broke): nothing read the kept buffer; the next
+            # generation's exchange may still resume it.
+            self._held = held
+            raise
+        claims = [claim_of(r) for r in table.tolist()]
         groups = [(r, layout.group(r)) for r in complete]
         held_by = decide(dict(zip(self._members, claims, strict=True)), groups,
-                         layout.shard_size, step)  # fmt: skip
+                         layout.shard_size, step, commit_gen)  # fmt: skip
         replica = layout.slots[self.member].replica
         if held is None or replica not in held_by:
             return held_by, None
@@ -492,17 +531,19 @@ class ShardedMember:
                  "generation", self.member, step, len(held.claim.mask))  # fmt: skip
         return held_by, held
 
-    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+    def hold(self, step: int, samples: list[int], loss_sum: float | torch.Tensor) -> bool:
         """The generation broke after this member ran all its rounds of `step` and
         before it handed its shard buffer to a collective: keep the buffer (its
         group's sums of the step's micro-batches so far), `samples` and `loss_sum`
         (this member's own, for the step's contribution) for the next generation's
         first step. Float64 only (native sums are made in the last round). True if
-        kept. Call before the backend's `discard`, which gives it a new buffer."""
+        kept. Call before the backend's `discard`, which gives it a new buffer.
+        `loss_sum` is read (a device sync if it is a device tensor) only when kept."""
         claim, self._claim = self._claim, None
         if claim is None or claim.step != step or not claim.mask:
             return False
-        self._held = Held(claim, self.backend.reduce_buffers()[0], list(samples), loss_sum)
+        grad = self.backend.reduce_buffers()[0]
+        self._held = Held(claim, grad, list(samples), float(loss_sum))
         log.info("%s: keeps its sums of %d micro-batches of step %d for the next generation",
                  self.member, len(claim.mask), step)  # fmt: skip
         return True

@@ -40,7 +40,8 @@ from elastrain.runtime.device import is_poisoned
 from elastrain.runtime.evaluate import EvalResult
 from elastrain.runtime.feed import DataFeed
 from elastrain.runtime.group import CollectiveAborted, HangCheck
-from elastrain.runtime.topology import CannotCompute, Reduction, Topology
+from elastrain.runtime.topology import CannotCompute, Reduction, Topology, Turns
+from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
 from elastrain.threads import QUORUM, name_native_thread
 
 log = logging.getLogger("elastrain.engine")
@@ -48,11 +49,6 @@ log = logging.getLogger("elastrain.engine")
 EXTRA_SLOTS = 2 + CONTRIB_SLOTS
 """Values riding at the end of the first reduce buffer in the step's all-reduce:
 loss sum, sample count, then the checkpoint schedule's measurements."""
-
-HANG_ASK_EVERY_S = 0.1
-"""Past the soft watchdog deadline, how often an overdue all-reduce asks the
-coordinator whether a peer is hung: a hang is confirmed within this of the
-peer's silence reaching `hang_silence_s`."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,13 @@ class StepResult:
     steps and the loop's code for the last of them), when one was due there
     (`ElasticTrainer.evaluate_every`): ``evaluation.step == step``. The same on every
     member. The one after the last step: `last_evaluation`."""
+
+
+def waits_whole_step(turns: Turns) -> bool:
+    """The member has no turn and its reduction waits through its peers' whole
+    compute (`Turns.waits_whole_step`: a sharded shadow), so it waits up to the
+    watchdog's ceiling rather than the step timeout."""
+    return not turns.mine and turns.waits_whole_step
 
 
 def dist_errors() -> type[BaseException]:
@@ -112,7 +115,8 @@ class _Step:
     handed: bool = False
     """A collective took the gradient buffers (`Reduction.hands_over`)."""
     idle: bool = False
-    """This member has no turn in the step (a sharded generation's shadow)."""
+    """This member has no turn in the step and waits through the others' whole
+    compute (a sharded generation's shadow, `waits_whole_step`)."""
     data_s: float = 0.0
     t_compute: float = 0.0
     verdict_s: float = 0.0
@@ -151,7 +155,9 @@ class StepRun:
         collective took its buffers (`Topology.hold`; before `Backend.discard`)."""
         st, self._step = self._step, None
         if st is not None and st.complete and not st.handed:
-            self.topology.hold(st.step, st.samples, float(st.loss_sum))
+            # The loss sum as it is (a device tensor on a GPU member): reading it
+            # here would sync the device, behind a collective given up on.
+            self.topology.hold(st.step, st.samples, st.loss_sum)
 
     def close(self) -> None:
         self._quorum_pool.shutdown(wait=False, cancel_futures=True)
@@ -188,13 +194,22 @@ class StepRun:
                 lambda: session.gen_broken(gen) or session.leaving or session.expelled
             )
             return m.Superseded()
+        except CollectiveAborted as e:
+            # The generation's exchange of held sums (sharded, first step) was given up.
+            if e.reason != "watchdog":
+                return m.Superseded()
+            confirmed = {"confirmed": list(e.confirmed)} if e.confirmed else {}
+            ctx.events.emit(EventKind.WATCHDOG_FIRED, step=s, gen=ctx.proto.gen,
+                            timeout_s=ctx.config.watchdog.ceiling_s,
+                            during="the held sums' exchange", **confirmed)  # fmt: skip
+            return m.ComputeFailed(str(e)[:300])
         except (RuntimeError, dist_errors()) as e:
             # The generation's exchange of held sums (sharded, first step) failed.
             if not collective_error(e):
                 raise
             return m.ComputeFailed(str(e)[:300])
         st.samples.extend(turns.held_samples)
-        st.loss_sum, st.held, st.idle = turns.held_loss, turns.held, not turns.mine
+        st.loss_sum, st.held, st.idle = turns.held_loss, turns.held, waits_whole_step(turns)
         self.feed.plan(s, turns.mine)
         pad = None
         for k, i in enumerate(turns.mine):
@@ -284,13 +299,14 @@ class StepRun:
         )
         ctx.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
         st.t_reduce = time.monotonic()
-        # A member with no turn (a shadow) reaches its reduction at once and waits
-        # there for the others' whole compute: it has no time of its own that the
-        # step timeout scales with, and the others' share may be twice a steady
-        # step's (a group alone after a kill). So it waits up to the watchdog's
-        # ceiling; a peer that dies or stops is caught sooner (the coordinator's
-        # lease breaks the generation, which ends this wait), and the soft deadline's
-        # hang check still asks about silent peers.
+        # A sharded shadow (no turn, `Turns.waits_whole_step`) reaches its reduction
+        # at once and waits there for the others' whole compute: it has no time of
+        # its own that the step timeout scales with, and the others' share may be
+        # twice a steady step's (a group alone after a kill). So it waits up to the
+        # watchdog's ceiling; a peer that dies or stops is caught sooner (the
+        # coordinator's lease breaks the generation, which ends this wait), and the
+        # soft deadline's hang check still asks about silent peers. A replica with no
+        # micro-batch waits as any member does.
         timeout = ctx.config.watchdog.ceiling_s if st.idle else ctx.hang.timeout_s
         kept: Reduction | None = None
         try:

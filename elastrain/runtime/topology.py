@@ -105,6 +105,12 @@ class Turns:
     """Their loss sum."""
     held: int = 0
     """How many of the step's micro-batches its group kept (not in `mine`)."""
+    waits_whole_step: bool = False
+    """With no turn (`mine` empty), this member's reduction waits through the
+    others' whole compute, which may be twice a steady step's (a sharded shadow
+    while a replica group is alone after a kill): it waits up to the watchdog's
+    ceiling, not the step timeout. False: an idle member waits as any other (a
+    replica with no micro-batch waits for one micro-batch of its peers)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,7 @@ class Topology(Protocol):
         """This member's micro-batches of `step` (raises CannotCompute; a failed
         collective, RuntimeError, abandons the generation)."""
 
-    def hold(self, step: int, samples: list[int], loss_sum: float) -> bool:
+    def hold(self, step: int, samples: list[int], loss_sum: float | torch.Tensor) -> bool:
         """The generation was abandoned after this member computed all its
         micro-batches of `step` and before a collective took its gradient buffers
         (`Reduction.hands_over`): keep what it summed (with its `samples` and

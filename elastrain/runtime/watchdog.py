@@ -21,6 +21,11 @@ from itertools import islice
 
 from elastrain.runtime.config import WatchdogConfig
 
+HANG_ASK_EVERY_S = 0.1
+"""Past the soft watchdog deadline, how often an overdue all-reduce asks the
+coordinator whether a peer is hung: a hang is confirmed within this of the
+peer's silence reaching `hang_silence_s`."""
+
 SOFT_MIN_SAMPLES = 5
 """Waits measured before the soft deadline is trusted (warm-up steps first)."""
 

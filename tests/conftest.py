@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,66 @@ def load_benchmark(script: str) -> Any:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@dataclass
+class InProcessRun:
+    run_dir: Path
+    events: list[dict[str, Any]]
+
+
+def run_in_process(
+    script: str, run_dir: Path, steps: int, argv: list[str] | None = None, **env_vars: str
+) -> InProcessRun:
+    """`script`'s failure-free run trained in this process as a single member (a
+    coordinator server in this process, the script's `main()` on a thread of its
+    own): its run directory (what a member writes there: final parameters...) and
+    events.
+    For a reference run: the math does not depend on how many members split the
+    batch (float64 reductions), and this spares the suite a job's process start-up
+    (a coordinator and a worker importing torch: tens of seconds on a loaded machine)."""
+    import threading
+    from unittest import mock
+
+    import torch
+
+    from elastrain import env
+    from elastrain.control.config import CoordinatorConfig
+    from elastrain.control.server import CoordinatorServer
+
+    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_in_process", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    srv = CoordinatorServer(CoordinatorConfig(target=1), "ref-token", run_dir=str(run_dir))
+    srv.start()
+    worker_env = {env.COORDINATOR: srv.address, env.TOKEN: "ref-token", env.MEMBER_ID: "w0",
+                  env.RUN_DIR: str(run_dir), env.STEPS: str(steps), **env_vars}  # fmt: skip
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            module.main()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = torch.get_num_threads()  # scripts set 1 (they run in a process of their own)
+    path = [str(Path(script).parent), *sys.path]  # as when run: its directory first
+    try:
+        with (
+            mock.patch.dict(os.environ, worker_env),
+            mock.patch.object(sys, "argv", [script, *(argv or [])]),
+            mock.patch.object(sys, "path", path),
+        ):
+            spec.loader.exec_module(module)
+            # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone.
+            t = threading.Thread(target=train, name="reference-worker")
+            t.start()
+            t.join(timeout=300)
+    finally:
+        srv.stop()
+        torch.set_num_threads(threads)
+    assert not t.is_alive() and not errors, errors
+    return InProcessRun(run_dir, read_events(run_dir))
 
 
 class Job:

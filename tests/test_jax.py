@@ -34,7 +34,7 @@ from elastrain.transfer import HealAuth, HealError, TorchState, heal  # noqa: E4
 from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest  # noqa: E402
 from elastrain.transfer.tamper import Tamper  # noqa: E402
 
-from .conftest import ROOT, Job  # noqa: E402
+from .conftest import ROOT, InProcessRun, Job, run_in_process  # noqa: E402
 
 JAX_MLP = str(ROOT / "tests" / "scripts" / "train_jax_mlp.py")
 B, SEED, DATASET, STEPS = 24, 7, 4096, 24
@@ -195,24 +195,16 @@ def assert_invariants(job: Job, steps: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """The failure-free JAX run both job tests compare with, run once (2 workers):
-    gradients are reduced in float64, so its curve and final parameters do not
-    depend on how many members split the batch (a 3-worker run is bit-identical)."""
-    from elastrain.launch.launcher import LaunchConfig, Launcher
-
-    cfg = LaunchConfig(
-        script=JAX_MLP,
-        workers=2,
-        steps=STEPS,
-        run_dir=str(tmp_path_factory.mktemp("jax-ref") / "ref"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-    )
-    la = Launcher(cfg)
-    job = Job(la, la.run())
-    assert_invariants(job, STEPS)
-    return job
+def reference(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
+    """The failure-free JAX run both job tests compare with, run once: one member,
+    trained in this process (`run_in_process`). Gradients are reduced in float64, so
+    its curve and final parameters do not depend on how many members split the
+    batch (checked: a 2- and a 3-worker job's are this run's bit for bit)."""
+    ref = run_in_process(JAX_MLP, tmp_path_factory.mktemp("jax-ref") / "ref", STEPS)
+    assert check_same_state(ref.events) == []
+    led = check_exactly_once(ref.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == STEPS
+    return ref
 
 
 def test_jax_worker_killed_replacement_heals_and_math_matches(run_job, reference) -> None:  # type: ignore[no-untyped-def]

@@ -59,12 +59,15 @@ def run_in_process(
     coordinator server in this process, the script's `main()` on a thread of its
     own): its run directory (what a member writes there: final parameters...) and
     events.
+
     For a reference run: the math does not depend on how many members split the
     batch (float64 reductions), and this spares the suite a job's process start-up
     (a coordinator and a worker importing torch: tens of seconds on a loaded machine)."""
+    import random
     import threading
     from unittest import mock
 
+    import numpy as np
     import torch
 
     from elastrain import env
@@ -86,7 +89,9 @@ def run_in_process(
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = torch.get_num_threads()  # scripts set 1 (they run in a process of their own)
+    # What a script sets for its own process (one thread, its seeds) is put back after.
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    py_rng, np_rng = random.getstate(), np.random.get_state()
     path = [str(Path(script).parent), *sys.path]  # as when run: its directory first
     try:
         with (
@@ -102,6 +107,9 @@ def run_in_process(
     finally:
         srv.stop()
         torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
     assert not t.is_alive() and not errors, errors
     return InProcessRun(run_dir, read_events(run_dir))
 
@@ -177,7 +185,7 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
 
 
 @pytest.fixture(scope="session")
-def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
     """tests/scripts/train_loop.py's failure-free run, once per session (test_loop.py
     and test_evaluate.py compare their jobs with it)."""
     from .test_loop import reference_job

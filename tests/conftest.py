@@ -56,14 +56,15 @@ def run_in_process(
     script: str, run_dir: Path, steps: int, argv: list[str] | None = None, **env_vars: str
 ) -> InProcessRun:
     """`script`'s failure-free run trained in this process as a single member (a
-    coordinator server in this process, the script's `main()` on a thread of its
-    own): its run directory (what a member writes there: final parameters...) and
+    coordinator server in this process, the script run as `__main__` on a thread of
+    its own): its run directory (what a member writes there: final parameters...) and
     events.
 
     For a reference run: the math does not depend on how many members split the
     batch (float64 reductions), and this spares the suite a job's process start-up
     (a coordinator and a worker importing torch: tens of seconds on a loaded machine)."""
     import random
+    import runpy
     import threading
     from unittest import mock
 
@@ -74,9 +75,6 @@ def run_in_process(
     from elastrain.control.config import CoordinatorConfig
     from elastrain.control.server import CoordinatorServer
 
-    spec = importlib.util.spec_from_file_location(f"{Path(script).stem}_in_process", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
     srv = CoordinatorServer(CoordinatorConfig(target=1), "ref-token", run_dir=str(run_dir))
     srv.start()
     worker_env = {env.COORDINATOR: srv.address, env.TOKEN: "ref-token", env.MEMBER_ID: "w0",
@@ -85,7 +83,7 @@ def run_in_process(
 
     def train() -> None:
         try:
-            module.main()
+            runpy.run_path(script, run_name="__main__")  # as `python script`
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -99,7 +97,6 @@ def run_in_process(
             mock.patch.object(sys, "argv", [script, *(argv or [])]),
             mock.patch.object(sys, "path", path),
         ):
-            spec.loader.exec_module(module)
             # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone.
             t = threading.Thread(target=train, name="reference-worker")
             t.start()

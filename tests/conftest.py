@@ -97,8 +97,9 @@ def run_in_process(
             mock.patch.object(sys, "argv", [script, *(argv or [])]),
             mock.patch.object(sys, "path", path),
         ):
-            # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone.
-            t = threading.Thread(target=train, name="reference-worker")
+            # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone;
+            # a daemon, so that a run that hangs fails its test, not the session's exit.
+            t = threading.Thread(target=train, name="reference-worker", daemon=True)
             t.start()
             t.join(timeout=300)
     finally:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,72 @@ def load_benchmark(script: str) -> Any:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@dataclass
+class InProcessRun:
+    run_dir: Path
+    events: list[dict[str, Any]]
+
+
+def run_in_process(
+    script: str, run_dir: Path, steps: int, argv: list[str] | None = None, **env_vars: str
+) -> InProcessRun:
+    """`script`'s failure-free run trained in this process as a single member (a
+    coordinator server in this process, the script run as `__main__` on a thread of
+    its own): its run directory (what a member writes there: final parameters...) and
+    events.
+
+    For a reference run: the math does not depend on how many members split the
+    batch (float64 reductions), and this spares the suite a job's process start-up
+    (a coordinator and a worker importing torch: tens of seconds on a loaded machine)."""
+    import random
+    import runpy
+    import threading
+    from unittest import mock
+
+    import numpy as np
+    import torch
+
+    from elastrain import env
+    from elastrain.control.config import CoordinatorConfig
+    from elastrain.control.server import CoordinatorServer
+
+    srv = CoordinatorServer(CoordinatorConfig(target=1), "ref-token", run_dir=str(run_dir))
+    srv.start()
+    worker_env = {env.COORDINATOR: srv.address, env.TOKEN: "ref-token", env.MEMBER_ID: "w0",
+                  env.RUN_DIR: str(run_dir), env.STEPS: str(steps), **env_vars}  # fmt: skip
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            runpy.run_path(script, run_name="__main__")  # as `python script`
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    # What a script sets for its own process (one thread, its seeds) is put back after.
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    py_rng, np_rng = random.getstate(), np.random.get_state()
+    path = [str(Path(script).parent), *sys.path]  # as when run: its directory first
+    try:
+        with (
+            mock.patch.dict(os.environ, worker_env),
+            mock.patch.object(sys, "argv", [script, *(argv or [])]),
+            mock.patch.object(sys, "path", path),
+        ):
+            # Off the main thread, so the trainer leaves pytest's SIGTERM handler alone;
+            # a daemon, so that a run that hangs fails its test, not the session's exit.
+            t = threading.Thread(target=train, name="reference-worker", daemon=True)
+            t.start()
+            t.join(timeout=300)
+    finally:
+        srv.stop()
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+    assert not t.is_alive() and not errors, errors
+    return InProcessRun(run_dir, read_events(run_dir))
 
 
 class Job:
@@ -116,7 +183,7 @@ def run_job(tmp_path: Path) -> Callable[..., Job]:
 
 
 @pytest.fixture(scope="session")
-def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
+def loop_reference(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
     """tests/scripts/train_loop.py's failure-free run, once per session (test_loop.py
     and test_evaluate.py compare their jobs with it)."""
     from .test_loop import reference_job

@@ -27,7 +27,7 @@ from elastrain.observe.events import read_events
 from elastrain.observe.failures import recognise_failures
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve
 
-from .conftest import MLP, ROOT, Job, sigint_default, stop_processes
+from .conftest import MLP, ROOT, InProcessRun, Job, run_in_process, sigint_default, stop_processes
 
 B, SEED, DATASET = 32, 7, 4096
 
@@ -58,24 +58,18 @@ REF_STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """The failure-free run every faulty run is compared with (4 workers)."""
-    d = tmp_path_factory.mktemp("reference")
-    cfg = LaunchConfig(
-        script=MLP,
-        workers=4,
-        steps=REF_STEPS,
-        run_dir=str(d / "ref"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-    )
-    la = Launcher(cfg)
-    job = Job(la, la.run())
-    assert_invariants(job, REF_STEPS)
-    return job
+def reference(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
+    """The failure-free run every faulty run is compared with: one member, trained
+    in this process (`run_in_process`; the math does not depend on membership, to
+    the last bit: see `assert_same_math`)."""
+    ref = run_in_process(MLP, tmp_path_factory.mktemp("reference") / "ref", REF_STEPS)
+    assert check_same_state(ref.events) == []
+    led = check_exactly_once(ref.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == REF_STEPS
+    return ref
 
 
-def assert_same_math(ref: Job, job: Job, upto: int) -> None:
+def assert_same_math(ref: InProcessRun, job: Job, upto: int) -> None:
     """Bit for bit: gradients are summed in float64 (reduce_dtype's default), so
     the float32 result does not depend on how many members split the batch."""
     a, b = loss_curve(ref.events), loss_curve(job.events)

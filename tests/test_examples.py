@@ -5,7 +5,7 @@ The guides (docs/guide/porting.md, docs/guide/porting-fsdp.md) show the diff bet
 a torchrun script in examples/porting/ and its elastrain port and state how many
 lines changed; the first test recomputes both from the files, so a guide cannot
 drift from them. The job tests run the elastic scripts under the launcher (the
-FSDP2 port under a kill and under a reshard).
+FSDP2 port under a kill and under a reshard, against its failure-free run in-process).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import ROOT, Job
+from .conftest import ROOT, Job, run_in_process
 
 GUIDE = ROOT / "docs" / "guide" / "porting.md"
 PORTING = ROOT / "examples" / "porting"
@@ -78,51 +78,59 @@ FSDP_PORT = str(PORTING / "elastic_fsdp_train.py")
 FSDP_STEPS = 40
 
 
-def _fsdp_port(run_job: Callable[..., Job], name: str, **kw: Any) -> Job:
+def _fsdp_checked(events: list[dict[str, Any]]) -> None:
+    """Every step committed, twins alike at every generation start, every sample once."""
     from elastrain.data.order import GlobalOrder
     from elastrain.observe.ledger import check_exactly_once, check_same_state
 
+    assert {e["step"] for e in events if e["kind"] == "step_commit"} == set(range(FSDP_STEPS))
+    assert check_same_state(events) == []
+    order = GlobalOrder(64 * 60, 0)  # the script's training set, seed 0
+    report = check_exactly_once(events, lambda s: order.ids(s * 64, (s + 1) * 64))
+    assert report.violations == [] and report.committed_steps == FSDP_STEPS
+
+
+def _fsdp_port(run_job: Callable[..., Job], name: str, **kw: Any) -> Job:
     job = run_job(script=FSDP_PORT, steps=FSDP_STEPS, workers=4, shard_size=2, name=name, **kw)
     assert job.result.status == "done", job.result.message
-    assert {e["step"] for e in job.of("step_commit")} == set(range(FSDP_STEPS))
-    assert check_same_state(job.events) == []
-    order = GlobalOrder(64 * 60, 0)  # the script's training set, seed 0
-    report = check_exactly_once(job.events, lambda s: order.ids(s * 64, (s + 1) * 64))
-    assert report.violations == [] and report.committed_steps == FSDP_STEPS
+    _fsdp_checked(job.events)
     return job
 
 
 def test_the_fsdp_port_keeps_its_curve_through_a_kill_and_a_reshard(
-    run_job: Callable[..., Job],
+    run_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    """The FSDP2 port (docs/guide/porting-fsdp.md) as a user runs it: 2 x 2, and
-    again with a rank killed (its twin heals the replacement) and with a rank
-    killed whose replacement comes too late (the survivors regroup as 1 x 3).
-    The loss curve, the clipped norms, the learning rate and the held-out
-    losses equal the failure-free run's, bit for bit (float64 reductions)."""
+    """The FSDP2 port (docs/guide/porting-fsdp.md) as a user runs it: 2 x 2 with a
+    rank killed (its twin heals the replacement) and with a rank killed whose
+    replacement comes too late (the survivors regroup as 1 x 3). The loss curve,
+    the clipped norms, the learning rate and the held-out losses equal the
+    failure-free run's, bit for bit (float64 reductions). That run: the script as
+    one member in this process (`run_in_process`), whose curve, norms and held-out
+    losses a failure-free 2 x 2 job's equal bit for bit (checked)."""
     from elastrain.observe.ledger import loss_curve
 
-    def seen(job: Job) -> tuple[dict[int, float], list[Any], list[Any]]:
-        norms = [(e["step"], e["grad_norm"]) for e in job.of("step_commit")]
-        evals = sorted({(e["step"], e["sums"]["loss"]) for e in job.of("eval_end")})
-        return loss_curve(job.events), sorted(set(norms)), evals
+    def seen(events: list[dict[str, Any]]) -> tuple[dict[int, float], list[Any], list[Any]]:
+        norms = [(e["step"], e["grad_norm"]) for e in events if e["kind"] == "step_commit"]
+        evals = sorted({(e["step"], e["sums"]["loss"]) for e in events if e["kind"] == "eval_end"})
+        return loss_curve(events), sorted(set(norms)), evals
 
-    clean = _fsdp_port(run_job, "clean")
-    curve, norms, evals = seen(clean)
+    clean = run_in_process(FSDP_PORT, tmp_path / "clean", FSDP_STEPS)
+    _fsdp_checked(clean.events)
+    curve, norms, evals = seen(clean.events)
     assert all(n is not None and n > 0 for _, n in norms)
     assert [s for s, _ in evals] == [20, 40]  # after 20 and 40 steps
-    log = "".join(clean.log(w) for w in ("w0", "w1", "w2", "w3"))
-    # The evaluation after 20 steps comes with the next step's result (r.step 20).
-    assert re.search(r"step 20 loss \d+\.\d+ val loss \d+\.\d+", log), log[-2000:]
 
     killed = _fsdp_port(run_job, "kill", faults=["kill@12:w1"])
-    assert seen(killed) == (curve, norms, evals)
+    assert seen(killed.events) == (curve, norms, evals)
     assert len(killed.of("worker_spawned")) == 5  # four, and w1's replacement
+    log = "".join(f.read_text() for f in sorted((killed.run_dir / "logs").glob("w*.log")))
+    # The evaluation after 20 steps comes with the next step's result (r.step 20).
+    assert re.search(r"step 20 loss \d+\.\d+ val loss \d+\.\d+", log), log[-2000:]
 
     resharded = _fsdp_port(
         run_job, "reshard", faults=["kill@12:w1"], reshard_after_s=0.5, replace_delay_s=600.0
     )
-    assert seen(resharded) == (curve, norms, evals)
+    assert seen(resharded.events) == (curve, norms, evals)
     sizes = {e.get("shard_size") for e in resharded.of("generation_ready")}
     assert 3 in sizes, sizes
 

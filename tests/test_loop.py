@@ -39,7 +39,7 @@ from elastrain.transfer import HealError, TorchState, state_digest
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest
 
-from .conftest import ROOT, Job
+from .conftest import ROOT, InProcessRun, Job, run_in_process
 
 LOOP = str(ROOT / "tests" / "scripts" / "train_loop.py")
 
@@ -434,7 +434,7 @@ def test_register_refuses_what_cannot_travel() -> None:
 # ---------------------------------------------------------------- jobs
 
 
-def _records(job: Job) -> dict[str, dict[int, dict[str, Any]]]:
+def _records(job: Job | InProcessRun) -> dict[str, dict[int, dict[str, Any]]]:
     """member -> step -> what it logged after committing that step."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
     for f in sorted((job.run_dir / "loop").glob("*.jsonl")):
@@ -472,28 +472,15 @@ LOOP_ARGS = [
 AMP_ARGS = ["--amp", "--sched", "cosine", "--min-step-s", "0.1"]
 
 
-def reference_job(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """The failure-free run of LOOP with LOOP_ARGS on 3 workers (the session's
-    `loop_reference` fixture, shared with tests/test_evaluate.py)."""
-    from elastrain.launch.launcher import LaunchConfig, Launcher
-
-    d = tmp_path_factory.mktemp("loopref")
-    cfg = LaunchConfig(
-        script=LOOP,
-        script_args=LOOP_ARGS,
-        workers=3,
-        steps=STEPS,
-        run_dir=str(d / "ref"),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-    )
-    la = Launcher(cfg)
-    job = Job(la, la.run())
-    assert job.result.status == "done", job.result.message
-    return job
+def reference_job(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
+    """The failure-free run of LOOP with LOOP_ARGS (the session's `loop_reference`
+    fixture, shared with tests/test_evaluate.py): one member, trained in this process
+    (`run_in_process`). Its records, loss curve, final parameters and evaluation
+    equal a 3-worker job's bit for bit (checked), as the tests' jobs must."""
+    return run_in_process(LOOP, tmp_path_factory.mktemp("loopref") / "ref", STEPS, LOOP_ARGS)
 
 
-def _same_curve(a: Job, b: Job) -> None:
+def _same_curve(a: Job | InProcessRun, b: Job) -> None:
     ca, cb = loss_curve(a.events), loss_curve(b.events)
     assert sorted(ca) == sorted(cb) == list(range(STEPS))
     for s in range(STEPS):
@@ -501,7 +488,7 @@ def _same_curve(a: Job, b: Job) -> None:
 
 
 def test_clipping_and_a_cosine_schedule_survive_a_kill_bit_for_bit(
-    run_job: Callable[..., Job], loop_reference: Job
+    run_job: Callable[..., Job], loop_reference: InProcessRun
 ) -> None:
     # --min 3 with 3 workers: the job waits for the replacement, which is healed and
     # trains the rest (including the poisoned step) with its peers.

@@ -43,7 +43,7 @@ from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.trainer import ElasticTrainer
 from elastrain.transfer import TorchState
 
-from .conftest import ROOT, Job
+from .conftest import ROOT, Job, run_in_process
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from train_sharded import Net, Regression, loss_fn  # noqa: E402
@@ -335,21 +335,11 @@ def _launch(run_job: Callable[..., Job], name: str, **kw: Any) -> Job:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The failure-free replicated run (4 members), its run directory."""
-    from elastrain.launch.launcher import LaunchConfig, Launcher
-
+    """The failure-free replicated run, its run directory: one member trained in this
+    process (`run_in_process`; its records equal a 4-member replicated job's bit for
+    bit: float64 reductions and evaluation sums)."""
     run_dir = tmp_path_factory.mktemp("carry-ref") / "ref"
-    cfg = LaunchConfig(
-        script=SCRIPT,
-        script_args=["--eval-every", str(EVERY)],
-        workers=4,
-        steps=STEPS,
-        run_dir=str(run_dir),
-        progress=False,
-        extra_env={"PYTHONPATH": str(ROOT)},
-    )
-    result = Launcher(cfg).run()
-    assert result.status == "done", result.message
+    run_in_process(SCRIPT, run_dir, STEPS, ["--eval-every", str(EVERY)])
     got = _agreed(run_dir)
     assert sorted(got) == list(range(STEPS))
     assert sorted(s for s, r in got.items() if "eval" in r) == EVALS

@@ -127,8 +127,11 @@ def test_the_fsdp_port_keeps_its_curve_through_a_kill_and_a_reshard(
     # The evaluation after 20 steps comes with the next step's result (r.step 20).
     assert re.search(r"step 20 loss \d+\.\d+ val loss \d+\.\d+", log), log[-2000:]
 
+    # The regroup is due at the first step boundary after the vacancy (0 s): this
+    # job's steps take 0.03 s on an idle machine, so a wait of 0.5 s could outlast
+    # the 28 steps left after the kill and the job end before it resharded.
     resharded = _fsdp_port(
-        run_job, "reshard", faults=["kill@12:w1"], reshard_after_s=0.5, replace_delay_s=600.0
+        run_job, "reshard", faults=["kill@12:w1"], reshard_after_s=0.0, replace_delay_s=600.0
     )
     assert seen(resharded.events) == (curve, norms, evals)
     sizes = {e.get("shard_size") for e in resharded.of("generation_ready")}

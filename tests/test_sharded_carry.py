@@ -136,6 +136,25 @@ def test_a_registered_scheduler_steps_the_shard_optimizer_and_is_hashed() -> Non
     assert sched.optimizer is sb.optimizer and sb.optimizer is not shard_opt
 
 
+def test_a_peers_meta_brings_the_rate_its_loop_stepped_into_the_optimizer() -> None:
+    """A member that rolled a step forward never ran the script's loop for it (no
+    `sched.step()`): the meta of a peer that did carries the scheduler and the
+    rates it wrote into the optimizer, so both start the next generation alike
+    (a real kill during step 18's vote of the FSDP port left the two twins of a
+    shard with different learning rates, and different state hashes)."""
+    ran, rolled = _sharded(), _sharded()
+    for sb, _, sched in (ran, rolled):
+        sb.register("sched", sched)
+        sb.place(0)
+    ran[0].optimizer.step()
+    ran[2].step()  # the loop's sched.step() after the committed step
+    rolled[0].optimizer.step()  # the kept step applied, no loop
+    assert ran[0].state_hash() != rolled[0].state_hash()
+    rolled[0].load_meta(json.loads(json.dumps(ran[0].meta())))
+    assert rolled[0].optimizer.param_groups[0]["lr"] == 3e-3 * lr_factor(1)
+    assert rolled[0].state_hash() == ran[0].state_hash()
+
+
 def test_a_scheduler_the_script_carries_itself_steps_the_shard_optimizer_too() -> None:
     """Not registered (carried through ``extra_state=``): moved all the same, or its
     ``step()`` would set the rate of an optimizer that no longer steps anything."""

@@ -104,6 +104,39 @@ def load_objects_meta(objects: Mapping[str, Stateful], raw: dict[str, Any]) -> N
         obj.load_state_dict(decode_refs(section[name], tensors))
 
 
+OPTIMIZER_GROUPS_META = "optimizer_groups"
+"""The meta key of the optimizer's hyperparameters per parameter group."""
+
+
+def _plain(v: Any) -> bool:
+    return (
+        v is None
+        or isinstance(v, bool | int | float | str)
+        or (isinstance(v, list | tuple) and all(_plain(x) for x in v))
+    )
+
+
+def optimizer_groups_meta(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The hyperparameters of each of `opt`'s parameter groups (lr, betas, weight
+    decay, ...: what a scheduler stepped by the script's loop writes), JSON-plain
+    values only. A sharded member that applies a kept step (a roll forward) never
+    ran the script's loop for it: its registered scheduler comes from a peer's
+    meta, and so must what that scheduler had written into the optimizer."""
+    return [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups]
+
+
+def load_optimizer_groups(opt: torch.optim.Optimizer, raw: list[dict[str, Any]]) -> None:
+    """Set what `optimizer_groups_meta` returned (a tuple stays a tuple: JSON made
+    it a list, and the state digest sees the difference)."""
+    if len(raw) != len(opt.param_groups):
+        raise ValueError(
+            f"the optimizer has {len(opt.param_groups)} parameter groups, the state {len(raw)}"
+        )
+    for group, got in zip(opt.param_groups, raw, strict=True):
+        for k, v in got.items():
+            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+
+
 def schedulers_in(objects: Mapping[str, Stateful]) -> Iterator[Any]:
     """The registered objects that hold an optimizer as ``.optimizer`` (every torch LR
     scheduler, `ReduceLROnPlateau` included), and the children of a registered

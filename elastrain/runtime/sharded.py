@@ -83,10 +83,13 @@ from elastrain.runtime.meta_init import (
 )
 from elastrain.runtime.preflight import model_problems
 from elastrain.runtime.registered import (
+    OPTIMIZER_GROUPS_META,
     REGISTERED_META,
     check_registrable,
     load_objects_meta,
+    load_optimizer_groups,
     objects_meta,
+    optimizer_groups_meta,
     repoint,
     schedulers_in,
 )
@@ -910,6 +913,8 @@ class ShardedBackend:
         out = torch_meta(self.extra_state)
         if self.objects:
             out[REGISTERED_META] = objects_meta(self.objects)
+        if self.optimizer is not None:
+            out[OPTIMIZER_GROUPS_META] = optimizer_groups_meta(self.optimizer)
         return out
 
     def load_meta(self, meta: dict[str, Any]) -> None:
@@ -917,6 +922,9 @@ class ShardedBackend:
         raw = meta.get(REGISTERED_META)
         if raw is not None or self.objects:
             load_objects_meta(self.objects, raw or {"state": {}, "tensors": {}})
+        groups = meta.get(OPTIMIZER_GROUPS_META)
+        if groups is not None and self.optimizer is not None:
+            load_optimizer_groups(self.optimizer, groups)
 
     def problems(self) -> list[str]:
         carries = self.extra_state is not None and self.load_extra_state is not None

@@ -19,7 +19,7 @@ from elastrain.control.layout import Layout
 from elastrain.data import assign_rounds
 from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
-from elastrain.runtime.group import CollectiveAborted
+from elastrain.runtime.group import AbortReason, CollectiveAborted
 from elastrain.runtime.held_sums import Claim, Held, assign_rest, claim_of, decide, row
 from elastrain.runtime.shard_member import ShardedMember
 from elastrain.runtime.step_run import StepRun, _Step, waits_whole_step
@@ -262,7 +262,7 @@ def test_a_given_up_exchange_keeps_the_sums_for_the_next_generation() -> None:
     w._held = kept = _held("a0")
 
     def broken(works: list[Any]) -> None:
-        raise CollectiveAborted("superseded", "generation superseded while waiting")
+        raise CollectiveAborted(AbortReason.SUPERSEDED, "generation superseded while waiting")
 
     with pytest.raises(CollectiveAborted):
         w.rounds(3, 8, 1.0, _World({}), GEN, broken)
@@ -320,15 +320,15 @@ def test_only_a_sharded_shadow_waits_for_the_whole_step() -> None:
 class _Aborting:
     """A topology whose first step's exchange is given up (`ShardedGroups.turns`)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: AbortReason) -> None:
         self.reason = reason
 
     def turns(self, step: int, num_microbatches: int) -> Turns:
         raise CollectiveAborted(self.reason, f"{self.reason} while waiting", ("w3",))
 
 
-@pytest.mark.parametrize("reason", ["superseded", "watchdog"])
-def test_a_given_up_exchange_abandons_the_step_not_the_worker(reason: str) -> None:
+@pytest.mark.parametrize("reason", list(AbortReason))
+def test_a_given_up_exchange_abandons_the_step_not_the_worker(reason: AbortReason) -> None:
     events: list[tuple[Any, dict[str, Any]]] = []
     ctx = NS(
         links=NS(broken=None),
@@ -351,7 +351,7 @@ def test_a_given_up_exchange_abandons_the_step_not_the_worker(reason: str) -> No
         run.forget()
     finally:
         run.close()
-    if reason == "superseded":
+    if reason is AbortReason.SUPERSEDED:
         assert isinstance(got, m.Superseded) and not events
     else:
         assert isinstance(got, m.ComputeFailed) and "watchdog" in got.error

@@ -38,7 +38,7 @@ from elastrain.runtime.evaluate import (
     metric_values,
     pause_timeout,
 )
-from elastrain.runtime.group import CollectiveAborted
+from elastrain.runtime.group import AbortReason, CollectiveAborted
 from elastrain.runtime.step_run import collective_error, dist_errors
 from elastrain.runtime.topology import CannotCompute, Topology
 
@@ -306,7 +306,7 @@ class BetweenSteps:
         try:
             ctx.waiter.wait(links.inflight, timeout_s, lambda: ctx.gen_broken(gen))
         except CollectiveAborted as e:
-            if e.reason == "watchdog":
+            if e.reason is AbortReason.WATCHDOG:
                 ctx.events.emit(
                     EventKind.WATCHDOG_FIRED, step=step, gen=gen, timeout_s=timeout_s, during=during
                 )

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -41,12 +42,21 @@ from elastrain.threads import COLLECTIVE_WAIT, GRAVEYARD, name_native_thread
 log = logging.getLogger("elastrain.group")
 
 
-class CollectiveAborted(RuntimeError):
-    """The wait was abandoned; `reason` is "superseded" or "watchdog".
-    `confirmed`: with "watchdog" at the soft deadline, the peers the
-    coordinator found silent (empty when the hard deadline passed)."""
+class AbortReason(StrEnum):
+    """Why a wait on collectives was abandoned (`CollectiveAborted.reason`)."""
 
-    def __init__(self, reason: str, message: str, confirmed: tuple[str, ...] = ()) -> None:
+    SUPERSEDED = "superseded"
+    """The generation broke (the coordinator superseded it) while waiting."""
+    WATCHDOG = "watchdog"
+    """The wait outlasted its deadline, or the coordinator confirmed a peer hung."""
+
+
+class CollectiveAborted(RuntimeError):
+    """The wait was abandoned, for `reason`. `confirmed`: with WATCHDOG at the
+    soft deadline, the peers the coordinator found silent (empty when the hard
+    deadline passed)."""
+
+    def __init__(self, reason: AbortReason, message: str, confirmed: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.reason = reason
         self.confirmed = confirmed
@@ -206,13 +216,15 @@ class Waiter:
                     raise errors[0]
                 return
             if should_abort():
-                raise CollectiveAborted("superseded", "generation superseded while waiting")
+                raise CollectiveAborted(
+                    AbortReason.SUPERSEDED, "generation superseded while waiting"
+                )
             now = time.monotonic()
             if check is not None and now >= next_ask:
                 hung = check.ask(now - t0)
                 if hung:
                     raise CollectiveAborted(
-                        "watchdog",
+                        AbortReason.WATCHDOG,
                         f"collective overdue after {now - t0:.2f}s and the coordinator found "
                         f"{', '.join(hung)} silent",
                         confirmed=hung,
@@ -222,7 +234,7 @@ class Waiter:
             remaining = deadline - now
             if remaining <= 0:
                 raise CollectiveAborted(
-                    "watchdog", f"collective did not finish in {timeout_s:.2f}s"
+                    AbortReason.WATCHDOG, f"collective did not finish in {timeout_s:.2f}s"
                 )
             self._wake.wait(min(remaining, next_ask - now))
 

@@ -39,7 +39,7 @@ from elastrain.runtime.context import Context
 from elastrain.runtime.device import is_poisoned
 from elastrain.runtime.evaluate import EvalResult
 from elastrain.runtime.feed import DataFeed
-from elastrain.runtime.group import CollectiveAborted, HangCheck
+from elastrain.runtime.group import AbortReason, CollectiveAborted, HangCheck
 from elastrain.runtime.topology import CannotCompute, Reduction, Topology, Turns
 from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
 from elastrain.threads import QUORUM, name_native_thread
@@ -196,7 +196,7 @@ class StepRun:
             return m.Superseded()
         except CollectiveAborted as e:
             # The generation's exchange of held sums (sharded, first step) was given up.
-            if e.reason != "watchdog":
+            if e.reason is not AbortReason.WATCHDOG:
                 return m.Superseded()
             confirmed = {"confirmed": list(e.confirmed)} if e.confirmed else {}
             ctx.events.emit(EventKind.WATCHDOG_FIRED, step=s, gen=ctx.proto.gen,
@@ -330,7 +330,7 @@ class StepRun:
                     except hooks.InjectedFailure:
                         self._await_lost_answer(gen, s, timeout)
         except CollectiveAborted as e:
-            if e.reason == "watchdog":
+            if e.reason is AbortReason.WATCHDOG:
                 # A confirmed hang fires at the soft deadline: record how long it waited.
                 confirmed = {"confirmed": list(e.confirmed)} if e.confirmed else {}
                 waited = time.monotonic() - st.t_reduce if e.confirmed else timeout

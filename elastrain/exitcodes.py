@@ -8,6 +8,7 @@ for torch.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -80,6 +81,20 @@ RUN_INTERRUPTED = 130
 """Stopped by Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
+class ExitReason(StrEnum):
+    """Why a worker exits; the `reason` of its `worker_exit` event."""
+
+    DONE = "done"
+    LEFT = "left"
+    PREEMPTED = "preempted"
+    REFUSED = "refused"
+    NO_COORDINATOR = "no_coordinator"
+    MISCONFIGURED = "misconfigured"
+    STATE_LOST = "state_lost"
+    DEVICE_POISONED = "device_poisoned"
+    STATE_TORN = "state_torn"
+
+
 class WorkerExit(Exception):
     """The library's request to end this worker process with exit status `code`.
 
@@ -100,7 +115,7 @@ class WorkerExit(Exception):
     def __init__(
         self,
         code: int,
-        reason: str,
+        reason: ExitReason,
         message: str = "",
         *,
         immediate: bool = False,

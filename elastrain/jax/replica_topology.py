@@ -38,7 +38,7 @@ from elastrain.checkpoint.dcp import ShardedReader
 from elastrain.checkpoint.manager import PartsFn, SaveRole, StateFn, written_format
 from elastrain.checkpoint.plain import PlainCheckpointError
 from elastrain.checkpoint.restore import NOT_THIS_MODEL, ResumeError
-from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, WorkerExit
+from elastrain.exitcodes import EXIT_LEFT, EXIT_MISCONFIGURED, ExitReason, WorkerExit
 from elastrain.jax.replica import ReplicaLayout
 from elastrain.jax.replica_backend import JaxReplicaBackend
 from elastrain.jax.replica_checkpoint import (
@@ -150,7 +150,7 @@ class ReplicaTwins:
             if procs != p.procs:
                 raise WorkerExit(
                     EXIT_MISCONFIGURED,
-                    "misconfigured",
+                    ExitReason.MISCONFIGURED,
                     f"elastrain: misconfigured: {w} runs replicas of {procs} processes, this "
                     f"worker of {p.procs}",
                 )
@@ -188,7 +188,7 @@ class ReplicaTwins:
         ctx.events.emit(
             EventKind.WORKER_EXIT, reason=m.ExitReason.LEFT, committed=ctx.proto.committed
         )
-        raise WorkerExit(EXIT_LEFT, "replica_lost", msg, immediate=True)
+        raise WorkerExit(EXIT_LEFT, ExitReason.LEFT, msg, immediate=True)
 
     def heal(self, job: HealJob) -> Healed:
         """Each twins' group heals on its own: a receiver gets its part from its twins."""

@@ -47,7 +47,6 @@ Exits: the engine raises `WorkerExit(code, reason)`; the worker entry point
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -79,6 +78,7 @@ from elastrain.runtime.evaluate import EvalResult, Evaluation
 from elastrain.runtime.feed import DataFeed, DataSource, MapDataset
 from elastrain.runtime.group import Graveyard, Waiter, settle_before_exit
 from elastrain.runtime.healing import Healing
+from elastrain.runtime.leaving import announce_exit
 from elastrain.runtime.preflight import batch_problems, exit_misconfigured
 from elastrain.runtime.rendezvous import GroupFactory, Rendezvous
 from elastrain.runtime.replicas import Replicated
@@ -476,18 +476,10 @@ class StepEngine:
         point ends the process at once (`WorkerExit.immediate`): what it leaves
         undone is what a SIGKILL leaves, which the peers and the checkpoints already
         survive."""
-        log.error("%s: device poisoned (%s); leaving for a fresh process", self.member, why)
-        # Tell the coordinator the exit status first: the peers regroup at once, and
-        # the failure is recorded as a failed device, not suspected as a hang. (The
-        # launcher reports the same exit again; harmless.)
-        with contextlib.suppress(CoordinatorError):
-            self.client.exit(p.ExitRequest(self.member, os.getpid(), EXIT_DEVICE_POISONED))
-        self.events.emit(
-            EventKind.WORKER_EXIT,
-            reason=m.ExitReason.DEVICE_POISONED,
-            committed=self.committed,
-            error=why[:300],
-        )
+        announce_exit(
+            self.client, self.events, self.member, EXIT_DEVICE_POISONED,
+            m.ExitReason.DEVICE_POISONED, self.committed, f"device poisoned ({why})",
+        )  # fmt: skip
         self.events.close()
         self._closed = True  # steps()' `finally` must not shut down in order either
         raise WorkerExit(
@@ -525,7 +517,7 @@ class StepEngine:
         self.events.emit(EventKind.WORKER_EXIT, reason=a.reason, committed=self.committed)
         self._shutdown()
         message = a.message if a.reason == m.ExitReason.NO_COORDINATOR else ""
-        raise WorkerExit(a.code, str(a.reason), message)
+        raise WorkerExit(a.code, a.reason, message)
 
     def _shutdown(self) -> None:
         if self._closed:

@@ -11,15 +11,11 @@ settles that reader before anything writes the state (`settle`).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import os
 from collections.abc import Callable
 from typing import NoReturn
 
 from elastrain.checkpoint.manager import Checkpointing
-from elastrain.control import protocol as p
-from elastrain.control.client import CoordinatorError
 from elastrain.exitcodes import EXIT_STATE_LOST, EXIT_STATE_TORN, WorkerExit
 from elastrain.exitrecord import from_exception, root_cause
 from elastrain.observe.events import EventKind
@@ -27,6 +23,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.carried import Carried
 from elastrain.runtime.context import Context
 from elastrain.runtime.device import is_poisoned
+from elastrain.runtime.leaving import announce_exit
 from elastrain.runtime.preflight import exit_misconfigured
 from elastrain.runtime.topology import HealJob, StateLost, Topology, Unfillable
 from elastrain.threads import HASH, name_native_thread
@@ -101,7 +98,7 @@ class Healing:
             )
             self.shutdown()
             raise WorkerExit(
-                EXIT_STATE_LOST, "shard_lost", f"elastrain: {e}; {self.resume_hint()}"
+                EXIT_STATE_LOST, m.ExitReason.STATE_LOST, f"elastrain: {e}; {self.resume_hint()}"
             ) from None
         except TornHeal as e:
             if is_poisoned(e):  # the install's copy hit a sticky device error: exit 74
@@ -133,15 +130,10 @@ class Healing:
         process too: its cause becomes the exit record, which the launcher's
         same-error rule counts."""
         ctx = self.ctx
-        log.error("%s: %s; leaving for a fresh process", ctx.member, e)
-        with contextlib.suppress(CoordinatorError):
-            ctx.client.exit(p.ExitRequest(ctx.member, os.getpid(), EXIT_STATE_TORN))
-        ctx.events.emit(
-            EventKind.WORKER_EXIT,
-            reason=m.ExitReason.STATE_TORN,
-            committed=ctx.proto.committed,
-            error=str(e)[:300],
-        )
+        announce_exit(
+            ctx.client, ctx.events, ctx.member, EXIT_STATE_TORN, m.ExitReason.STATE_TORN,
+            ctx.proto.committed, str(e),
+        )  # fmt: skip
         self.shutdown()
         raise WorkerExit(
             EXIT_STATE_TORN,

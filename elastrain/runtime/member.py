@@ -53,7 +53,13 @@ from enum import StrEnum
 from typing import Any
 
 from elastrain.control.protocol import RendezvousStatus, Verdict
-from elastrain.exitcodes import EXIT_LEFT, EXIT_NO_COORDINATOR, EXIT_PREEMPTED, EXIT_REFUSED
+from elastrain.exitcodes import (
+    EXIT_LEFT,
+    EXIT_NO_COORDINATOR,
+    EXIT_PREEMPTED,
+    EXIT_REFUSED,
+    ExitReason,
+)
 from elastrain.runtime.evaluate import eval_due
 
 
@@ -113,20 +119,6 @@ class Do(StrEnum):
     """Tell the coordinator this member is done; `steps()` returns."""
     EXIT = "exit"
     """End this worker with `Action.code` (`Action.reason`)."""
-
-
-class ExitReason(StrEnum):
-    """Why a worker exits; the `reason` of its `worker_exit` event."""
-
-    DONE = "done"
-    LEFT = "left"
-    PREEMPTED = "preempted"
-    REFUSED = "refused"
-    NO_COORDINATOR = "no_coordinator"
-    MISCONFIGURED = "misconfigured"
-    STATE_LOST = "state_lost"
-    DEVICE_POISONED = "device_poisoned"
-    STATE_TORN = "state_torn"
 
 
 EXIT_CODES = {

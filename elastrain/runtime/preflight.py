@@ -14,7 +14,7 @@ import sys
 from typing import Any, NoReturn
 
 from elastrain.checkpoint.config import CheckpointFormat
-from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.exitcodes import EXIT_MISCONFIGURED, ExitReason, WorkerExit
 
 OWN_PROCESS_GROUP = (
     "the script initialises its own process group (torch.distributed.init_process_group): "
@@ -106,4 +106,6 @@ def preflight(model: Any, global_batch: int, micro_batch: int, members: int | No
 def exit_misconfigured(message: str) -> NoReturn:
     """End the worker with EXIT_MISCONFIGURED; the worker entry point prints the
     message on stderr, where the launcher finds it and shows it."""
-    raise WorkerExit(EXIT_MISCONFIGURED, "misconfigured", f"elastrain: misconfigured: {message}")
+    raise WorkerExit(
+        EXIT_MISCONFIGURED, ExitReason.MISCONFIGURED, f"elastrain: misconfigured: {message}"
+    )

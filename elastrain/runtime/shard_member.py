@@ -45,7 +45,7 @@ import torch
 from elastrain.control import protocol as p
 from elastrain.control.layout import Layout
 from elastrain.data import assign_microbatches
-from elastrain.exitcodes import EXIT_MISCONFIGURED, WorkerExit
+from elastrain.exitcodes import EXIT_MISCONFIGURED, ExitReason, WorkerExit
 from elastrain.observe.events import EventKind, EventLog
 from elastrain.runtime import member as m
 from elastrain.runtime.config import TrainerConfig
@@ -140,7 +140,7 @@ class ShardedMember:
         if not ready.slots:
             raise WorkerExit(
                 EXIT_MISCONFIGURED,
-                "misconfigured",
+                ExitReason.MISCONFIGURED,
                 f"elastrain: misconfigured: this worker shards the model "
                 f"{self.config.shard_size} ways but the coordinator's job is not sharded (shard "
                 f"size {ready.shard_size}): start the job with `elastrain run --shard-size "

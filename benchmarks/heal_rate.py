@@ -3,7 +3,7 @@
 Run from the repository root:
 
     .venv/bin/python benchmarks/heal_rate.py [--quick] [--no-record] [--senders 1,2]
-        [--reps N] [--dim D --layers L --heads H]
+        [--reps N] [--dim D --layers L --heads H] [--min-stripe-mib M]
 
 The target (issue 42): a replacement's heal in digest mode (the default
 `heal_auth`) runs at >= 80% of a plain gloo broadcast of the same bytes over
@@ -17,7 +17,11 @@ For each sender count S (`--senders`, default 1 and 2: a sharded 2x2 job heals
 its dead rank's shard from its one twin; a replicated job stripes across all
 survivors), S + 1 processes (_jobs/heal_rate_job.py) hold the demo GPT with
 AdamW (default dim 256, 4 layers, 4 heads: about 39 MB of model and optimizer
-state, the shard a 2x2 sharded.py replacement heals). After one warm-up each,
+state, the shard a 2x2 sharded.py replacement heals). The heals stripe the
+payload as the trainers' `heal_with` does: over as many senders as give each
+stripe at least `--min-stripe-mib` MiB (default `STRIPE_MIN_BYTES`, 64 MiB:
+the 39 MB state then comes from one sender, the other kept for a stripe that
+fails; 0 stripes over every sender, as before 2026-12-07). After one warm-up each,
 `--reps` rounds run, each of five measurements after a barrier (so the
 machine's load hits all five alike):
 
@@ -89,6 +93,8 @@ sys.path.insert(0, str(HERE))
 from _harness import Bench, Figure, fmt, log, med, table, target  # noqa: E402
 from _steady import JOBS, kill_all  # noqa: E402
 
+from elastrain.transfer.manifest import STRIPE_MIN_BYTES, stripe_senders  # noqa: E402
+
 TARGET = 0.8
 """The digest heal's rate as a fraction of the warm broadcast's (issue 42)."""
 KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor")
@@ -99,7 +105,12 @@ MMAP_THRESHOLD = "131072"
 
 
 def run_one(
-    senders: int, shape: tuple[int, int, int], reps: int, out_dir: Path, timeout_s: float
+    senders: int,
+    shape: tuple[int, int, int],
+    reps: int,
+    out_dir: Path,
+    timeout_s: float,
+    min_stripe: int,
 ) -> dict[str, Any]:
     """Run the S + 1 job processes once; per rank, their JSON (`_jobs/heal_rate_job.py`)."""
     import torch.distributed as dist
@@ -112,7 +123,8 @@ def run_one(
     prefix = out_dir / f"s{senders}"
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    argv = [str(senders), str(store.port), *(str(x) for x in shape), str(reps), str(prefix)]
+    argv = [str(senders), str(store.port), *(str(x) for x in shape), str(reps), str(prefix),
+            str(min_stripe)]  # fmt: skip
     procs = []
     try:
         for r in range(senders + 1):
@@ -230,6 +242,10 @@ def main() -> int:
     ap.add_argument("--dim", type=int, help="demo GPT width (default 256)")
     ap.add_argument("--layers", type=int, help="demo GPT layers (default 4)")
     ap.add_argument("--heads", type=int, help="demo GPT heads (default 4)")
+    ap.add_argument(
+        "--min-stripe-mib", type=float, default=STRIPE_MIN_BYTES / (1 << 20),
+        help="least MiB per sender's stripe (stripe_senders; default the trainers'; 0: every sender)",
+    )  # fmt: skip
     args = bench.parse()
     base = QUICK if args.quick else FULL
     dim, layers, heads, reps = (
@@ -245,6 +261,9 @@ def main() -> int:
     if reps < 1 or dim < 1 or layers < 1 or heads < 1 or dim % heads:
         ap.error("--reps, --dim, --layers, --heads must be positive, and dim a multiple of heads")
 
+    if args.min_stripe_mib < 0:
+        ap.error("--min-stripe-mib must be >= 0")
+    min_stripe = int(args.min_stripe_mib * (1 << 20))
     t_wall0 = time.time()
     load = bench.load
     assert load is not None
@@ -257,7 +276,7 @@ def main() -> int:
     for s in senders:
         t_w = time.time()
         try:
-            res[s] = run_one(s, (dim, layers, heads), reps, out_dir, timeout_s=60.0 + 20.0 * reps)
+            res[s] = run_one(s, (dim, layers, heads), reps, out_dir, 60.0 + 20.0 * reps, min_stripe)
         except RuntimeError as err:
             print(f"\nFATAL: {err}; nothing recorded.")
             load.stop()
@@ -271,6 +290,12 @@ def main() -> int:
         f"state: the demo GPT, dim {dim}, {layers} layers, {heads} heads, context 64, with "
         "AdamW after one step (model + optimizer state, as a heal moves it); the receiver "
         "starts from another seed with no optimizer state",
+        f"striping: over as many senders as give each stripe >= {args.min_stripe_mib:g} MiB "
+        "(stripe_senders, as the trainers' heal_with; 0: every sender), so "
+        + ", ".join(
+            f"{s} sender(s): {stripe_senders(res[s]['bytes'], s, min_stripe)} stripe(s)"
+            for s in res
+        ),
         f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal (digest), "
         "mac heal, cold heal, floor, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
         "barrier to its end of the operation; medians over rounds",

@@ -164,6 +164,7 @@ def run(
     timeout_s: float = 10.0,
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
+    min_stripe_bytes: int = 0,
 ) -> list[tuple[dict[str, Any], HealStats] | BaseException]:
     """Every rank heals over the wire on its own thread; its result or exception."""
     results: list[Any] = [None] * wire.size
@@ -174,7 +175,7 @@ def run(
         try:
             results[rank] = heal_over(
                 tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY,
-                auth=auth, in_place=in_place,
+                auth=auth, in_place=in_place, min_stripe_bytes=min_stripe_bytes,
             )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - the test inspects it (interrupts too)
             results[rank] = e
@@ -263,6 +264,30 @@ def test_a_stripe_corrupted_on_the_wire_is_refused_and_sent_again_by_another_sen
     assert _same_bytes(states[2], states[0])
     # Sender 1 sent its own stripe and, again, the refused one: the whole payload.
     assert stats[1].bytes == stats[2].bytes - stats[0].bytes
+
+
+def test_a_small_state_comes_from_the_root_alone_and_a_bad_one_from_the_next_sender() -> None:
+    """min_stripe_bytes above the payload (the trainers' `heal_with` for a small
+    state): the root sends all of it and the other sender nothing; when the root's
+    bytes are damaged, the other sender sends the whole payload again."""
+    states = [_state(True), _state(True), _state(False)]
+    want = state_hash(*states[0])
+    res = run(Wire(3), states, senders=[0, 1], receivers=[2], min_stripe_bytes=1 << 30)
+    assert all(isinstance(r, tuple) for r in res), res
+    sent = [r[1].bytes for r in res if isinstance(r, tuple)]
+    assert sent[0] == sent[2] > 0 and sent[1] == 0
+    assert state_hash(*states[2]) == want
+
+    states[2] = _state(False)
+    holder: list[Wire] = []
+    wire = Wire(3, _flip_from(0, holder))
+    holder.append(wire)
+    res = run(wire, states, senders=[0, 1], receivers=[2], min_stripe_bytes=1 << 30)
+    assert all(isinstance(r, tuple) for r in res), res
+    stats = [r[1] for r in res if isinstance(r, tuple)]
+    assert wire.damaged > 0 and all(st.refused == (0,) for st in stats)
+    assert stats[0].bytes == stats[1].bytes == stats[2].bytes // 2  # once each, twice landed
+    assert _same_bytes(states[2], states[0])
 
 
 @pytest.mark.parametrize("auth", list(HealAuth))

@@ -53,6 +53,8 @@ from elastrain.transfer.manifest import (
     build_manifest,
     decode_manifest,
     encode_manifest,
+    plan_stripes,
+    stripe_senders,
     validate_manifest,
 )
 from elastrain.transfer.seal import (
@@ -249,6 +251,28 @@ def test_stripe_gap_and_overlap_are_rejected() -> None:
         validate_manifest(overlap, [0, 1])
     with pytest.raises(HealError, match=r"told senders=\[1, 0\]"):
         validate_manifest(m, [1, 0])
+
+
+def test_a_small_payload_comes_from_one_sender_and_a_large_one_is_striped() -> None:
+    """`stripe_senders`: a stripe per sender only once each gets min_stripe_bytes; the
+    senders left out keep empty stripes at the end, so the manifest still tiles."""
+    mib = 1 << 20
+    assert [stripe_senders(n * mib, 3, 64 * mib) for n in (0, 40, 127, 128, 191, 192, 900)] == [
+        1, 1, 1, 2, 2, 3, 3,
+    ]  # fmt: skip
+    assert stripe_senders(40 * mib, 3, 0) == 3  # 0: every sender, as before
+    with pytest.raises(ValueError, match="at least one sender"):
+        stripe_senders(mib, 0, 64 * mib)
+    one = plan_stripes(40 * mib, [4, 5, 6], 64 * mib)
+    assert [(s.sender_rank, s.offset, s.nbytes) for s in one] == [
+        (4, 0, 40 * mib), (5, 40 * mib, 0), (6, 40 * mib, 0),
+    ]  # fmt: skip
+    two = plan_stripes(128 * mib + 1, [4, 5, 6], 64 * mib)
+    assert [s.nbytes for s in two] == [64 * mib + 1, 64 * mib, 0]
+    m = build_manifest("torch", [("model/w", torch.zeros(1000))], {}, [0, 1], {}, 1,
+                       min_stripe_bytes=64 * mib)  # fmt: skip
+    validate_manifest(m, [0, 1])  # empty stripes are well-formed
+    assert [s.nbytes for s in m.stripes] == [4000, 0]
 
 
 def test_manifest_checks_against_local_model_and_optimizer() -> None:

@@ -1,6 +1,6 @@
 """One process of benchmarks/heal_rate.py: elastrain's heal against a plain gloo broadcast.
 
-    python heal_rate_job.py RANK SENDERS STORE_PORT DIM LAYERS HEADS REPS OUT_PREFIX
+    python heal_rate_job.py RANK SENDERS STORE_PORT DIM LAYERS HEADS REPS OUT_PREFIX MIN_STRIPE
 
 SENDERS + 1 processes join the parent's TCPStore: ranks 0 .. SENDERS-1 are heal
 senders, rank SENDERS the receiver. Every process builds the demo GPT (DIM,
@@ -21,8 +21,9 @@ every rank so that they start it together:
 3. ``heal``: `elastrain.transfer.heal` of the `TorchState` (the code the
    trainers run, in digest mode, the default: manifest sealed under a job key,
    payload checked by the state digest; ``in_place`` as the trainers'
-   `heal_with`: the model's entries land in the receiver's live tensors) from
-   the senders into the receiver, which lands the rest in a `LandingReserve`
+   `heal_with`: the model's entries land in the receiver's live tensors; striped
+   over as many senders as give each stripe MIN_STRIPE bytes, `stripe_senders`,
+   0: every sender) from the senders into the receiver, which lands the rest in a `LandingReserve`
    it prepared before the barrier (mapped
    and touched, untimed: a joiner does it while it waits to be admitted) and
    installs it;
@@ -115,7 +116,7 @@ def same_everywhere(pg: Any, digest: str) -> bool:
 
 def main() -> None:
     rank, senders, port, dim, layers, heads, reps = (int(a) for a in sys.argv[1:8])
-    out = sys.argv[8]
+    out, min_stripe = sys.argv[8], int(sys.argv[9])
     torch.set_num_threads(1)
     world, receiver = senders + 1, senders
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=TIMEOUT)
@@ -147,6 +148,7 @@ def main() -> None:
             pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
             reserve=reserve if kind != "cold" else None,
             auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST, in_place=True,
+            min_stripe_bytes=min_stripe,
         )  # fmt: skip
         reserve = None
         payload_s[kind].append(stats.payload_s)

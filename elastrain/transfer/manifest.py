@@ -96,14 +96,45 @@ class Manifest:
         raise HealError(f"manifest has no stripe for sender rank {rank}")
 
 
-def plan_stripes(total_bytes: int, senders: Sequence[int]) -> tuple[Stripe, ...]:
-    """Split ``[0, total_bytes)`` into one contiguous stripe per sender, sizes within 1 byte."""
-    n = len(senders)
-    base, extra = divmod(total_bytes, n)
+STRIPE_MIN_BYTES = 64 << 20
+"""The least payload bytes worth a sender of their own (`stripe_senders`): the trainers'
+heals (`elastrain.transfer.striped.heal_with`) stripe a state over more than one
+sender only when every stripe gets at least this much."""
+
+
+def stripe_senders(total_bytes: int, n_senders: int, min_stripe_bytes: int) -> int:
+    """How many of ``n_senders`` send a stripe of a ``total_bytes`` payload.
+
+    Each stripe costs fixed work whatever its size: a sender process cutting and
+    posting its messages, a connection's messages for the receiver to post and
+    wait for, and (on a host shared by the members, as on loopback) one more
+    process competing for the same cores as the receiver. A stripe pays for
+    that only when moving it takes long against it; for a small state one
+    sender moves it faster than several (measured on the 2-core machine with
+    the 39.7 MB state: docs/design/heal.md, "Stripes"). So every stripe gets
+    at least ``min_stripe_bytes`` (the first sender takes a smaller payload
+    whole); ``min_stripe_bytes`` <= 0 stripes over every sender. Pure.
+    """
+    if n_senders < 1:
+        raise ValueError(f"need at least one sender, got {n_senders}")
+    if min_stripe_bytes <= 0:
+        return n_senders
+    return max(1, min(n_senders, total_bytes // min_stripe_bytes))
+
+
+def plan_stripes(
+    total_bytes: int, senders: Sequence[int], min_stripe_bytes: int = 0
+) -> tuple[Stripe, ...]:
+    """Split ``[0, total_bytes)`` into one contiguous stripe per sender: the first
+    `stripe_senders` of them share it (sizes within 1 byte), the rest get empty
+    stripes (they stay in the manifest as the senders a failed stripe is asked
+    of again)."""
+    k = stripe_senders(total_bytes, len(senders), min_stripe_bytes)
+    base, extra = divmod(total_bytes, k)
     stripes = []
     offset = 0
     for i, rank in enumerate(senders):
-        nbytes = base + (1 if i < extra else 0)
+        nbytes = base + (1 if i < extra else 0) if i < k else 0
         stripes.append(Stripe(int(rank), offset, nbytes))
         offset += nbytes
     return tuple(stripes)
@@ -118,9 +149,10 @@ def build_manifest(
     heal_id: int,
     *,
     auth: HealAuth = HealAuth.DIGEST,
+    min_stripe_bytes: int = 0,
 ) -> Manifest:
-    """Lay the named tensors out back to back and stripe the result over ``senders``;
-    ``auth`` as in `Manifest`."""
+    """Lay the named tensors out back to back and stripe the result over ``senders``
+    (`plan_stripes`); ``auth`` as in `Manifest`."""
     entries = []
     offset = 0
     for name, t in tensors:
@@ -135,7 +167,7 @@ def build_manifest(
         heal_id=heal_id,
         entries=tuple(entries),
         total_bytes=offset,
-        stripes=plan_stripes(offset, senders),
+        stripes=plan_stripes(offset, senders, min_stripe_bytes),
         section=section,
         meta=meta,
         auth=auth,

@@ -90,6 +90,7 @@ from elastrain.transfer.errors import HealError, ManifestUnavailable, TornHeal
 from elastrain.transfer.flatten import flat_digest
 from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
+    STRIPE_MIN_BYTES,
     Manifest,
     Stripe,
     build_manifest,
@@ -331,6 +332,7 @@ def heal(
     reserve: LandingReserve | None = None,
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
+    min_stripe_bytes: int = 0,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`
     (in digest mode; `heal_with` gives one for either mode).
@@ -348,15 +350,19 @@ def heal(
         reserve=reserve,
         auth=auth,
         in_place=in_place,
+        min_stripe_bytes=min_stripe_bytes,
     )
 
 
-def heal_with(auth: HealAuth, *, in_place: bool = True) -> HealFn:
+def heal_with(
+    auth: HealAuth, *, in_place: bool = True, min_stripe_bytes: int = STRIPE_MIN_BYTES
+) -> HealFn:
     """The `HealFn` the trainers call, in mode ``auth`` (`TrainerConfig.heal_auth`):
     chosen once, when the engine is built, for every topology that heals with it
     (replicated members, sharded twins, JAX members). ``in_place`` (the trainers'
     choice: the engine ends a member whose heal raised `TornHeal`, see
-    `heal_over`)."""
+    `heal_over`); ``min_stripe_bytes`` (`stripe_senders`: a small state comes from
+    one sender, the others kept for a stripe that fails)."""
 
     def heal_in_mode(
         pg: Group,
@@ -373,6 +379,7 @@ def heal_with(auth: HealAuth, *, in_place: bool = True) -> HealFn:
         return heal(
             pg, rank, senders, receivers, state, meta, timeout_s,
             key=key, reserve=reserve, auth=auth, in_place=in_place,
+            min_stripe_bytes=min_stripe_bytes,
         )  # fmt: skip
 
     return heal_in_mode
@@ -423,8 +430,9 @@ def heal_over(
     reserve: LandingReserve | None = None,
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
+    min_stripe_bytes: int = 0,
 ) -> tuple[dict[str, Any], HealStats]:
-    """Copy senders' ``state`` onto receivers, striped over all senders, checked in
+    """Copy senders' ``state`` onto receivers, striped over the senders, checked in
     mode ``auth`` (`HealAuth`) under ``key``.
 
     Collective over ALL ranks of the transport's group (``tx``, this rank being
@@ -475,6 +483,11 @@ def heal_over(
     away (the engine ends the process for a fresh one, healed again). Every other
     failure, and any without ``in_place``, leaves the receiver untouched.
 
+    ``min_stripe_bytes``: the root stripes the payload only over as many senders as
+    give each stripe at least this many bytes (`stripe_senders`; 0: over every
+    trusted sender); the others send nothing unless a stripe fails and is asked
+    of them again. Only the root's value counts (the manifest carries its stripes).
+
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
     t0 = time.perf_counter()
@@ -495,7 +508,8 @@ def heal_over(
         digesting[rank] = _Digesting(flat)
     try:
         return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
-                     check, t0, flat, flat_error, digesting, in_place)  # fmt: skip
+                     check, t0, flat, flat_error, digesting, in_place,
+                     min_stripe_bytes)  # fmt: skip
     finally:
         for d in digesting.values():
             d.join()
@@ -517,6 +531,7 @@ def _heal(
     flat_error: Exception | None,
     digesting: dict[int, _Digesting],
     in_place: bool,
+    min_stripe_bytes: int,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over`'s protocol, once its arguments are checked and its state flattened.
     ``digesting``: this rank's state digest once it is a root (digest mode), by rank."""
@@ -548,6 +563,7 @@ def _heal(
                     dict(meta or {}),
                     secrets.randbelow(MAX_HEAL_ID) + 1,
                     auth=check.auth,
+                    min_stripe_bytes=min_stripe_bytes,
                 )
                 data = encode_manifest(manifest)
                 if tamper is not None:

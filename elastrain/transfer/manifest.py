@@ -110,10 +110,11 @@ def stripe_senders(total_bytes: int, n_senders: int, min_stripe_bytes: int) -> i
     wait for, and (on a host shared by the members, as on loopback) one more
     process competing for the same cores as the receiver. A stripe pays for
     that only when moving it takes long against it; for a small state one
-    sender moves it faster than several (measured on the 2-core machine with
-    the 39.7 MB state: docs/design/heal.md, "Stripes"). So every stripe gets
-    at least ``min_stripe_bytes`` (the first sender takes a smaller payload
-    whole); ``min_stripe_bytes`` <= 0 stripes over every sender. Pure.
+    sender moves it faster than several (the 39.7 MB state on the 2-core
+    machine: docs/design/heal.md, "Stripes and the fixed costs"). So every
+    stripe gets at least ``min_stripe_bytes`` (the first sender takes a
+    smaller payload whole); ``min_stripe_bytes`` <= 0 stripes over every
+    sender. Pure.
     """
     if n_senders < 1:
         raise ValueError(f"need at least one sender, got {n_senders}")

@@ -9,9 +9,9 @@ bytes is the heal's `HealAuth`, one `PayloadCheck` chosen once per heal:
 - `DigestCheck` (digest mode, the default): besides the bytes, one small
   message travels: the root's `state_digest`, sealed with HMAC-SHA256 under the
   job token and bound to the manifest seal (`Reference`), which the root sends
-  each receiver after its stripes. The root computes it on a thread from its
-  flatten on, overlapping the manifest rounds and the payload, so that it
-  never delays the manifest. A receiver feeds the state digest
+  each receiver after its stripes. The root computes it on a thread from the
+  moment its manifest is broadcast, overlapping the verdict round and the
+  payload, so that it never delays the manifest. A receiver feeds the state digest
   (`elastrain.transfer.flatten.digest_hasher`) the payload in order as its
   messages land, then compares it with the root's. One all-reduce of per-receiver verdicts follows. Only when a receiver
   mismatched does a *blame* round run: every sender of a stripe that receiver

@@ -37,8 +37,8 @@ Every rank of the group calls it with the same ``senders`` and
    tensor, `Landing`). How the bytes are vouched for is the heal's `HealAuth`
    (`elastrain.transfer.payload`): in digest mode (the default) the root sends
    each receiver its `state_digest`, sealed under the job token and bound to
-   the manifest seal, after its stripes (computed on a thread overlapping the
-   rounds before), and each receiver hashes the payload as it lands and
+   the manifest seal, after its stripes (computed on a thread from its manifest's
+   broadcast on, overlapping the verdict round and its sends), and each receiver hashes the payload as it lands and
    compares; in mac mode each stripe is followed by its Poly1305
    seal (a key bound to the manifest seal, the sender's rank and the stripe's
    range), which a sender computes before the verdict round completes.
@@ -387,10 +387,11 @@ def heal_with(
 
 class _Digesting:
     """A root's `state_digest` of its flattened state, computed on a thread from the
-    moment it becomes the root (the first root: from its flatten on), so that it
-    overlaps the manifest rounds and its own stripes' sends (xxhash releases the
-    GIL). Waited for only when the root sends it, after its stripes are posted;
-    joined at the end of the heal either way."""
+    moment its manifest is broadcast, so that it overlaps the verdict round, the
+    staging and its own stripes' sends (xxhash releases the GIL) but not the
+    manifest's build, seal and broadcast, which every rank waits for. Waited for
+    only when the root sends it, after its stripes are posted; joined at the end
+    of the heal either way."""
 
     def __init__(self, flat: FlatState) -> None:
         self._flat = flat
@@ -504,8 +505,6 @@ def heal_over(
         except TypeError as e:
             flat_error = e
     digesting: dict[int, _Digesting] = {}
-    if check.auth == HealAuth.DIGEST and flat is not None and rank == senders[0] and receivers:
-        digesting[rank] = _Digesting(flat)
     try:
         return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
                      check, t0, flat, flat_error, digesting, in_place,
@@ -549,9 +548,6 @@ def _heal(
         data, length = b"", 0
         if rank == root:
             digest_now = check.auth == HealAuth.DIGEST and flat is not None and receivers
-            if digest_now and rank not in digesting:  # a later root: its digest starts now
-                assert flat is not None
-                digesting[rank] = _Digesting(flat)
             try:
                 if flat is None:
                     raise flat_error or HealError("no state")
@@ -586,6 +582,11 @@ def _heal(
         elif rank == root:
             seal = seal_manifest(sealing_key, ann.nonces, root, data)
             _broadcast_bytes(tx, root, data + seal, ann.length, dl)
+            # Its digest starts only now: begun at the flatten, the hash competed with
+            # the manifest's build, seal and broadcast, which every rank waits for.
+            if digest_now and rank not in digesting and built is None:
+                assert flat is not None
+                digesting[rank] = _Digesting(flat)
             if built is not None:
                 raise HealError(
                     f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"

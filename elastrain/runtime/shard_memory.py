@@ -4,7 +4,7 @@ A member of S shards holds its rows of the parameters (P/S bytes), of the
 optimizer's state (AdamW: 2 P/S) and, with float64 reductions, the step's
 float64 gradient sum (2 P/S for float32 parameters): five times its share of
 the parameters against the full training state's 3 P, so at S = 2 it holds
-5/6 of the full state, at S = 4 5/12. Three things used to come on top, each
+5/6 of the full state, at S = 4 5/12. Four things used to come on top, each
 as large as a whole share or more, and are removed here:
 
 - the allocator: glibc raises its mmap threshold (up to 32 MB) each time a
@@ -20,10 +20,9 @@ as large as a whole share or more, and are removed here:
 - the mean gradient beside the float64 sum at the optimizer step: `mean_in_place`
   writes the mean, rounded to each parameter's dtype, over the sum's own
   storage, and returns the bytes it no longer needs to the system (P/S);
-- FSDP2's reduce-scatter input (one FSDP2 unit's gradient in float64), which
-  FSDP2 keeps alive until the next unit's reduction for its streams' sake, of
-  no use on the CPU where the collective has completed when it returns:
-  `freeing_reduce_scatter` frees its storage as soon as it has been sent.
+- the mean gradient after the step: the shard's ``.grad`` is cleared once the
+  optimizer stepped (`ShardedBackend._apply`), or it lived on beside the
+  next step's float64 sum (P/S).
 
 Local to a member; no communication, no change to any value: the mean's bits
 are the same rounding of the same float64 quotient.
@@ -37,7 +36,6 @@ import logging
 import mmap
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 
@@ -88,29 +86,6 @@ def drop_fsdp_grads(params: Iterable[torch.nn.Parameter]) -> None:
     for p in params:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(drop)
-
-
-def freeing_reduce_scatter() -> Any:
-    """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``), which frees
-    its input's storage once a blocking call returns: the input is read by nothing
-    else (FSDP2 only holds a reference to it, for asynchronous device streams)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    class FreeingReduceScatter(DefaultReduceScatter):
-        def __call__(
-            self,
-            output_tensor: torch.Tensor,
-            input_tensor: torch.Tensor,
-            group: Any,
-            op: Any,
-            async_op: bool = False,
-        ) -> Any:
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-            if not async_op:
-                input_tensor.untyped_storage().resize_(0)
-            return work
-
-    return FreeingReduceScatter()
 
 
 def mean_in_place(

@@ -93,12 +93,7 @@ from elastrain.runtime.registered import (
     repoint,
     schedulers_in,
 )
-from elastrain.runtime.shard_memory import (
-    drop_fsdp_grads,
-    fixed_mmap_threshold,
-    freeing_reduce_scatter,
-    mean_in_place,
-)
+from elastrain.runtime.shard_memory import drop_fsdp_grads, fixed_mmap_threshold, mean_in_place
 from elastrain.runtime.shard_model import compiled_as, meta_flops, uncompiled
 from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
@@ -847,7 +842,6 @@ class ShardedBackend:
             # forward) is reduce-scattered as zeros: every member's reduce-scatter has
             # the same layout, and the hook's spans below hold every time.
             u.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
-            u.set_custom_reduce_scatter(freeing_reduce_scatter())  # type: ignore[operator]
             trainable = [fp for fp in group.fsdp_params if fp.sharded_param.requires_grad]
             u.set_all_reduce_hook(  # type: ignore[operator]
                 self._accumulator([names[id(fp.sharded_param)] for fp in trainable], trainable)

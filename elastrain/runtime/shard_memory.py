@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -64,10 +65,11 @@ _pinned = False
 
 def fixed_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
     """Pin glibc's mmap threshold at ``nbytes`` for this process (once), which also
-    stops glibc raising it. True if set (glibc on Linux); elsewhere nothing is done."""
+    stops glibc raising it. True if set (glibc on Linux); elsewhere nothing is done.
+    A threshold the environment pins (``MALLOC_MMAP_THRESHOLD_``) is left as it is."""
     global _pinned
-    if _pinned:
-        return True
+    if _pinned or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return _pinned
     mallopt = getattr(_LIBC, "mallopt", None)
     if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)):
         return False

@@ -13,8 +13,8 @@ the launcher's shard size sets `TrainerConfig.shard_size`, its `steps` the steps
 At a clean end it writes <member>.json into BENCH_RSS_DIR: the resident size
 after the imports and after building the model, the peak (VmHWM) when the
 first forward begins (the start: construction, rendezvous, taking the shard,
-the first FSDP2 wrapper; read in the loss function's first call, before it
-computes), after the first step and at the end, in kB, with the member's slot.
+the first FSDP2 wrapper; read in the loss function's first call on real tensors,
+before it computes), after the first step and at the end, in kB, with the member's slot.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def main() -> None:
     first: list[int] = []
 
     def timed_loss(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if not first:
+        # The trainer counts the step's FLOPs on the meta device before the rendezvous
+        # (a call with meta tensors): the start ends at the first real forward.
+        if not first and batch[0].device.type != "meta":
             first.append(proc_status_kb("VmHWM"))
         return loss_fn(m, batch)
 

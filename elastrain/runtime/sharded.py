@@ -93,6 +93,7 @@ from elastrain.runtime.registered import (
     repoint,
     schedulers_in,
 )
+from elastrain.runtime.shard_memory import drop_fsdp_grads, fixed_mmap_threshold, mean_in_place
 from elastrain.runtime.shard_model import compiled_as, meta_flops, uncompiled
 from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
@@ -259,6 +260,8 @@ class ShardedBackend:
                 "of the same class and hyperparameters over this member's shard"
             )
         self.shard_size = config.shard_size
+        # Freed tensors go back to the system at once (`elastrain.runtime.shard_memory`).
+        fixed_mmap_threshold()
         self.loss_fn = loss_fn
         self.seed = config.seed
         self.global_batch_size = config.global_batch_size
@@ -825,6 +828,7 @@ class ShardedBackend:
                 mine.copy_(lp)
         model._get_fsdp_state()._lazy_init()  # type: ignore[operator]
         self._bind(model)
+        drop_fsdp_grads(model.parameters())
         for u in units:
             state = u._get_fsdp_state()  # type: ignore[operator]
             group = state._fsdp_param_group
@@ -1008,15 +1012,17 @@ class ShardedBackend:
         holder per shard) and zeros elsewhere. Returns the vector (to all-reduce
         in place)."""
         b = self.global_batch_size
-        grads: dict[str, torch.Tensor] = {}
-        for name in self._names:
-            lp = self.local.get_parameter(_local_name(name))
-            if not lp.requires_grad:
-                continue
-            lo, hi = self._offsets[name]
-            # Twins divide the same all-reduced bytes: the same bits on every twin.
-            # Float64: one rounding, from the exact mean; native: a view, no copy.
-            grads[name] = self._grad[lo:hi].div_(b).to(lp.dtype).view(lp.shape)
+        mine = {n: self.local.get_parameter(_local_name(n)) for n in self._names}
+        mine = {n: lp for n, lp in mine.items() if lp.requires_grad}
+        # Twins divide the same all-reduced bytes: the same bits on every twin. Float64:
+        # one rounding, from the exact mean, written over the sum (`mean_in_place`).
+        if self.native:
+            grads = {n: self._grad[slice(*self._offsets[n])].div_(b).view(lp.shape)
+                     for n, lp in mine.items()}  # fmt: skip
+        else:
+            grads = mean_in_place(self._grad, {n: self._offsets[n] for n in mine},
+                                  {n: lp.shape for n, lp in mine.items()},
+                                  {n: lp.dtype for n, lp in mine.items()}, b)  # fmt: skip
         self.finish.unscale(list(grads.values()))
         rows = NormRows(grads, {n: self._shapes[n][0] for n in grads})
         vector = torch.zeros(rows.size, dtype=torch.float64)
@@ -1048,9 +1054,8 @@ class ShardedBackend:
             lp.grad = g
             params.append(lp)
         update = self.finish.finish(params, self.optimizer, reduced.vector, step)
-        if self.model is not None:
-            for p in self.model.parameters():
-                p.grad = None
+        for p in (*params, *(self.model.parameters() if self.model is not None else ())):
+            p.grad = None  # the mean gradient is no longer needed: no second copy next step
         return update
 
     def take_reduced(self) -> Reduced:

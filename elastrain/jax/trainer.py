@@ -68,12 +68,6 @@ class JaxElasticTrainer(EngineTrainer):
         run_dir: str | None = None,
         specs: Tree | None = None,
     ) -> None:
-        if config.max_grad_norm is not None:
-            # optax clips inside the jitted update, the same on every member.
-            raise ValueError(
-                "TrainerConfig.max_grad_norm is for the PyTorch trainer; with JAX chain "
-                f"optax.clip_by_global_norm({config.max_grad_norm}) before the optimizer"
-            )
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         if config.shard_size > 1:
             # Checked after the launcher's overrides: `elastrain run --shard-size` sets it too.

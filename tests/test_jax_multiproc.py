@@ -14,6 +14,7 @@ generation start. Skipped where JAX or optax is not installed.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,9 @@ def _mlp_backend(proc: int | None, optimizer: Any, max_norm: float | None = None
     return JaxReplicaBackend(params, optimizer, loss_fn, cfg, key=None, place=place)
 
 
-def test_a_replica_process_compiles_its_update_once_across_steps_and_a_heal() -> None:
+def test_a_replica_process_compiles_its_update_once_across_steps_and_a_heal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The update `warm_up` compiles must serve every step, after a heal too: Adam's
     count came out of ``init`` uncommitted and a heal's leaves uncommitted, so the
     update compiled again in the first step after the warm-up and after each heal
@@ -243,13 +246,15 @@ def test_a_replica_process_compiles_its_update_once_across_steps_and_a_heal() ->
         b.begin_step(4)
         assert b.apply().grad_norm == 0.0  # an empty buffer: norm 0, the update compiled
     state = b.state()
-    state.healed = rebuild(
-        state.tree, [np.asarray(x) for x in jax.tree_util.tree_leaves(state.tree)]
-    )
-    b.adopt(state)  # what a heal's receiver installs
-    b.begin_step(4)
-    b.apply()
+    arrays = [np.asarray(x) for x in jax.tree_util.tree_leaves(state.tree)]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        state.healed = rebuild(state.tree, arrays)
+        b.adopt(state)  # what a heal's receiver installs
+        b.begin_step(4)
+        b.apply()
     assert b._apply._cache_size() == 1
+    # Nor does the heal's install compile anything (jnp.array staged each new shape).
+    assert [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()] == []
 
 
 def test_clipping_uses_the_whole_models_norm_over_a_replicas_parts() -> None:

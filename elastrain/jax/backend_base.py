@@ -194,7 +194,8 @@ class JaxBackendBase:
     def _on_device(self, grad: np.ndarray[Any, Any]) -> jax.Array:
         """The summed gradient as the update's float32 input (the one path `warm_up`
         compiles the update with, too)."""
-        return jax.numpy.asarray(grad.astype(np.float32) if grad.dtype != np.float32 else grad)
+        flat = grad.astype(np.float32) if grad.dtype != np.float32 else grad
+        return jax.device_put(flat)  # no staging compile (jnp.asarray has one per shape)
 
     def discard(self) -> None:
         self._buf, self._wire = None, None

@@ -143,8 +143,9 @@ class JaxReplicaBackend(JaxBackendBase):
         device = jax.local_devices()[0]
 
         def place(x: Any) -> jax.Array:
-            a = jax.numpy.asarray(x, dtype=jax.numpy.asarray(x).dtype)  # drops weak_type
-            return jax.device_put(a, device)
+            if getattr(x, "weak_type", False):
+                x = np.asarray(x)  # numpy has no weak types (rare: not optax's, not a heal's)
+            return jax.device_put(x, device)  # compiles nothing (jnp conversions would)
 
         return jax.tree_util.tree_map(place, tree)
 

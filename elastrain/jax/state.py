@@ -97,7 +97,9 @@ def rebuild(tree: Tree, arrays: Sequence[np.ndarray]) -> Tree:
             raise ValueError(
                 f"leaf {i}: got {a.dtype}{list(a.shape)}, expected {o_dtype}{list(o_shape)}"
             )
-        new.append(jnp.array(a, copy=True))
+        # device_put, not jnp.array: that one compiles a staging function per new
+        # shape (0.3-0.5 s each on a busy CPU), inside a heal the peers wait for.
+        new.append(jax.device_put(np.array(a, copy=True)))
     return jax.tree_util.tree_unflatten(treedef, new)
 
 

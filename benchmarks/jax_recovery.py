@@ -35,6 +35,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,14 @@ def steady_step(events: list[dict[str, Any]], first: int) -> float | None:
 
 
 def join_steps(events: list[dict[str, Any]]) -> list[float]:
-    """At each generation formed for a join: the survivors' (the first commit's
-    member's) first step in it, `step_s` (what they waited for a rebuilt replica's
-    heal and first round; a compile there would show here)."""
+    """At each generation formed for a join: the survivors' (the member with the
+    most commits: never killed) first step in it, `step_s` (what they waited for a
+    rebuilt replica's heal and first round; a compile there would show here)."""
     commits = [e for e in events if e["kind"] == "step_commit"]
     if not commits:
         return []
-    who = commits[0]["proc"]
+    counts = Counter(e["proc"] for e in commits)
+    who = counts.most_common(1)[0][0]
     mine = sorted((e for e in commits if e["proc"] == who), key=lambda e: float(e["t"]))
     out = []
     for g in (e for e in events if e["kind"] == "generation_formed" and e.get("reason") == "join"):

@@ -35,6 +35,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,24 @@ def steady_step(events: list[dict[str, Any]], first: int) -> float | None:
     ts = sorted(float(e["t"]) for e in commits if e["proc"] == who and 5 <= e["step"] < first)
     gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)]
     return statistics.median(gaps) if gaps else None
+
+
+def join_steps(events: list[dict[str, Any]]) -> list[float]:
+    """At each generation formed for a join: the survivors' (the member with the
+    most commits: never killed) first step in it, `step_s` (what they waited for a
+    rebuilt replica's heal and first round; a compile there would show here)."""
+    commits = [e for e in events if e["kind"] == "step_commit"]
+    if not commits:
+        return []
+    counts = Counter(e["proc"] for e in commits)
+    who = counts.most_common(1)[0][0]
+    mine = sorted((e for e in commits if e["proc"] == who), key=lambda e: float(e["t"]))
+    out = []
+    for g in (e for e in events if e["kind"] == "generation_formed" and e.get("reason") == "join"):
+        first = next((e for e in mine if e.get("gen", -1) >= g["gen"]), None)
+        if first is not None and first["gen"] == g["gen"]:
+            out.append(float(first["step_s"]))
+    return out
 
 
 def plain_step(procs: int) -> float | None:
@@ -157,6 +176,11 @@ def main() -> int:
         ]  # fmt: skip
         lines += [f"| {label} (s) | {v:.3f} | | | |" if v is not None else f"| {label} | - | | | |"
                   for _, label, v in steps]  # fmt: skip
+        at_join = join_steps(events)
+        lines.append(
+            f"| survivors' first step at a rebuilt process's join (s) | {med(at_join)} | "
+            f"{min(at_join, default=0):.3f} | {max(at_join, default=0):.3f} | {len(at_join)} |"
+        )
         lines.append(
             f"| survivors' stall at a rebuilt replica's join (s) | {med(stalls)} | "
             f"{min(stalls, default=0):.3f} | {max(stalls, default=0):.3f} | {len(stalls)} |"
@@ -182,7 +206,8 @@ def main() -> int:
           "context 64, dropout 0.1; AdamW + global-norm clipping), 4 workers, global batch 32, "
           "micro-batch 4, `--min 1`, replace delay 1 s") if k == 1 else
          (f"job: examples/jax_multiprocess.py defaults (the GPT at dim 64, 2 layers, context "
-          f"64, dropout 0.1; adamw, no clipping) as 2 replicas x {k} processes, every weight's "
+          f"64, dropout 0.1; adamw, clipped to a global norm of 1.0 over all the replica's "
+          f"shards by max_grad_norm; the plain run does not clip) as 2 replicas x {k} processes, every weight's "
           "rows over each replica's `fsdp` mesh, global batch 32, micro-batch 4, replace delay "
           f"1 s; a kill takes its replica down, rebuilt as {k} fresh processes; the steady "
           f"step is the median between commits from step 5 to the first kill, the plain run's "
@@ -194,7 +219,9 @@ def main() -> int:
              "kill -> next commit: the injected kills only (a kill's replica-mates, stopped "
              "by the launcher, and a stall when the rebuilt replica joins are rows of their own "
              "in the per-failure table: the stall is the survivors' watchdog firing while a "
-             "rebuilt process's first step is slow)"]),
+             "rebuilt process's first step is slow); the survivors' first step at a join: their "
+             "first committed step in each generation formed for a join (a rebuilt process's "
+             "heal and first round inside it)"]),
          f"same state at every generation start (state_hash): {same or 'yes'}",
          f"run: {wall:.0f} s, status {result.status} (the pacer stops the job once the last "
          f"replacement settled), run dir {run_dir.name}"],

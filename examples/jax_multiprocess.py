@@ -13,8 +13,11 @@ holds the same rows (twins), and their gradients are summed across replicas.
 Kill a process and its replica is rebuilt as 2 fresh processes, healed shard by
 shard from their twins, while the other replica trains on (docs/guide/jax.md).
 
-The update runs on each process's rows alone, so the optimizer is plain
-adamw (an element-wise one; no global-norm clipping across the shards).
+The update runs on each process's rows alone, so the optimizer is an
+element-wise one (adamw) and the gradient is clipped by the trainer
+(``max_grad_norm``, ``--clip``): by the global norm over every shard of the
+replica, summed with the step's commit vote, the same on every process.
+``optax.clip_by_global_norm`` in the chain would clip each shard by its own norm.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--procs", type=int, default=2, help="processes per replica (--replica-procs)")
     args = ap.parse_args(argv)
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         total_steps=args.steps,
         seed=args.seed,
         replica_procs=args.procs,
+        max_grad_norm=args.clip or None,
     )
     trainer = JaxElasticTrainer(
         params,

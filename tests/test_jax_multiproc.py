@@ -14,6 +14,7 @@ generation start. Skipped where JAX or optax is not installed.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,92 @@ def test_a_checkpoint_holds_whole_leaves_in_row_parts_and_resumes_on_any_k() -> 
         leaf_parts(shapes, _replica_part(whole, 2, 0), 4)
 
 
+def _mlp_backend(proc: int | None, optimizer: Any, max_norm: float | None = None) -> Any:
+    """The test MLP's backend in this process (no JAX runtime: nothing here runs a
+    replica's collective): process `proc` of a 2-process replica, or (None) the
+    single-process backend holding the whole model."""
+    from elastrain.chaos.soak_job_jax import init, loss_fn
+    from elastrain.jax.backend import JaxBackend
+    from elastrain.jax.replica_backend import JaxReplicaBackend
+
+    params = init(jax.random.PRNGKey(0), 16, HIDDEN)
+    cfg = TrainerConfig(global_batch_size=B, micro_batch_size=4, total_steps=1, seed=SEED,
+                        max_grad_norm=max_norm)  # fmt: skip
+    if proc is None:
+        return JaxBackend(params, optimizer, loss_fn, cfg, key=None)
+    place = ReplicaPlace(2, 0, 0, proc, "127.0.0.1:1")
+    return JaxReplicaBackend(params, optimizer, loss_fn, cfg, key=None, place=place)
+
+
+def test_a_replica_process_compiles_its_update_once_across_steps_and_a_heal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The update `warm_up` compiles must serve every step, after a heal too: Adam's
+    count came out of ``init`` uncommitted and a heal's leaves uncommitted, so the
+    update compiled again in the first step after the warm-up and after each heal
+    (seconds on a busy machine: the other replica's watchdog fired while a rebuilt
+    replica's first step waited for XLA)."""
+    from elastrain.jax.state import rebuild
+
+    b = _mlp_backend(1, optax.adam(1e-2))
+    for _ in range(2):
+        b.begin_step(4)
+        assert b.apply().grad_norm == 0.0  # an empty buffer: norm 0, the update compiled
+    state = b.state()
+    arrays = [np.asarray(x) for x in jax.tree_util.tree_leaves(state.tree)]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        state.healed = rebuild(state.tree, arrays)
+        b.adopt(state)  # what a heal's receiver installs
+        b.begin_step(4)
+        b.apply()
+    assert b._apply._cache_size() == 1
+    # Nor does the heal's install compile anything (jnp.array staged each new shape).
+    assert [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()] == []
+
+
+def test_clipping_uses_the_whole_models_norm_over_a_replicas_parts() -> None:
+    """Two processes of a replica, each holding its rows of one summed gradient, put
+    their parts' squared norms in the norm slot; summed as the vote sums them, the
+    norm equals the single-process backend's over the whole gradient, and each
+    process's clipped update equals that backend's rows of it."""
+    from elastrain.jax.replica import local_rows
+
+    lr, limit = 0.5, 1e-3  # far below the gradient's norm: the clip acts
+    whole = _mlp_backend(None, optax.sgd(lr), limit)
+    parts = [_mlp_backend(k, optax.sgd(lr), limit) for k in (0, 1)]
+    rng = np.random.default_rng(3)
+    shapes = whole._layout.shapes
+    grads = [rng.standard_normal(sh) * 10 for sh in shapes]  # the twins' sums
+    whole.begin_step(4)
+    assert whole._buf is not None
+    whole._buf[: whole._layout.numel] = np.concatenate([g.ravel() for g in grads])
+    for k, b in enumerate(parts):
+        b.begin_step(4)
+        rows = [g[local_rows(g.shape, s, 2, k)] for g, s in zip(grads, b._specs, strict=True)]
+        b._buf[: b._layout.numel] = np.concatenate([r.ravel() for r in rows])
+        b.put_norm_share(True)
+    assert parts[0]._specs == [(AXIS,), (), (AXIS,), (AXIS,)]  # b1, b2 (replicated), w1, w2
+    voted = sum(b._buf[b._layout.numel] for b in parts)
+    for b in parts:
+        b._buf[b._layout.numel] = voted
+    want = whole.apply()
+    got = [b.apply() for b in parts]
+    assert want.grad_norm > 10 * limit
+    assert all(u.grad_norm == got[0].grad_norm for u in got)  # identical on every process
+    assert got[0].grad_norm == pytest.approx(want.grad_norm, rel=1e-12)
+    for k, b in enumerate(parts):
+        for w, p, s in zip(jax.tree_util.tree_leaves(whole.params),
+                           jax.tree_util.tree_leaves(b.params), b._specs, strict=True):  # fmt: skip
+            np.testing.assert_allclose(np.asarray(p), np.asarray(w)[local_rows(w.shape, s, 2, k)],
+                                       rtol=0, atol=1e-7)  # fmt: skip
+    # The update moved by lr * limit in norm (the clip), not by the raw gradient's.
+    before = _mlp_backend(None, optax.sgd(lr)).params
+    moved = np.sqrt(sum(float(np.sum((np.asarray(a) - np.asarray(c)) ** 2)) for a, c in
+                        zip(jax.tree_util.tree_leaves(whole.params),
+                            jax.tree_util.tree_leaves(before), strict=True)))  # fmt: skip
+    assert moved == pytest.approx(lr * limit, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [
@@ -264,7 +351,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
     from .conftest import ROOT as root
 
-    curves = []
+    curves, norms = [], []
     runs: tuple[tuple[str, str, dict[str, Any], int], ...] = (
         ("plain", PLAIN, {"workers": 2}, 8),
         ("ref", SCRIPT, {"workers": 4, "replica_procs": 2}, STEPS),
@@ -284,6 +371,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
         job = Job(la := Launcher(cfg), la.run())
         _assert_invariants(job, steps, replicas=name == "ref")
         curves.append(loss_curve(job.events))
+        by_step: dict[int, set[float]] = {}
+        for e in job.of("step_commit"):
+            by_step.setdefault(e["step"], set()).add(e["grad_norm"])
+        assert all(len(v) == 1 for v in by_step.values()), by_step  # the same on every process
+        norms.append({s: v.pop() for s, v in by_step.items()})
         if name == "ref":
             finals = _finals(job.run_dir)
             by_shard: dict[str, list[np.ndarray[Any, Any]]] = {}
@@ -294,6 +386,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
             ), "twins' final parts differ"
     plain, ref = curves
     assert all(plain[s] == ref[s] for s in plain), (plain, ref)
+    # The global gradient norm (what max_grad_norm clips by) over a replica's parts,
+    # summed with the vote, is the whole model's norm of the single-process run.
+    plain_norm, ref_norm = norms
+    assert all(ref_norm[s] == pytest.approx(n, rel=1e-12) for s, n in plain_norm.items())
     return ref
 
 
@@ -347,6 +443,9 @@ def test_a_killed_process_takes_its_replica_down_and_the_other_goes_on(  # type:
     job = _fault_run(run_job, "kill", "kill")
     _survivors_went_on(job, job.of("fault_injected", member="w1")[0]["t"], 1.0)
     _healed_from_twins(job)
+    # The rebuilt replica compiled before it registered (its update included, the
+    # same placement after the heal): nobody waited on it at its join.
+    assert job.of("watchdog_fired") == [], job.of("watchdog_fired")
     # The math does not depend on the failure (float64 reductions: bit for bit).
     assert loss_curve(job.events) == reference
 

@@ -54,7 +54,7 @@ class JaxBackend(JaxBackendBase):
         """Compile the gradient and update functions before registering, so that a
         replacement's compile time does not stall its peers' first step with it."""
         _, flat = self._grad(self.params, batch, self.step_key(0, 0))
-        jax.block_until_ready(self._apply(self.params, self.opt_state, flat))
+        jax.block_until_ready(self._apply(self.params, self.opt_state, flat, np.float32(1.0)))
 
     def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
         assert self._buf is not None

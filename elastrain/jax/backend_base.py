@@ -15,13 +15,23 @@ thread reads the (immutable) arrays of the state it was handed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import numpy as np
 import torch
 
-from elastrain.jax.state import GradLayout, JaxState, Tree, is_typed_key, key_data, make_apply_fn
+from elastrain.jax.state import (
+    GradLayout,
+    JaxState,
+    Tree,
+    clip_scale,
+    is_typed_key,
+    key_data,
+    make_apply_fn,
+)
+from elastrain.runtime.backend import Update
 from elastrain.runtime.config import TrainerConfig
 from elastrain.runtime.device import resolve_reduce_dtype
 from elastrain.transfer import NamedState, state_digest
@@ -34,6 +44,21 @@ def platform_of(tree: Any) -> str:
         if callable(devices):
             return str(next(iter(devices())).platform)
     return str(jax.default_backend())
+
+
+SQ_BLOCK = 1 << 16
+"""Elements per block of `sq_sum`: its order is fixed by the length alone."""
+
+
+def sq_sum(g: np.ndarray[Any, Any]) -> float:
+    """The sum of squares of ``g`` in float64, block by block in a fixed order (numpy's
+    own reduction inside a block; no BLAS, whose threads could change the bits), so
+    every process computing it from the same bytes gets the same bits."""
+    total = 0.0
+    for i in range(0, g.size, SQ_BLOCK):
+        part = g[i : i + SQ_BLOCK].astype(np.float64)
+        total += float(np.square(part).sum())
+    return total
 
 
 class JaxBackendBase:
@@ -49,23 +74,42 @@ class JaxBackendBase:
     the gradient's transport is gloo."""
 
     params: Tree
+    norm_slots = 0
+    """Slots between the gradient and the engine's extras (`JaxReplicaBackend`: the
+    squared norm of the replica's parts, summed with the vote)."""
 
     def _hold(self, optimizer: Any, config: TrainerConfig, key: Any) -> None:
         """Build the optimizer state, the key, the gradient layout and the update
         over ``self.params`` (this process's leaves)."""
         self.optimizer = optimizer
-        self.opt_state: Tree = optimizer.init(self.params)
+        self.params = self._placed(self.params)
+        self.opt_state: Tree = self._placed(optimizer.init(self.params))
         self._typed_key = key is not None and is_typed_key(key)
         self._key_impl = jax.random.key_impl(key) if self._typed_key else None
-        self.key: jax.Array = key_data(jax.random.PRNGKey(config.seed) if key is None else key)
+        self.key: jax.Array = self._placed(
+            key_data(jax.random.PRNGKey(config.seed) if key is None else key)
+        )
         self._layout = GradLayout.of(self.params)
         self._apply = make_apply_fn(optimizer, self._layout, config.global_batch_size)
         self._wide = (
             resolve_reduce_dtype(config.reduce_dtype, platform_of(self.params)) == "float64"
         )
+        self._max_norm = config.max_grad_norm
+        self._global_batch = config.global_batch_size
         self._extra_slots = 0
         self._buf: np.ndarray[Any, Any] | None = None
         self._wire: torch.Tensor | None = None
+
+    def _placed(self, tree: Tree) -> Tree:
+        """``tree`` as this backend keeps its state between steps (identity here:
+        a single-process job's arrays stay where JAX or the script put them). A
+        subclass whose update's outputs land elsewhere than its inputs came from
+        overrides it, so that the jitted functions compiled in `warm_up` see the
+        same argument placement at every step, after a heal or a resume too: jit
+        compiles again for every new combination of committed devices and weak
+        types, and a rebuilt worker's compile inside its first step stalls its
+        peers (issue 44)."""
+        return tree
 
     # ---- state -------------------------------------------------------------------
 
@@ -81,6 +125,7 @@ class JaxBackendBase:
         assert isinstance(state, JaxState)
         tree = state.healed
         if tree is not None:
+            tree = self._placed(tree)  # as warm_up compiled for (`_placed`)
             self.params, self.opt_state, self.key = tree["params"], tree["opt_state"], tree["key"]
 
     def state_hash(self) -> str:
@@ -113,7 +158,8 @@ class JaxBackendBase:
         # the old one. JAX hands numpy read-only views, so sum into our own array.
         self._extra_slots = extra_slots
         self._buf = np.zeros(
-            self._layout.numel + extra_slots, dtype=np.float64 if self._wide else np.float32
+            self._layout.numel + self.norm_slots + extra_slots,
+            dtype=np.float64 if self._wide else np.float32,
         )
         self._wire = torch.from_numpy(self._buf)  # shares the memory: summed in place
 
@@ -125,14 +171,31 @@ class JaxBackendBase:
         assert self._wire is not None
         return self._wire[-self._extra_slots :]
 
-    def apply(self) -> None:
-        """The optax update of this process's leaves by the summed gradient (local)."""
+    def apply(self) -> Update:
+        """The optax update of this process's leaves by the summed gradient (local),
+        clipped to ``max_grad_norm`` by the global norm of the whole model's mean
+        gradient (`grad_sq_sum`), which every process computes alike."""
         assert self._buf is not None
         grad = self._buf[: self._layout.numel]
-        summed = jax.numpy.asarray(grad.astype(np.float32) if self._wide else grad)
-        params, opt_state = self._apply(self.params, self.opt_state, summed)
+        norm = math.sqrt(self.grad_sq_sum()) / self._global_batch
+        scale = np.float32(clip_scale(norm, self._max_norm))
+        params, opt_state = self._apply(self.params, self.opt_state, self._on_device(grad), scale)
         jax.block_until_ready((params, opt_state))
         self.params, self.opt_state = params, opt_state
+        return Update(grad_norm=norm)
+
+    def grad_sq_sum(self) -> float:
+        """The squared L2 norm of the whole model's summed gradient, in float64 (here:
+        this process holds the whole model, so its buffer)."""
+        assert self._buf is not None
+        g = self._buf[: self._layout.numel]
+        return sq_sum(g)
+
+    def _on_device(self, grad: np.ndarray[Any, Any]) -> jax.Array:
+        """The summed gradient as the update's float32 input (the one path `warm_up`
+        compiles the update with, too)."""
+        flat = grad.astype(np.float32) if grad.dtype != np.float32 else grad
+        return jax.device_put(flat)  # no staging compile (jnp.asarray has one per shape)
 
     def discard(self) -> None:
         self._buf, self._wire = None, None

@@ -16,8 +16,11 @@ added into this process's float64 buffer on its own (`reduce_dtype`), so the
 sum does not depend on which round or replica computed a micro-batch; the
 twins then all-reduce the buffer over gloo. `apply` runs the optax update on
 this process's part alone, with no collective: the optimizer must work leaf by
-leaf, element by element (sgd, adam, adamw...); `clip_by_global_norm` and other
-transformations that read the whole model would see one part only.
+leaf, element by element (sgd, adam, adamw...); `optax.clip_by_global_norm` and
+other transformations that read the whole model would see one part only. The
+global norm is the trainer's instead (``max_grad_norm``): each part's squared
+norm of the reduced gradient rides the commit vote (`put_norm_share`), so every
+process clips by the whole model's norm, the same one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from elastrain.jax.backend_base import JaxBackendBase
+from elastrain.jax.backend_base import JaxBackendBase, sq_sum
 from elastrain.jax.replica import AXIS, default_spec, local_rows
 from elastrain.jax.state import LossFn, Tree, key_data
 from elastrain.runtime.config import TrainerConfig
@@ -129,6 +132,23 @@ class JaxReplicaBackend(JaxBackendBase):
         )
         return jax.jit(f, out_shardings=out)
 
+    def _placed(self, tree: Tree) -> Tree:
+        """Every leaf committed to this process's one device, none weak-typed: what
+        the update's outputs are (its inputs, the params, are committed), so the
+        update compiled in `warm_up` serves every step. Without it, Adam's count
+        (uncommitted after ``init``) and a heal's rebuilt leaves (uncommitted)
+        made the update compile again in the first step after the warm-up and
+        after every heal: a rebuilt replica's first step took seconds more, and
+        the other replica's watchdog fired while waiting for it (issue 44)."""
+        device = jax.local_devices()[0]
+
+        def place(x: Any) -> jax.Array:
+            if getattr(x, "weak_type", False):
+                x = np.asarray(x)  # numpy has no weak types (rare: not optax's, not a heal's)
+            return jax.device_put(x, device)  # compiles nothing (jnp conversions would)
+
+        return jax.tree_util.tree_map(place, tree)
+
     # ---- state -------------------------------------------------------------------
 
     def signature(self) -> list[list[Any]]:
@@ -169,8 +189,8 @@ class JaxReplicaBackend(JaxBackendBase):
         and the local update."""
         losses, grads = self._round(0, 0, batch, 0.0)
         jax.block_until_ready((losses, grads))
-        zeros = jax.numpy.zeros(self._layout.numel, dtype=jax.numpy.float32)
-        jax.block_until_ready(self._apply(self.params, self.opt_state, zeros))
+        zeros = self._on_device(np.zeros(self._layout.numel, dtype=np.float32))
+        jax.block_until_ready(self._apply(self.params, self.opt_state, zeros, np.float32(1.0)))
 
     # ---- one step ------------------------------------------------------------------
 
@@ -188,6 +208,39 @@ class JaxReplicaBackend(JaxBackendBase):
             off += size
         loss = np.asarray(losses.addressable_shards[0].data)[self.place.proc]
         return float(loss) * samples
+
+    norm_slots = 1
+    """One slot after the gradient: this process's share of the replica's squared
+    gradient norm, summed over the generation with the vote (`put_norm_share`)."""
+
+    def put_norm_share(self, writes: bool) -> None:
+        """After the twins' reduction, before the vote: put the squared norm of the
+        parts this process counts into the norm slot (0 where `writes` is False).
+
+        Contract: `writes` is True for exactly one holder of each part (its
+        lowest-ranked twin), so the vote's sum over the generation is the squared
+        norm of the whole model's summed gradient, each part once: a sharded
+        leaf's rows by their holder, a replicated leaf by process 0 only. The
+        vote's all-reduce hands every process the same sum."""
+        assert self._buf is not None
+        total = 0.0
+        if writes:
+            grad, off = self._buf[: self._layout.numel], 0
+            for spec, size in zip(self._specs, self._layout.sizes, strict=True):
+                if AXIS in spec or self.place.proc == 0:
+                    total += sq_sum(grad[off : off + size])
+                off += size
+        self._buf[self._layout.numel] = total
+
+    def vote_slots(self) -> torch.Tensor:
+        """The norm slot and the engine's extras: what the vote all-reduces."""
+        assert self._wire is not None
+        return self._wire[self._layout.numel :]
+
+    def grad_sq_sum(self) -> float:
+        """The whole replica's squared gradient norm, as the vote summed it."""
+        assert self._buf is not None
+        return float(self._buf[self._layout.numel])
 
     def gradient(self) -> torch.Tensor:
         """The view of this process's rows' gradient (what its twins all-reduce)."""

@@ -247,15 +247,25 @@ class ReplicaTwins:
 
     def reductions(self, links: Links, extras: torch.Tensor) -> list[Reduction]:
         """The twins' gradient first, then the extras over the whole generation as
-        the commit vote: one member through the vote proves every member reduced."""
-        world, backend = links.pg, self.backend
+        the commit vote: one member through the vote proves every member reduced.
+        The vote also sums the gradient's squared norm, part by part (`vote_slots`
+        holds `extras` after the norm slot), for ``max_grad_norm`` and `grad_norm`."""
+        world, backend, layout = links.pg, self.backend, self.layout
+        assert layout is not None
+
+        def vote() -> list[Any]:
+            # Started once the twins' sum is in: this process's parts' squared norm
+            # (one holder of each part counts it) rides the vote with the extras.
+            backend.put_norm_share(writer_index(layout, self.ctx.member) is not None)
+            return tensor_allreduce(world, [backend.vote_slots()])
+
         return [
             Reduction(
                 lambda: tensor_allreduce(self.twins_pg, [backend.gradient()]),
                 before_wait=hooks.StepPoint.ALLREDUCE,
                 what="the twins' reduction",
             ),
-            Reduction(lambda: tensor_allreduce(world, [extras]), after_wait=hooks.StepPoint.VOTE),
+            Reduction(vote, after_wait=hooks.StepPoint.VOTE),
         ]
 
     def eval_share(self, num_batches: int, members: int, rank: int) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,9 @@ def rebuild(tree: Tree, arrays: Sequence[np.ndarray]) -> Tree:
             raise ValueError(
                 f"leaf {i}: got {a.dtype}{list(a.shape)}, expected {o_dtype}{list(o_shape)}"
             )
-        new.append(jnp.array(a, copy=True))
+        # device_put, not jnp.array: that one compiles a staging function per new
+        # shape (0.3-0.5 s each on a busy CPU), inside a heal the peers wait for.
+        new.append(jax.device_put(np.array(a, copy=True)))
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
@@ -245,17 +248,33 @@ def make_grad_fn(
 
 def make_apply_fn(
     optimizer: Any, layout: GradLayout, global_batch: int
-) -> Callable[[Tree, Tree, jax.Array], tuple[Tree, Tree]]:
-    """Jitted ``(params, opt_state, summed flat gradient) -> (params, opt_state)``:
-    divide by the global batch, unflatten, one optax update."""
+) -> Callable[[Tree, Tree, jax.Array, Any], tuple[Tree, Tree]]:
+    """Jitted ``(params, opt_state, summed flat gradient, clip scale) -> (params,
+    opt_state)``: divide by the global batch, scale (`clip_scale`: 1 unless the
+    mean gradient's global norm exceeds the limit; times 1 changes no bit),
+    unflatten, one optax update."""
     import optax
 
-    def f(params: Tree, opt_state: Tree, flat: jax.Array) -> tuple[Tree, Tree]:
-        grads = layout.unravel(flat / global_batch)
+    def f(params: Tree, opt_state: Tree, flat: jax.Array, scale: jax.Array) -> tuple[Tree, Tree]:
+        grads = layout.unravel(flat / global_batch * scale)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     return jax.jit(f)
+
+
+CLIP_EPS = 1e-6
+"""torch's `clip_grad_norm_` rule: scale by min(1, max_norm / (norm + 1e-6))."""
+
+
+def clip_scale(norm: float, max_norm: float | None) -> float:
+    """The factor the mean gradient is multiplied by before the optimizer (pure):
+    ``min(1, max_norm / (norm + 1e-6))``, the PyTorch path's rule; 1 without a
+    limit or where the norm is not finite (the update then sees the inf or nan,
+    as it would unclipped)."""
+    if max_norm is None or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + CLIP_EPS))
 
 
 def stack_collate(samples: list[Any]) -> Any:

@@ -50,6 +50,12 @@ class JaxElasticTrainer(EngineTrainer):
     leaf (`specs=`: a `PartitionSpec` per leaf over the replica mesh's ``fsdp``
     axis; default: rows where K divides the first dimension), computes with its
     replica-mates and reduces with its twins (`elastrain.jax.replica_topology`).
+
+    ``config.max_grad_norm`` clips the mean gradient by the whole model's global
+    L2 norm (float64, the same on every process; in a multi-process replica over
+    all its parts, after the twins' reduction), with the PyTorch path's rule; the
+    norm is `StepResult.grad_norm` either way. In a multi-process replica use it
+    rather than ``optax.clip_by_global_norm``, which would see one part only.
     """
 
     def __init__(
@@ -68,12 +74,6 @@ class JaxElasticTrainer(EngineTrainer):
         run_dir: str | None = None,
         specs: Tree | None = None,
     ) -> None:
-        if config.max_grad_norm is not None:
-            # optax clips inside the jitted update, the same on every member.
-            raise ValueError(
-                "TrainerConfig.max_grad_norm is for the PyTorch trainer; with JAX chain "
-                f"optax.clip_by_global_norm({config.max_grad_norm}) before the optimizer"
-            )
         where, config = worker_setup(config, coordinator, token, member_id, run_dir)
         if config.shard_size > 1:
             # Checked after the launcher's overrides: `elastrain run --shard-size` sets it too.

@@ -166,7 +166,8 @@ class TrainerConfig:
     on every member alike: the norm is computed in float64 in an order fixed by
     the model's layout (`elastrain.runtime.update.grad_norm`), not by thread
     count. None: no clipping. The norm is measured either way (`grad_norm` in
-    `StepResult` and the `step_commit` event). PyTorch, unsharded only."""
+    `StepResult` and the `step_commit` event). JAX too (`JaxElasticTrainer`: in a
+    multi-process replica, the norm over all its parts)."""
 
     hash_state: bool = True
     """Hash the full state at every generation start (logged as an event, so

@@ -151,8 +151,11 @@ class _Backend:
     def adopt(self, state: Any) -> None:
         pass
 
-    def form_group(self, group: Any, open_group: Any) -> None:
-        pass
+    model = None
+    group_clean = True
+
+    def form_group(self, group: Any, open_group: Any, keep: bool = False) -> bool:
+        return False
 
     def set_collective_timeout(self, seconds: float) -> None:
         pass
@@ -191,7 +194,7 @@ def _heal(w: ShardedMember, committed: dict[str, int]) -> bool:
         "ready", 5, list(SLOTS), committed, 3, commit_gens=dict.fromkeys(SLOTS, GEN),
         slots=SLOTS, shard_size=2,
     )  # fmt: skip
-    out = w.heal(5, False, ready, None, lambda c: {"step": c}, lambda meta: 3,
+    out = w.heal(5, False, ready, _World({}), lambda c: {"step": c}, lambda meta: 3,
                  lambda *a, **k: ({"step": 3}, _Stats()), None)  # fmt: skip
     return out.received
 

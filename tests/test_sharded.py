@@ -371,6 +371,12 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     assert six[shadow]["held"] == six[shadow]["computed"] == 0
     contrib = job.of("step_contrib", gen=after)
     assert all(len(e["samples"]) == 12 for e in contrib if e["step"] == 6 and e["proc"] in healthy)
+    # The healthy group kept its FSDP2 wrapper and replica group through both regroups
+    # (the kill's and the replacement's); the dead rank's group was built again.
+    back = min(e["gen"] for e in job.of("generation_start") if e["proc"] == "w4")
+    for g in (after, back):
+        kept = {e["proc"]: e["group_kept"] for e in job.of("generation_start", gen=g)}
+        assert {w for w, k in kept.items() if k} == healthy, (g, kept)
     assert "w4: model built on the meta device" in job.log("w4")
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     for m in ("w0", "w2", "w3"):

@@ -204,6 +204,10 @@ class ShardedGroups:
     def drop(self, inflight: list[Any]) -> None:
         self.shards.drop(inflight)
 
+    def close(self) -> None:
+        """The worker ends: leave the replica group `drop` kept (`ShardedMember.close`)."""
+        self.shards.close()
+
     def event_fields(self) -> dict[str, int]:
         return self.shards.event_fields()
 

@@ -10,7 +10,9 @@ the layout-specific work of a generation to a `ShardedMember`:
               twins' group (only the shard a member lacks moves); a new shard
               size: the reshard plan moves just the rows each new shard needs
               (`elastrain.runtime.reshard`); then the replica group's FSDP2
-              wrapper is built (a shadow has none);
+              wrapper is built (a shadow has none), or kept from the generation
+              before when nothing of the group changed or broke
+              (`elastrain.runtime.shard_regroup`);
     rounds    this member's micro-batch turns in its replica group's rounds (at a
               generation's first step, float64: less the micro-batches whose
               sums complete groups kept from the generation before,
@@ -25,7 +27,8 @@ the layout-specific work of a generation to a `ShardedMember`:
               loses its answer keeps the reduced gradient and norm, `keep`, and applies
               it at the next heal if the generation's ready answer says another
               member committed the step: `plan.roll_forwards`);
-    drop      park the twins' group and leave the replica group.
+    drop      park the twins' group; the replica group's wrapper stays for
+              the next generation's heal to keep or leave (`close`: leave it).
 
 Groups are built in the same order on every member (generation, twins, replica
 group), and a heal or reshard involves only groups built before the replica
@@ -59,6 +62,7 @@ from elastrain.runtime.reshard import (
     moved_bytes,
     plan_reshard,
 )
+from elastrain.runtime.shard_regroup import BuiltGroup, kept, report
 from elastrain.runtime.shard_step import Reduced
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
 from elastrain.transfer import HealFn, LandingReserve, Role
@@ -132,6 +136,12 @@ class ShardedMember:
         self._claim: Claim | None = None
         """What this member's buffer will hold once the current step's rounds are
         done (the step, its slot, its group's micro-batches): what `hold` keeps."""
+        self._built: BuiltGroup | None = None
+        """What the backend's wrapper was built for (None: it holds none)."""
+        self.group_kept = False
+        """This generation kept the replica group's wrapper of the one before."""
+        self.group_s = 0.0
+        """Seconds this generation spent on the replica group (agreeing, building)."""
 
     # ---- a generation -------------------------------------------------------------
 
@@ -190,14 +200,20 @@ class ShardedMember:
         # A reshard whenever a source's rows are not its new slot's: a new shard
         # size, or the same size with members moved to other shards (groups broken
         # in several places regrouped into whole ones).
-        if any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items()):
+        reshard = any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items())
+        t0 = time.monotonic()
+        keep = self._agree_kept(ready, world_pg, reshard)
+        agree_s = time.monotonic() - t0
+        if reshard:
             self._drop_held("a reshard moves its rows")
             outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
         else:
             outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key, reserve)
         if outcome.received:
             self._drop_held("it received its state")
-        self._form_group()
+        t0 = time.monotonic()
+        self._form_group(gen, keep)
+        self.group_s = agree_s + time.monotonic() - t0
         if roll_forward and not outcome.received:
             # Its rows are the step's; its meta (data position, the script's state)
             # came from a sender (`_share_rolled_meta`): all of it is the lineage's.
@@ -413,16 +429,45 @@ class ShardedMember:
                      self._held.claim.step, why)  # fmt: skip
             self._held = None
 
-    def _form_group(self) -> None:
-        """Build the replica group's FSDP2 wrapper (None for a shadow)."""
+    def _agree_kept(self, ready: p.RendezvousResponse, world_pg: Any, reshard: bool) -> bool:
+        """Whether this member's replica group keeps the wrapper it holds
+        (`shard_regroup.kept`): every member's `report`, summed over the generation
+        (one all-reduce, before the heal), and the heal's receivers and the reshard,
+        read from `ready` alike on every member. No collective when the generation
+        reshards (nothing is kept: every member knows it)."""
+        layout = self.layout
+        assert layout is not None
+        if reshard:
+            return False
+        members = list(ready.members)
+        clean = self.backend.group_clean and self.backend.model is not None
+        reports = torch.zeros(len(members), dtype=torch.int64)
+        reports[members.index(self.member)] = report(self._built, clean, layout, self.member)
+        world_pg.allreduce([reports]).wait()
+        receivers = []
+        for shard in range(layout.shard_size):
+            twins = tuple(layout.twins(shard))
+            _, into, _ = m.heal_roles(twins, ready.committed, ready.commit_gens, ready.start_step)
+            receivers += [twins[i] for i in into]
+        agreed = kept(dict(zip(members, reports.tolist(), strict=True)), layout, receivers, False)
+        return layout.slots[self.member].replica in agreed and not layout.is_shadow(self.member)
+
+    def _form_group(self, gen: int, keep: bool) -> None:
+        """Keep (`keep`) or build the replica group's FSDP2 wrapper (None for a shadow)."""
         layout = self.layout
         assert layout is not None
         slot = layout.slots[self.member]
         group = None if layout.is_shadow(self.member) else tuple(layout.group(slot.replica))
         timeouts = self.config.timeouts
-        self.backend.form_group(
-            group,
-            lambda: open_replica_group(
+        self.group_kept = keep
+        if not keep:
+            self._built = None  # until the new one is built
+        t0 = time.monotonic()
+        opened = [t0, t0]  # when the process group's rendezvous began and ended
+
+        def open_group() -> None:
+            opened[0] = time.monotonic()
+            open_replica_group(
                 self._store,
                 f"{self._prefix}/replica{slot.replica}",
                 slot.shard,
@@ -430,8 +475,20 @@ class ShardedMember:
                 # Group-mates may still be healing or resharding.
                 connect_timeout_s=timeouts.rendezvous_s + timeouts.heal_s,
                 op_timeout_s=self.config.watchdog.ceiling_s,
-            ),
-        )
+            )
+            opened[1] = time.monotonic()
+
+        built = self.backend.form_group(group, open_group, keep=keep)
+        if built:
+            assert group is not None
+            self._built = BuiltGroup(group, layout.shard_size, gen)
+            log.info("%s: built replica group %d in %.3f s: its process group %.3f s "
+                     "(waiting for group-mates included), FSDP2 wrapper %.3f s", self.member,
+                     slot.replica, time.monotonic() - t0, opened[1] - opened[0],
+                     time.monotonic() - opened[1])  # fmt: skip
+        elif keep:
+            log.info("%s: kept replica group %d (built in generation %d)", self.member,
+                     slot.replica, self._built.gen if self._built else 0)  # fmt: skip
 
     # ---- a step -------------------------------------------------------------------
 
@@ -603,17 +660,27 @@ class ShardedMember:
         self._kept = _Kept(step, gen, self.backend.take_reduced())
 
     def event_fields(self) -> dict[str, int]:
-        """The slot, for the `generation_start` event (hashes compare among twins)."""
+        """The slot, for the `generation_start` event (hashes compare among twins),
+        whether the replica group's wrapper was kept (`group_kept`, 0/1) and the
+        milliseconds spent agreeing on it and building it (`group_ms`)."""
         if self.layout is None:
             return {}
         slot = self.layout.slots[self.member]
-        return {"shard": slot.shard, "replica": slot.replica, "shard_size": self.layout.shard_size}
+        return {"shard": slot.shard, "replica": slot.replica, "shard_size": self.layout.shard_size,
+                "group_kept": int(self.group_kept), "group_ms": round(self.group_s * 1000)}  # fmt: skip
 
     def drop(self, inflight: list[Any]) -> None:
-        """Park the twins' group (its all-reduce may be in flight) and leave the
-        replica group (none of its collectives is: compute is synchronous)."""
+        """Park the twins' group (its all-reduce may be in flight). The replica
+        group's wrapper and process group stay: none of its collectives is in flight
+        (compute is synchronous; one that raised left the group unclean,
+        `ShardedBackend.group_clean`), and the next generation's heal keeps them
+        or leaves them (`shard_regroup`)."""
         if self.twins_pg is not None:
             self.graveyard.bury(self.twins_pg, inflight)
             self.twins_pg = None
-        self.backend.leave_group()
         self.layout = None
+
+    def close(self) -> None:
+        """The worker ends: leave the replica group."""
+        self._built = None
+        self.backend.leave_group()

@@ -334,6 +334,10 @@ class ShardedBackend:
         the model it passed (`shard_model.uncompiled`)."""
         self.group: tuple[str, ...] | None = None
         """The members of the replica group `model` is built on, in shard order."""
+        self.group_clean = True
+        """False from a forward or backward through `model` (a step's round, an
+        evaluation) until it returns: one that raised may have stopped a collective of
+        the group midway, so the group cannot be kept (`shard_regroup`)."""
         self.local = nn.Module()
         """This member's shard: one parameter per model parameter (its rows), and the
         model's buffers (replicated, not sharded)."""
@@ -753,12 +757,17 @@ class ShardedBackend:
                 return str(entry[2])
         raise KeyError(name)
 
-    def form_group(self, members: tuple[str, ...] | None, open_group: Callable[[], None]) -> bool:
+    def form_group(
+        self, members: tuple[str, ...] | None, open_group: Callable[[], None], keep: bool = False
+    ) -> bool:
         """Be ready to compute in the replica group `members` (shard order), or be a
-        shadow (None). Rebuilds the wrapper only when the group's membership
-        changed; `open_group` makes the group's process group the default one
-        (all of `members` call this together). Returns True if it rebuilt."""
-        if members is not None and members == self.group and self.model is not None:
+        shadow (None). `keep`: the group's members agreed to keep the wrapper they
+        hold (`elastrain.runtime.shard_regroup`); otherwise it is built again and
+        `open_group` makes the group's process group the default one (all of
+        `members` call this together). Returns True if it rebuilt."""
+        if keep:
+            if members is None or members != self.group or self.model is None:
+                raise RuntimeError(f"told to keep the wrapper of {members}, holds {self.group}")
             return False
         self.leave_group()
         if members is None:
@@ -798,6 +807,7 @@ class ShardedBackend:
         self.model = None
         self._call = None
         self.group = None
+        self.group_clean = True
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -967,6 +977,9 @@ class ShardedBackend:
         if rounds < 0:
             raise ValueError(f"rounds must be >= 0, got {rounds}")
         self._rounds_left = rounds
+        # Clean again once every round ran: a member leaving the rounds early (its
+        # group-mates in the next round's collectives) leaves the group unusable.
+        self.group_clean = rounds == 0
 
     def compute(self, step: int, microbatch: int, batch: Any, samples: int) -> float:
         """One round of the replica group: every member of it calls this together
@@ -977,20 +990,24 @@ class ShardedBackend:
         member scales it."""
         if self.model is None or self._call is None:
             raise RuntimeError("a shadow does not compute")
-        if self.native:
-            if not self._rounds_left:
-                raise RuntimeError(
-                    "reduce_dtype 'native': compute() without a planned round left "
-                    "(plan_rounds() first, with the group's rounds of this step)"
-                )
+        if self.native and not self._rounds_left:
+            raise RuntimeError(
+                "reduce_dtype 'native': compute() without a planned round left "
+                "(plan_rounds() first, with the group's rounds of this step)"
+            )
+        if self._rounds_left is not None:
             self._rounds_left -= 1
+        if self.native:
             # Every group member runs the same rounds, so all toggle alike, and the
             # last round's reduce-scatter meets all of them.
             self.model.set_requires_gradient_sync(self._rounds_left == 0)  # type: ignore[operator]
+        # Until the backward returns, the group's collectives may stop midway here.
+        self.group_clean = False
         with torch.random.fork_rng(devices=[]):
             seed_micro_batch(self.seed, step, microbatch)
             loss = self.loss_fn(self._call, batch)
             self.finish.scale(loss * samples).backward()
+        self.group_clean = not self._rounds_left
         return float(loss.detach()) * samples
 
     def reduce_buffers(self) -> list[torch.Tensor]:

@@ -247,15 +247,21 @@ class ElasticTrainer(EngineTrainer):
         collate = collate_fn or self.collate_fn
 
         def compute(committed: int, batch_index: int, batch: Any) -> Any:
-            # Sharded: the wrapper of the current replica group (rebuilt per generation).
-            model = backend.model if isinstance(backend, ShardedBackend) else given
+            # Sharded: the wrapper of the current replica group (kept or rebuilt per generation).
+            sharded = backend if isinstance(backend, ShardedBackend) else None
+            model = given if sharded is None else sharded.model
             assert model is not None, "a shadow evaluates nothing"
             was = model.training
             model.eval()
             try:
+                if sharded is not None:  # its group's collectives may stop midway
+                    sharded.group_clean = False
                 with torch.no_grad(), torch.random.fork_rng(devices=[]):
                     torch.manual_seed(eval_seed(seed, committed, batch_index))
-                    return eval_fn(model, batch)
+                    out = eval_fn(model, batch)
+                if sharded is not None:
+                    sharded.group_clean = True
+                return out
             finally:
                 model.train(was)
 

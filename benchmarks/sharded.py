@@ -642,12 +642,20 @@ def measure_kill_point(
         and e.get("gen") == rec.gen
         and int(e["step"]) == kill_step
     ]
+    # Each member's replica group in the recovery's generation: kept or built, and the
+    # milliseconds its heal spent agreeing on it and building it (0: an older worker).
+    groups = {
+        e["proc"]: (int(e.get("group_kept", 0)), int(e.get("group_ms", 0)))
+        for e in events
+        if rec is not None and e["kind"] == "generation_start" and e.get("gen") == rec.gen
+    }
     return {
         "status": result.status,
         "wall_s": wall_s,
         "rec": rec,
         "own_step_s": steps_before(events, rec.t0) if rec else None,
         "resumed": resumed,
+        "groups": groups,
         "dir": out_dir,
     }
 
@@ -670,6 +678,11 @@ def kill_point_row(name: str, kp: dict[str, Any], kill_step: int, victim: str) -
         if computing
         else "resumed step not seen"
     )
+    groups = kp.get("groups") or {}
+    if groups:
+        resumed += "; replica group per rank: " + ", ".join(
+            f"{w} {'kept' if kept else 'built'} {ms} ms" for w, (kept, ms) in sorted(groups.items())
+        )
     return [
         f"kill {name} in a step ({victim} {KILL_POINTS[name][1]}, step {kill_step}) -> next "
         f"commit <= {TARGET_RECOVERY_FIXED_S:g} s + one step (this run's median step_s "

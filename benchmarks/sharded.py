@@ -642,10 +642,15 @@ def measure_kill_point(
         and e.get("gen") == rec.gen
         and int(e["step"]) == kill_step
     ]
-    # Each member's replica group in the recovery's generation: kept or built, and the
-    # milliseconds its heal spent agreeing on it and building it (0: an older worker).
+    # Each member's replica group in the recovery's generation: kept or built, the
+    # milliseconds its heal spent agreeing on it and building it, and of those in the
+    # process group's rendezvous (0: an older worker).
     groups = {
-        e["proc"]: (int(e.get("group_kept", 0)), int(e.get("group_ms", 0)))
+        e["proc"]: (
+            int(e.get("group_kept", 0)),
+            int(e.get("group_ms", 0)),
+            int(e.get("group_pg_ms", 0)),
+        )
         for e in events
         if rec is not None and e["kind"] == "generation_start" and e.get("gen") == rec.gen
     }
@@ -681,7 +686,8 @@ def kill_point_row(name: str, kp: dict[str, Any], kill_step: int, victim: str) -
     groups = kp.get("groups") or {}
     if groups:
         resumed += "; replica group per rank: " + ", ".join(
-            f"{w} {'kept' if kept else 'built'} {ms} ms" for w, (kept, ms) in sorted(groups.items())
+            f"{w} kept {ms} ms" if kept else f"{w} built {ms} ms (process group {pg} ms)"
+            for w, (kept, ms, pg) in sorted(groups.items())
         )
     return [
         f"kill {name} in a step ({victim} {KILL_POINTS[name][1]}, step {kill_step}) -> next "

@@ -142,6 +142,8 @@ class ShardedMember:
         """This generation kept the replica group's wrapper of the one before."""
         self.group_s = 0.0
         """Seconds this generation spent on the replica group (agreeing, building)."""
+        self.group_pg_s = 0.0
+        """Of which in the replica process group's rendezvous (0 when kept)."""
 
     # ---- a generation -------------------------------------------------------------
 
@@ -479,6 +481,7 @@ class ShardedMember:
             opened[1] = time.monotonic()
 
         built = self.backend.form_group(group, open_group, keep=keep)
+        self.group_pg_s = opened[1] - opened[0]
         if built:
             assert group is not None
             self._built = BuiltGroup(group, layout.shard_size, gen)
@@ -661,13 +664,15 @@ class ShardedMember:
 
     def event_fields(self) -> dict[str, int]:
         """The slot, for the `generation_start` event (hashes compare among twins),
-        whether the replica group's wrapper was kept (`group_kept`, 0/1) and the
-        milliseconds spent agreeing on it and building it (`group_ms`)."""
+        whether the replica group's wrapper was kept (`group_kept`, 0/1), the
+        milliseconds spent agreeing on it and building it (`group_ms`) and of those
+        in its process group's rendezvous (`group_pg_ms`, waiting for mates included)."""
         if self.layout is None:
             return {}
         slot = self.layout.slots[self.member]
         return {"shard": slot.shard, "replica": slot.replica, "shard_size": self.layout.shard_size,
-                "group_kept": int(self.group_kept), "group_ms": round(self.group_s * 1000)}  # fmt: skip
+                "group_kept": int(self.group_kept), "group_ms": round(self.group_s * 1000),
+                "group_pg_ms": round(self.group_pg_s * 1000)}  # fmt: skip
 
     def drop(self, inflight: list[Any]) -> None:
         """Park the twins' group (its all-reduce may be in flight). The replica

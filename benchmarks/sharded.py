@@ -150,6 +150,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -645,14 +646,20 @@ def measure_kill_point(
     # Each member's replica group in the recovery's generation: kept or built, the
     # milliseconds its heal spent agreeing on it and building it, and of those in the
     # process group's rendezvous (0: an older worker).
+    starts = [
+        e
+        for e in events
+        if rec is not None and e["kind"] == "generation_start" and e.get("gen") == rec.gen
+    ]
+    sizes = Counter(e.get("replica") for e in starts)
     groups = {
         e["proc"]: (
             int(e.get("group_kept", 0)),
             int(e.get("group_ms", 0)),
             int(e.get("group_pg_ms", 0)),
+            sizes[e.get("replica")] < int(e.get("shard_size", 0)),  # a shadow: no group
         )
-        for e in events
-        if rec is not None and e["kind"] == "generation_start" and e.get("gen") == rec.gen
+        for e in starts
     }
     return {
         "status": result.status,
@@ -686,8 +693,12 @@ def kill_point_row(name: str, kp: dict[str, Any], kill_step: int, victim: str) -
     groups = kp.get("groups") or {}
     if groups:
         resumed += "; replica group per rank: " + ", ".join(
-            f"{w} kept {ms} ms" if kept else f"{w} built {ms} ms (process group {pg} ms)"
-            for w, (kept, ms, pg) in sorted(groups.items())
+            f"{w} a shadow {ms} ms"
+            if shadow
+            else f"{w} kept {ms} ms"
+            if kept
+            else f"{w} built {ms} ms (process group {pg} ms)"
+            for w, (kept, ms, pg, shadow) in sorted(groups.items())
         )
     return [
         f"kill {name} in a step ({victim} {KILL_POINTS[name][1]}, step {kill_step}) -> next "

@@ -64,24 +64,3 @@ def test_fsdp_grads_are_dropped_as_they_are_set_and_only_on_trainable_parameters
         hook(p)  # as FSDP2 calls them after setting the sharded gradient
     assert p.grad is None
     assert not getattr(frozen, "_post_accumulate_grad_hooks", None)
-
-
-def test_the_mmap_threshold_the_environment_pins_is_left_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    calls: list[tuple[int, int]] = []
-
-    class Libc:
-        def mallopt(self, param: int, value: object) -> int:
-            calls.append((param, getattr(value, "value", value)))  # type: ignore[arg-type]
-            return 1
-
-    monkeypatch.setattr(shard_memory, "_LIBC", Libc())
-    monkeypatch.setattr(shard_memory, "_pinned", False)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-    assert not shard_memory.fixed_mmap_threshold()
-    assert calls == []
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    assert shard_memory.fixed_mmap_threshold()
-    assert shard_memory.fixed_mmap_threshold()  # once per process
-    assert calls == [(-3, shard_memory.MMAP_THRESHOLD)]

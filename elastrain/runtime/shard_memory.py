@@ -5,15 +5,19 @@ optimizer's state (AdamW: 2 P/S) and, with float64 reductions, the step's
 float64 gradient sum (2 P/S for float32 parameters): five times its share of
 the parameters against the full training state's 3 P, so at S = 2 it holds
 5/6 of the full state, at S = 4 5/12. Four things used to come on top, each
-as large as a whole share or more, and are removed here:
+as large as a whole share or more; three are removed here:
 
 - the allocator: glibc raises its mmap threshold (up to 32 MB) each time a
   large block is freed, after which every tensor below that size (a block's
   weights and gradients, FSDP2's per-unit buffers) comes from the heap and
   its freed space is rarely returned: a run's resident size grew by about a
   full training state over a few steps (measured at GPT dim 768 x 10 layers).
-  `fixed_mmap_threshold` pins the threshold, so freed tensors go back to the
-  system at once;
+  Not changed here: pinning the threshold (``MALLOC_MMAP_THRESHOLD_=1048576``
+  in the workers' environment) returns what a step frees at once, but maps
+  and faults in every large tensor again each step: +25-35% step time for the
+  demo GPT dim 256 x 8 at 2 x 2 on a 2-core CPU (1.35-1.40 s against
+  1.01-1.11 s, A/B of the same job). It is the user's choice, for a model
+  that would not fit otherwise (docs/guide/sharded.md);
 - FSDP2's own sharded ``.grad``, which this backend never reads (its hook adds
   each reduce-scatter's output into the float64 sum): `drop_fsdp_grads`
   drops it the moment FSDP2 sets it (P/S);
@@ -34,7 +38,6 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
-import os
 import sys
 from collections.abc import Iterable, Mapping
 
@@ -42,9 +45,6 @@ import torch
 
 log = logging.getLogger("elastrain.sharded")
 
-MMAP_THRESHOLD = 1 << 20
-"""Blocks of at least this size (1 MiB) are mapped and unmapped on their own."""
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _MADV_DONTNEED = 4
 _CHUNK = 1 << 20
 """Elements converted at a time by `mean_in_place` (its only scratch: 8 MiB)."""
@@ -60,21 +60,6 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
-_pinned = False
-
-
-def fixed_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
-    """Pin glibc's mmap threshold at ``nbytes`` for this process (once), which also
-    stops glibc raising it. True if set (glibc on Linux); elsewhere nothing is done.
-    A threshold the environment pins (``MALLOC_MMAP_THRESHOLD_``) is left as it is."""
-    global _pinned
-    if _pinned or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        return _pinned
-    mallopt = getattr(_LIBC, "mallopt", None)
-    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)):
-        return False
-    _pinned = True
-    return True
 
 
 def drop_fsdp_grads(params: Iterable[torch.nn.Parameter]) -> None:

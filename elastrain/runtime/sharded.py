@@ -93,7 +93,7 @@ from elastrain.runtime.registered import (
     repoint,
     schedulers_in,
 )
-from elastrain.runtime.shard_memory import drop_fsdp_grads, fixed_mmap_threshold, mean_in_place
+from elastrain.runtime.shard_memory import drop_fsdp_grads, mean_in_place
 from elastrain.runtime.shard_model import compiled_as, meta_flops, uncompiled
 from elastrain.runtime.shard_step import NormRows, Reduced, StepFinish
 from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, torch_meta
@@ -260,8 +260,6 @@ class ShardedBackend:
                 "of the same class and hyperparameters over this member's shard"
             )
         self.shard_size = config.shard_size
-        # Freed tensors go back to the system at once (`elastrain.runtime.shard_memory`).
-        fixed_mmap_threshold()
         self.loss_fn = loss_fn
         self.seed = config.seed
         self.global_batch_size = config.global_batch_size

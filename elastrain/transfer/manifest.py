@@ -111,7 +111,7 @@ def stripe_senders(total_bytes: int, n_senders: int, min_stripe_bytes: int) -> i
     process competing for the same cores as the receiver. A stripe pays for
     that only when moving it takes long against it; for a small state one
     sender moves it faster than several (the 39.7 MB state on the 2-core
-    machine: docs/design/heal.md, "Stripes and the fixed costs"). So every
+    machine: docs/design/heal-costs.md). So every
     stripe gets at least ``min_stripe_bytes`` (the first sender takes a
     smaller payload whole); ``min_stripe_bytes`` <= 0 stripes over every
     sender. Pure.

@@ -279,6 +279,9 @@ class ReplicaTwins:
             self.twins_pg = None
         self.layout = None
 
+    def close(self) -> None:
+        """`drop` keeps nothing (the replica's own runtime ends with its process)."""
+
     def event_fields(self) -> dict[str, int]:
         """The place, for the `generation_start` event (hashes compare among twins)."""
         p = self.place

@@ -527,10 +527,7 @@ class StepEngine:
         self.feed.loader.close()
         self.ckpt.close()
         self.rendezvous.drop()
-        # What `drop` keeps for the next generation (a sharded member's replica group).
-        close = getattr(self.topology, "close", None)
-        if close is not None:
-            close()
+        self.topology.close()  # what `drop` kept for a next generation
         self.session.close()
         self.run.close()
         self.healing.close()

@@ -134,6 +134,9 @@ class Replicated:
     def drop(self, inflight: list[Any]) -> None:
         """Nothing besides the generation's own group."""
 
+    def close(self) -> None:
+        """`drop` keeps nothing."""
+
     def event_fields(self) -> dict[str, int]:
         return {}
 

@@ -190,6 +190,9 @@ class Topology(Protocol):
     def drop(self, inflight: list[Any]) -> None:
         """The generation ended: park or leave the groups `connect` built."""
 
+    def close(self) -> None:
+        """The worker ends: leave what `drop` kept for the next generation."""
+
     def event_fields(self) -> dict[str, int]:
         """This member's place in the layout, for the `generation_start` event."""
 

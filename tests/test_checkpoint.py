@@ -30,7 +30,13 @@ from elastrain.checkpoint import (
     load,
     young_daly_interval,
 )
-from elastrain.checkpoint.files import MARKER, DurableFile, read_signed_json, write_signed_json
+from elastrain.checkpoint.files import (
+    MARKER,
+    DurableFile,
+    read_signed_json,
+    step_dir,
+    write_signed_json,
+)
 from elastrain.checkpoint.layout import Layout
 from elastrain.transfer.dtypes import byte_view
 
@@ -316,6 +322,37 @@ def test_enospc_from_write_fails_only_that_save(
     _assert_failed_save_is_harmless(tmp_path, res, events, good)
     monkeypatch.setattr(os, "write", real_write)
     assert w.save_async(30, snap, generation=1, members=["w0"]).wait(30).ok  # still usable
+    w.close()
+
+
+def test_a_step_given_up_while_its_shard_finishes_is_a_skip_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 gives a step up (another member's shard failed) and removes its
+    directory as soon as this shard's manifest is visible, before this writer's
+    last directory fsync: the shard is not reported as a failed write (that would
+    be a spurious ENOENT beside the real failure), but as skipped, and the
+    writer goes on."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    w = CheckpointWriter(
+        CheckpointConfig(directory=str(tmp_path)), events=lambda k, f: events.append((k, f))
+    )
+    real = files_mod.fsync_dir
+    d20 = step_dir(tmp_path, 20)
+
+    def given_up_first(path: Path) -> None:
+        if path == d20 and any(p.name.endswith(".json") for p in path.iterdir()):
+            shutil.rmtree(path)  # rank 0's cleanup wins the race
+        real(path)
+
+    monkeypatch.setattr(files_mod, "fsync_dir", given_up_first)
+    snap = Snapshot.take(make_state(2), {}, shard=0, num_shards=1)
+    res = w.save_async(20, snap, generation=1, members=["w0"]).wait(30)
+    assert res.status == "skipped" and "given up" in (res.error or ""), res
+    assert [k for k, _ in events] == ["checkpoint_skipped"], events
+    assert not d20.exists()
+    monkeypatch.setattr(files_mod, "fsync_dir", real)
+    assert w.save_async(30, snap, generation=1, members=["w0"]).wait(30).ok
     w.close()
 
 

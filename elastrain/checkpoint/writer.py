@@ -68,7 +68,8 @@ class SaveResult:
     ``status``: ``"ok"`` (shard file and shard manifest durable), ``"failed"``
     (``error`` says why, ``errno`` is set for OS errors such as ENOSPC; temp
     files were removed) or ``"skipped"`` (nothing written: another save was in
-    flight or the step is already committed). ``bytes`` is the shard file size,
+    flight or the step is already committed; or rank 0 gave the step up and
+    removed its directory while this shard was being finished). ``bytes`` is the shard file size,
     ``seconds`` the background write time, ``path`` the shard file.
     """
 
@@ -257,6 +258,14 @@ class CheckpointWriter:
             # `_write` waits for each part before it reads it.
             size = self._write(d, final, step, snap, generation, members)
         except Exception as e:
+            if isinstance(e, FileNotFoundError) and not d.exists():
+                # Rank 0 gave the step up (another shard failed) and removed its
+                # directory: once this shard's manifest is visible, only the
+                # directory's fsync after it is left to fail. Not this shard's failure.
+                why = "its step was given up and its directory removed while this shard was written"
+                log.info("checkpoint step %d shard %d skipped: %s", step, snap.shard, why)
+                self._emit("checkpoint_skipped", fields | {"reason": why})
+                return SaveResult(step, snap.shard, "skipped", error=why)
             err = getattr(e, "errno", None)
             msg = f"{type(e).__name__}: {e}"
             if err is not None and not isinstance(err, int):

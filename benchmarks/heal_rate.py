@@ -39,18 +39,26 @@ machine's load hits all five alike):
   barrier to the end of its call. It lands in a `LandingReserve` the receiver
   mapped and touched before the barrier (untimed: the trainer's joiner
   prepares it while it waits to be admitted; its preparation time is
-  reported apart);
+  reported apart), from a root (rank 0) that flattened its state and computed
+  its state digest before the barrier (`PreparedSend`, untimed: the replicated
+  trainer's root does it while the generation's group is built; reported
+  apart);
 - mac: the same heal in mac mode (every stripe sealed with Poly1305), into a
-  reserve prepared the same way;
-- cold: the digest heal without a reserve, landing in memory the receiver has
-  not touched (what every heal did before the reserve);
+  reserve prepared the same way, from a root whose flatten was prepared;
+- cold: the digest heal with neither: landing in memory the receiver has not
+  touched, the root flattening and digesting at the heal (what every heal did
+  before the reserve and the preparation);
 - floor: the authenticated floor, the least any heal that authenticates its
   bytes must do: sender rank 0 seals the payload bytes with Poly1305 in 4 MiB
   pieces and sends each once sealed, the receiver checks each piece's tag as
   it arrives; nothing else (the bytes stay where they landed: no install copy,
   no manifest, no per-tensor work). Where the floor itself is below the
   target, no heal that authenticates its bytes can meet the target on this
-  machine; "heal / floor" says how much of the floor the heal reaches.
+  machine; "heal / floor" says how much of the floor the heal reaches;
+- dfloor: the digest floor, the least a heal checked by the state digest must
+  do once its root's digest is prepared: the same pieces sent unsealed, the
+  receiver hashing each (XXH3-128) as it lands; "heal / digest floor" says how
+  much of it the heal reaches.
 
 Every process runs with MALLOC_MMAP_THRESHOLD_=131072 (glibc's default, pinned)
 so that each large allocation is fresh memory, as in a replacement's first heal
@@ -97,7 +105,7 @@ from elastrain.transfer.manifest import STRIPE_MIN_BYTES, stripe_senders  # noqa
 
 TARGET = 0.8
 """The digest heal's rate as a fraction of the warm broadcast's (issue 42)."""
-KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor")
+KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor", "dfloor")
 FULL: dict[str, int | str] = {"dim": 256, "layers": 4, "heads": 4, "reps": 20, "senders": "1,2"}
 QUICK: dict[str, int | str] = {"dim": 128, "layers": 2, "heads": 4, "reps": 3, "senders": "1"}
 MMAP_THRESHOLD = "131072"
@@ -180,6 +188,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "mac_payload": mac_payload,
         "outside": outside,
         "prepare_s": recv["prepare_s"],
+        # The root's preparations alternate: digest mode (the heal's), then mac mode's.
+        "root_prepare_s": ranks[0]["prepare_s"][0::2],
     }
 
 
@@ -202,10 +212,13 @@ def rows_of(senders: int, r: dict[str, Any]) -> list[list[str]]:
             f"{fmt(med(r['payload']), 0)} ({fmt(med(r['payload']) / m['warm'], 2)})",
             fmt(med(r["outside"]) * 1e3, 1),
             f"{fmt(med(r['prepare_s']) * 1e3, 1)} / {fmt(r['prepare_s'][0] * 1e3, 1)}",
+            fmt(med(r["root_prepare_s"]) * 1e3, 1),
             " / ".join(fmt(med(r["cpu"][k]) * 1e3, 1) for k in KINDS),
             f"{fmt(r['first'], 0)} ({fmt(r['first'] / m['warm'], 2)})",
             f"{fmt(m['floor'], 0)} ({fmt(m['floor'] / m['warm'], 2)})",
             fmt(m["heal"] / m["floor"], 2),
+            f"{fmt(m['dfloor'], 0)} ({fmt(m['dfloor'] / m['warm'], 2)})",
+            fmt(m["heal"] / m["dfloor"], 2),
             "PASS" if ratio >= TARGET else "FAIL",
         ]
     ]
@@ -226,10 +239,13 @@ HEADER = [
     "heal payload MB/s (/ warm)",
     "heal outside payload ms",
     "reserve touched ms: rounds / first",
-    "CPU ms warm / fresh / heal / mac / cold / floor",
+    "root prepared ms",
+    "CPU ms warm / fresh / heal / mac / cold / floor / dfloor",
     "first heal MB/s (/ warm)",
     "authenticated floor MB/s (/ warm)",
     "heal / floor",
+    "digest floor MB/s (/ warm)",
+    "heal / digest floor",
     f">= {TARGET:.0%} of warm",
 ]
 
@@ -297,7 +313,7 @@ def main() -> int:
             for s in res
         ),
         f"{reps} rounds per sender count, each: warm broadcast, fresh broadcast, heal (digest), "
-        "mac heal, cold heal, floor, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
+        "mac heal, cold heal, floor, digest floor, each after a barrier; rates are the payload bytes over the receiver's wall time from the "
         "barrier to its end of the operation; medians over rounds",
         "broadcast: one uint8 tensor of the payload's bytes, from sender rank 0 to the "
         "receiver in a 2-rank gloo group of their own; warm: into memory touched before; "
@@ -313,8 +329,11 @@ def main() -> int:
         "the receiver mapped and touched before the barrier, sized by its "
         "TorchState.landing_estimate() (what a joiner does while it waits to be admitted; "
         "'reserve touched': that preparation's time, off the clock, median over rounds and "
-        "the first's); the cold heal lands in memory the receiver has not touched (no "
-        "reserve, as every heal did before)",
+        "the first's), from a root (rank 0) that flattened its state and computed its "
+        "digest before the barrier (PreparedSend, what the replicated trainer's root does "
+        "while the generation's group is built; 'root prepared': its time, off the clock, "
+        "median); the cold heal has neither: it lands in memory the receiver has not "
+        "touched and its root flattens and digests at the heal (as every heal did before)",
         f"every process: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (large allocations are "
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",
@@ -331,6 +350,10 @@ def main() -> int:
         "receiver checks each piece's tag as it arrives, into memory touched before, and "
         "leaves the bytes where they landed (no install copy, no manifest, no per-tensor "
         "work), one sender; heal / floor: how much of that the heal reaches",
+        "digest floor: the least a heal checked by the state digest must do with its root's "
+        "digest prepared: the same 4 MiB pieces sent unsealed, the receiver hashing each "
+        "(XXH3-128) as it lands, one sender; heal / digest floor: how much of that the heal "
+        "reaches",
         "first heal: the receiver process's first heal (one per sender count, timed from a "
         "barrier like the rounds, before them), with a reserve estimated from its fresh "
         "optimizer as a replacement's: cold code paths, as in a replacement; the rounds' "
@@ -354,6 +377,13 @@ def main() -> int:
         for s, r in res.items()
         if med(r["rates"]["floor"]) < TARGET * med(r["rates"]["warm"])
     ]
+    notes += [
+        f"{s} sender(s): the digest floor itself runs at "
+        f"{fmt(med(r['rates']['dfloor']) / med(r['rates']['warm']), 3)} of the warm broadcast, "
+        f"below the {TARGET:.0%} target: no heal that hashes what lands meets it on this machine"
+        for s, r in res.items()
+        if med(r["rates"]["dfloor"]) < TARGET * med(r["rates"]["warm"])
+    ]
     print()
     print(t)
     print()
@@ -372,6 +402,12 @@ def main() -> int:
             Figure(f"floor_over_warm[{n}]",
                    f"authenticated floor / warm loopback broadcast, {n} sender(s)",
                    ratio(r, "floor"), ""),
+            Figure(f"dfloor_over_warm[{n}]",
+                   f"digest floor / warm loopback broadcast, {n} sender(s)",
+                   ratio(r, "dfloor"), ""),
+            Figure(f"cold_over_warm[{n}]",
+                   f"cold heal (no reserve, no preparation) / warm loopback broadcast, "
+                   f"{n} sender(s)", ratio(r, "cold"), ""),
         )
     ]  # fmt: skip
     targets = [

@@ -213,6 +213,21 @@ def test_the_zombie_commit_is_healed_not_trusted() -> None:
     assert proto.committed == 10 and proto.commit_gen == 5
 
 
+def test_connect_previews_the_heals_roles_so_the_root_can_prepare() -> None:
+    """The CONNECT action names the heal's senders and receivers (what
+    `Topology.prepare_heal` reads while the group is built): the same as the HEAL
+    action's that follows."""
+    proto = m.MemberProtocol("a", total_steps=20, global_batch_size=G)
+    proto.resumed(10)
+    proto.advance(m.Started())
+    proto.advance(m.Registered(1))
+    c = proto.advance(ready(6, ("a", "b", "c"), {"a": 10, "b": 10, "c": 4}))
+    assert c.do is m.Do.CONNECT and c.rank == 0 and c.step == 10
+    h = proto.advance(m.Connected())
+    assert h.do is m.Do.HEAL
+    assert (c.senders, c.receivers) == (h.senders, h.receivers) == ((0, 1), (2,))
+
+
 def _reduced_then_lost(proto: m.MemberProtocol) -> None:
     """Member "a" of generation 1 at 0 commits step 0, then in step 1 reduces its
     shard over its twins and loses the commit vote's answer."""
@@ -235,12 +250,13 @@ def test_a_kept_step_is_applied_when_the_new_generation_says_it_committed() -> N
     failed heal after it must not leave the count behind the state), in b's lineage."""
     proto = m.MemberProtocol("a", total_steps=5, global_batch_size=G)
     _reduced_then_lost(proto)
-    proto.advance(
+    a = proto.advance(
         m.RendezvousAnswer(
             p.RendezvousStatus.READY, 2, ("a", "b"), {"a": 2, "b": 2}, {"a": 1, "b": 1}, 2,
             rolls_forward=("a",),
         )
     )  # fmt: skip
+    assert a.do is m.Do.CONNECT and a.senders == a.receivers == ()  # its state will change
     a = proto.advance(m.Connected())
     assert a.do is m.Do.HEAL and a.roll_forward and a.step == 2 and a.receivers == ()
     assert (proto.committed, proto.commit_gen, proto.pending_gen) == (2, 1, 0)

@@ -38,6 +38,7 @@ from elastrain.transfer import (
     HealAuth,
     HealError,
     HealStats,
+    PreparedSend,
     TorchState,
     heal,
     model_signature,
@@ -1216,3 +1217,67 @@ def _launch(world: int, port: int, out_dir: Path) -> int:
 
 if __name__ == "__main__":
     sys.exit(_launch(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))
+
+
+def test_heal_threads_a_prepared_root_sends_what_it_prepared_without_flattening_again(
+    master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root's flatten and digest, done ahead (`PreparedSend`, what the replicated
+    topology begins at a generation's connect), are the heal's: the receiver gets
+    the state bit for bit and the root does not flatten it again."""
+    states = [trained(), fresh()]
+    want = state_hash(*states[0])
+    root_state = TorchState(*states[0])
+    prepared = PreparedSend(root_state)
+    flattened: list[int] = []
+    real = TorchState.flatten
+
+    def counting(self: TorchState) -> Any:
+        flattened.append(id(self))
+        return real(self)
+
+    monkeypatch.setattr(TorchState, "flatten", counting)
+
+    def fn(rank: int, pg: Any) -> Any:
+        state = root_state if rank == 0 else TorchState(*states[1])
+        return heal(
+            pg, rank, [0], [1], state, {"step": 3}, 10.0, key=KEY,
+            prepared=prepared if rank == 0 else None,
+        )  # fmt: skip
+
+    res = run_threads(master_store, 2, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert state_hash(*states[1]) == want
+    assert id(root_state) not in flattened
+
+
+@pytest.mark.parametrize("senders", [[0, 1], [0]])
+def test_heal_threads_a_state_written_after_its_preparation_is_never_installed(
+    master_store: TCPStore, senders: list[int]
+) -> None:
+    """The contract of `PreparedSend` broken: the root's state written after it was
+    prepared, so its digest is of the state before. The receiver's digest of what
+    landed matches neither the root's sealed digest (the root's digest is the
+    reference: a second sender's stripe is refused too), so the heal fails on
+    every rank and the receiver keeps its own state (not in place: untouched)."""
+    states = [trained(), trained(), fresh()]
+    receiver_before = state_hash(*states[2])
+    root_state = TorchState(*states[0])
+    prepared = PreparedSend(root_state)
+    digesting = prepared.digesting()
+    assert digesting is not None
+    digesting.result()
+    with torch.no_grad():
+        next(states[0][0].parameters()).add_(1.0)  # written after the preparation
+
+    def fn(rank: int, pg: Any) -> Any:
+        state = root_state if rank == 0 else TorchState(*states[rank])
+        return heal(
+            pg, rank, senders, [2], state, {"step": 3}, 10.0, key=KEY,
+            prepared=prepared if rank == 0 else None,
+        )  # fmt: skip
+
+    res = run_threads(master_store, 3, fn)
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "digest" in str(res[2]) and "no sender is left" in str(res[2])
+    assert state_hash(*states[2]) == receiver_before

@@ -26,18 +26,25 @@ every rank so that they start it together:
    0: every sender) from the senders into the receiver, which lands the rest in a `LandingReserve`
    it prepared before the barrier (mapped
    and touched, untimed: a joiner does it while it waits to be admitted) and
-   installs it;
+   installs it; the root (rank 0) flattened its state and computed its digest
+   before the barrier (`PreparedSend`, untimed: the replicated trainer's root
+   does it while the generation's group is built);
 4. ``mac``: the same heal in mac mode (``heal_auth="mac"``: every stripe
-   sealed with Poly1305), into a reserve prepared the same way;
-5. ``cold``: the digest heal without a reserve: the receiver lands it in memory
-   it has not touched yet (what every heal did before the reserve);
+   sealed with Poly1305), into a reserve prepared the same way, its root's
+   flatten prepared the same way;
+5. ``cold``: the digest heal with neither: the receiver lands it in memory it
+   has not touched yet and the root flattens and digests at the heal (what
+   every heal did before the reserve and the preparation);
 6. ``floor``: the least any heal that authenticates its bytes must do, with
    nothing else: over the broadcast's 2-rank group, rank 0 seals the payload
    bytes with Poly1305 (the MAC the heal's stripe seals use) in pieces of
    `FLOOR_PIECE` bytes and sends each piece as soon as it is sealed; the
    receiver, its receives all posted into memory it touched before, checks
    each piece's tag as it arrives, and the bytes stay where they landed (no
-   install copy, no manifest, no per-tensor work).
+   install copy, no manifest, no per-tensor work);
+7. ``dfloor``: the least a heal checked by the state digest must do, with the
+   root's digest prepared: the same pieces sent at once, unsealed; the
+   receiver hashes each (XXH3-128, the state digest's hash) as it arrives.
 
 Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
 the wall seconds (from the barrier to its own end of it) and the CPU seconds of
@@ -63,12 +70,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from elastrain.demo.gpt import GPT
 from elastrain.transfer import (
     HealAuth,
     LandingReserve,
+    PreparedSend,
     TorchState,
     heal,
     section_bytes,
@@ -77,7 +86,7 @@ from elastrain.transfer import (
 
 KEY = b"heal-rate-benchmark-key"
 TIMEOUT = datetime.timedelta(seconds=120)
-KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor")
+KINDS = ("warm", "fresh", "heal", "mac", "cold", "floor", "dfloor")
 FLOOR_PIECE = 4 << 20
 """Bytes per sealed piece of the floor (the heal's stripes are of this order)."""
 
@@ -132,25 +141,32 @@ def main() -> None:
     payload_s: dict[str, list[float]] = {"heal": [], "mac": [], "cold": []}
     prepare_s: list[float] = []
     reserve: LandingReserve | None = None
+    prepared: PreparedSend | None = None
 
-    def prepare() -> None:
-        """The receiver's landing, mapped and touched before the barrier (untimed)."""
-        nonlocal reserve
+    def prepare(auth: HealAuth = HealAuth.DIGEST) -> None:
+        """Before the barrier (untimed): the receiver's landing, mapped and touched;
+        the root's flatten and, in digest mode, its digest (waited for)."""
+        nonlocal reserve, prepared
+        t0 = time.perf_counter()
         if rank == receiver:
-            t0 = time.perf_counter()
             reserve = LandingReserve(section_bytes(state.landing_estimate()))
             reserve.wait()
-            prepare_s.append(time.perf_counter() - t0)
+        elif rank == 0:
+            prepared = PreparedSend(state, auth)
+            digesting = prepared.digesting()
+            if digesting is not None:
+                digesting.result()
+        prepare_s.append(time.perf_counter() - t0)
 
     def do_heal(kind: str = "heal") -> None:
-        nonlocal reserve
+        nonlocal reserve, prepared
         _, stats = heal(
             pg, rank, list(range(senders)), [receiver], state, {"step": 1}, 120.0, key=KEY,
             reserve=reserve if kind != "cold" else None,
             auth=HealAuth.MAC if kind == "mac" else HealAuth.DIGEST, in_place=True,
-            min_stripe_bytes=min_stripe,
+            min_stripe_bytes=min_stripe, prepared=prepared if kind != "cold" else None,
         )  # fmt: skip
-        reserve = None
+        reserve, prepared = None, None
         payload_s[kind].append(stats.payload_s)
 
     def broadcast(t: torch.Tensor) -> None:
@@ -207,6 +223,22 @@ def main() -> None:
             w.wait()
             Poly1305.verify_tag(round_key, piece.numpy().data, bytes(tags[16 * i : 16 * i + 16]))
 
+    def digest_floor() -> None:
+        """Send the payload's pieces at once; the receiver hashes each as it lands."""
+        if bcast is None:
+            return
+        pieces = list(torch.split(warm, FLOOR_PIECE))
+        if rank == 0:
+            for w in [bcast.send([piece], 1, i + 1) for i, piece in enumerate(pieces)]:
+                w.wait()
+            return
+        recvs = [bcast.recv([piece], 0, i + 1) for i, piece in enumerate(pieces)]
+        h = xxhash.xxh3_128()
+        for piece, w in zip(pieces, recvs, strict=True):
+            w.wait()
+            h.update(piece.numpy().data)
+        h.digest()
+
     for i in range(reps):
         timed("warm", lambda: broadcast(warm))
         fresh = torch.empty(nbytes, dtype=torch.uint8) if rank == receiver else warm
@@ -214,11 +246,12 @@ def main() -> None:
         del fresh
         prepare()
         timed("heal", do_heal)
-        prepare()
+        prepare(HealAuth.MAC)
         timed("mac", functools.partial(do_heal, "mac"))
         timed("cold", functools.partial(do_heal, "cold"))
         # A one-time Poly1305 key per round, as the heal derives one per stripe.
         timed("floor", functools.partial(floor, i.to_bytes(32, "little")))
+        timed("dfloor", digest_floor)
     ok = same_everywhere(pg, state_hash(state.model, state.optimizer))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(

@@ -134,6 +134,10 @@ class ReplicaTwins:
     def landing_estimate(self) -> list[tuple[str, int]]:
         return self.backend.state().landing_estimate()
 
+    def prepare_heal(self, a: m.Action) -> None:
+        """Nothing ahead: a process learns its twins (who heals its shard) only
+        from the places exchanged at `connect`."""
+
     def connect(self, links: Links) -> None:
         """Learn every member's place, leave if a replica-mate is gone, build this
         process's twins' group (blocks for the twins)."""
@@ -211,7 +215,6 @@ class ReplicaTwins:
         role = Role.of(rank, senders, receivers)
         ctx.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
         state = self.backend.state()
-        landing = {"reserve": job.reserve} if role is Role.RECV and job.reserve is not None else {}
         got, stats = job.heal_fn(
             self.twins_pg,
             rank,
@@ -221,7 +224,7 @@ class ReplicaTwins:
             job.meta(committed) if role is Role.SEND else None,
             ctx.config.timeouts.heal_s,
             key=ctx.key,
-            **landing,
+            reserve=job.reserve if role is Role.RECV else None,
         )
         received = role is Role.RECV
         if received:

@@ -151,6 +151,8 @@ class Action:
     members: tuple[str, ...] = ()
     rank: int = 0
     senders: tuple[int, ...] = ()
+    """With HEAL, and with CONNECT as a preview (`Topology.prepare_heal`): the ranks
+    that send in the generation's heal."""
     receivers: tuple[int, ...] = ()
     lineage: int = 0
     incarnation: int | None = None
@@ -507,12 +509,23 @@ class MemberProtocol:
             raise ProtocolError(f"{self.member} is not a member of generation {obs.gen}")
         self.phase = Phase.CONNECT
         self._ready = obs
+        # The heal's roles, known now, so that a sender prepares its share while the
+        # group is built. A member that rolls forward gets none: its state changes
+        # at the heal, and what it prepared would describe the step before.
+        senders: tuple[int, ...] = ()
+        receivers: tuple[int, ...] = ()
+        if self.member not in obs.rolls_forward:
+            senders, receivers, _ = heal_roles(
+                tuple(obs.members), obs.committed, obs.commit_gens, obs.start_step
+            )
         return Action(
             Do.CONNECT,
             gen=obs.gen,
             members=tuple(obs.members),
             rank=obs.members.index(self.member),
             step=self.committed,
+            senders=senders,
+            receivers=receivers,
         )
 
     def _on_rendezvous_unreachable(self, obs: Unreachable, flags: Flags) -> Action:

@@ -234,6 +234,8 @@ class Rendezvous:
         # The heartbeats carry the generation being built (see `_build_until_superseded`).
         ctx.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         try:
+            # A sender's share of the heal begins now, beside the wait for peers.
+            self.topology.prepare_heal(a)
             links.pg = self._build_until_superseded(
                 a.gen, lambda: self.groups(a.gen, a.rank, len(a.members))
             )

@@ -25,6 +25,7 @@ from elastrain.checkpoint.replicated_parts import (
 from elastrain.data import assign_microbatches
 from elastrain.observe.events import EventKind
 from elastrain.runtime import hooks
+from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice, choose_transport, runtime_nccl_version
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare, my_batches
@@ -38,7 +39,7 @@ from elastrain.runtime.topology import (
     Snapshots,
     Turns,
 )
-from elastrain.transfer import Role, TorchState
+from elastrain.transfer import HealAuth, PreparedSend, Role, TorchState
 
 
 class Replicated:
@@ -48,6 +49,9 @@ class Replicated:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self._prepared: tuple[int, PreparedSend] | None = None
+        """The heal's root's flatten and digest, begun at connect, and the step of
+        the state they describe (`prepare_heal`)."""
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
         cuda = device.type == "cuda"
@@ -77,6 +81,16 @@ class Replicated:
     def landing_estimate(self) -> list[tuple[str, int]]:
         return self.ctx.backend.state().landing_estimate()
 
+    def prepare_heal(self, a: m.Action) -> None:
+        """The heal's root (its first sender) flattens its state and begins its
+        digest while the group is built: on this path they were the largest part
+        of a heal that moves no bytes (`PreparedSend`). Only the root: the other
+        senders' digests are never asked for unless a stripe fails."""
+        self._prepared = None
+        if a.receivers and a.senders and a.senders[0] == a.rank:
+            auth = HealAuth(self.ctx.config.heal_auth)
+            self._prepared = (a.step, PreparedSend(self.ctx.backend.state(), auth))
+
     def connect(self, links: Links) -> None:
         """Nothing besides the generation's own group."""
 
@@ -89,7 +103,9 @@ class Replicated:
         role = Role.of(a.rank, a.senders, a.receivers)
         ctx.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
         state = ctx.backend.state()
-        landing = {"reserve": job.reserve} if role is Role.RECV and job.reserve is not None else {}
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and (role is not Role.SEND or prepared[0] != a.step):
+            prepared = None  # not this heal's root, or the state moved on since
         got, stats = job.heal_fn(
             job.links.pg,
             a.rank,
@@ -99,7 +115,8 @@ class Replicated:
             job.meta(committed) if role is Role.SEND else None,
             ctx.config.timeouts.heal_s,
             key=ctx.key,
-            **landing,
+            reserve=job.reserve if role is Role.RECV else None,
+            prepared=None if prepared is None else prepared[1],
         )
         if role is Role.RECV:
             ctx.backend.adopt(state)
@@ -132,7 +149,9 @@ class Replicated:
         ]
 
     def drop(self, inflight: list[Any]) -> None:
-        """Nothing besides the generation's own group."""
+        """Nothing besides the generation's own group (a heal prepared for it is
+        dropped with it)."""
+        self._prepared = None
 
     def close(self) -> None:
         """`drop` keeps nothing."""

@@ -28,6 +28,7 @@ from elastrain.checkpoint.sharded_parts import (
     writer_shard,
 )
 from elastrain.runtime import hooks
+from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice, choose_transport
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare
@@ -79,6 +80,10 @@ class ShardedGroups:
     def landing_estimate(self) -> list[tuple[str, int]]:
         """The largest shard of the configured shard size (a joiner holds none yet)."""
         return self.backend.landing_estimate()
+
+    def prepare_heal(self, a: m.Action) -> None:
+        """Nothing ahead: which twin sends which shard is known only once the
+        layout is read at `connect`, and a reshard's parts are cut at the heal."""
 
     def connect(self, links: Links) -> None:
         """Read the generation's layout and build this member's twins' group."""

@@ -333,7 +333,7 @@ class ShardedMember:
             meta(committed) if role == Role.SEND else None,
             self.config.timeouts.heal_s,
             key=key,
-            **({"reserve": reserve} if role == Role.RECV and reserve is not None else {}),
+            reserve=reserve if role == Role.RECV else None,
         )
         received = role == Role.RECV
         if received:

@@ -162,6 +162,12 @@ class Topology(Protocol):
     def landing_estimate(self) -> list[tuple[str, int]]:
         """The sections a joiner's heal will land (for its landing reserve)."""
 
+    def prepare_heal(self, a: m.Action) -> None:
+        """At a generation's connect, before its groups are built (`a`: the CONNECT
+        action, with the heal's roles): a member that will send in the heal right
+        after may prepare its share now (`PreparedSend`), while it waits on peers.
+        Nothing writes the state between this and that heal."""
+
     def connect(self, links: Links) -> None:
         """Build the generation's groups besides `links.pg` (blocks for peers)."""
 

@@ -17,7 +17,15 @@ from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, NamedState
-from elastrain.transfer.striped import HealFn, HealStats, Role, heal, heal_over, heal_with
+from elastrain.transfer.striped import (
+    HealFn,
+    HealStats,
+    PreparedSend,
+    Role,
+    heal,
+    heal_over,
+    heal_with,
+)
 from elastrain.transfer.torch_state import TorchState
 from elastrain.transfer.transport import GlooHeal, HealTransport
 
@@ -31,6 +39,7 @@ __all__ = [
     "HealTransport",
     "LandingReserve",
     "NamedState",
+    "PreparedSend",
     "Role",
     "TorchState",
     "TornHeal",

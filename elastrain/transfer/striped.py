@@ -38,7 +38,8 @@ Every rank of the group calls it with the same ``senders`` and
    (`elastrain.transfer.payload`): in digest mode (the default) the root sends
    each receiver its `state_digest`, sealed under the job token and bound to
    the manifest seal, after its stripes (computed on a thread from its manifest's
-   broadcast on, overlapping the verdict round and its sends), and each receiver hashes the payload as it lands and
+   broadcast on, overlapping the verdict round and its sends, or begun before the
+   heal by a `PreparedSend`), and each receiver hashes the payload as it lands and
    compares; in mac mode each stripe is followed by its Poly1305
    seal (a key bound to the manifest seal, the sender's rank and the stripe's
    range), which a sender computes before the verdict round completes.
@@ -315,6 +316,7 @@ class HealFn(Protocol):
         *,
         key: bytes | None = None,
         reserve: LandingReserve | None = None,
+        prepared: PreparedSend | None = None,
     ) -> tuple[dict[str, Any], HealStats]: ...
 
 
@@ -333,6 +335,7 @@ def heal(
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
     min_stripe_bytes: int = 0,
+    prepared: PreparedSend | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`
     (in digest mode; `heal_with` gives one for either mode).
@@ -351,6 +354,7 @@ def heal(
         auth=auth,
         in_place=in_place,
         min_stripe_bytes=min_stripe_bytes,
+        prepared=prepared,
     )
 
 
@@ -375,23 +379,24 @@ def heal_with(
         *,
         key: bytes | None = None,
         reserve: LandingReserve | None = None,
+        prepared: PreparedSend | None = None,
     ) -> tuple[dict[str, Any], HealStats]:
         return heal(
             pg, rank, senders, receivers, state, meta, timeout_s,
             key=key, reserve=reserve, auth=auth, in_place=in_place,
-            min_stripe_bytes=min_stripe_bytes,
+            min_stripe_bytes=min_stripe_bytes, prepared=prepared,
         )  # fmt: skip
 
     return heal_in_mode
 
 
 class _Digesting:
-    """A root's `state_digest` of its flattened state, computed on a thread from the
-    moment its manifest is broadcast, so that it overlaps the verdict round, the
-    staging and its own stripes' sends (xxhash releases the GIL) but not the
-    manifest's build, seal and broadcast, which every rank waits for. Waited for
-    only when the root sends it, after its stripes are posted; joined at the end
-    of the heal either way."""
+    """A sender's `state_digest` of its flattened state, computed on a thread (xxhash
+    releases the GIL): from a `PreparedSend`'s creation, or on a root without one
+    from the moment its manifest is broadcast, so that it overlaps the verdict
+    round, the staging and its own stripes' sends but not the manifest's build,
+    seal and broadcast, which every rank waits for. Waited for only when the root
+    sends it, after its stripes are posted; joined at the end of the heal either way."""
 
     def __init__(self, flat: FlatState) -> None:
         self._flat = flat
@@ -418,6 +423,44 @@ class _Digesting:
         self._thread.join()
 
 
+class PreparedSend:
+    """A sender's share of a heal done before the heal is asked for: its state
+    flattened and, in digest mode, its state digest begun on a thread.
+
+    Why: a root's flatten and digest are the part of a heal that scales with the
+    state and does not move a byte; begun at the heal they delay the manifest and
+    compete with the stripes' sends for the cores. A member that knows it will
+    send (the generation's plan says it is the first up-to-date member while a
+    peer is behind) prepares while the generation's group is being built, which
+    is waiting on peers, and hands this to `heal_over`.
+
+    Contract: ``state`` is not written between this call and the heal (the
+    engine prepares at a generation's connect and heals right after it, with
+    nothing in between that steps). If it were, the digest would not match what
+    the stripes carry: the receivers' digest of what landed differs from the
+    root's, which is the reference, so the heal fails on every rank (HealError;
+    the engine forms the next generation, which prepares afresh) and no receiver
+    installs it.
+    """
+
+    def __init__(self, state: NamedState, auth: HealAuth = HealAuth.DIGEST) -> None:
+        self.kind = state.kind
+        self.flat: FlatState | None = None
+        self.error: TypeError | None = None
+        self._digesting: _Digesting | None = None
+        try:
+            self.flat = state.flatten()
+        except TypeError as e:  # the heal raises it as the root's manifest error
+            self.error = e
+        if self.flat is not None and HealAuth(auth) == HealAuth.DIGEST:
+            self._digesting = _Digesting(self.flat)
+
+    def digesting(self) -> _Digesting | None:
+        """The digest begun at preparation (digest mode), or None. One not used by a
+        heal ends on its own: its thread only reads."""
+        return self._digesting
+
+
 def heal_over(
     tx: HealTransport,
     senders: list[int],
@@ -432,6 +475,7 @@ def heal_over(
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
     min_stripe_bytes: int = 0,
+    prepared: PreparedSend | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
     """Copy senders' ``state`` onto receivers, striped over the senders, checked in
     mode ``auth`` (`HealAuth`) under ``key``.
@@ -489,6 +533,9 @@ def heal_over(
     trusted sender); the others send nothing unless a stripe fails and is asked
     of them again. Only the root's value counts (the manifest carries its stripes).
 
+    ``prepared``: a sender's flatten and digest done ahead (`PreparedSend`, of this
+    same ``state``); ignored on a rank that does not send or when its kind differs.
+
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
     t0 = time.perf_counter()
@@ -499,12 +546,17 @@ def heal_over(
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
-    if role == Role.SEND:
+    digesting: dict[int, _Digesting] = {}
+    if role == Role.SEND and prepared is not None and prepared.kind == state.kind:
+        flat, flat_error = prepared.flat, prepared.error
+        ahead = prepared.digesting()
+        if ahead is not None and check.auth == HealAuth.DIGEST:
+            digesting[rank] = ahead
+    elif role == Role.SEND:
         try:
             flat = state.flatten()
         except TypeError as e:
             flat_error = e
-    digesting: dict[int, _Digesting] = {}
     try:
         return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
                      check, t0, flat, flat_error, digesting, in_place,

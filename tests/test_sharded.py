@@ -579,6 +579,8 @@ def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
     assert [e["proc"] for e in recv] == [spare]
     twin = [m for m, (_, sh) in slots.items() if sh == slots[victim][1] and m != victim]
     assert [e["proc"] for e in job.of("heal_end", role="send")] == twin
+    # The twin prepared its share at the connect (`twins_heal_root`), as a root does.
+    assert [e["prepared"] for e in job.of("heal_end", role="send")] == [True]
     state = _state_bytes()
     assert 0.4 * state < recv[0]["bytes"] < 0.6 * state, (recv[0]["bytes"], state)
     # No generation ran a group short: every committed step had 4 members computing.

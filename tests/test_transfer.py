@@ -1249,6 +1249,7 @@ def test_heal_threads_a_prepared_root_sends_what_it_prepared_without_flattening_
     assert all(isinstance(r, tuple) for r in res), res
     assert state_hash(*states[1]) == want
     assert id(root_state) not in flattened
+    assert res[0][1].prepared and not res[1][1].prepared
 
 
 @pytest.mark.parametrize("senders", [[0, 1], [0]])

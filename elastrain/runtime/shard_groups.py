@@ -35,7 +35,13 @@ from elastrain.runtime.evaluate import EvalShare
 from elastrain.runtime.group import HangCheck
 from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.registered import REGISTERED_META, meta_of_section
-from elastrain.runtime.shard_member import NoCompleteGroup, ShardedMember, ShardLost
+from elastrain.runtime.shard_member import (
+    NoCompleteGroup,
+    Prepared,
+    ShardedMember,
+    ShardLost,
+    twins_heal_root,
+)
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
 from elastrain.runtime.topology import (
     CannotCompute,
@@ -49,6 +55,7 @@ from elastrain.runtime.topology import (
     Unfillable,
 )
 from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
+from elastrain.transfer import HealAuth, PreparedSend
 
 log = logging.getLogger("elastrain.shards")
 
@@ -65,6 +72,8 @@ class ShardedGroups:
         self.shards = ShardedMember(
             backend, ctx.member, ctx.config, ctx.host, ctx.events, ctx.graveyard
         )
+        self._prepared: Prepared | None = None
+        """The twins' heal root's share, begun at connect (`prepare_heal`)."""
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
         """Gloo: FSDP2 inside the replica groups runs over gloo."""
@@ -82,8 +91,15 @@ class ShardedGroups:
         return self.backend.landing_estimate()
 
     def prepare_heal(self, a: m.Action) -> None:
-        """Nothing ahead: which twin sends which shard is known only once the
-        layout is read at `connect`, and a reshard's parts are cut at the heal."""
+        """The root of this member's twins' heal (`twins_heal_root`: the layout is in
+        the ready answer) flattens its shard's state and begins its digest
+        (`PreparedSend`) beside the wait for peers."""
+        self._prepared = None
+        ready = self.ctx.links.ready
+        if ready is not None and twins_heal_root(ready, self.ctx.member, self.backend):
+            auth = HealAuth(self.ctx.config.heal_auth)
+            committed = ready.committed.get(self.ctx.member, 0)
+            self._prepared = (committed, PreparedSend(self.backend.state(), auth))
 
     def connect(self, links: Links) -> None:
         """Read the generation's layout and build this member's twins' group."""
@@ -108,6 +124,7 @@ class ShardedGroups:
                 job.heal_fn,
                 self.ctx.key,
                 job.reserve,
+                self._take_prepared(),
             )
         except ShardLost as e:
             raise StateLost(str(e)) from None
@@ -206,7 +223,12 @@ class ShardedGroups:
             Reduction(lambda: self.shards.vote(world, extras), after_wait=hooks.StepPoint.VOTE),
         ]
 
+    def _take_prepared(self) -> Prepared | None:
+        prepared, self._prepared = self._prepared, None
+        return prepared
+
     def drop(self, inflight: list[Any]) -> None:
+        self._prepared = None
         self.shards.drop(inflight)
 
     def close(self) -> None:

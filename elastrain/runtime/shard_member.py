@@ -65,11 +65,20 @@ from elastrain.runtime.reshard import (
 from elastrain.runtime.shard_regroup import BuiltGroup, kept, report
 from elastrain.runtime.shard_step import Reduced
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
-from elastrain.transfer import HealFn, LandingReserve, Role
+from elastrain.transfer import HealFn, LandingReserve, PreparedSend, Role
 
 log = logging.getLogger("elastrain.shards")
 
-__all__ = ["HealOutcome", "NoCompleteGroup", "ShardLost", "ShardedMember"]
+__all__ = [
+    "HealOutcome",
+    "NoCompleteGroup",
+    "Prepared",
+    "ShardLost",
+    "ShardedMember",
+    "held_by_senders",
+    "reshards",
+    "twins_heal_root",
+]
 
 
 class NoCompleteGroup(RuntimeError):
@@ -91,6 +100,46 @@ class HealOutcome:
     """The committed count this member's state now stands for."""
     received: bool
     """Its state came from its peers (a heal's or a reshard's receiver)."""
+
+
+Prepared = tuple[int, PreparedSend]
+"""A twins' heal root's `PreparedSend` and the committed count of the state it describes."""
+
+
+def held_by_senders(ready: p.RendezvousResponse) -> dict[str, tuple[int, int]]:
+    """The (shard size, shard) each of the heal's senders reported holding rows of."""
+    members = tuple(ready.members)
+    senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
+    reported = ready.held
+    up_to_date = [members[i] for i in senders]
+    return {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
+
+
+def reshards(layout: Layout, held: dict[str, tuple[int, int]]) -> bool:
+    """A reshard whenever a source's rows are not its new slot's: a new shard size,
+    or the same size with members moved to other shards (groups broken in several
+    places regrouped into whole ones)."""
+    return any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items())
+
+
+def twins_heal_root(ready: p.RendezvousResponse, member: str, backend: ShardedBackend) -> bool:
+    """Whether ``member`` will be the root of its twins' heal in the generation
+    ``ready`` announces (its first up-to-date twin, while a twin is behind) with
+    nothing changing its rows before that heal: no reshard, no step of its own to
+    roll forward, its rows already in its slot. Reads only."""
+    if not ready.slots or member in ready.rolls_forward or not backend.placed:
+        return False
+    layout = Layout.from_wire(ready.slots, ready.shard_size)
+    slot = layout.slots.get(member)
+    if slot is None or (backend.shard_size, backend.shard) != (layout.shard_size, slot.shard):
+        return False
+    if reshards(layout, held_by_senders(ready)):
+        return False
+    twins = tuple(layout.twins(slot.shard))
+    senders, receivers, _ = m.heal_roles(
+        twins, ready.committed, ready.commit_gens, ready.start_step
+    )
+    return bool(receivers and senders and twins[senders[0]] == member)
 
 
 class ShardedMember:
@@ -184,6 +233,7 @@ class ShardedMember:
         heal_fn: HealFn,
         key: bytes | None,
         reserve: LandingReserve | None = None,
+        prepared: Prepared | None = None,
     ) -> HealOutcome:
         """Bring this member's shard up to date (apply the step it kept if
         `roll_forward`, heal from twins, or reshard), then build its replica
@@ -197,12 +247,8 @@ class ShardedMember:
         senders, _, _ = m.heal_roles(members, ready.committed, ready.commit_gens, ready.start_step)
         up_to_date = [members[i] for i in senders]
         rolled = self._share_rolled_meta(ready, up_to_date, world_pg, meta, load_meta)
-        reported = ready.held
-        held = {w: (int(reported[w][0]), int(reported[w][1])) for w in up_to_date if w in reported}
-        # A reshard whenever a source's rows are not its new slot's: a new shard
-        # size, or the same size with members moved to other shards (groups broken
-        # in several places regrouped into whole ones).
-        reshard = any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items())
+        held = held_by_senders(ready)
+        reshard = reshards(layout, held)
         t0 = time.monotonic()
         keep = self._agree_kept(ready, world_pg, reshard)
         agree_s = time.monotonic() - t0
@@ -210,7 +256,7 @@ class ShardedMember:
             self._drop_held("a reshard moves its rows")
             outcome = self._reshard(gen, ready, world_pg, held, meta, load_meta)
         else:
-            outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key, reserve)
+            outcome = self._heal_twins(gen, ready, meta, load_meta, heal_fn, key, reserve, prepared)
         if outcome.received:
             self._drop_held("it received its state")
         t0 = time.monotonic()
@@ -280,6 +326,7 @@ class ShardedMember:
         heal_fn: HealFn,
         key: bytes | None,
         reserve: LandingReserve | None,
+        prepared: Prepared | None,
     ) -> HealOutcome:
         """Same shard size as before: each shard index heals inside its twins;
         a receiver lands its shard in ``reserve`` when it has one."""
@@ -324,6 +371,8 @@ class ShardedMember:
         role = Role.of(rank, senders, receivers)
         self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
         state = backend.state()
+        if prepared is not None and (role != Role.SEND or prepared[0] != committed):
+            prepared = None  # not this heal's root, or its state moved on since
         got, stats = heal_fn(
             self.twins_pg,
             rank,
@@ -334,6 +383,7 @@ class ShardedMember:
             self.config.timeouts.heal_s,
             key=key,
             reserve=reserve if role == Role.RECV else None,
+            prepared=None if prepared is None else prepared[1],
         )
         received = role == Role.RECV
         if received:

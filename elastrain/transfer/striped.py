@@ -73,6 +73,7 @@ state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 import threading
@@ -136,6 +137,8 @@ class HealStats:
     the outcome, any stripe sent again); the rest is the flatten, the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
     receivers' landing allocation overlap the verdict's) and the install.
+    prepared: this rank sent from a `PreparedSend` (its flatten and digest done
+    before the heal).
     """
 
     role: str
@@ -143,6 +146,7 @@ class HealStats:
     seconds: float
     refused: tuple[int, ...] = ()
     payload_s: float = 0.0
+    prepared: bool = False
 
     @property
     def rate_mb_s(self) -> float:
@@ -158,6 +162,7 @@ class HealStats:
             "seconds": self.seconds,
             "payload_s": self.payload_s,
             "rate_mb_s": self.rate_mb_s,
+            "prepared": self.prepared,
         }
 
 
@@ -547,20 +552,23 @@ def heal_over(
     flat: FlatState | None = None
     flat_error: Exception | None = None
     digesting: dict[int, _Digesting] = {}
-    if role == Role.SEND and prepared is not None and prepared.kind == state.kind:
+    ahead = role == Role.SEND and prepared is not None and prepared.kind == state.kind
+    if ahead:
+        assert prepared is not None
         flat, flat_error = prepared.flat, prepared.error
-        ahead = prepared.digesting()
-        if ahead is not None and check.auth == HealAuth.DIGEST:
-            digesting[rank] = ahead
+        begun = prepared.digesting()
+        if begun is not None and check.auth == HealAuth.DIGEST:
+            digesting[rank] = begun
     elif role == Role.SEND:
         try:
             flat = state.flatten()
         except TypeError as e:
             flat_error = e
     try:
-        return _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper, reserve,
-                     check, t0, flat, flat_error, digesting, in_place,
-                     min_stripe_bytes)  # fmt: skip
+        out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper,
+                                reserve, check, t0, flat, flat_error, digesting, in_place,
+                                min_stripe_bytes)  # fmt: skip
+        return out_meta, dataclasses.replace(stats, prepared=ahead)
     finally:
         for d in digesting.values():
             d.join()

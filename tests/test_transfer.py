@@ -1250,6 +1250,8 @@ def test_heal_threads_a_prepared_root_sends_what_it_prepared_without_flattening_
     assert state_hash(*states[1]) == want
     assert id(root_state) not in flattened
     assert res[0][1].prepared and not res[1][1].prepared
+    st = res[1][1]
+    assert 0 < st.rounds_s and 0 < st.payload_s and st.rounds_s + st.payload_s <= st.seconds
 
 
 @pytest.mark.parametrize("senders", [[0, 1], [0]])

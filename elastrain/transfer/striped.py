@@ -138,7 +138,9 @@ class HealStats:
     rounds (steps 1-3; the senders' staging of their stripes and the
     receivers' landing allocation overlap the verdict's) and the install.
     prepared: this rank sent from a `PreparedSend` (its flatten and digest done
-    before the heal).
+    before the heal). rounds_s: the part of ``seconds`` before the payload: the
+    flatten and the manifest rounds (steps 1-3, with the staging and the landing's
+    allocation); what is left besides ``payload_s`` is the install.
     """
 
     role: str
@@ -147,6 +149,7 @@ class HealStats:
     refused: tuple[int, ...] = ()
     payload_s: float = 0.0
     prepared: bool = False
+    rounds_s: float = 0.0
 
     @property
     def rate_mb_s(self) -> float:
@@ -163,6 +166,7 @@ class HealStats:
             "payload_s": self.payload_s,
             "rate_mb_s": self.rate_mb_s,
             "prepared": self.prepared,
+            "rounds_s": self.rounds_s,
         }
 
 
@@ -738,6 +742,9 @@ def _heal(
         # sender's bytes refused); the install's refusal, or a bug, is this member's.
         raise TornHeal(f"{torn}: {e}", own=installing or not isinstance(e, HealError)) from e
 
-    stats = HealStats(role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s)
+    stats = HealStats(
+        role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s,
+        rounds_s=t_payload - t0,
+    )  # fmt: skip
     out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
     return out_meta, stats

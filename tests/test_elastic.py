@@ -101,11 +101,11 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, r
     for joiner in ("w4", "w5"):
         assert faulty.of("heal_end", proc=joiner, role="recv"), joiner
         assert faulty.of("step_commit", proc=joiner, step=steps - 1), joiner
-    # Each heal's root (its first sender) flattened and digested its state at the
-    # generation's connect, not in the heal (`PreparedSend`); the other senders did not.
+    # Every sender of each heal flattened and laid out its state (its root also
+    # digested it) at the generation's connect, not in the heal (`PreparedSend`).
     for e in faulty.of("heal_end", role="recv"):
         sends = faulty.of("heal_end", role="send", gen=e["gen"])
-        assert [s["prepared"] for s in sends].count(True) == 1, sends
+        assert sends and all(s["prepared"] for s in sends), sends
     # The math does not depend on membership, to the last bit.
     assert sorted(loss_curve(ref.events)) == sorted(loss_curve(faulty.events)) == list(range(steps))
     assert_same_math(ref, faulty, steps)

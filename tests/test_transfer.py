@@ -34,6 +34,7 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 import elastrain.transfer.chunks as chunks
 import elastrain.transfer.landing as landing
 import elastrain.transfer.payload as payload
+import elastrain.transfer.striped as striped
 from elastrain.transfer import (
     HealAuth,
     HealError,
@@ -1219,16 +1220,19 @@ if __name__ == "__main__":
     sys.exit(_launch(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))
 
 
-def test_heal_threads_a_prepared_root_sends_what_it_prepared_without_flattening_again(
+def test_heal_threads_prepared_senders_send_what_they_prepared_without_flattening_again(
     master_store: TCPStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The root's flatten and digest, done ahead (`PreparedSend`, what the replicated
-    topology begins at a generation's connect), are the heal's: the receiver gets
-    the state bit for bit and the root does not flatten it again."""
-    states = [trained(), fresh()]
+    """The senders' flatten and layout and the root's digest, done ahead
+    (`PreparedSend`, what the replicated topology begins at a generation's
+    connect), are the heal's: the receiver gets the state bit for bit and no
+    sender flattens or lays out its state again. A second sender's stripe (the
+    state striped over both) comes from its preparation too."""
+    states = [trained(), trained(), fresh()]
     want = state_hash(*states[0])
-    root_state = TorchState(*states[0])
-    prepared = PreparedSend(root_state)
+    sender_states = [TorchState(*states[0]), TorchState(*states[1])]
+    prepared = [PreparedSend(sender_states[0]), PreparedSend(sender_states[1], root=False)]
+    assert prepared[0].digesting() is not None and prepared[1].digesting() is None
     flattened: list[int] = []
     real = TorchState.flatten
 
@@ -1237,21 +1241,32 @@ def test_heal_threads_a_prepared_root_sends_what_it_prepared_without_flattening_
         return real(self)
 
     monkeypatch.setattr(TorchState, "flatten", counting)
+    laid_out = []
+    real_build = striped.build_manifest
+
+    def building(*a: Any, **k: Any) -> Any:
+        laid_out.append(threading.current_thread().name)
+        return real_build(*a, **k)
+
+    monkeypatch.setattr(striped, "build_manifest", building)
 
     def fn(rank: int, pg: Any) -> Any:
-        state = root_state if rank == 0 else TorchState(*states[1])
+        threading.current_thread().name = f"rank{rank}"
+        state = sender_states[rank] if rank < 2 else TorchState(*states[2])
         return heal(
-            pg, rank, [0], [1], state, {"step": 3}, 10.0, key=KEY,
-            prepared=prepared if rank == 0 else None,
+            pg, rank, [0, 1], [2], state, {"step": 3}, 10.0, key=KEY,
+            prepared=prepared[rank] if rank < 2 else None,
         )  # fmt: skip
 
-    res = run_threads(master_store, 2, fn)
+    res = run_threads(master_store, 3, fn)
     assert all(isinstance(r, tuple) for r in res), res
-    assert state_hash(*states[1]) == want
-    assert id(root_state) not in flattened
-    assert res[0][1].prepared and not res[1][1].prepared
-    st = res[1][1]
-    assert 0 < st.rounds_s and 0 < st.payload_s and st.rounds_s + st.payload_s <= st.seconds
+    assert state_hash(*states[2]) == want
+    assert not {id(s) for s in sender_states} & set(flattened)
+    assert laid_out == ["rank0"]  # the root's manifest (its stripes), nothing else
+    assert res[1][1].bytes > 0  # the second sender sent its stripe
+    assert [r[1].prepared for r in res] == [True, True, False]
+    st = res[2][1]
+    assert st.rounds_s > 0 and st.payload_s > 0 and st.rounds_s + st.payload_s <= st.seconds
 
 
 @pytest.mark.parametrize("senders", [[0, 1], [0]])

@@ -82,14 +82,17 @@ class Replicated:
         return self.ctx.backend.state().landing_estimate()
 
     def prepare_heal(self, a: m.Action) -> None:
-        """The heal's root (its first sender) flattens its state and begins its
-        digest while the group is built: on this path they were the largest part
-        of a heal that moves no bytes (`PreparedSend`). Only the root: the other
-        senders' digests are never asked for unless a stripe fails."""
+        """A sender of the heal to come flattens its state and lays it out while the
+        group is built, and the root (its first sender) begins its digest: on this
+        path they were the largest part of a heal that moves no bytes, and every
+        round waits for the slowest sender (`PreparedSend`). Only the root digests:
+        the others' digests are never asked for unless a stripe fails."""
         self._prepared = None
-        if a.receivers and a.senders and a.senders[0] == a.rank:
+        if a.receivers and a.rank in a.senders:
             auth = HealAuth(self.ctx.config.heal_auth)
-            self._prepared = (a.step, PreparedSend(self.ctx.backend.state(), auth))
+            root = a.senders[0] == a.rank
+            prepared = PreparedSend(self.ctx.backend.state(), auth, root=root)
+            self._prepared = (a.step, prepared)
 
     def connect(self, links: Links) -> None:
         """Nothing besides the generation's own group."""

@@ -253,6 +253,7 @@ def _local_problem(
     flat: FlatState | None,
     state: NamedState,
     auth: HealAuth,
+    layout: Manifest | None = None,
 ) -> tuple[Verdict, HealError | None]:
     """This rank's verdict on the manifest (not called on the root)."""
     try:
@@ -285,17 +286,18 @@ def _local_problem(
             why = state.check(m)
         else:
             assert flat is not None
-            why = _sender_difference(m, flat, state.kind, trusted)
+            why = _sender_difference(m, flat, state.kind, trusted, layout)
     except (TypeError, ValueError, KeyError, AttributeError) as e:
         why = f"{type(e).__name__}: {e}"
     return (Verdict.OK, None) if why is None else (Verdict.REJECTED, HealError(why))
 
 
 def _sender_difference(
-    m: Manifest, flat: FlatState, kind: str, trusted: Sequence[int]
+    m: Manifest, flat: FlatState, kind: str, trusted: Sequence[int], layout: Manifest | None
 ) -> str | None:
-    """None if this sender's own state has the root's layout and section, else how it differs."""
-    mine = build_manifest(kind, flat.tensors, flat.section, trusted, {}, 0)
+    """None if this sender's own state has the root's layout and section, else how it
+    differs. ``layout``: this sender's own, laid out ahead (`PreparedSend`)."""
+    mine = layout or build_manifest(kind, flat.tensors, flat.section, trusted, {}, 0)
     for a, b in zip(mine.entries, m.entries, strict=False):
         if a != b:
             return f"sender states differ: this sender has {a}, the root has {b}"
@@ -434,7 +436,8 @@ class _Digesting:
 
 class PreparedSend:
     """A sender's share of a heal done before the heal is asked for: its state
-    flattened and, in digest mode, its state digest begun on a thread.
+    flattened and laid out and, on the root in digest mode, its state digest begun
+    on a thread (``root``: the first sender, whose digest the receivers check).
 
     Why: a root's flatten and digest are the part of a heal that scales with the
     state and does not move a byte; begun at the heal they delay the manifest and
@@ -452,17 +455,26 @@ class PreparedSend:
     installs it.
     """
 
-    def __init__(self, state: NamedState, auth: HealAuth = HealAuth.DIGEST) -> None:
+    def __init__(
+        self, state: NamedState, auth: HealAuth = HealAuth.DIGEST, *, root: bool = True
+    ) -> None:
         self.kind = state.kind
         self.flat: FlatState | None = None
         self.error: TypeError | None = None
+        self.layout: Manifest | None = None
+        """Its entries laid out (what a sender that is not the root checks the root's
+        manifest against; its stripes are not this heal's)."""
         self._digesting: _Digesting | None = None
         try:
             self.flat = state.flatten()
         except TypeError as e:  # the heal raises it as the root's manifest error
             self.error = e
-        if self.flat is not None and HealAuth(auth) == HealAuth.DIGEST:
-            self._digesting = _Digesting(self.flat)
+        if self.flat is not None:
+            self.layout = build_manifest(
+                self.kind, self.flat.tensors, self.flat.section, [0], {}, 0
+            )
+            if root and HealAuth(auth) == HealAuth.DIGEST:
+                self._digesting = _Digesting(self.flat)
 
     def digesting(self) -> _Digesting | None:
         """The digest begun at preparation (digest mode), or None. One not used by a
@@ -571,7 +583,8 @@ def heal_over(
     try:
         out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper,
                                 reserve, check, t0, flat, flat_error, digesting, in_place,
-                                min_stripe_bytes)  # fmt: skip
+                                min_stripe_bytes,
+                                prepared.layout if ahead and prepared else None)  # fmt: skip
         return out_meta, dataclasses.replace(stats, prepared=ahead)
     finally:
         for d in digesting.values():
@@ -595,9 +608,11 @@ def _heal(
     digesting: dict[int, _Digesting],
     in_place: bool,
     min_stripe_bytes: int,
+    layout: Manifest | None,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over`'s protocol, once its arguments are checked and its state flattened.
-    ``digesting``: this rank's state digest once it is a root (digest mode), by rank."""
+    ``digesting``: this rank's state digest once it is a root (digest mode), by rank.
+    ``layout``: this sender's own, laid out ahead (`PreparedSend`)."""
     rank = tx.rank
     dl = Deadline(rank, timeout_s)
     role = Role.of(rank, senders, receivers)
@@ -669,7 +684,9 @@ def _heal(
                     code = Verdict.REJECTED
                     problem = HealError(f"cannot flatten this sender's state: {flat_error}")
                 else:
-                    code, problem = _local_problem(manifest, role, trusted, flat, state, check.auth)
+                    code, problem = _local_problem(
+                        manifest, role, trusted, flat, state, check.auth, layout
+                    )
 
         # 3. verdict. While the round completes, a sender stages its stripe (packed
         # and sealed) and a receiver allocates its landing: both are local, and

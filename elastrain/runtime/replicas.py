@@ -50,8 +50,8 @@ class Replicated:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self._prepared: tuple[int, PreparedSend] | None = None
-        """The heal's root's flatten and digest, begun at connect, and the step of
-        the state they describe (`prepare_heal`)."""
+        """This sender's share of the heal to come (the root's with its digest), begun
+        at connect, and the step of the state it describes (`prepare_heal`)."""
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
         cuda = device.type == "cuda"
@@ -108,7 +108,7 @@ class Replicated:
         state = ctx.backend.state()
         prepared, self._prepared = self._prepared, None
         if prepared is not None and (role is not Role.SEND or prepared[0] != a.step):
-            prepared = None  # not this heal's root, or the state moved on since
+            prepared = None  # not a sender of this heal, or the state moved on since
         got, stats = job.heal_fn(
             job.links.pg,
             a.rank,

@@ -439,12 +439,13 @@ class PreparedSend:
     flattened and laid out and, on the root in digest mode, its state digest begun
     on a thread (``root``: the first sender, whose digest the receivers check).
 
-    Why: a root's flatten and digest are the part of a heal that scales with the
-    state and does not move a byte; begun at the heal they delay the manifest and
-    compete with the stripes' sends for the cores. A member that knows it will
-    send (the generation's plan says it is the first up-to-date member while a
-    peer is behind) prepares while the generation's group is being built, which
-    is waiting on peers, and hands this to `heal_over`.
+    Why: a sender's flatten and layout check and the root's digest are the part of
+    a heal that scales with the state and does not move a byte; begun at the heal
+    they delay the manifest rounds (each waits for the slowest sender) and compete
+    with the stripes' sends for the cores. A member that knows it will send (the
+    generation's plan names it a sender while a peer is behind) prepares while
+    the generation's group is being built, which is waiting on peers, and hands
+    this to `heal_over`.
 
     Contract: ``state`` is not written between this call and the heal (the
     engine prepares at a generation's connect and heals right after it, with

@@ -39,14 +39,14 @@ machine's load hits all five alike):
   barrier to the end of its call. It lands in a `LandingReserve` the receiver
   mapped and touched before the barrier (untimed: the trainer's joiner
   prepares it while it waits to be admitted; its preparation time is
-  reported apart), from a root (rank 0) that flattened its state and computed
-  its state digest before the barrier (`PreparedSend`, untimed: the replicated
-  trainer's root does it while the generation's group is built; reported
-  apart);
+  reported apart), from senders that flattened and laid out their state, the
+  root (rank 0) also computing its state digest, before the barrier
+  (`PreparedSend`, untimed: the replicated trainer's senders do it while the
+  generation's group is built; the root's time reported apart);
 - mac: the same heal in mac mode (every stripe sealed with Poly1305), into a
-  reserve prepared the same way, from a root whose flatten was prepared;
+  reserve prepared the same way, from senders whose flatten and layout were prepared;
 - cold: the digest heal with neither: landing in memory the receiver has not
-  touched, the root flattening and digesting at the heal (what every heal did
+  touched, the senders flattening and the root digesting at the heal (what every heal did
   before the reserve and the preparation);
 - floor: the authenticated floor, the least any heal that authenticates its
   bytes must do: sender rank 0 seals the payload bytes with Poly1305 in 4 MiB
@@ -188,8 +188,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "mac_payload": mac_payload,
         "outside": outside,
         "prepare_s": recv["prepare_s"],
-        # The root's preparations alternate: digest mode (the heal's), then mac mode's.
-        "root_prepare_s": ranks[0]["prepare_s"][0::2],
+        "root_prepare_s": ranks[0]["digest_prepare_s"],
     }
 
 
@@ -329,11 +328,12 @@ def main() -> int:
         "the receiver mapped and touched before the barrier, sized by its "
         "TorchState.landing_estimate() (what a joiner does while it waits to be admitted; "
         "'reserve touched': that preparation's time, off the clock, median over rounds and "
-        "the first's), from a root (rank 0) that flattened its state and computed its "
-        "digest before the barrier (PreparedSend, what the replicated trainer's root does "
-        "while the generation's group is built; 'root prepared': its time, off the clock, "
-        "median); the cold heal has neither: it lands in memory the receiver has not "
-        "touched and its root flattens and digests at the heal (as every heal did before)",
+        "the first's), from senders that flattened and laid out their state, the root "
+        "(rank 0) also computing its digest, before the barrier (PreparedSend, what the "
+        "replicated trainer's senders do while the generation's group is built; 'root "
+        "prepared': the root's time for it in digest mode, off the clock, median); the cold "
+        "heal has neither: it lands in memory the receiver has not touched and its senders "
+        "flatten and its root digests at the heal (as every heal did before)",
         f"every process: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (large allocations are "
         "fresh memory, as in a replacement's first heal), torch.set_num_threads(1), gloo "
         "over loopback",

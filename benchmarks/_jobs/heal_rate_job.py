@@ -26,14 +26,15 @@ every rank so that they start it together:
    0: every sender) from the senders into the receiver, which lands the rest in a `LandingReserve`
    it prepared before the barrier (mapped
    and touched, untimed: a joiner does it while it waits to be admitted) and
-   installs it; the root (rank 0) flattened its state and computed its digest
-   before the barrier (`PreparedSend`, untimed: the replicated trainer's root
-   does it while the generation's group is built);
+   installs it; every sender flattened and laid out its state and the root
+   (rank 0) also computed its digest before the barrier (`PreparedSend`,
+   untimed: the replicated trainer's senders do it while the generation's
+   group is built);
 4. ``mac``: the same heal in mac mode (``heal_auth="mac"``: every stripe
-   sealed with Poly1305), into a reserve prepared the same way, its root's
-   flatten prepared the same way;
+   sealed with Poly1305), into a reserve prepared the same way, its senders'
+   flatten and layout prepared the same way;
 5. ``cold``: the digest heal with neither: the receiver lands it in memory it
-   has not touched yet and the root flattens and digests at the heal (what
+   has not touched yet and the senders flatten and the root digests at the heal (what
    every heal did before the reserve and the preparation);
 6. ``floor``: the least any heal that authenticates its bytes must do, with
    nothing else: over the broadcast's 2-rank group, rank 0 seals the payload
@@ -140,23 +141,28 @@ def main() -> None:
 
     payload_s: dict[str, list[float]] = {"heal": [], "mac": [], "cold": []}
     prepare_s: list[float] = []
+    digest_prepare_s: list[float] = []
+    """The digest-mode preparations alone (on the root: flatten, layout and digest)."""
     reserve: LandingReserve | None = None
     prepared: PreparedSend | None = None
 
     def prepare(auth: HealAuth = HealAuth.DIGEST) -> None:
         """Before the barrier (untimed): the receiver's landing, mapped and touched;
-        the root's flatten and, in digest mode, its digest (waited for)."""
+        each sender's flatten and layout and, on the root in digest mode, its digest
+        (waited for)."""
         nonlocal reserve, prepared
         t0 = time.perf_counter()
         if rank == receiver:
             reserve = LandingReserve(section_bytes(state.landing_estimate()))
             reserve.wait()
-        elif rank == 0:
-            prepared = PreparedSend(state, auth)
+        else:
+            prepared = PreparedSend(state, auth, root=rank == 0)
             digesting = prepared.digesting()
             if digesting is not None:
                 digesting.result()
         prepare_s.append(time.perf_counter() - t0)
+        if auth == HealAuth.DIGEST:
+            digest_prepare_s.append(prepare_s[-1])
 
     def do_heal(kind: str = "heal") -> None:
         nonlocal reserve, prepared
@@ -262,6 +268,7 @@ def main() -> None:
                 "cpu": cpu,
                 "payload_s": payload_s,
                 "prepare_s": prepare_s,
+                "digest_prepare_s": digest_prepare_s,
                 "first": first,
             },
             f,

@@ -225,9 +225,14 @@ class CheckpointWriter:
             log.exception("checkpoint events callback failed for %s", kind)
 
     def _skip(self, step: int, snapshot: SnapshotLike, reason: str) -> SaveHandle:
-        log.info("checkpoint step %d shard %d skipped: %s", step, snapshot.shard, reason)
-        self._emit("checkpoint_skipped", {"step": step, "shard": snapshot.shard, "reason": reason})
-        return SaveHandle(SaveResult(step, snapshot.shard, "skipped", error=reason))
+        return SaveHandle(self._skipped({"step": step, "shard": snapshot.shard}, reason))
+
+    def _skipped(self, fields: dict[str, Any], reason: str) -> SaveResult:
+        """A save that writes nothing (``fields``: its event's, with step and shard)."""
+        step, shard = fields["step"], fields["shard"]
+        log.info("checkpoint step %d shard %d skipped: %s", step, shard, reason)
+        self._emit("checkpoint_skipped", fields | {"reason": reason})
+        return SaveResult(step, shard, "skipped", error=reason)
 
     def _run(
         self, step: int, snap: SnapshotLike, generation: int, members: list[str], handle: SaveHandle
@@ -263,9 +268,7 @@ class CheckpointWriter:
                 # directory: once this shard's manifest is visible, only the
                 # directory's fsync after it is left to fail. Not this shard's failure.
                 why = "its step was given up and its directory removed while this shard was written"
-                log.info("checkpoint step %d shard %d skipped: %s", step, snap.shard, why)
-                self._emit("checkpoint_skipped", fields | {"reason": why})
-                return SaveResult(step, snap.shard, "skipped", error=why)
+                return self._skipped(fields, why)
             err = getattr(e, "errno", None)
             msg = f"{type(e).__name__}: {e}"
             if err is not None and not isinstance(err, int):

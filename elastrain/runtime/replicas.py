@@ -35,6 +35,7 @@ from elastrain.runtime.topology import (
     Healed,
     HealJob,
     Loaded,
+    PreparedHeal,
     Reduction,
     Snapshots,
     Turns,
@@ -49,9 +50,8 @@ class Replicated:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self._prepared: tuple[int, PreparedSend] | None = None
-        """This sender's share of the heal to come (the root's with its digest), begun
-        at connect, and the step of the state it describes (`prepare_heal`)."""
+        self._prepared: PreparedHeal | None = None
+        """This sender's share of the heal to come (the root's with its digest)."""
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
         cuda = device.type == "cuda"
@@ -92,7 +92,7 @@ class Replicated:
             auth = HealAuth(self.ctx.config.heal_auth)
             root = a.senders[0] == a.rank
             prepared = PreparedSend(self.ctx.backend.state(), auth, root=root)
-            self._prepared = (a.step, prepared)
+            self._prepared = PreparedHeal(a.step, prepared)
 
     def connect(self, links: Links) -> None:
         """Nothing besides the generation's own group."""
@@ -107,8 +107,6 @@ class Replicated:
         ctx.events.emit(EventKind.HEAL_BEGIN, gen=a.gen, role=role, bytes=0)
         state = ctx.backend.state()
         prepared, self._prepared = self._prepared, None
-        if prepared is not None and (role is not Role.SEND or prepared[0] != a.step):
-            prepared = None  # not a sender of this heal, or the state moved on since
         got, stats = job.heal_fn(
             job.links.pg,
             a.rank,
@@ -119,7 +117,7 @@ class Replicated:
             ctx.config.timeouts.heal_s,
             key=ctx.key,
             reserve=job.reserve if role is Role.RECV else None,
-            prepared=None if prepared is None else prepared[1],
+            prepared=None if prepared is None else prepared.for_heal(role, a.step),
         )
         if role is Role.RECV:
             ctx.backend.adopt(state)

@@ -37,7 +37,6 @@ from elastrain.runtime.preflight import format_problem
 from elastrain.runtime.registered import REGISTERED_META, meta_of_section
 from elastrain.runtime.shard_member import (
     NoCompleteGroup,
-    Prepared,
     ShardedMember,
     ShardLost,
     twins_heal_root,
@@ -48,6 +47,7 @@ from elastrain.runtime.topology import (
     Healed,
     HealJob,
     Loaded,
+    PreparedHeal,
     Reduction,
     Snapshots,
     StateLost,
@@ -72,7 +72,7 @@ class ShardedGroups:
         self.shards = ShardedMember(
             backend, ctx.member, ctx.config, ctx.host, ctx.events, ctx.graveyard
         )
-        self._prepared: Prepared | None = None
+        self._prepared: PreparedHeal | None = None
         """The twins' heal root's share, begun at connect (`prepare_heal`)."""
 
     def transport(self, setting: str, device: torch.device) -> TransportChoice:
@@ -99,7 +99,7 @@ class ShardedGroups:
         if ready is not None and twins_heal_root(ready, self.ctx.member, self.backend):
             auth = HealAuth(self.ctx.config.heal_auth)
             committed = ready.committed.get(self.ctx.member, 0)
-            self._prepared = (committed, PreparedSend(self.backend.state(), auth))
+            self._prepared = PreparedHeal(committed, PreparedSend(self.backend.state(), auth))
 
     def connect(self, links: Links) -> None:
         """Read the generation's layout and build this member's twins' group."""
@@ -223,7 +223,7 @@ class ShardedGroups:
             Reduction(lambda: self.shards.vote(world, extras), after_wait=hooks.StepPoint.VOTE),
         ]
 
-    def _take_prepared(self) -> Prepared | None:
+    def _take_prepared(self) -> PreparedHeal | None:
         prepared, self._prepared = self._prepared, None
         return prepared
 

@@ -65,14 +65,14 @@ from elastrain.runtime.reshard import (
 from elastrain.runtime.shard_regroup import BuiltGroup, kept, report
 from elastrain.runtime.shard_step import Reduced
 from elastrain.runtime.sharded import ShardedBackend, open_replica_group
-from elastrain.transfer import HealFn, LandingReserve, PreparedSend, Role
+from elastrain.runtime.topology import PreparedHeal
+from elastrain.transfer import HealFn, LandingReserve, Role
 
 log = logging.getLogger("elastrain.shards")
 
 __all__ = [
     "HealOutcome",
     "NoCompleteGroup",
-    "Prepared",
     "ShardLost",
     "ShardedMember",
     "held_by_senders",
@@ -100,10 +100,6 @@ class HealOutcome:
     """The committed count this member's state now stands for."""
     received: bool
     """Its state came from its peers (a heal's or a reshard's receiver)."""
-
-
-Prepared = tuple[int, PreparedSend]
-"""A twins' heal root's `PreparedSend` and the committed count of the state it describes."""
 
 
 def held_by_senders(ready: p.RendezvousResponse) -> dict[str, tuple[int, int]]:
@@ -233,7 +229,7 @@ class ShardedMember:
         heal_fn: HealFn,
         key: bytes | None,
         reserve: LandingReserve | None = None,
-        prepared: Prepared | None = None,
+        prepared: PreparedHeal | None = None,
     ) -> HealOutcome:
         """Bring this member's shard up to date (apply the step it kept if
         `roll_forward`, heal from twins, or reshard), then build its replica
@@ -326,7 +322,7 @@ class ShardedMember:
         heal_fn: HealFn,
         key: bytes | None,
         reserve: LandingReserve | None,
-        prepared: Prepared | None,
+        prepared: PreparedHeal | None,
     ) -> HealOutcome:
         """Same shard size as before: each shard index heals inside its twins;
         a receiver lands its shard in ``reserve`` when it has one."""
@@ -371,8 +367,6 @@ class ShardedMember:
         role = Role.of(rank, senders, receivers)
         self.events.emit(EventKind.HEAL_BEGIN, gen=gen, role=role, bytes=0)
         state = backend.state()
-        if prepared is not None and (role != Role.SEND or prepared[0] != committed):
-            prepared = None  # not this heal's root, or its state moved on since
         got, stats = heal_fn(
             self.twins_pg,
             rank,
@@ -383,7 +377,7 @@ class ShardedMember:
             self.config.timeouts.heal_s,
             key=key,
             reserve=reserve if role == Role.RECV else None,
-            prepared=None if prepared is None else prepared[1],
+            prepared=None if prepared is None else prepared.for_heal(role, committed),
         )
         received = role == Role.RECV
         if received:

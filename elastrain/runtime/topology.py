@@ -40,7 +40,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare
-from elastrain.transfer import HealFn, LandingReserve
+from elastrain.transfer import HealFn, LandingReserve, PreparedSend, Role
 
 
 class StateLost(Exception):
@@ -75,6 +75,20 @@ class HealJob:
     heal_fn: HealFn
     reserve: LandingReserve | None
     """The landing a joiner prepared (used up by this heal, whatever its role)."""
+
+
+@dataclass(frozen=True)
+class PreparedHeal:
+    """A sender's share of the heal to come, begun at connect (`Topology.prepare_heal`)."""
+
+    committed: int
+    """The committed count of the state it describes."""
+    send: PreparedSend
+
+    def for_heal(self, role: Role, committed: int) -> PreparedSend | None:
+        """What the heal hands on: the preparation if this member sends in it and its
+        state is still the one it describes, else None (the heal flattens afresh)."""
+        return self.send if role == Role.SEND and committed == self.committed else None
 
 
 @dataclass(frozen=True)

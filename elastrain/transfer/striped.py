@@ -568,11 +568,12 @@ def heal_over(
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
+    layout: Manifest | None = None
     digesting: dict[int, _Digesting] = {}
-    ahead = role == Role.SEND and prepared is not None and prepared.kind == state.kind
-    if ahead:
-        assert prepared is not None
-        flat, flat_error = prepared.flat, prepared.error
+    if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
+        prepared = None
+    if prepared is not None:
+        flat, flat_error, layout = prepared.flat, prepared.error, prepared.layout
         begun = prepared.digesting()
         if begun is not None and check.auth == HealAuth.DIGEST:
             digesting[rank] = begun
@@ -584,9 +585,8 @@ def heal_over(
     try:
         out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper,
                                 reserve, check, t0, flat, flat_error, digesting, in_place,
-                                min_stripe_bytes,
-                                prepared.layout if ahead and prepared else None)  # fmt: skip
-        return out_meta, dataclasses.replace(stats, prepared=ahead)
+                                min_stripe_bytes, layout)  # fmt: skip
+        return out_meta, dataclasses.replace(stats, prepared=prepared is not None)
     finally:
         for d in digesting.values():
             d.join()

@@ -54,7 +54,9 @@ from elastrain.transfer.manifest import (
     Stripe,
     build_manifest,
     decode_manifest,
+    encode_entries,
     encode_manifest,
+    for_heal,
     plan_stripes,
     stripe_senders,
     validate_manifest,
@@ -209,6 +211,25 @@ def test_manifest_round_trip_validates() -> None:
     assert any(e.name.startswith("optim/0/") for e in m.entries)
     assert sum(s.nbytes for s in m.stripes) == m.total_bytes
     assert abs(m.stripes[0].nbytes - m.stripes[1].nbytes) <= 1
+
+
+def test_a_manifest_from_a_layout_prepared_ahead_is_the_one_built_at_the_heal() -> None:
+    """`PreparedSend`'s root lays its state out (and encodes its entries) before the
+    heal and builds the heal's manifest from that with `for_heal`: the same manifest,
+    the same bytes on the wire, as laying the tensors out at the heal."""
+    model, opt = trained()
+    flat = flatten_state(model, opt)
+    layout = build_manifest("torch", flat.tensors, flat.section, [0], {}, 0)
+    args = (flat.section, [2, 0, 1], {"step": 3}, 9)
+    for auth, least in ((HealAuth.DIGEST, 0), (HealAuth.MAC, 1 << 30)):
+        want = build_manifest(
+            "torch", flat.tensors, *args, auth=auth, min_stripe_bytes=least
+        )
+        got = for_heal(layout, [2, 0, 1], {"step": 3}, 9, auth=auth, min_stripe_bytes=least)
+        assert got == want
+        data = encode_manifest(got, encode_entries(layout.entries))
+        assert data == encode_manifest(want)
+        assert decode_manifest(data) == want
 
 
 def test_manifest_that_lies_about_sizes_is_rejected() -> None:
@@ -1262,7 +1283,7 @@ def test_heal_threads_prepared_senders_send_what_they_prepared_without_flattenin
     assert all(isinstance(r, tuple) for r in res), res
     assert state_hash(*states[2]) == want
     assert not {id(s) for s in sender_states} & set(flattened)
-    assert laid_out == ["rank0"]  # the root's manifest (its stripes), nothing else
+    assert laid_out == []  # the root's manifest too comes from its preparation (`for_heal`)
     assert res[1][1].bytes > 0  # the second sender sent its stripe
     assert [r[1].prepared for r in res] == [True, True, False]
     st = res[2][1]

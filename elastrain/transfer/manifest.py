@@ -32,6 +32,7 @@ build one (`ManifestUnavailable`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -175,18 +176,48 @@ def build_manifest(
     )
 
 
-def encode_manifest(m: Manifest) -> bytes:
-    """UTF-8 JSON bytes of ``m``. Raises TypeError/ValueError if meta is not JSON-able."""
+def for_heal(
+    layout: Manifest,
+    senders: Sequence[int],
+    meta: dict[str, Any],
+    heal_id: int,
+    *,
+    auth: HealAuth = HealAuth.DIGEST,
+    min_stripe_bytes: int = 0,
+) -> Manifest:
+    """The manifest `build_manifest` gives for the tensors ``layout`` was built from,
+    without laying them out again: ``layout``'s entries and section, striped over
+    ``senders`` (a sender lays its state out before the heal, `PreparedSend`)."""
+    return dataclasses.replace(
+        layout,
+        heal_id=heal_id,
+        stripes=plan_stripes(layout.total_bytes, senders, min_stripe_bytes),
+        meta=meta,
+        auth=auth,
+    )
+
+
+def encode_entries(entries: Sequence[Entry]) -> bytes:
+    """The JSON of a manifest's entries (what `encode_manifest` writes for them)."""
+    return json.dumps(
+        [
+            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
+             "nbytes": e.nbytes}
+            for e in entries
+        ],
+        separators=(",", ":"),
+    ).encode()  # fmt: skip
+
+
+def encode_manifest(m: Manifest, entries: bytes | None = None) -> bytes:
+    """UTF-8 JSON bytes of ``m``. Raises TypeError/ValueError if meta is not JSON-able.
+    ``entries``: `encode_entries` of ``m.entries``, encoded before (most of the
+    manifest's bytes, and the same for every heal of one layout)."""
     doc = {
         "version": m.version,
         "kind": m.kind,
         "heal_id": m.heal_id,
         "auth": m.auth.value,
-        "entries": [
-            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset,
-             "nbytes": e.nbytes}
-            for e in m.entries
-        ],
         "total_bytes": m.total_bytes,
         "stripes": [
             {"sender_rank": s.sender_rank, "offset": s.offset, "nbytes": s.nbytes}
@@ -195,7 +226,9 @@ def encode_manifest(m: Manifest) -> bytes:
         "section": m.section,
         "meta": m.meta,
     }  # fmt: skip
-    return json.dumps(doc, separators=(",", ":")).encode()
+    rest = json.dumps(doc, separators=(",", ":")).encode()
+    listed = encode_entries(m.entries) if entries is None else entries
+    return b'{"entries":' + listed + b"," + rest[1:]
 
 
 def encode_error(message: str) -> bytes:

@@ -53,7 +53,7 @@ from elastrain.transfer.errors import HealError
 from elastrain.transfer.flatten import digest_hasher
 from elastrain.transfer.landing import Landing, fresh_bytes
 from elastrain.transfer.manifest import Manifest, Stripe
-from elastrain.transfer.rounds import Deadline, outcome, sum_flags
+from elastrain.transfer.rounds import Deadline, Flags, outcome, sum_flags
 from elastrain.transfer.seal import (
     CLAIM_BYTES,
     REFERENCE_BYTES,
@@ -104,11 +104,16 @@ class Staged:
     seal: torch.Tensor | None
 
 
-def stripe_parts(m: Manifest, flat: FlatState, stripe: Stripe) -> list[torch.Tensor]:
-    """A sender's stripe as its messages (large pieces as views of the live tensors,
-    small ones packed into a copy). Local."""
+Cut = list[list[torch.Tensor]]
+"""A stripe's messages before packing: each a list of views of the live tensors (one
+for a large piece, sent as it is; several small ones, packed into a copy)."""
+
+
+def cut_stripe(m: Manifest, flat: FlatState, stripe: Stripe) -> Cut:
+    """A sender's stripe cut into its messages' pieces, as views of its live tensors
+    (no byte copied: what they hold is read when they are packed or sent). Local."""
     sources: dict[int, torch.Tensor] = {}
-    bufs: list[torch.Tensor] = []
+    out: Cut = []
     for chunk in plan_chunks(m.entries, stripe):
         parts = []
         for p in chunk.pieces:
@@ -116,8 +121,20 @@ def stripe_parts(m: Manifest, flat: FlatState, stripe: Stripe) -> list[torch.Ten
                 sources[p.entry] = cpu_bytes(flat.tensors[p.entry][1])
             rel = p.offset - m.entries[p.entry].offset
             parts.append(sources[p.entry][rel : rel + p.nbytes])
-        bufs.append(torch.cat(parts) if chunk.packed else parts[0])
-    return bufs
+        out.append(parts)
+    return out
+
+
+def pack(cut: Cut) -> list[torch.Tensor]:
+    """The messages of a `cut_stripe`: large pieces as they are, small ones packed
+    into a copy of their bytes now. Local."""
+    return [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in cut]
+
+
+def stripe_parts(m: Manifest, flat: FlatState, stripe: Stripe) -> list[torch.Tensor]:
+    """A sender's stripe as its messages (large pieces as views of the live tensors,
+    small ones packed into a copy). Local."""
+    return pack(cut_stripe(m, flat, stripe))
 
 
 def send_range(
@@ -293,8 +310,10 @@ class PayloadCheck(Protocol):
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
-        """{assignment: receivers that failed it} of this round, the same on every rank."""
+        """{assignment: receivers that failed it} of this round, the same on every rank.
+        ``meanwhile`` runs once this rank's verdict is posted, while the round completes."""
         ...
 
 
@@ -363,10 +382,13 @@ class MacCheck:
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
         if not work:  # no stripe, no seal: nothing can have failed (every rank knows)
+            if meanwhile is not None:
+                meanwhile()
             return {}
-        return outcome(tx, len(work), sorted(landed.failed), dl)
+        return outcome(tx, len(work), sorted(landed.failed), dl, meanwhile)
 
 
 def landing_hasher(m: Manifest) -> xxhash.xxh3_128:
@@ -467,10 +489,14 @@ class DigestCheck:
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
         flags = torch.zeros(tx.size, dtype=torch.int64)
         flags[tx.rank] = int(landed.mismatch is not None)
-        bad = {r for r, f in enumerate(sum_flags(tx, flags, "digest verdict all-reduce", dl)) if f}
+        posted = Flags(tx, flags, "digest verdict all-reduce", dl)
+        if meanwhile is not None:
+            meanwhile()
+        bad = {r for r, f in enumerate(posted.result()) if f}
         if not bad:
             return {}
         if not work:  # no bytes moved, yet the layout or the root's message did not match
@@ -538,12 +564,19 @@ CHECKS: dict[HealAuth, PayloadCheck] = {HealAuth.DIGEST: DigestCheck(), HealAuth
 
 
 def stage(
-    rd: Round, flat: FlatState, stripe: Stripe, tamper: Tamper | None, check: PayloadCheck
+    rd: Round,
+    flat: FlatState,
+    stripe: Stripe,
+    tamper: Tamper | None,
+    check: PayloadCheck,
+    cut: Cut | None = None,
 ) -> Staged:
     """Cut a stripe into its messages and seal it where the mode does. Local: a
     sender does it while the receivers judge the manifest, so that neither the
-    packing nor a seal's pass over the bytes competes with the transfer."""
-    bufs = stripe_parts(rd.m, flat, stripe)
+    packing nor a seal's pass over the bytes competes with the transfer.
+    ``cut``: the stripe's `cut_stripe`, made before the heal (its small pieces are
+    packed here: the copy is of the bytes the state holds now)."""
+    bufs = pack(cut_stripe(rd.m, flat, stripe) if cut is None else cut)
     wire = tamper.stripe(bufs) if tamper is not None else bufs
     return Staged(wire, check.seal(rd, stripe, bufs, tamper))
 
@@ -561,6 +594,7 @@ def run_payload(
     tamper: Tamper | None,
     staged: dict[Stripe, Staged],
     digest: Callable[[], str] | None,
+    verified: Callable[[], None] | None = None,
 ) -> int:
     """Send/receive the stripes, retry the refused ones from other trusted senders.
     Collective; returns this rank's payload bytes. ``staged``: this sender's
@@ -568,7 +602,15 @@ def run_payload(
     here. ``digest``: on the root, its state digest (waited for only once its
     first round's stripes are posted). Mutates ``trusted`` and ``refused``;
     HealError when no trusted sender is left. On return every receiver's landing
-    passed the check."""
+    passed the check.
+
+    ``verified``: on a receiver, called once, in the first round after which its
+    own landing passed the check (every stripe it got matched its seal, or what
+    landed has the root's digest), while that round's outcome completes: the
+    other receivers' verdicts decide only what is sent again to them, so this
+    receiver's install need not wait for them. It must not raise (the caller
+    keeps its error for after the heal: this rank still takes its part in the
+    rounds that follow)."""
     m, rank = rd.m, tx.rank
     if not receivers:
         return 0
@@ -595,10 +637,13 @@ def run_payload(
         for r, w in sends:
             dl.wait(w, f"sending stripe to rank {r}")
         landed = Landed()
+        meanwhile = None
         if landing is not None:
             landed = check.land(dl, rd, landing, posted, whole, ref)
+            if verified is not None and landed.first() is None:
+                meanwhile, verified = verified, None
         whole = False
-        failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper)
+        failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper, meanwhile)
         if not failed:
             return nbytes
         bad = sorted({work[j].stripe.sender_rank for j in failed})

@@ -49,9 +49,11 @@ Every rank of the group calls it with the same ``senders`` and
    failures (mac mode). A sender whose stripe failed anywhere is refused for
    the rest of the heal; each failed stripe is sent again by a trusted sender
    (round-robin), to the receivers that need it, and steps 4-5 repeat. No
-   trusted sender left for a failed stripe: every rank raises HealError. Only
-   when every check passed do receivers install the state
-   (`NamedState.install`): a failed heal leaves them untouched, except that a
+   trusted sender left for a failed stripe: every rank raises HealError. A
+   receiver installs the state (`NamedState.install`) only once every check of
+   its own landing passed, while the outcome round that follows completes
+   (the other receivers' verdicts decide only what is sent again to them):
+   a failed heal leaves the receivers it failed on untouched, except that a
    heal run ``in_place`` (the trainers') lands the entries the state names
    (`NamedState.live_targets`: torch's model tensors) straight in the live
    tensors, and a receiver whose heal then fails raises `TornHeal`.
@@ -97,11 +99,22 @@ from elastrain.transfer.manifest import (
     Stripe,
     build_manifest,
     decode_manifest,
+    encode_entries,
     encode_error,
     encode_manifest,
+    for_heal,
     validate_manifest,
 )
-from elastrain.transfer.payload import CHECKS, PayloadCheck, Round, Staged, run_payload, stage
+from elastrain.transfer.payload import (
+    CHECKS,
+    Cut,
+    PayloadCheck,
+    Round,
+    Staged,
+    cut_stripe,
+    run_payload,
+    stage,
+)
 from elastrain.transfer.rounds import Deadline, Flags
 from elastrain.transfer.seal import SEAL_BYTES, open_manifest, seal_manifest
 from elastrain.transfer.state import FlatState, NamedState
@@ -134,13 +147,14 @@ class HealStats:
     (malformed, or a stripe that failed its check) and replaced by another sender's; the
     same on every rank. payload_s: the part of ``seconds`` spent moving the
     payload (steps 4-5: the stripes (and mac seals) sent, received and checked,
-    the outcome, any stripe sent again); the rest is the flatten, the manifest
+    the outcome, any stripe sent again) and, on a receiver, its install (run
+    while the outcome round completes); the rest is the flatten and the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
-    receivers' landing allocation overlap the verdict's) and the install.
+    receivers' landing allocation overlap the verdict's).
     prepared: this rank sent from a `PreparedSend` (its flatten and digest done
     before the heal). rounds_s: the part of ``seconds`` before the payload: the
     flatten and the manifest rounds (steps 1-3, with the staging and the landing's
-    allocation); what is left besides ``payload_s`` is the install.
+    allocation).
     """
 
     role: str
@@ -464,7 +478,14 @@ class PreparedSend:
         self.error: TypeError | None = None
         self.layout: Manifest | None = None
         """Its entries laid out (what a sender that is not the root checks the root's
-        manifest against; its stripes are not this heal's)."""
+        manifest against, and the root builds its manifest from: `for_heal`; its
+        stripes are not this heal's)."""
+        self.entries: bytes | None = None
+        """The root's `encode_entries` of ``layout`` (most of its manifest's bytes)."""
+        self.whole: Cut | None = None
+        """The root's whole payload cut into its messages' pieces (`cut_stripe`: views,
+        packed at the heal): its stripe when it sends every byte, as a small state's
+        root does (`stripe_senders`)."""
         self._digesting: _Digesting | None = None
         try:
             self.flat = state.flatten()
@@ -474,8 +495,11 @@ class PreparedSend:
             self.layout = build_manifest(
                 self.kind, self.flat.tensors, self.flat.section, [0], {}, 0
             )
-            if root and HealAuth(auth) == HealAuth.DIGEST:
-                self._digesting = _Digesting(self.flat)
+            if root:
+                self.entries = encode_entries(self.layout.entries)
+                self.whole = cut_stripe(self.layout, self.flat, self.layout.stripes[0])
+                if HealAuth(auth) == HealAuth.DIGEST:
+                    self._digesting = _Digesting(self.flat)
 
     def digesting(self) -> _Digesting | None:
         """The digest begun at preparation (digest mode), or None. One not used by a
@@ -568,12 +592,11 @@ def heal_over(
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
-    layout: Manifest | None = None
     digesting: dict[int, _Digesting] = {}
     if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
         prepared = None
     if prepared is not None:
-        flat, flat_error, layout = prepared.flat, prepared.error, prepared.layout
+        flat, flat_error = prepared.flat, prepared.error
         begun = prepared.digesting()
         if begun is not None and check.auth == HealAuth.DIGEST:
             digesting[rank] = begun
@@ -585,7 +608,7 @@ def heal_over(
     try:
         out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper,
                                 reserve, check, t0, flat, flat_error, digesting, in_place,
-                                min_stripe_bytes, layout)  # fmt: skip
+                                min_stripe_bytes, prepared)  # fmt: skip
         return out_meta, dataclasses.replace(stats, prepared=prepared is not None)
     finally:
         for d in digesting.values():
@@ -609,11 +632,13 @@ def _heal(
     digesting: dict[int, _Digesting],
     in_place: bool,
     min_stripe_bytes: int,
-    layout: Manifest | None,
+    prepared: PreparedSend | None,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over`'s protocol, once its arguments are checked and its state flattened.
     ``digesting``: this rank's state digest once it is a root (digest mode), by rank.
-    ``layout``: this sender's own, laid out ahead (`PreparedSend`)."""
+    ``prepared``: this sender's flatten and layout (and, on a root, its manifest's
+    entries and messages) done ahead (`PreparedSend`)."""
+    layout = prepared.layout if prepared is not None else None
     rank = tx.rank
     dl = Deadline(rank, timeout_s)
     role = Role.of(rank, senders, receivers)
@@ -631,17 +656,18 @@ def _heal(
             try:
                 if flat is None:
                     raise flat_error or HealError("no state")
-                manifest = build_manifest(
-                    state.kind,
-                    flat.tensors,
-                    flat.section,
-                    trusted,
-                    dict(meta or {}),
-                    secrets.randbelow(MAX_HEAL_ID) + 1,
-                    auth=check.auth,
-                    min_stripe_bytes=min_stripe_bytes,
-                )
-                data = encode_manifest(manifest)
+                heal_id = secrets.randbelow(MAX_HEAL_ID) + 1
+                if layout is not None:
+                    manifest = for_heal(
+                        layout, trusted, dict(meta or {}), heal_id,
+                        auth=check.auth, min_stripe_bytes=min_stripe_bytes,
+                    )  # fmt: skip
+                else:
+                    manifest = build_manifest(
+                        state.kind, flat.tensors, flat.section, trusted, dict(meta or {}),
+                        heal_id, auth=check.auth, min_stripe_bytes=min_stripe_bytes,
+                    )  # fmt: skip
+                data = encode_manifest(manifest, prepared.entries if prepared else None)
                 if tamper is not None:
                     data = tamper.manifest_bytes(data)
             except (TypeError, ValueError) as e:
@@ -698,8 +724,10 @@ def _heal(
         try:
             if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
                 rd = Round(manifest, seal, key, root)
-                staged = {s: stage(rd, flat, s, tamper, check) for s in manifest.stripes
-                          if s.sender_rank == rank and s.nbytes}  # fmt: skip
+                whole = prepared.whole if prepared is not None else None
+                staged = {s: stage(rd, flat, s, tamper, check,
+                                   whole if s.nbytes == manifest.total_bytes else None)
+                          for s in manifest.stripes if s.sender_rank == rank and s.nbytes}  # fmt: skip
             elif code == Verdict.OK and role == Role.RECV:
                 live = state.live_targets(manifest) if in_place else None
                 landing = Landing.allocate(manifest.entries, reserve, live)  # within `bound`
@@ -734,16 +762,29 @@ def _heal(
     rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
     own = digesting.get(rank)
-    installing = False  # past the payload: a failure now is this member's own
+    installed = False
+    refusal: list[Exception] = []  # the install's own failure: this member's, not a peer's
+
+    def install() -> None:
+        # Runs inside the outcome round (`run_payload`'s ``verified``): it keeps
+        # its error so that this rank still answers that round and any after it.
+        nonlocal installed
+        assert landing is not None
+        try:
+            state.install(landing.tensors, manifest.section)
+        except Exception as e:  # noqa: BLE001 - raised again below, once the rounds end
+            refusal.append(e)
+        installed = True
+
     try:
         nbytes = run_payload(
             tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
-            own.result if own is not None else None,
+            own.result if own is not None else None, install if landing is not None else None,
         )  # fmt: skip
         payload_s = time.perf_counter() - t_payload
-        installing = landing is not None
-        if landing is not None:
-            state.install(landing.tensors, manifest.section)
+        if refusal:
+            raise refusal[0]
+        assert landing is None or installed, "a receiver's landing passed, yet was not installed"
     except BaseException as e:
         # Whatever raised (a bug's KeyError as much as a lost sender), the live
         # tensors may hold part of the payload: never let it leave unmarked.
@@ -758,7 +799,7 @@ def _heal(
             raise
         # A HealError of the payload is a peer's failure (a lost sender, every
         # sender's bytes refused); the install's refusal, or a bug, is this member's.
-        raise TornHeal(f"{torn}: {e}", own=installing or not isinstance(e, HealError)) from e
+        raise TornHeal(f"{torn}: {e}", own=bool(refusal) or not isinstance(e, HealError)) from e
 
     stats = HealStats(
         role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s,

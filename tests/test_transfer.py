@@ -222,9 +222,7 @@ def test_a_manifest_from_a_layout_prepared_ahead_is_the_one_built_at_the_heal() 
     layout = build_manifest("torch", flat.tensors, flat.section, [0], {}, 0)
     args = (flat.section, [2, 0, 1], {"step": 3}, 9)
     for auth, least in ((HealAuth.DIGEST, 0), (HealAuth.MAC, 1 << 30)):
-        want = build_manifest(
-            "torch", flat.tensors, *args, auth=auth, min_stripe_bytes=least
-        )
+        want = build_manifest("torch", flat.tensors, *args, auth=auth, min_stripe_bytes=least)
         got = for_heal(layout, [2, 0, 1], {"step": 3}, 9, auth=auth, min_stripe_bytes=least)
         assert got == want
         data = encode_manifest(got, encode_entries(layout.entries))

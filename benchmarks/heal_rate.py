@@ -70,7 +70,7 @@ Reported per S: median MB/s of each, the heal's rate against the warm broadcast
 (ratio of medians; and the median of per-round ratios, which a load swing
 between rounds moves less), the cold heal's against the warm broadcast, the heal's payload phase alone
 (`HealStats.payload_s`) as a rate and against the warm broadcast, the
-milliseconds of the heal outside it (flatten, manifest rounds; the install is inside the payload phase, with the outcome), the
+milliseconds of the heal outside it (flatten, manifest rounds, install), the
 reserve's preparation in milliseconds, CPU milliseconds of all processes per
 operation, the receiver process's first heal (timed alone, before the rounds:
 what a replacement's one heal meets, cold code paths) against the warm broadcast, and PASS/FAIL for heal >= 80% of warm (the
@@ -339,10 +339,9 @@ def main() -> int:
         "over loopback",
         "heal payload: the payload bytes over the receiver's payload phase alone "
         "(HealStats.payload_s: stripes (and mac seals) sent, received and checked, the "
-        "outcome with the install inside it; 'mac payload' the same for the mac heal); "
-        "outside payload: the rest of its heal (flatten, the manifest rounds with the "
-        "senders' staging and the landing's allocation overlapping the verdict's), medians "
-        "over rounds",
+        "outcome; 'mac payload' the same for the mac heal); outside payload: the rest of "
+        "its heal (flatten, the manifest rounds with the senders' staging and the landing's "
+        "allocation overlapping the verdict's, the install), medians over rounds",
         "CPU: utime + stime of all processes of the heal (or of the broadcast's two) per "
         "operation, median over rounds",
         "authenticated floor: the least a heal that authenticates its bytes must do, with "

@@ -50,8 +50,8 @@ every rank so that they start it together:
 Each rank writes, to OUT_PREFIX.RANK, the payload bytes and per round and kind
 the wall seconds (from the barrier to its own end of it) and the CPU seconds of
 its process (every thread, gloo's included), per heal the part of its own
-call that moved the payload and installed it (`HealStats.payload_s`; the rest
-is the flatten and the manifest rounds), and per reserve the seconds its touching
+call that moved the payload (`HealStats.payload_s`; the rest is the flatten,
+the manifest rounds and the install), and per reserve the seconds its touching
 took (off the clock, as in a joiner). After the last round the ranks
 check that the receiver's state hash equals the senders' (exit 3 if not).
 Run it with MALLOC_MMAP_THRESHOLD_ set (heal_rate.py does) so that every large

@@ -132,7 +132,7 @@ FIELDS: dict[EventKind, frozenset[str]] = {
     EventKind.GROUP_BUILT: frozenset(["build_s", "gen", "rank", "size"]),
     EventKind.HEAL_BEGIN: frozenset(["bytes", "gen", "role"]),
     # heal_end: payload_s is the part of seconds that moved the payload
-    # and, on a receiver, installed it (`HealStats.payload_s`); the rest is the manifest rounds.
+    # (`HealStats.payload_s`); the rest is the manifest rounds and the install.
     EventKind.HEAL_END: frozenset(["bytes", "gen", "payload_s", "rate_mb_s", "role", "seconds"]),
     EventKind.RESHARD_END: frozenset(
         ["gen", "old_size", "new_size", "sent", "received", "seconds"]

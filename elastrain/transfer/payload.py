@@ -53,7 +53,7 @@ from elastrain.transfer.errors import HealError
 from elastrain.transfer.flatten import digest_hasher
 from elastrain.transfer.landing import Landing, fresh_bytes
 from elastrain.transfer.manifest import Manifest, Stripe
-from elastrain.transfer.rounds import Deadline, Flags, outcome, sum_flags
+from elastrain.transfer.rounds import Deadline, outcome, sum_flags
 from elastrain.transfer.seal import (
     CLAIM_BYTES,
     REFERENCE_BYTES,
@@ -310,10 +310,8 @@ class PayloadCheck(Protocol):
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
-        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
-        """{assignment: receivers that failed it} of this round, the same on every rank.
-        ``meanwhile`` runs once this rank's verdict is posted, while the round completes."""
+        """{assignment: receivers that failed it} of this round, the same on every rank."""
         ...
 
 
@@ -382,13 +380,10 @@ class MacCheck:
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
-        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
         if not work:  # no stripe, no seal: nothing can have failed (every rank knows)
-            if meanwhile is not None:
-                meanwhile()
             return {}
-        return outcome(tx, len(work), sorted(landed.failed), dl, meanwhile)
+        return outcome(tx, len(work), sorted(landed.failed), dl)
 
 
 def landing_hasher(m: Manifest) -> xxhash.xxh3_128:
@@ -489,14 +484,10 @@ class DigestCheck:
         flat: FlatState | None,
         landing: Landing | None,
         tamper: Tamper | None,
-        meanwhile: Callable[[], None] | None = None,
     ) -> dict[int, list[int]]:
         flags = torch.zeros(tx.size, dtype=torch.int64)
         flags[tx.rank] = int(landed.mismatch is not None)
-        posted = Flags(tx, flags, "digest verdict all-reduce", dl)
-        if meanwhile is not None:
-            meanwhile()
-        bad = {r for r, f in enumerate(posted.result()) if f}
+        bad = {r for r, f in enumerate(sum_flags(tx, flags, "digest verdict all-reduce", dl)) if f}
         if not bad:
             return {}
         if not work:  # no bytes moved, yet the layout or the root's message did not match
@@ -594,7 +585,6 @@ def run_payload(
     tamper: Tamper | None,
     staged: dict[Stripe, Staged],
     digest: Callable[[], str] | None,
-    verified: Callable[[], None] | None = None,
 ) -> int:
     """Send/receive the stripes, retry the refused ones from other trusted senders.
     Collective; returns this rank's payload bytes. ``staged``: this sender's
@@ -602,15 +592,7 @@ def run_payload(
     here. ``digest``: on the root, its state digest (waited for only once its
     first round's stripes are posted). Mutates ``trusted`` and ``refused``;
     HealError when no trusted sender is left. On return every receiver's landing
-    passed the check.
-
-    ``verified``: on a receiver, called once, in the first round after which its
-    own landing passed the check (every stripe it got matched its seal, or what
-    landed has the root's digest), while that round's outcome completes: the
-    other receivers' verdicts decide only what is sent again to them, so this
-    receiver's install need not wait for them. It must not raise (the caller
-    keeps its error for after the heal: this rank still takes its part in the
-    rounds that follow)."""
+    passed the check."""
     m, rank = rd.m, tx.rank
     if not receivers:
         return 0
@@ -637,13 +619,10 @@ def run_payload(
         for r, w in sends:
             dl.wait(w, f"sending stripe to rank {r}")
         landed = Landed()
-        meanwhile = None
         if landing is not None:
             landed = check.land(dl, rd, landing, posted, whole, ref)
-            if verified is not None and landed.first() is None:
-                meanwhile, verified = verified, None
         whole = False
-        failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper, meanwhile)
+        failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper)
         if not failed:
             return nbytes
         bad = sorted({work[j].stripe.sender_rank for j in failed})

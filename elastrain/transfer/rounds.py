@@ -70,25 +70,15 @@ def sum_flags(tx: HealTransport, flags: torch.Tensor, what: str, dl: Deadline) -
     return Flags(tx, flags, what, dl).result()
 
 
-def outcome(
-    tx: HealTransport,
-    n: int,
-    failed: list[int],
-    dl: Deadline,
-    meanwhile: Callable[[], None] | None = None,
-) -> dict[int, list[int]]:
-    """All-reduce of this rank's failed assignments among ``n`` (collective);
-    ``meanwhile`` runs here while the round completes.
+def outcome(tx: HealTransport, n: int, failed: list[int], dl: Deadline) -> dict[int, list[int]]:
+    """All-reduce of this rank's failed assignments among ``n`` (collective).
 
     Returns {assignment index: receiver ranks that failed it}, only for failed ones.
     """
     flags = torch.zeros(tx.size * n, dtype=torch.int64)
     for j in failed:
         flags[tx.rank * n + j] = 1
-    posted = Flags(tx, flags, "stripe outcome all-reduce", dl)
-    if meanwhile is not None:
-        meanwhile()
-    got = posted.result()
+    got = sum_flags(tx, flags, "stripe outcome all-reduce", dl)
     out: dict[int, list[int]] = {}
     for r in range(tx.size):
         for j in range(n):

@@ -49,11 +49,9 @@ Every rank of the group calls it with the same ``senders`` and
    failures (mac mode). A sender whose stripe failed anywhere is refused for
    the rest of the heal; each failed stripe is sent again by a trusted sender
    (round-robin), to the receivers that need it, and steps 4-5 repeat. No
-   trusted sender left for a failed stripe: every rank raises HealError. A
-   receiver installs the state (`NamedState.install`) only once every check of
-   its own landing passed, while the outcome round that follows completes
-   (the other receivers' verdicts decide only what is sent again to them):
-   a failed heal leaves the receivers it failed on untouched, except that a
+   trusted sender left for a failed stripe: every rank raises HealError. Only
+   when every check passed do receivers install the state
+   (`NamedState.install`): a failed heal leaves them untouched, except that a
    heal run ``in_place`` (the trainers') lands the entries the state names
    (`NamedState.live_targets`: torch's model tensors) straight in the live
    tensors, and a receiver whose heal then fails raises `TornHeal`.
@@ -147,14 +145,13 @@ class HealStats:
     (malformed, or a stripe that failed its check) and replaced by another sender's; the
     same on every rank. payload_s: the part of ``seconds`` spent moving the
     payload (steps 4-5: the stripes (and mac seals) sent, received and checked,
-    the outcome, any stripe sent again) and, on a receiver, its install (run
-    while the outcome round completes); the rest is the flatten and the manifest
+    the outcome, any stripe sent again); the rest is the flatten, the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
-    receivers' landing allocation overlap the verdict's).
+    receivers' landing allocation overlap the verdict's) and the install.
     prepared: this rank sent from a `PreparedSend` (its flatten and digest done
     before the heal). rounds_s: the part of ``seconds`` before the payload: the
     flatten and the manifest rounds (steps 1-3, with the staging and the landing's
-    allocation).
+    allocation); what is left besides ``payload_s`` is the install.
     """
 
     role: str
@@ -762,29 +759,16 @@ def _heal(
     rd = Round(manifest, seal, key, root)
     t_payload = time.perf_counter()
     own = digesting.get(rank)
-    installed = False
-    refusal: list[Exception] = []  # the install's own failure: this member's, not a peer's
-
-    def install() -> None:
-        # Runs inside the outcome round (`run_payload`'s ``verified``): it keeps
-        # its error so that this rank still answers that round and any after it.
-        nonlocal installed
-        assert landing is not None
-        try:
-            state.install(landing.tensors, manifest.section)
-        except Exception as e:  # noqa: BLE001 - raised again below, once the rounds end
-            refusal.append(e)
-        installed = True
-
+    installing = False  # past the payload: a failure now is this member's own
     try:
         nbytes = run_payload(
             tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
-            own.result if own is not None else None, install if landing is not None else None,
+            own.result if own is not None else None,
         )  # fmt: skip
         payload_s = time.perf_counter() - t_payload
-        if refusal:
-            raise refusal[0]
-        assert landing is None or installed, "a receiver's landing passed, yet was not installed"
+        installing = landing is not None
+        if landing is not None:
+            state.install(landing.tensors, manifest.section)
     except BaseException as e:
         # Whatever raised (a bug's KeyError as much as a lost sender), the live
         # tensors may hold part of the payload: never let it leave unmarked.
@@ -799,7 +783,7 @@ def _heal(
             raise
         # A HealError of the payload is a peer's failure (a lost sender, every
         # sender's bytes refused); the install's refusal, or a bug, is this member's.
-        raise TornHeal(f"{torn}: {e}", own=bool(refusal) or not isinstance(e, HealError)) from e
+        raise TornHeal(f"{torn}: {e}", own=installing or not isinstance(e, HealError)) from e
 
     stats = HealStats(
         role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s,

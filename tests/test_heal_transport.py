@@ -35,7 +35,8 @@ from elastrain.transfer import (
 from elastrain.transfer.chunks import MAX_CHUNKS
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.seal import REFERENCE_BYTES, STRIPE_SEAL_BYTES
-from elastrain.transfer.transport import Pending, Reduce
+from elastrain.transfer.tamper import Tamper
+from elastrain.transfer.transport import ROUND_TAGS, Among, Pending, Reduce
 
 KEY = b"job-token"
 
@@ -54,6 +55,11 @@ class Wire:
         self.rounds: dict[int, dict[int, tuple[str, torch.Tensor]]] = defaultdict(dict)
         self.mail: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
         self.damaged = 0
+        self.dead: set[int] = set()
+        """Ranks whose connections are closed: a receive from one fails at once (as
+        gloo's does when the peer's process died)."""
+        self.took_part: defaultdict[int, list[str]] = defaultdict(list)
+        """Per rank, what it posted: a collective's kind, or ``send``/``recv`` and the tag."""
 
     def member(self, rank: int) -> Member:
         return Member(self, rank)
@@ -94,6 +100,7 @@ class Member:
         w, k = self.wire, self._round
         self._round += 1
         with w.cond:
+            w.took_part[self._rank].append(kind)
             w.rounds[k][self._rank] = (kind, t.clone())
             w.cond.notify_all()
 
@@ -125,6 +132,7 @@ class Member:
             assert msg is not None
             msg = w.damage(self._rank, dst, tag, msg)
         with w.cond:
+            w.took_part[self._rank].append(f"send {tag}")
             if msg is not None:
                 w.mail[(self._rank, dst, tag)].append(msg)
                 w.cond.notify_all()
@@ -132,14 +140,18 @@ class Member:
 
     def recv(self, buf: torch.Tensor, src: int, tag: int) -> Pending:
         w, box = self.wire, (src, self._rank, tag)
+        with w.cond:
+            w.took_part[self._rank].append(f"recv {tag}")
 
         def finish() -> None:
+            if src in w.dead:
+                raise RuntimeError(f"in-memory wire: connection to rank {src} closed")
             msg = w.mail[box].popleft()
             if msg.shape != buf.shape or msg.dtype != buf.dtype:
                 raise RuntimeError(f"in-memory wire: {msg.shape} into a {buf.shape} buffer")
             buf.copy_(msg)
 
-        return _Waits(w, lambda: bool(w.mail[box]), finish, f"receive from {src}")
+        return _Waits(w, lambda: bool(w.mail[box]) or src in w.dead, finish, f"receive from {src}")
 
 
 def _state(trained: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -165,8 +177,10 @@ def run(
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
     min_stripe_bytes: int = 0,
+    tamper: dict[int, Tamper] | None = None,
 ) -> list[tuple[dict[str, Any], HealStats] | BaseException]:
-    """Every rank heals over the wire on its own thread; its result or exception."""
+    """Every rank heals over the wire on its own thread; its result or exception.
+    ``tamper``: by rank, what that rank damages or forges (`Tamper`)."""
     results: list[Any] = [None] * wire.size
 
     def body(rank: int) -> None:
@@ -176,6 +190,7 @@ def run(
             results[rank] = heal_over(
                 tx, senders, receivers, TorchState(*states[rank]), meta, timeout_s, key=KEY,
                 auth=auth, in_place=in_place, min_stripe_bytes=min_stripe_bytes,
+                tamper=(tamper or {}).get(rank),
             )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - the test inspects it (interrupts too)
             results[rank] = e
@@ -218,10 +233,12 @@ def test_a_heal_over_an_in_memory_transport_installs_the_senders_state() -> None
 
 def _flip_from(sender: int, wire_counter: list[Wire]) -> Damage:
     """Flip one byte of every payload message `sender` sends (not its seals, nor
-    its sealed state digest: both travel under the seal tag)."""
+    its sealed state digest: both travel under the seal tag; nor the messages of
+    the rounds among some ranks, `Among`'s, and the root's word to its standbys,
+    whose tags are below every payload tag)."""
 
     def damage(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
-        if src == sender and tag & MAX_CHUNKS != MAX_CHUNKS:
+        if src == sender and tag >= ROUND_TAGS and tag & MAX_CHUNKS != MAX_CHUNKS:
             msg[msg.numel() // 2] ^= 0x5A
             wire_counter[0].damaged += 1
         return msg
@@ -288,6 +305,144 @@ def test_a_small_state_comes_from_the_root_alone_and_a_bad_one_from_the_next_sen
     assert wire.damaged > 0 and all(st.refused == (0,) for st in stats)
     assert stats[0].bytes == stats[1].bytes == stats[2].bytes // 2  # once each, twice landed
     assert _same_bytes(states[2], states[0])
+
+
+SMALL = 1 << 30
+"""A `min_stripe_bytes` above the test state's payload: the root alone sends it."""
+
+
+def test_senders_kept_in_reserve_sit_the_heal_out_until_the_roots_word() -> None:
+    """A small state comes from the root alone; the other senders (its standbys)
+    take part in the announcement and then only hear the root's word: no manifest,
+    no verdict, no outcome round waits for their processes."""
+    states = [_state(True), _state(True), _state(True), _state(False)]
+    want = state_hash(*states[0])
+    wire = Wire(4)
+    res = run(wire, states, senders=[0, 1, 2], receivers=[3], min_stripe_bytes=SMALL)
+    assert all(isinstance(r, tuple) for r in res), res
+    stats = [r[1] for r in res if isinstance(r, tuple)]
+    assert [st.standby for st in stats] == [False, True, True, False]
+    assert [st.bytes for st in stats[1:3]] == [0, 0] and stats[0].bytes == stats[3].bytes > 0
+    assert state_hash(*states[3]) == want
+    for standby in (1, 2):
+        assert wire.took_part[standby] == ["allreduce-max", f"recv {striped.WORD_TAG}"]
+    assert wire.took_part[0].count(f"send {striped.WORD_TAG}") == 2
+    # The root and the receiver: one gloo-like collective (the announcement), the
+    # rest as messages between the two of them.
+    assert [k for k in wire.took_part[3] if not k.startswith(("send", "recv"))] == ["allreduce-max"]
+
+
+def test_a_malformed_manifest_with_standbys_makes_a_standby_the_root() -> None:
+    """The root's manifest lies: its standby is told to take part, becomes the root
+    of the next pass, and the receiver ends bit-identical; every rank names the
+    refused root."""
+    states = [_state(True), _state(True), _state(False)]
+    res = run(Wire(3), states, senders=[0, 1], receivers=[2], min_stripe_bytes=SMALL,
+              tamper={0: Tamper(manifest="more_bytes")})  # fmt: skip
+    assert all(isinstance(r, tuple) for r in res), res
+    stats = [r[1] for r in res if isinstance(r, tuple)]
+    assert all(st.refused == (0,) for st in stats) and not any(st.standby for st in stats)
+    assert stats[1].bytes == stats[2].bytes > 0 and stats[0].bytes == 0
+    assert _same_bytes(states[2], states[0])
+
+
+def test_a_rejected_manifest_with_standbys_fails_every_rank_at_once() -> None:
+    """A receiver whose state does not fit rejects the manifest: the root tells its
+    standby, which raises with the others instead of waiting out the deadline."""
+    states = [_state(True), _state(True), _state(False)]
+    torch.manual_seed(5)
+    # Larger than the senders' (so within its bounds) and of another shape.
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    states[2] = (other, torch.optim.Adam(other.parameters()))
+    res = run(Wire(3), states, senders=[0, 1], receivers=[2], min_stripe_bytes=SMALL,
+              timeout_s=60.0)  # fmt: skip
+    assert all(isinstance(r, HealError) for r in res), res
+    assert "kept in reserve" in str(res[1]) and "timed out" not in str(res[1]), res[1]
+
+
+def test_in_place_when_the_standby_is_damaged_too_the_receiver_is_torn() -> None:
+    """The root's bytes fail, the standby's in the next pass too: the receiver's
+    live model was written in the first pass, so its failure is a TornHeal (a
+    peer's), even where the second pass failed before landing anything."""
+    states = [_state(True), _state(True), _state(False)]
+    holder: list[Wire] = []
+    flip0, flip1 = _flip_from(0, holder), _flip_from(1, holder)
+    wire = Wire(3, lambda src, dst, tag, msg: flip1(src, dst, tag, flip0(src, dst, tag, msg)))
+    holder.append(wire)
+    res = run(wire, states, senders=[0, 1], receivers=[2], in_place=True, min_stripe_bytes=SMALL)
+    assert isinstance(res[2], TornHeal) and not res[2].own, res
+    assert all(isinstance(r, HealError) and not isinstance(r, TornHeal) for r in res[:2]), res
+
+
+def test_a_receiver_never_installs_on_a_forged_outcome_whose_own_check_failed() -> None:
+    """The root's bytes are damaged, and every round's answer from the root to the
+    receiver is forged to say that nothing failed: the receiver still refuses to
+    install, on the strength of its own digest check."""
+    states = [_state(True), _state(True), _state(False)]
+    before = state_hash(*states[2])
+    holder: list[Wire] = []
+    flip = _flip_from(0, holder)
+
+    def damage(src: int, dst: int, tag: int, msg: torch.Tensor) -> torch.Tensor:
+        if src == 0 and dst == 2 and 0 < tag < ROUND_TAGS and msg.dtype == torch.int64:
+            return torch.zeros_like(msg)  # a round's answer: "status 0, nobody failed"
+        return flip(src, dst, tag, msg)
+
+    wire = Wire(3, damage)
+    holder.append(wire)
+    res = run(wire, states, senders=[0, 1], receivers=[2], min_stripe_bytes=SMALL, timeout_s=3.0)
+    assert isinstance(res[2], HealError) and "damaged or forged" in str(res[2]), res
+    assert state_hash(*states[2]) == before
+
+
+def test_a_round_among_some_ranks_fails_everywhere_at_once_when_a_member_is_lost() -> None:
+    """`Among`: a member's closed connection fails the round at its hub, and the hub
+    answers the other members with the failure (not their deadlines)."""
+    wire = Wire(4)
+    wire.dead.add(3)
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        among = Among(wire.member(rank), [0, 1, 3], hub=0)
+        v = torch.ones(2, dtype=torch.int64)
+        try:
+            among.allreduce(v, Reduce.SUM, datetime.timedelta(seconds=60)).wait(
+                datetime.timedelta(seconds=60)
+            )
+        except RuntimeError as e:
+            errors[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)  # well before the round's 60 s deadline
+    assert not any(t.is_alive() for t in threads)
+    assert "rank 3 lost" in str(errors[0]) and "failed at rank 0" in str(errors[1]), errors
+
+
+def test_a_round_among_some_ranks_combines_their_vectors_only() -> None:
+    wire = Wire(4)
+    got: dict[int, list[int]] = {}
+
+    def body(rank: int) -> None:
+        among = Among(wire.member(rank), [1, 2, 3], hub=2)
+        v = torch.zeros(4, dtype=torch.int64)
+        v[rank] = rank + 10
+        among.allreduce(v, Reduce.MAX, datetime.timedelta(seconds=10)).wait(
+            datetime.timedelta(seconds=10)
+        )
+        buf = torch.tensor([rank] * 3, dtype=torch.uint8)
+        among.broadcast(buf, 3, datetime.timedelta(seconds=10)).wait(datetime.timedelta(seconds=10))
+        got[rank] = v.tolist() + buf.tolist()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert all(got[r] == [0, 11, 12, 13, 3, 3, 3] for r in (1, 2, 3)), got
+    assert 0 not in wire.took_part  # rank 0 was never asked
 
 
 @pytest.mark.parametrize("auth", list(HealAuth))

@@ -24,6 +24,17 @@ class ManifestUnavailable(HealError):
     without pickle); every rank raises, nothing is retried."""
 
 
+class NoSenderLeft(HealError):
+    """Some stripe failed its check from every sender the payload could ask
+    (`elastrain.transfer.payload.run_payload`): the same on every rank of the
+    round. ``nbytes``: the payload bytes this rank had moved in it. A heal that
+    kept senders in reserve asks them next; otherwise the heal fails."""
+
+    def __init__(self, message: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
 class TornHeal(HealError):
     """A heal that landed bytes straight in this receiver's live tensors (``in_place``)
     failed after its first receive was posted: some of the live state may be

@@ -49,7 +49,7 @@ import xxhash
 from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag, stripe_pieces
 from elastrain.transfer.dtypes import cpu_bytes, dtype_from_name
-from elastrain.transfer.errors import HealError
+from elastrain.transfer.errors import HealError, NoSenderLeft
 from elastrain.transfer.flatten import digest_hasher
 from elastrain.transfer.landing import Landing, fresh_bytes
 from elastrain.transfer.manifest import Manifest, Stripe
@@ -572,6 +572,35 @@ def stage(
     return Staged(wire, check.seal(rd, stripe, bufs, tamper))
 
 
+_WHOLE = (0, -1)
+"""`_track`'s mark for a receiver whose whole landing failed its state digest."""
+
+
+def _track(
+    unrepaired: set[tuple[int, int]],
+    work: Sequence[Assignment],
+    rank: int,
+    landed: Landed,
+    hashed_whole: bool,
+) -> None:
+    """Keep ``unrepaired`` (a receiver's payload ranges, as (offset, nbytes), whose
+    bytes last failed their check here) up to date after one round's `land`: a
+    stripe that failed its seal is added, one that passed removed; a state digest
+    that mismatched marks the whole landing, one that matched over the whole
+    landing (``hashed_whole``) clears every mark."""
+    for j, a in enumerate(work):
+        if rank in a.receivers:
+            rng = (a.stripe.offset, a.stripe.nbytes)
+            if j in landed.failed:
+                unrepaired.add(rng)
+            else:
+                unrepaired.discard(rng)
+    if landed.mismatch is not None:
+        unrepaired.add(_WHOLE)
+    elif hashed_whole:
+        unrepaired.clear()
+
+
 def run_payload(
     tx: HealTransport,
     dl: Deadline,
@@ -600,6 +629,7 @@ def run_payload(
     work = [Assignment(s, tuple(receivers)) for s in m.stripes if s.nbytes]
     nbytes = 0
     whole = True
+    unrepaired: set[tuple[int, int]] = set()  # a receiver's ranges that failed, not refetched
     while True:  # the first round runs even with no bytes: the digest still travels
         sends: list[tuple[int, Pending]] = []
         posted: list[Posted] = []
@@ -621,9 +651,19 @@ def run_payload(
         landed = Landed()
         if landing is not None:
             landed = check.land(dl, rd, landing, posted, whole, ref)
+            hashed_whole = check.auth == HealAuth.DIGEST and (whole or bool(posted))
+            _track(unrepaired, work, rank, landed, hashed_whole)
         whole = False
         failed = check.outcome(tx, dl, rd, work, landed, flat, landing, tamper)
         if not failed:
+            if unrepaired:
+                # Installing rests on this receiver's own checks, never on the
+                # round's word: its messages are not sealed.
+                raise HealError(
+                    f"heal on rank {rank}: the outcome round reports no failure, yet bytes "
+                    "that failed their check here were not sent again (the round's "
+                    "messages were damaged or forged); nothing is installed"
+                ) from landed.first()
             return nbytes
         bad = sorted({work[j].stripe.sender_rank for j in failed})
         refused += [b for b in bad if b not in refused]
@@ -635,10 +675,11 @@ def run_payload(
                 for j in sorted(failed)
             )
             mine = landed.first()
-            raise HealError(
+            raise NoSenderLeft(
                 f"heal on rank {rank}: payload bytes {ranges} failed their {check.word} and no "
                 f"sender is left to retry from (refused senders: {refused})"
-                + (f"; here: {mine}" if mine is not None else "")
+                + (f"; here: {mine}" if mine is not None else ""),
+                nbytes,
             ) from mine
         work = [
             Assignment(

@@ -8,10 +8,25 @@ Every rank of the group calls it with the same ``senders`` and
 ``receivers``; *trusted* starts as ``senders``:
 
 1. **announce** -- one all-reduce (max) in which the first trusted sender (the
-   *root*) announces its manifest's length, every rank states the most
-   manifest bytes its state accepts (`NamedState.manifest_limit`) and adds a
-   fresh random nonce. A length over the smallest limit is refused by every
-   rank alike, before anything is allocated: the root counts as *malformed*.
+   *root*) announces its manifest's length and how many trusted senders, from
+   the first, its manifest gives bytes to send (`stripe_senders`), every rank
+   states the most manifest bytes its state accepts
+   (`NamedState.manifest_limit`) and adds a fresh random nonce. A length over
+   the smallest limit is refused by every rank alike, before anything is
+   allocated: the root counts as *malformed*.
+
+   **Standbys.** The trusted senders the manifest gives no bytes (a small
+   state comes from the root alone) sit the first pass out: each waits for
+   the root's word (`Word`), and steps 2-5 run among the other ranks only
+   (`Among`: their rounds as messages through the root), so that no round
+   waits for a standby's process to be scheduled (on members sharing cores
+   that wait was most of a round). The root's word is DONE once every
+   receiver installed; RETRY when its manifest was refused or a stripe failed
+   from every sender of the pass, and then every rank, standbys included,
+   runs the heal again from step 1 without the refused senders (what a
+   receiver landed in place is landed again); FAILED when the heal failed
+   among the others, and a standby raises HealError too. A manifest that
+   gives a standby bytes is malformed.
 2. **manifest** -- the root flattens its state, builds the JSON manifest
    (stripes over the trusted senders), seals it with HMAC-SHA256 under the job
    token, bound to this round's nonces (`elastrain.transfer.seal`), and
@@ -58,7 +73,9 @@ Every rank of the group calls it with the same ``senders`` and
 
 Everything is bounded by one deadline, ``timeout_s`` from the call. A transport
 error or timeout raises HealError on the rank that saw it at once; its peers
-then fail at their next collective (at the latest at the deadline).
+then fail at their next collective (at the latest at the deadline). In a pass
+with standbys, the root answers a round it could not complete with a failure,
+so the others fail at once, and tells its standbys FAILED.
 
 Trust: every rank that holds the job token is trusted to be honest about its
 own verdicts (any rank can make a heal fail); the manifest seal keeps out
@@ -67,7 +84,9 @@ byte it did not seal; in digest mode the payload is as exposed as a step's
 gradients on the same connections, and the digest detects damage, not a
 chosen collision (docs/design/trust.md). A whole earlier heal replayed on the
 wire fails the manifest seal (fresh nonces), so a joiner cannot be fed stale
-state.
+state. The root's word to its standbys travels unsealed, as the verdicts and
+outcomes do: it writes no state (a standby's is never written), so a forged
+word can only make a heal fail.
 """
 
 from __future__ import annotations
@@ -78,9 +97,10 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -88,7 +108,7 @@ import torch
 from elastrain.threads import HASH, name_native_thread
 from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.chunks import MAX_HEAL_ID
-from elastrain.transfer.errors import HealError, ManifestUnavailable, TornHeal
+from elastrain.transfer.errors import HealError, ManifestUnavailable, NoSenderLeft, TornHeal
 from elastrain.transfer.flatten import flat_digest
 from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
@@ -101,6 +121,7 @@ from elastrain.transfer.manifest import (
     encode_error,
     encode_manifest,
     for_heal,
+    stripe_senders,
     validate_manifest,
 )
 from elastrain.transfer.payload import (
@@ -117,7 +138,7 @@ from elastrain.transfer.rounds import Deadline, Flags
 from elastrain.transfer.seal import SEAL_BYTES, open_manifest, seal_manifest
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.tamper import Tamper
-from elastrain.transfer.transport import GlooHeal, Group, HealTransport, Reduce
+from elastrain.transfer.transport import Among, GlooHeal, Group, HealTransport, Reduce
 
 
 class Role(StrEnum):
@@ -151,7 +172,9 @@ class HealStats:
     prepared: this rank sent from a `PreparedSend` (its flatten and digest done
     before the heal). rounds_s: the part of ``seconds`` before the payload: the
     flatten and the manifest rounds (steps 1-3, with the staging and the landing's
-    allocation); what is left besides ``payload_s`` is the install.
+    allocation); what is left besides ``payload_s`` is the install. standby: this
+    sender was kept in reserve (its manifest stripe empty) and sat the heal out,
+    waiting for the root's word (`Word`): its ``seconds`` are that wait.
     """
 
     role: str
@@ -161,6 +184,7 @@ class HealStats:
     payload_s: float = 0.0
     prepared: bool = False
     rounds_s: float = 0.0
+    standby: bool = False
 
     @property
     def rate_mb_s(self) -> float:
@@ -178,6 +202,7 @@ class HealStats:
             "rate_mb_s": self.rate_mb_s,
             "prepared": self.prepared,
             "rounds_s": self.rounds_s,
+            "standby": self.standby,
         }
 
 
@@ -187,22 +212,80 @@ class _Announcement:
 
     length: int
     limit: int
+    active: int
+    """How many of the trusted senders, from the first, the root's manifest gives
+    bytes to send; the rest are its standbys."""
     nonces: tuple[int, ...]
 
 
-def _announce(tx: HealTransport, root: int, length: int, limit: int, dl: Deadline) -> _Announcement:
-    """All-reduce (max) of the root's manifest ``length`` (ignored elsewhere), minus
-    every rank's limit (so the max is the smallest limit) and every rank's nonce in
-    its own slot (collective)."""
-    v = torch.zeros(2 + tx.size, dtype=torch.int64)
-    v[0] = length if tx.rank == root else 0
+def _announce(
+    tx: HealTransport, root: int, length: int, active: int, limit: int, dl: Deadline
+) -> _Announcement:
+    """All-reduce (max) of the root's manifest ``length`` and ``active`` count (both
+    ignored elsewhere), minus every rank's limit (so the max is the smallest limit)
+    and every rank's nonce in its own slot (collective)."""
+    v = torch.zeros(3 + tx.size, dtype=torch.int64)
+    if tx.rank == root:
+        v[0], v[2] = length, active
     v[1] = -limit
-    v[2 + tx.rank] = secrets.randbits(62)
+    v[3 + tx.rank] = secrets.randbits(62)
     what = "manifest announcement all-reduce"
     work = dl.call(lambda: tx.allreduce(v, Reduce.MAX, dl.remaining()), what)
     dl.wait(work, "manifest announcement all-reduce")
     got = [int(x) for x in v.tolist()]
-    return _Announcement(got[0], -got[1], tuple(got[2:]))
+    return _Announcement(got[0], -got[1], got[2], tuple(got[3:]))
+
+
+class Word(IntEnum):
+    """What the root tells its standbys (the trusted senders its manifest gives no
+    bytes, which sit the heal out) once the heal among the other ranks has ended."""
+
+    DONE = 1
+    """Every receiver installed the state: a standby's heal is over."""
+    RETRY = 2
+    """The root's manifest, or a stripe from every sender that took part, was
+    refused: every rank runs the heal again, standbys included, without the
+    refused senders (marked in the message)."""
+    FAILED = 3
+    """The heal failed among the others (a rejected manifest, a lost member): a
+    standby raises HealError too."""
+
+
+WORD_TAG = 0
+"""The point-to-point tag of the root's word to its standbys: below every tag of
+`Among`'s rounds and of the payload."""
+
+
+def _tell(
+    tx: HealTransport, standbys: Sequence[int], word: Word, refused: Sequence[int], dl: Deadline
+) -> None:
+    """Send ``word`` and the refused senders to every standby (on the root)."""
+    msg = torch.zeros(1 + tx.size, dtype=torch.int64)
+    msg[0] = word
+    for r in refused:
+        msg[1 + r] = 1
+    works = [
+        (r, dl.call(partial(tx.send, msg, r, WORD_TAG), f"the word to standby rank {r}"))
+        for r in standbys
+    ]
+    for r, w in works:
+        dl.wait(w, f"the word to standby rank {r}")
+
+
+def _hear(tx: HealTransport, root: int, dl: Deadline) -> tuple[Word, list[int]]:
+    """A standby's wait for the root's word: the word and the refused senders."""
+    msg = torch.zeros(1 + tx.size, dtype=torch.int64)
+    what = f"waiting in reserve for the word of the root (rank {root})"
+    work = dl.call(lambda: tx.recv(msg, root, WORD_TAG), what)
+    dl.wait(work, what)
+    got = [int(x) for x in msg.tolist()]
+    try:
+        word = Word(got[0])
+    except ValueError:
+        raise HealError(
+            f"heal on rank {tx.rank}: the root (rank {root}) sent an unknown word {got[0]}"
+        ) from None
+    return word, [r for r in range(tx.size) if got[1 + r]]
 
 
 def _broadcast_bytes(
@@ -573,8 +656,10 @@ def heal_over(
 
     ``min_stripe_bytes``: the root stripes the payload only over as many senders as
     give each stripe at least this many bytes (`stripe_senders`; 0: over every
-    trusted sender); the others send nothing unless a stripe fails and is asked
-    of them again. Only the root's value counts (the manifest carries its stripes).
+    trusted sender); the others are its standbys: they sit the heal out until the
+    root's word, and send only if the root's manifest or a stripe is refused and
+    the heal runs again with them (the module docstring). Only the root's value
+    counts (the announcement and the manifest carry its choice).
 
     ``prepared``: a sender's flatten and digest done ahead (`PreparedSend`, of this
     same ``state``); ignored on a rank that does not send or when its kind differs.
@@ -643,11 +728,14 @@ def _heal(
 
     trusted = list(senders)
     refused: list[int] = []
+    keep_standbys = True  # only the first pass: a pass run again takes every rank
+    moved = 0  # payload bytes this rank moved in earlier passes
+    torn = False  # an earlier pass landed in this receiver's live tensors
     while True:
         root = trusted[0]
         code, problem = Verdict.OK, None
         built: Exception | None = None
-        data, length = b"", 0
+        data, length, active = b"", 0, len(trusted)
         if rank == root:
             digest_now = check.auth == HealAuth.DIGEST and flat is not None and receivers
             try:
@@ -664,6 +752,7 @@ def _heal(
                         state.kind, flat.tensors, flat.section, trusted, dict(meta or {}),
                         heal_id, auth=check.auth, min_stripe_bytes=min_stripe_bytes,
                     )  # fmt: skip
+                active = stripe_senders(manifest.total_bytes, len(trusted), min_stripe_bytes)
                 data = encode_manifest(manifest, prepared.entries if prepared else None)
                 if tamper is not None:
                     data = tamper.manifest_bytes(data)
@@ -674,102 +763,196 @@ def _heal(
                 length = tamper.announced_length(length)
 
         # 1. announce: the length is judged by every rank alike, before allocating
-        ann = _announce(tx, root, length, state.manifest_limit(), dl)
-        if ann.length > ann.limit:
-            code = Verdict.MALFORMED
-            problem = HealError(
-                f"malformed manifest: rank {root} announced {ann.length} manifest bytes; "
-                f"the smallest limit in the group is {ann.limit}"
-            )
-        # 2. manifest, sealed by the root
-        elif rank == root:
-            seal = seal_manifest(sealing_key, ann.nonces, root, data)
-            _broadcast_bytes(tx, root, data + seal, ann.length, dl)
-            # Its digest starts only now: begun at the flatten, the hash competed with
-            # the manifest's build, seal and broadcast, which every rank waits for.
-            if digest_now and rank not in digesting and built is None:
-                assert flat is not None
-                digesting[rank] = _Digesting(flat)
-            if built is not None:
+        ann = _announce(tx, root, length, active, state.manifest_limit(), dl)
+        standbys: list[int] = []
+        if keep_standbys and ann.length <= ann.limit and 1 <= ann.active < len(trusted):
+            standbys = trusted[ann.active :]
+        if rank in standbys:
+            word, out = _hear(tx, root, dl)
+            if word == Word.DONE:
+                return dict(meta or {}), HealStats(
+                    role, moved, time.perf_counter() - t0, tuple(refused), standby=True
+                )  # fmt: skip
+            if word == Word.FAILED:
                 raise HealError(
-                    f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"
-                ) from built
-        else:
-            sealed = _broadcast_bytes(tx, root, None, ann.length, dl)
-            seal = sealed[-SEAL_BYTES:]
-            try:
-                manifest = decode_manifest(open_manifest(key, ann.nonces, root, sealed))
-            except ManifestUnavailable:
-                raise
-            except HealError as e:
-                code, problem = Verdict.MALFORMED, e
-            else:
-                if flat_error is not None:
-                    code = Verdict.REJECTED
-                    problem = HealError(f"cannot flatten this sender's state: {flat_error}")
-                else:
-                    code, problem = _local_problem(
-                        manifest, role, trusted, flat, state, check.auth, layout
-                    )
-
-        # 3. verdict. While the round completes, a sender stages its stripe (packed
-        # and sealed) and a receiver allocates its landing: both are local, and
-        # wasted only when some rank refuses.
-        verdict = _post_verdict(tx, code, dl)
-        staged: dict[Stripe, Staged] = {}
-        landing: Landing | None = None
+                    f"heal on rank {rank}: it failed among the ranks that took part (the "
+                    f"root, rank {root}, says so) while this sender was kept in reserve"
+                )
+            refused += [r for r in out if r not in refused]
+            trusted = [t for t in trusted if t not in refused]
+            keep_standbys = False
+            continue
+        # The rest of this pass runs among the others only: the standbys wait for
+        # the root's word, and no round waits for their processes to be scheduled.
+        gx: HealTransport = Among(tx, [r for r in range(tx.size) if r not in standbys], root)
+        if not standbys:
+            gx = tx
+        told = False
         try:
-            if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
-                rd = Round(manifest, seal, key, root)
-                whole = prepared.whole if prepared is not None else None
-                staged = {s: stage(rd, flat, s, tamper, check,
-                                   whole if s.nbytes == manifest.total_bytes else None)
-                          for s in manifest.stripes if s.sender_rank == rank and s.nbytes}  # fmt: skip
-            elif code == Verdict.OK and role == Role.RECV:
-                live = state.live_targets(manifest) if in_place else None
-                landing = Landing.allocate(manifest.entries, reserve, live)  # within `bound`
-        except BaseException:
-            with contextlib.suppress(HealError):
-                verdict.result()  # the posted round completes; its peers go on to fail
-            raise
-        codes = verdict.result()
-        malformed = [r for r, c in enumerate(codes) if c == Verdict.MALFORMED]
-        if malformed:
-            refused.append(root)
-            trusted.remove(root)
-            staged, landing = {}, None  # this root's; the next lands in fresh memory
-            if trusted:
+            # 2. manifest, sealed by the root
+            if ann.length > ann.limit:
+                code = Verdict.MALFORMED
+                problem = HealError(
+                    f"malformed manifest: rank {root} announced {ann.length} manifest bytes; "
+                    f"the smallest limit in the group is {ann.limit}"
+                )
+            elif rank == root:
+                seal = seal_manifest(sealing_key, ann.nonces, root, data)
+                _broadcast_bytes(gx, root, data + seal, ann.length, dl)
+                # Its digest starts only now: begun at the flatten, the hash competed with
+                # the manifest's build, seal and broadcast, which every rank waits for.
+                if digest_now and rank not in digesting and built is None:
+                    assert flat is not None
+                    digesting[rank] = _Digesting(flat)
+                if built is not None:
+                    raise HealError(
+                        f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"
+                    ) from built
+            else:
+                sealed = _broadcast_bytes(gx, root, None, ann.length, dl)
+                seal = sealed[-SEAL_BYTES:]
+                try:
+                    manifest = decode_manifest(open_manifest(key, ann.nonces, root, sealed))
+                except ManifestUnavailable:
+                    raise
+                except HealError as e:
+                    code, problem = Verdict.MALFORMED, e
+                else:
+                    if any(s.nbytes for s in manifest.stripes if s.sender_rank in standbys):
+                        code = Verdict.MALFORMED
+                        problem = HealError(
+                            f"malformed manifest: rank {root} announced {ann.active} sending "
+                            "sender(s), and its manifest gives bytes to a sender beyond them"
+                        )
+                    elif flat_error is not None:
+                        code = Verdict.REJECTED
+                        problem = HealError(f"cannot flatten this sender's state: {flat_error}")
+                    else:
+                        code, problem = _local_problem(
+                            manifest, role, trusted, flat, state, check.auth, layout
+                        )
+
+            # 3. verdict. While the round completes, a sender stages its stripe (packed
+            # and sealed) and a receiver allocates its landing: both are local, and
+            # wasted only when some rank refuses.
+            verdict = _post_verdict(gx, code, dl)
+            staged: dict[Stripe, Staged] = {}
+            landing: Landing | None = None
+            try:
+                if code == Verdict.OK and role == Role.SEND and flat is not None and receivers:
+                    rd = Round(manifest, seal, key, root)
+                    whole = prepared.whole if prepared is not None else None
+                    staged = {s: stage(rd, flat, s, tamper, check,
+                                       whole if s.nbytes == manifest.total_bytes else None)
+                              for s in manifest.stripes if s.sender_rank == rank and s.nbytes}  # fmt: skip
+                elif code == Verdict.OK and role == Role.RECV:
+                    live = state.live_targets(manifest) if in_place else None
+                    landing = Landing.allocate(manifest.entries, reserve, live)  # within `bound`
+            except BaseException:
+                with contextlib.suppress(HealError):
+                    verdict.result()  # the posted round completes; its peers go on to fail
+                raise
+            codes = verdict.result()
+            malformed = [r for r, c in enumerate(codes) if c == Verdict.MALFORMED]
+            if malformed:
+                refused.append(root)
+                trusted.remove(root)
+                if standbys:  # the next root is a standby: every rank runs the next pass
+                    if rank == root:
+                        _tell(tx, standbys, Word.RETRY, refused, dl)
+                        told = True
+                    keep_standbys = False
+                    continue
+                if trusted:
+                    continue
+                why = f"; here: {problem}" if problem is not None else ""
+                raise HealError(
+                    f"heal on rank {rank}: rank(s) {malformed} refused the manifest of sender "
+                    f"rank {root} as malformed and no sender is left to ask (refused: {refused})"
+                    f"{why}"
+                ) from problem
+            if problem is not None:
+                raise problem
+            rejected = [r for r, c in enumerate(codes) if c]
+            if rejected:
+                raise HealError(
+                    f"heal on rank {rank}: rank(s) {rejected} rejected the manifest "
+                    "(their own HealError says why)"
+                )
+
+            # 4-5. payload, checked, with refused stripes sent again by trusted senders
+            # (of this pass: not the standbys, who are asked in the next pass)
+            rd = Round(manifest, seal, key, root)
+            t_payload = time.perf_counter()
+            own = digesting.get(rank)
+            asked = [t for t in trusted if t not in standbys]
+            try:
+                payload = partial(
+                    run_payload, gx, dl, rd, check, flat, landing, receivers, asked, refused,
+                    tamper, staged, own.result if own is not None else None,
+                )  # fmt: skip
+                nbytes = _payload_and_install(
+                    payload, rank, landing, state, manifest, bool(standbys)
+                )  # fmt: skip
+            except NoSenderLeft as e:
+                if not standbys:
+                    raise
+                moved += e.nbytes
+                torn = torn or (landing is not None and landing.in_place)
+                trusted = [t for t in trusted if t not in refused]
+                if rank == root:
+                    _tell(tx, standbys, Word.RETRY, refused, dl)
+                    told = True
+                keep_standbys = False
                 continue
-            why = f"; here: {problem}" if problem is not None else ""
-            raise HealError(
-                f"heal on rank {rank}: rank(s) {malformed} refused the manifest of sender rank "
-                f"{root} as malformed and no sender is left to ask (refused: {refused}){why}"
-            ) from problem
-        if problem is not None:
-            raise problem
-        rejected = [r for r, c in enumerate(codes) if c]
-        if rejected:
-            raise HealError(
-                f"heal on rank {rank}: rank(s) {rejected} rejected the manifest "
-                "(their own HealError says why)"
-            )
+            payload_s = time.perf_counter() - t_payload
+            if standbys and rank == root:
+                _tell(tx, standbys, Word.DONE, refused, dl)
+                told = True
+        except BaseException as e:
+            if standbys and rank == root and not told:
+                with contextlib.suppress(HealError):
+                    _tell(tx, standbys, Word.FAILED, refused, dl)
+            if torn and isinstance(e, Exception) and not isinstance(e, TornHeal):
+                raise TornHeal(
+                    f"heal on rank {rank} failed after an earlier pass began landing the "
+                    f"payload in this member's live state, which is no longer valid: {e}",
+                    own=not isinstance(e, HealError),
+                ) from e
+            raise
         break
 
-    # 4-5. payload, checked, with refused stripes sent again by trusted senders
-    rd = Round(manifest, seal, key, root)
-    t_payload = time.perf_counter()
-    own = digesting.get(rank)
+    stats = HealStats(
+        role, nbytes + moved, time.perf_counter() - t0, tuple(refused), payload_s,
+        rounds_s=t_payload - t0,
+    )  # fmt: skip
+    out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
+    return out_meta, stats
+
+
+def _payload_and_install(
+    payload: Callable[[], int],
+    rank: int,
+    landing: Landing | None,
+    state: NamedState,
+    manifest: Manifest,
+    spare: bool,
+) -> int:
+    """Steps 4-5 (``payload``: `run_payload` with its arguments bound) and the install:
+    a receiver installs once every check passed. A failure once a receiver's
+    payload lands in its live tensors raises `TornHeal`, except a `NoSenderLeft`
+    with senders kept in reserve (``spare``: the caller asks them next, and the
+    next pass lands the whole payload again)."""
     installing = False  # past the payload: a failure now is this member's own
     try:
-        nbytes = run_payload(
-            tx, dl, rd, check, flat, landing, receivers, trusted, refused, tamper, staged,
-            own.result if own is not None else None,
-        )  # fmt: skip
-        payload_s = time.perf_counter() - t_payload
+        nbytes = payload()
         installing = landing is not None
         if landing is not None:
             state.install(landing.tensors, manifest.section)
+        return nbytes
     except BaseException as e:
+        if spare and isinstance(e, NoSenderLeft):
+            raise
         # Whatever raised (a bug's KeyError as much as a lost sender), the live
         # tensors may hold part of the payload: never let it leave unmarked.
         if landing is None or not landing.in_place:
@@ -784,10 +967,3 @@ def _heal(
         # A HealError of the payload is a peer's failure (a lost sender, every
         # sender's bytes refused); the install's refusal, or a bug, is this member's.
         raise TornHeal(f"{torn}: {e}", own=installing or not isinstance(e, HealError)) from e
-
-    stats = HealStats(
-        role, nbytes, time.perf_counter() - t0, tuple(refused), payload_s,
-        rounds_s=t_payload - t0,
-    )  # fmt: skip
-    out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
-    return out_meta, stats

@@ -784,9 +784,9 @@ def _heal(
             continue
         # The rest of this pass runs among the others only: the standbys wait for
         # the root's word, and no round waits for their processes to be scheduled.
-        gx: HealTransport = Among(tx, [r for r in range(tx.size) if r not in standbys], root)
-        if not standbys:
-            gx = tx
+        gx: HealTransport = tx
+        if standbys:
+            gx = Among(tx, [r for r in range(tx.size) if r not in standbys], root)
         told = False
         try:
             # 2. manifest, sealed by the root

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-import elastrain.transfer.striped as striped
+import elastrain.transfer.prepared as prepared
 import elastrain.transfer.torch_state as torch_state
 from elastrain.transfer import (
     HealAuth,
@@ -35,6 +35,7 @@ from elastrain.transfer import (
 from elastrain.transfer.chunks import MAX_CHUNKS
 from elastrain.transfer.flatten import flatten_state
 from elastrain.transfer.seal import REFERENCE_BYTES, STRIPE_SEAL_BYTES
+from elastrain.transfer.standby import WORD_TAG
 from elastrain.transfer.tamper import Tamper
 from elastrain.transfer.transport import ROUND_TAGS, Among, Pending, Reduce
 
@@ -325,8 +326,8 @@ def test_senders_kept_in_reserve_sit_the_heal_out_until_the_roots_word() -> None
     assert [st.bytes for st in stats[1:3]] == [0, 0] and stats[0].bytes == stats[3].bytes > 0
     assert state_hash(*states[3]) == want
     for standby in (1, 2):
-        assert wire.took_part[standby] == ["allreduce-max", f"recv {striped.WORD_TAG}"]
-    assert wire.took_part[0].count(f"send {striped.WORD_TAG}") == 2
+        assert wire.took_part[standby] == ["allreduce-max", f"recv {WORD_TAG}"]
+    assert wire.took_part[0].count(f"send {WORD_TAG}") == 2
     # The root and the receiver: one gloo-like collective (the announcement), the
     # rest as messages between the two of them.
     assert [k for k in wire.took_part[3] if not k.startswith(("send", "recv"))] == ["allreduce-max"]
@@ -661,7 +662,7 @@ def test_a_receiver_never_installs_state_whose_digest_does_not_match(
     state is untouched."""
     states = [_state(True), _state(False)]
     before = state_hash(*states[1])
-    monkeypatch.setattr(striped, "flat_digest", lambda flat: "ab" * 16)
+    monkeypatch.setattr(prepared, "flat_digest", lambda flat: "ab" * 16)
     res = run(Wire(2), states, senders=[0], receivers=[1])
     assert all(isinstance(r, HealError) and "no sender is left" in str(r) for r in res), res
     assert "state digest mismatch" in str(res[1])

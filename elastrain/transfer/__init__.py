@@ -16,11 +16,11 @@ from elastrain.transfer.errors import HealError, TornHeal
 from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
 from elastrain.transfer.signature import model_signature, signature_mismatch
+from elastrain.transfer.prepared import PreparedSend
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.striped import (
     HealFn,
     HealStats,
-    PreparedSend,
     Role,
     heal,
     heal_over,

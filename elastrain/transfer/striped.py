@@ -95,7 +95,6 @@ import contextlib
 import dataclasses
 import json
 import secrets
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -105,11 +104,9 @@ from typing import Any, Protocol
 
 import torch
 
-from elastrain.threads import HASH, name_native_thread
 from elastrain.transfer.auth import HealAuth
 from elastrain.transfer.chunks import MAX_HEAL_ID
 from elastrain.transfer.errors import HealError, ManifestUnavailable, NoSenderLeft, TornHeal
-from elastrain.transfer.flatten import flat_digest
 from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
     STRIPE_MIN_BYTES,
@@ -117,7 +114,6 @@ from elastrain.transfer.manifest import (
     Stripe,
     build_manifest,
     decode_manifest,
-    encode_entries,
     encode_error,
     encode_manifest,
     for_heal,
@@ -126,16 +122,16 @@ from elastrain.transfer.manifest import (
 )
 from elastrain.transfer.payload import (
     CHECKS,
-    Cut,
     PayloadCheck,
     Round,
     Staged,
-    cut_stripe,
     run_payload,
     stage,
 )
+from elastrain.transfer.prepared import Digesting, PreparedSend
 from elastrain.transfer.rounds import Deadline, Flags
 from elastrain.transfer.seal import SEAL_BYTES, open_manifest, seal_manifest
+from elastrain.transfer.standby import Word, hear, tell
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.tamper import Tamper
 from elastrain.transfer.transport import Among, GlooHeal, Group, HealTransport, Reduce
@@ -234,58 +230,6 @@ def _announce(
     dl.wait(work, "manifest announcement all-reduce")
     got = [int(x) for x in v.tolist()]
     return _Announcement(got[0], -got[1], got[2], tuple(got[3:]))
-
-
-class Word(IntEnum):
-    """What the root tells its standbys (the trusted senders its manifest gives no
-    bytes, which sit the heal out) once the heal among the other ranks has ended."""
-
-    DONE = 1
-    """Every receiver installed the state: a standby's heal is over."""
-    RETRY = 2
-    """The root's manifest, or a stripe from every sender that took part, was
-    refused: every rank runs the heal again, standbys included, without the
-    refused senders (marked in the message)."""
-    FAILED = 3
-    """The heal failed among the others (a rejected manifest, a lost member): a
-    standby raises HealError too."""
-
-
-WORD_TAG = 0
-"""The point-to-point tag of the root's word to its standbys: below every tag of
-`Among`'s rounds and of the payload."""
-
-
-def _tell(
-    tx: HealTransport, standbys: Sequence[int], word: Word, refused: Sequence[int], dl: Deadline
-) -> None:
-    """Send ``word`` and the refused senders to every standby (on the root)."""
-    msg = torch.zeros(1 + tx.size, dtype=torch.int64)
-    msg[0] = word
-    for r in refused:
-        msg[1 + r] = 1
-    works = [
-        (r, dl.call(partial(tx.send, msg, r, WORD_TAG), f"the word to standby rank {r}"))
-        for r in standbys
-    ]
-    for r, w in works:
-        dl.wait(w, f"the word to standby rank {r}")
-
-
-def _hear(tx: HealTransport, root: int, dl: Deadline) -> tuple[Word, list[int]]:
-    """A standby's wait for the root's word: the word and the refused senders."""
-    msg = torch.zeros(1 + tx.size, dtype=torch.int64)
-    what = f"waiting in reserve for the word of the root (rank {root})"
-    work = dl.call(lambda: tx.recv(msg, root, WORD_TAG), what)
-    dl.wait(work, what)
-    got = [int(x) for x in msg.tolist()]
-    try:
-        word = Word(got[0])
-    except ValueError:
-        raise HealError(
-            f"heal on rank {tx.rank}: the root (rank {root}) sent an unknown word {got[0]}"
-        ) from None
-    return word, [r for r in range(tx.size) if got[1 + r]]
 
 
 def _broadcast_bytes(
@@ -495,98 +439,6 @@ def heal_with(
     return heal_in_mode
 
 
-class _Digesting:
-    """A sender's `state_digest` of its flattened state, computed on a thread (xxhash
-    releases the GIL): from a `PreparedSend`'s creation, or on a root without one
-    from the moment its manifest is broadcast, so that it overlaps the verdict
-    round, the staging and its own stripes' sends but not the manifest's build,
-    seal and broadcast, which every rank waits for. Waited for only when the root
-    sends it, after its stripes are posted; joined at the end of the heal either way."""
-
-    def __init__(self, flat: FlatState) -> None:
-        self._flat = flat
-        self._digest: str | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="elastrain-heal-digest")
-        self._thread.start()
-
-    def _run(self) -> None:
-        name_native_thread(HASH)
-        try:
-            self._digest = flat_digest(self._flat)
-        except BaseException as e:  # noqa: BLE001 - raised again by result()
-            self._error = e
-
-    def result(self) -> str:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._digest is not None
-        return self._digest
-
-    def join(self) -> None:
-        self._thread.join()
-
-
-class PreparedSend:
-    """A sender's share of a heal done before the heal is asked for: its state
-    flattened and laid out and, on the root in digest mode, its state digest begun
-    on a thread (``root``: the first sender, whose digest the receivers check).
-
-    Why: a sender's flatten and layout check and the root's digest are the part of
-    a heal that scales with the state and does not move a byte; begun at the heal
-    they delay the manifest rounds (each waits for the slowest sender) and compete
-    with the stripes' sends for the cores. A member that knows it will send (the
-    generation's plan names it a sender while a peer is behind) prepares while
-    the generation's group is being built, which is waiting on peers, and hands
-    this to `heal_over`.
-
-    Contract: ``state`` is not written between this call and the heal (the
-    engine prepares at a generation's connect and heals right after it, with
-    nothing in between that steps). If it were, the digest would not match what
-    the stripes carry: the receivers' digest of what landed differs from the
-    root's, which is the reference, so the heal fails on every rank (HealError;
-    the engine forms the next generation, which prepares afresh) and no receiver
-    installs it.
-    """
-
-    def __init__(
-        self, state: NamedState, auth: HealAuth = HealAuth.DIGEST, *, root: bool = True
-    ) -> None:
-        self.kind = state.kind
-        self.flat: FlatState | None = None
-        self.error: TypeError | None = None
-        self.layout: Manifest | None = None
-        """Its entries laid out (what a sender that is not the root checks the root's
-        manifest against, and the root builds its manifest from: `for_heal`; its
-        stripes are not this heal's)."""
-        self.entries: bytes | None = None
-        """The root's `encode_entries` of ``layout`` (most of its manifest's bytes)."""
-        self.whole: Cut | None = None
-        """The root's whole payload cut into its messages' pieces (`cut_stripe`: views,
-        packed at the heal): its stripe when it sends every byte, as a small state's
-        root does (`stripe_senders`)."""
-        self._digesting: _Digesting | None = None
-        try:
-            self.flat = state.flatten()
-        except TypeError as e:  # the heal raises it as the root's manifest error
-            self.error = e
-        if self.flat is not None:
-            self.layout = build_manifest(
-                self.kind, self.flat.tensors, self.flat.section, [0], {}, 0
-            )
-            if root:
-                self.entries = encode_entries(self.layout.entries)
-                self.whole = cut_stripe(self.layout, self.flat, self.layout.stripes[0])
-                if HealAuth(auth) == HealAuth.DIGEST:
-                    self._digesting = _Digesting(self.flat)
-
-    def digesting(self) -> _Digesting | None:
-        """The digest begun at preparation (digest mode), or None. One not used by a
-        heal ends on its own: its thread only reads."""
-        return self._digesting
-
-
 def heal_over(
     tx: HealTransport,
     senders: list[int],
@@ -674,7 +526,7 @@ def heal_over(
 
     flat: FlatState | None = None
     flat_error: Exception | None = None
-    digesting: dict[int, _Digesting] = {}
+    digesting: dict[int, Digesting] = {}
     if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
         prepared = None
     if prepared is not None:
@@ -711,7 +563,7 @@ def _heal(
     t0: float,
     flat: FlatState | None,
     flat_error: Exception | None,
-    digesting: dict[int, _Digesting],
+    digesting: dict[int, Digesting],
     in_place: bool,
     min_stripe_bytes: int,
     prepared: PreparedSend | None,
@@ -768,7 +620,7 @@ def _heal(
         if keep_standbys and ann.length <= ann.limit and 1 <= ann.active < len(trusted):
             standbys = trusted[ann.active :]
         if rank in standbys:
-            word, out = _hear(tx, root, dl)
+            word, out = hear(tx, root, dl)
             if word == Word.DONE:
                 return dict(meta or {}), HealStats(
                     role, moved, time.perf_counter() - t0, tuple(refused), standby=True
@@ -803,7 +655,7 @@ def _heal(
                 # the manifest's build, seal and broadcast, which every rank waits for.
                 if digest_now and rank not in digesting and built is None:
                     assert flat is not None
-                    digesting[rank] = _Digesting(flat)
+                    digesting[rank] = Digesting(flat)
                 if built is not None:
                     raise HealError(
                         f"heal on rank {rank} (manifest root): cannot build the manifest: {built}"
@@ -859,7 +711,7 @@ def _heal(
                 trusted.remove(root)
                 if standbys:  # the next root is a standby: every rank runs the next pass
                     if rank == root:
-                        _tell(tx, standbys, Word.RETRY, refused, dl)
+                        tell(tx, standbys, Word.RETRY, refused, dl)
                         told = True
                     keep_standbys = False
                     continue
@@ -901,18 +753,18 @@ def _heal(
                 torn = torn or (landing is not None and landing.in_place)
                 trusted = [t for t in trusted if t not in refused]
                 if rank == root:
-                    _tell(tx, standbys, Word.RETRY, refused, dl)
+                    tell(tx, standbys, Word.RETRY, refused, dl)
                     told = True
                 keep_standbys = False
                 continue
             payload_s = time.perf_counter() - t_payload
             if standbys and rank == root:
-                _tell(tx, standbys, Word.DONE, refused, dl)
+                tell(tx, standbys, Word.DONE, refused, dl)
                 told = True
         except BaseException as e:
             if standbys and rank == root and not told:
                 with contextlib.suppress(HealError):
-                    _tell(tx, standbys, Word.FAILED, refused, dl)
+                    tell(tx, standbys, Word.FAILED, refused, dl)
             if torn and isinstance(e, Exception) and not isinstance(e, TornHeal):
                 raise TornHeal(
                     f"heal on rank {rank} failed after an earlier pass began landing the "

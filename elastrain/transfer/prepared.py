@@ -1,0 +1,110 @@
+"""A sender's share of a heal done ahead: its flatten, layout and (the root's) digest.
+
+`PreparedSend` is what a member that knows it will send builds while the
+generation's group is being built; `Digesting` is the state digest computed on
+a thread, from a preparation or, on a root without one, from its manifest's
+broadcast on. `elastrain.transfer.striped.heal_over` takes both.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from elastrain.threads import HASH, name_native_thread
+from elastrain.transfer.auth import HealAuth
+from elastrain.transfer.flatten import flat_digest
+from elastrain.transfer.manifest import Manifest, build_manifest, encode_entries
+from elastrain.transfer.payload import Cut, cut_stripe
+from elastrain.transfer.state import FlatState, NamedState
+
+
+class Digesting:
+    """A sender's `state_digest` of its flattened state, computed on a thread (xxhash
+    releases the GIL): from a `PreparedSend`'s creation, or on a root without one
+    from the moment its manifest is broadcast, so that it overlaps the verdict
+    round, the staging and its own stripes' sends but not the manifest's build,
+    seal and broadcast, which every rank waits for. Waited for only when the root
+    sends it, after its stripes are posted; joined at the end of the heal either way."""
+
+    def __init__(self, flat: FlatState) -> None:
+        self._flat = flat
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="elastrain-heal-digest")
+        self._thread.start()
+
+    def _run(self) -> None:
+        name_native_thread(HASH)
+        try:
+            self._digest = flat_digest(self._flat)
+        except BaseException as e:  # noqa: BLE001 - raised again by result()
+            self._error = e
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._digest is not None
+        return self._digest
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+class PreparedSend:
+    """A sender's share of a heal done before the heal is asked for: its state
+    flattened and laid out and, on the root in digest mode, its state digest begun
+    on a thread (``root``: the first sender, whose digest the receivers check).
+
+    Why: a sender's flatten and layout check and the root's digest are the part of
+    a heal that scales with the state and does not move a byte; begun at the heal
+    they delay the manifest rounds (each waits for the slowest sender) and compete
+    with the stripes' sends for the cores. A member that knows it will send (the
+    generation's plan names it a sender while a peer is behind) prepares while
+    the generation's group is being built, which is waiting on peers, and hands
+    this to `heal_over`.
+
+    Contract: ``state`` is not written between this call and the heal (the
+    engine prepares at a generation's connect and heals right after it, with
+    nothing in between that steps). If it were, the digest would not match what
+    the stripes carry: the receivers' digest of what landed differs from the
+    root's, which is the reference, so the heal fails on every rank (HealError;
+    the engine forms the next generation, which prepares afresh) and no receiver
+    installs it.
+    """
+
+    def __init__(
+        self, state: NamedState, auth: HealAuth = HealAuth.DIGEST, *, root: bool = True
+    ) -> None:
+        self.kind = state.kind
+        self.flat: FlatState | None = None
+        self.error: TypeError | None = None
+        self.layout: Manifest | None = None
+        """Its entries laid out (what a sender that is not the root checks the root's
+        manifest against, and the root builds its manifest from: `for_heal`; its
+        stripes are not this heal's)."""
+        self.entries: bytes | None = None
+        """The root's `encode_entries` of ``layout`` (most of its manifest's bytes)."""
+        self.whole: Cut | None = None
+        """The root's whole payload cut into its messages' pieces (`cut_stripe`: views,
+        packed at the heal): its stripe when it sends every byte, as a small state's
+        root does (`stripe_senders`)."""
+        self._digesting: Digesting | None = None
+        try:
+            self.flat = state.flatten()
+        except TypeError as e:  # the heal raises it as the root's manifest error
+            self.error = e
+        if self.flat is not None:
+            self.layout = build_manifest(
+                self.kind, self.flat.tensors, self.flat.section, [0], {}, 0
+            )
+            if root:
+                self.entries = encode_entries(self.layout.entries)
+                self.whole = cut_stripe(self.layout, self.flat, self.layout.stripes[0])
+                if HealAuth(auth) == HealAuth.DIGEST:
+                    self._digesting = Digesting(self.flat)
+
+    def digesting(self) -> Digesting | None:
+        """The digest begun at preparation (digest mode), or None. One not used by a
+        heal ends on its own: its thread only reads."""
+        return self._digesting

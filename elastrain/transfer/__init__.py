@@ -15,8 +15,8 @@ from elastrain.transfer.auth import HealAuth, check_auth
 from elastrain.transfer.errors import HealError, TornHeal
 from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
-from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.prepared import PreparedSend
+from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.striped import (
     HealFn,

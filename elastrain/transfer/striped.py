@@ -622,8 +622,8 @@ def _heal(
         if rank in standbys:
             word, out = hear(tx, root, dl)
             if word == Word.DONE:
-                return dict(meta or {}), HealStats(
-                    role, moved, time.perf_counter() - t0, tuple(refused), standby=True
+                return dict(meta or {}), HealStats(  # a first pass: it moved nothing
+                    role, 0, time.perf_counter() - t0, tuple(refused), standby=True
                 )  # fmt: skip
             if word == Word.FAILED:
                 raise HealError(
@@ -639,7 +639,6 @@ def _heal(
         gx: HealTransport = tx
         if standbys:
             gx = Among(tx, [r for r in range(tx.size) if r not in standbys], root)
-        told = False
         try:
             # 2. manifest, sealed by the root
             if ann.length > ann.limit:
@@ -712,7 +711,6 @@ def _heal(
                 if standbys:  # the next root is a standby: every rank runs the next pass
                     if rank == root:
                         tell(tx, standbys, Word.RETRY, refused, dl)
-                        told = True
                     keep_standbys = False
                     continue
                 if trusted:
@@ -754,15 +752,16 @@ def _heal(
                 trusted = [t for t in trusted if t not in refused]
                 if rank == root:
                     tell(tx, standbys, Word.RETRY, refused, dl)
-                    told = True
                 keep_standbys = False
                 continue
             payload_s = time.perf_counter() - t_payload
             if standbys and rank == root:
                 tell(tx, standbys, Word.DONE, refused, dl)
-                told = True
         except BaseException as e:
-            if standbys and rank == root and not told:
+            # Nothing raises after a word is sent whole (the RETRYs go straight on to
+            # the next pass): an exception here means the standbys heard nothing,
+            # or not all of them did.
+            if standbys and rank == root:
                 with contextlib.suppress(HealError):
                     tell(tx, standbys, Word.FAILED, refused, dl)
             if torn and isinstance(e, Exception) and not isinstance(e, TornHeal):

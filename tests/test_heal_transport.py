@@ -468,6 +468,49 @@ def _live(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(t.data_ptr(), t.numel() * t.element_size()) for t in model.state_dict().values()]
 
 
+def _count_walks(model: torch.nn.Module) -> list[int]:
+    """Count the calls of ``model.state_dict()`` from now on (its own, not its children's)."""
+    calls = [0]
+    real = model.state_dict
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    model.state_dict = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_heal_walks_each_members_model_at_most_once() -> None:
+    """A model's state_dict walk visits every module; a receiver's limit, bound,
+    check, live targets and install each needed one. In a heal every rank walks
+    its model at most once (a sender's flatten is that walk)."""
+    states = [_state(True), _state(True), _state(False)]
+    walks = [_count_walks(model) for model, _ in states]
+    res = run(Wire(3), states, senders=[0, 1], receivers=[2], in_place=True)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert [w[0] for w in walks] == [1, 1, 1]
+    assert state_hash(*states[2]) == state_hash(*states[0])
+
+
+def test_outside_a_heal_a_state_sees_the_models_structure_as_it_is_now() -> None:
+    """The walk is kept only for the span of `TorchState.steady` (the outer one when
+    nested): a buffer registered after a heal is part of the next one's layout."""
+    model, opt = _state(True)
+    state = TorchState(model, opt)
+    walks = _count_walks(model)
+    with state.steady():
+        with state.steady():
+            before = [n for n, _ in state.flatten().tensors]
+        assert state.manifest_limit() > 0
+        assert [n for n, _ in state.flatten().tensors] == before
+    assert walks[0] == 1
+    model.register_buffer("seen", torch.zeros(3))
+    after = [n for n, _ in state.flatten().tensors]
+    assert walks[0] == 2
+    assert "model/seen" in after and "model/seen" not in before
+
+
 @pytest.mark.parametrize("auth", list(HealAuth))
 def test_in_place_the_model_lands_in_its_live_tensors_and_a_bad_stripe_is_fetched_again(
     auth: HealAuth, monkeypatch: pytest.MonkeyPatch

@@ -17,6 +17,7 @@ view) and rebuilt from raw bytes plus the local leaf's dtype and shape.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -139,6 +140,10 @@ class JaxState:
         self.tree = tree
         self.healed: Tree | None = None
         self._leaves = named_leaves(tree)
+
+    def steady(self) -> contextlib.AbstractContextManager[None]:
+        # Its structure (the named leaves) is read once, at construction.
+        return contextlib.nullcontext()
 
     def flatten(self) -> FlatState:
         flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)

@@ -91,18 +91,21 @@ def flatten_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     objects: Mapping[str, Stateful] | None = None,
+    walked: dict[str, Any] | None = None,
 ) -> FlatState:
     """Name every tensor of the model's state_dict, the optimizer's state dict and
-    the registered objects' state dicts.
+    the registered objects' state dicts (``walked``: the model's `model_state`, if
+    walked already).
 
     The returned tensors alias the live state (no copies). ``stable`` names the
     parameters the optimizer updates and the optimizer's per-parameter state:
     only its ``step()`` writes them. Raises TypeError for state that cannot
     travel as tensors + JSON.
     """
-    model_signature(model)  # raises TypeError on non-tensor state_dict values
+    walked = model_state(model) if walked is None else walked
+    model_signature(model, walked)  # raises TypeError on non-tensor state_dict values
     tensors: list[tuple[str, torch.Tensor]] = [
-        (MODEL_PREFIX + k, v.detach()) for k, v in model_state(model).items()
+        (MODEL_PREFIX + k, v.detach()) for k, v in walked.items()
     ]
     osd = optimizer.state_dict()
     state: dict[str, Any] = {}

@@ -90,6 +90,13 @@ class PreparedSend:
         packed at the heal): its stripe when it sends every byte, as a small state's
         root does (`stripe_senders`)."""
         self._digesting: Digesting | None = None
+        with state.steady():
+            self.limit = state.manifest_limit()
+            """Its `NamedState.manifest_limit` (which the root's announcement states before
+            anything else: one walk of the model less on every rank's path)."""
+            self._prepare(state, auth, root)
+
+    def _prepare(self, state: NamedState, auth: HealAuth, root: bool) -> None:
         try:
             self.flat = state.flatten()
         except TypeError as e:  # the heal raises it as the root's manifest error

@@ -13,8 +13,13 @@ import torch
 from elastrain.transfer.names import model_state
 
 
-def model_signature(model: torch.nn.Module) -> list[list[Any]]:
+def model_signature(
+    model: torch.nn.Module, walked: dict[str, Any] | None = None
+) -> list[list[Any]]:
     """Return ``[[name, shape, dtype], ...]`` for ``model.state_dict()`` in order.
+
+    ``walked``: the model's `model_state`, walked already (the walk is most of
+    the cost, and a heal needs it several times).
 
     ``name`` is the state_dict key without torch.compile's ``_orig_mod.`` segments
     (`elastrain.transfer.names`): a compiled model has the signature of the model
@@ -26,7 +31,7 @@ def model_signature(model: torch.nn.Module) -> list[list[Any]]:
     (``get_extra_state``), which elastrain cannot move without pickle.
     """
     out: list[list[Any]] = []
-    for name, value in model_state(model).items():
+    for name, value in (model_state(model) if walked is None else walked).items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"state_dict entry {name!r} is a {type(value).__name__}, not a tensor; "

@@ -19,6 +19,7 @@ are local (no communication); the distributed contract is:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +65,14 @@ class NamedState(Protocol):
     kind: str
     """Which trainer the state belongs to ("torch", "jax"); it travels in the
     manifest and a receiver refuses a manifest of another kind."""
+
+    def steady(self) -> AbstractContextManager[None]:
+        """A span in which nothing but the caller changes this state's structure
+        (which tensors it holds, their names, shapes and dtypes; their values may
+        change): inside it the kind may derive what it needs from that structure
+        once instead of in every method (torch: the model's state_dict walk). A heal
+        runs inside one; nesting is allowed."""
+        ...
 
     def flatten(self) -> FlatState:
         """The state's named CPU tensors, in a fixed order, and its JSON section.

@@ -521,9 +521,30 @@ def heal_over(
     t0 = time.perf_counter()
     _check_args(tx, senders, receivers, timeout_s)
     check = CHECKS[HealAuth(auth)]
-    rank = tx.rank
-    role = Role.of(rank, senders, receivers)
+    with state.steady():  # the heal is the only thing touching the state meanwhile
+        return _heal_steady(tx, senders, receivers, state, meta, timeout_s, key, tamper,
+                            reserve, check, t0, in_place, min_stripe_bytes, prepared)  # fmt: skip
 
+
+def _heal_steady(
+    tx: HealTransport,
+    senders: list[int],
+    receivers: list[int],
+    state: NamedState,
+    meta: dict[str, Any] | None,
+    timeout_s: float,
+    key: bytes | None,
+    tamper: Tamper | None,
+    reserve: LandingReserve | None,
+    check: PayloadCheck,
+    t0: float,
+    in_place: bool,
+    min_stripe_bytes: int,
+    prepared: PreparedSend | None,
+) -> tuple[dict[str, Any], HealStats]:
+    """`heal_over` once its arguments are checked, inside the state's `NamedState.steady`
+    span: this rank's flatten (or its `PreparedSend`'s), then `_heal`."""
+    role = Role.of(tx.rank, senders, receivers)
     flat: FlatState | None = None
     flat_error: Exception | None = None
     digesting: dict[int, Digesting] = {}
@@ -533,7 +554,7 @@ def heal_over(
         flat, flat_error = prepared.flat, prepared.error
         begun = prepared.digesting()
         if begun is not None and check.auth == HealAuth.DIGEST:
-            digesting[rank] = begun
+            digesting[tx.rank] = begun
     elif role == Role.SEND:
         try:
             flat = state.flatten()
@@ -615,7 +636,8 @@ def _heal(
                 length = tamper.announced_length(length)
 
         # 1. announce: the length is judged by every rank alike, before allocating
-        ann = _announce(tx, root, length, active, state.manifest_limit(), dl)
+        limit = prepared.limit if prepared is not None else state.manifest_limit()
+        ann = _announce(tx, root, length, active, limit, dl)
         standbys: list[int] = []
         if keep_standbys and ann.length <= ann.limit and 1 <= ann.active < len(trusted):
             standbys = trusted[ann.active :]

@@ -13,9 +13,10 @@ communication.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import Enum
 from typing import Any
 
@@ -117,9 +118,34 @@ class TorchState:
         self.model = model
         self.optimizer = optimizer
         self.objects: Mapping[str, Stateful] = objects or {}
+        self._steady = False
+        self._walked: dict[str, Any] | None = None
+
+    @contextlib.contextmanager
+    def steady(self) -> Iterator[None]:
+        """`NamedState.steady`: the model's state_dict is walked at most once in it
+        (a heal's receiver needed it for its limit, `bound`, `check`, `live_targets`
+        and `install`: five walks of every module, about 2 ms of its critical path
+        for the benchmarks' model)."""
+        if self._steady:  # nested: the outer span owns the walk
+            yield
+            return
+        self._steady = True
+        try:
+            yield
+        finally:
+            self._steady, self._walked = False, None
+
+    def _model_state(self) -> dict[str, Any]:
+        """`model_state` of the model: walked once per `steady` span, else every call."""
+        if not self._steady:
+            return model_state(self.model)
+        if self._walked is None:
+            self._walked = model_state(self.model)
+        return self._walked
 
     def flatten(self) -> FlatState:
-        return flatten_state(self.model, self.optimizer, self.objects)
+        return flatten_state(self.model, self.optimizer, self.objects, self._model_state())
 
     def _own_object_entries(self) -> dict[str, torch.Tensor]:
         """This state's own ``obj/...`` tensors by name: the layout a sender's must equal."""
@@ -138,7 +164,7 @@ class TorchState:
 
     def manifest_limit(self) -> int:
         return manifest_limit(
-            len(model_state(self.model))
+            len(self._model_state())
             + self._max_optim_entries()
             + len(self._own_object_entries())
             + MAX_GROUP_TENSORS
@@ -163,7 +189,7 @@ class TorchState:
         `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack), plus
         its registered objects' tensor bytes (plus room for a few small ones it does
         not have, which `check` refuses with a clear message)."""
-        model_bytes = sum(t.numel() * t.element_size() for t in model_state(self.model).values())
+        model_bytes = sum(t.numel() * t.element_size() for t in self._model_state().values())
         param_bytes = sum(p.numel() * p.element_size() for p in self._params())
         object_bytes = sum(
             t.numel() * t.element_size() for t in self._own_object_entries().values()
@@ -285,7 +311,7 @@ class TorchState:
             for e in m.entries
             if e.name.startswith(MODEL_PREFIX)
         ]
-        problem = signature_mismatch(model_signature(self.model), theirs)
+        problem = signature_mismatch(model_signature(self.model, self._model_state()), theirs)
         if problem is not None:
             return f"cannot heal into this model: {problem}"
         return self._check_optimizer(m.section) or self._check_objects(m)
@@ -342,7 +368,7 @@ class TorchState:
         is adopted, not copied, so it lands fresh either way): those that are
         contiguous CPU tensors of the entry's dtype and shape and share no byte
         with another model tensor (tied weights land fresh and are copied)."""
-        live = model_state(self.model)
+        live = self._model_state()
         spans: list[tuple[int, int, str]] = []
         out: dict[str, torch.Tensor] = {}
         for e in m.entries:
@@ -365,7 +391,7 @@ class TorchState:
         return out
 
     def install(self, tensors: dict[str, torch.Tensor], section: dict[str, Any]) -> None:
-        model_sd = model_state(self.model)
+        model_sd = self._model_state()
         state = {int(k): decode_refs(v, tensors) for k, v in section["state"].items()}
         groups = decode_refs(section["param_groups"], tensors)
         objects = section.get(OBJECTS_KEY, {})

@@ -521,53 +521,34 @@ def heal_over(
     t0 = time.perf_counter()
     _check_args(tx, senders, receivers, timeout_s)
     check = CHECKS[HealAuth(auth)]
-    with state.steady():  # the heal is the only thing touching the state meanwhile
-        return _heal_steady(tx, senders, receivers, state, meta, timeout_s, key, tamper,
-                            reserve, check, t0, in_place, min_stripe_bytes, prepared)  # fmt: skip
+    rank = tx.rank
+    role = Role.of(rank, senders, receivers)
 
-
-def _heal_steady(
-    tx: HealTransport,
-    senders: list[int],
-    receivers: list[int],
-    state: NamedState,
-    meta: dict[str, Any] | None,
-    timeout_s: float,
-    key: bytes | None,
-    tamper: Tamper | None,
-    reserve: LandingReserve | None,
-    check: PayloadCheck,
-    t0: float,
-    in_place: bool,
-    min_stripe_bytes: int,
-    prepared: PreparedSend | None,
-) -> tuple[dict[str, Any], HealStats]:
-    """`heal_over` once its arguments are checked, inside the state's `NamedState.steady`
-    span: this rank's flatten (or its `PreparedSend`'s), then `_heal`."""
-    role = Role.of(tx.rank, senders, receivers)
-    flat: FlatState | None = None
-    flat_error: Exception | None = None
-    digesting: dict[int, Digesting] = {}
-    if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
-        prepared = None
-    if prepared is not None:
-        flat, flat_error = prepared.flat, prepared.error
-        begun = prepared.digesting()
-        if begun is not None and check.auth == HealAuth.DIGEST:
-            digesting[tx.rank] = begun
-    elif role == Role.SEND:
+    # The heal is the only thing touching the state meanwhile (`NamedState.steady`).
+    with state.steady():
+        flat: FlatState | None = None
+        flat_error: Exception | None = None
+        digesting: dict[int, Digesting] = {}
+        if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
+            prepared = None
+        if prepared is not None:
+            flat, flat_error = prepared.flat, prepared.error
+            begun = prepared.digesting()
+            if begun is not None and check.auth == HealAuth.DIGEST:
+                digesting[rank] = begun
+        elif role == Role.SEND:
+            try:
+                flat = state.flatten()
+            except TypeError as e:
+                flat_error = e
         try:
-            flat = state.flatten()
-        except TypeError as e:
-            flat_error = e
-    try:
-        out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key, tamper,
-                                reserve, check, t0, flat, flat_error, digesting, in_place,
-                                min_stripe_bytes, prepared)  # fmt: skip
-        return out_meta, dataclasses.replace(stats, prepared=prepared is not None)
-    finally:
-        for d in digesting.values():
-            d.join()
+            out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key,
+                                    tamper, reserve, check, t0, flat, flat_error, digesting,
+                                    in_place, min_stripe_bytes, prepared)  # fmt: skip
+            return out_meta, dataclasses.replace(stats, prepared=prepared is not None)
+        finally:
+            for d in digesting.values():
+                d.join()
 
 
 def _heal(

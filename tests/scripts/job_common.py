@@ -172,13 +172,20 @@ def jax_arguments(ap: argparse.ArgumentParser, steps: int, hidden: int, pace_why
         default=0.0,
         help=f"pace: at least this long per committed step {pace_why}",
     )
+    ap.add_argument(
+        "--pace-file",
+        default=None,
+        help="a file holding a minimum step time in seconds, read every step, in place of "
+        "--min-step-s while it exists (a test holds the job while it waits for a rebuilt "
+        "replica, then lets it run at full speed)",
+    )
 
 
 def jax_mlp_job(args: argparse.Namespace, **more: Any) -> JaxElasticTrainer:
     """Train the soak's JAX MLP (dropout: the per-micro-batch keys matter) on a
-    fixed regression set with optax Adam, paced by --min-step-s; a member that
-    holds the final state writes its parameters to <run_dir>/final/<member>.npy
-    (numpy, no pickle). ``more``: the script's own `TrainerConfig` fields."""
+    fixed regression set with optax Adam, paced by --pace-file (while it exists)
+    or --min-step-s; a member that holds the final state writes its parameters to
+    <run_dir>/final/<member>.npy (numpy, no pickle). ``more``: the script's own `TrainerConfig` fields."""
     # One XLA CPU thread per worker (several workers share two cores here): read
     # when JAX loads, which is below.
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
@@ -198,7 +205,7 @@ def jax_mlp_job(args: argparse.Namespace, **more: Any) -> JaxElasticTrainer:
         global_batch_size=24, micro_batch_size=4, total_steps=args.steps, seed=7, **more
     )
     trainer = JaxElasticTrainer(params, optax.adam(1e-2), data, jax_loss, cfg)
-    pace = Pace(minimum=args.min_step_s)
+    pace = Pace(args.pace_file, minimum=args.min_step_s)
     for _ in trainer.steps():
         pace.wait()
     if trainer.holds_final_state:

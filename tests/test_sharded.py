@@ -31,15 +31,17 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
-from .conftest import ROOT, Job
+from .conftest import ROOT, InProcessRun, Job, run_in_process
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
-STEPS = 60
+STEPS = 40
 HOLD = "1.0"
-"""Seconds per step while a test waits for a replacement (written to the pace file,
-removed once it has joined): a loaded machine took 30 s to start a worker, and the
-job must still be running then."""
+"""Seconds per step while a test waits for a replacement (written to the pace file
+once the fault has happened, removed once the replacement has joined): a loaded
+machine took 30 s to start a worker before workers were forked from a warm
+prefork server (2 s now), and the job must still be running then. The faults
+land at steps 5-9, so 30 s or more of held steps are left."""
 
 
 def expected_ids(step: int) -> list[int]:
@@ -231,14 +233,22 @@ def _run(tmp: Path, name: str, shard_size: int | None, workers: int = 4, **kw: A
 
 
 @pytest.fixture(scope="module")
-def replicated(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    """The failure-free replicated run (4 members, no shards) the sharded runs equal."""
-    job = _run(tmp_path_factory.mktemp("replicated"), "ref", None)
-    assert job.result.status == "done", job.result.message
-    return job
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> InProcessRun:
+    """The failure-free replicated run (no shards) the sharded runs equal: one member
+    trained in this process (`run_in_process`). Its gradient is the same exact
+    float64 sum of the same micro-batch gradients whatever the membership, so its
+    loss curve is a 4-member replicated job's bit for bit (test_sharded_checkpoint
+    holds its 2 x 2, 1 x 4 and 4 x 1 jobs of this script to such a run too)."""
+    ref = run_in_process(SHARDED, tmp_path_factory.mktemp("replicated") / "ref", STEPS)
+    assert check_same_state(ref.events) == []
+    led = check_exactly_once(ref.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == STEPS
+    return ref
 
 
-def _assert_job(job: Job, ref: Job, steps: int = STEPS, tol: float | None = None) -> float:
+def _assert_job(
+    job: Job, ref: Job | InProcessRun, steps: int = STEPS, tol: float | None = None
+) -> float:
     """The job finished, twins started every generation bit-identical, every sample
     was used once, and its loss curve is `ref`'s: bit for bit, or (`tol`) within
     that max abs difference. Returns the max abs difference."""
@@ -256,7 +266,9 @@ def _assert_job(job: Job, ref: Job, steps: int = STEPS, tol: float | None = None
     return diff
 
 
-def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replicated: Job) -> None:
+def test_two_by_two_trains_exactly_as_the_replicated_job(
+    tmp_path: Path, replicated: InProcessRun
+) -> None:
     job = _run(tmp_path, "2x2", 2)
     _assert_job(job, replicated)
     starts = job.of("generation_start")
@@ -271,7 +283,7 @@ def test_two_by_two_trains_exactly_as_the_replicated_job(tmp_path: Path, replica
 
 
 def test_a_forward_in_a_pause_leaves_the_model_ready_for_the_next_step(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """Issue 41: evaluating inside `trainer.pause()` on `trainer.model` (eval mode, a
     no_grad forward, train mode) leaves FSDP2's root unsharded; the next step still
@@ -300,20 +312,32 @@ def _run_held(
     steps: int = STEPS,
     **kw: Any,
 ) -> Job:
-    """Run a 2 x 2 job whose steps are held at HOLD seconds until `released(events)`
-    is true (a loaded machine starts a replacement slowly; the job must still be
-    running when it arrives), then at full speed. `act(status, events)`, if given,
-    runs at every status poll until it returns True (a test's own fault)."""
+    """Run a 2 x 2 job at full speed up to its fault, then with its steps held at
+    HOLD seconds until `released(events)` is true (a loaded machine starts a
+    replacement slowly; the job must still be running when it arrives), then at
+    full speed again. `act(status, events)`, if given, runs at every status poll
+    until it returns True (a test's own fault, the hold starts then); without it,
+    the hold starts at the first status poll whose events show the fault (the
+    job's `fault_injected`) or a worker's exit."""
     pace = tmp / f"{name}.pace"
-    pace.write_text(HOLD)
     run_dir = tmp / name
     acted = act is None
+    held = False
 
     def watch(st: dict[str, Any]) -> None:
-        nonlocal acted
+        nonlocal acted, held
+        events = read_events(run_dir)
         if not acted:
-            acted = bool(act(st, read_events(run_dir)))
-        elif pace.exists() and released(read_events(run_dir)):
+            acted = bool(act(st, events))
+            if not acted:
+                return
+        if not held:
+            if act is not None or any(
+                e["kind"] in ("fault_injected", "worker_exited") for e in events
+            ):
+                pace.write_text(HOLD)
+                held = True
+        elif pace.exists() and released(events):
             pace.unlink()
 
     cfg = LaunchConfig(
@@ -339,7 +363,7 @@ def _received(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """Kill one rank of a 2 x 2 job early in a step (after its first round of step 6):
     its group-mate keeps its process as a shadow, the other group keeps the sums of
@@ -401,7 +425,7 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
 
 
 def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """SIGSTOP one rank of a 2 x 2 job for 8 s: its group-mate, blocked inside FSDP2's
     collectives, gives up at the step watchdog's deadline (not the group's creation
@@ -427,7 +451,7 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
 
 
 def test_a_step_committed_by_one_member_is_rolled_forward_by_the_three_that_lost_its_vote(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """Three members of a 2 x 2 job lose the answer of step 8's commit vote after
     their twins reduced it; the fourth commits it. Whatever the layout, one shard's
@@ -453,7 +477,7 @@ def test_a_step_committed_by_one_member_is_rolled_forward_by_the_three_that_lost
 
 
 def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """Kill one rank of a 2 x 2 job and hold its replacement back: after
     --reshard-after the 3 survivors regroup as 1 x 3 in memory (no disk, no
@@ -493,7 +517,7 @@ def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
 
 
 def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """Kill one rank in each replica group of a 2 x 2 job (different shards, so every
     row still has a holder) with no replacement: no group can compute, so the two
@@ -539,7 +563,7 @@ def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
 
 
 def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
-    tmp_path: Path, replicated: Job
+    tmp_path: Path, replicated: InProcessRun
 ) -> None:
     """2 x 2 with one hot spare (`--spares 1`): once the spare waits as a standby,
     kill a rank. The generation re-formed for the failure admits the spare into

@@ -11,10 +11,13 @@ norms and what the hook saw are bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import multiprocessing as mp
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from elastrain.runtime.shard_step import NormRows, StepFinish, norm_and_finite
 from elastrain.runtime.sharded import shard_rows
 from elastrain.runtime.update import grad_norm
 
-from .conftest import ROOT, Job
+from .conftest import ROOT, Job, run_in_process
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_sharded_step.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -337,17 +340,26 @@ def test_a_model_compiled_in_place_is_refused_with_what_to_pass() -> None:
 
 
 def _run(tmp: Path, name: str, shard_size: int | None, args: list[str], **kw: Any) -> Job:
-    """A 4-member job of the script; with ``pace`` (seconds) its steps are held that
-    long until ``released(events)`` (a replacement has to arrive while it runs)."""
+    """A 4-member job of the script; with ``released``, its steps are held 1 s each
+    from its fault (the first status poll whose events show the `fault_injected`)
+    until ``released(events)`` (a replacement has to arrive while it runs)."""
     released = kw.pop("released", None)
     pace = tmp / f"{name}.pace"
     run_dir = tmp / name
+    held = False
     if released is not None:
-        pace.write_text("1.0")
         args = [*args, "--pace-file", str(pace)]
 
     def watch(st: dict[str, Any]) -> None:
-        if released is not None and pace.exists() and released(read_events(run_dir)):
+        nonlocal held
+        if released is None:
+            return
+        events = read_events(run_dir)
+        if not held:
+            if any(e["kind"] in ("fault_injected", "worker_exited") for e in events):
+                pace.write_text("1.0")
+                held = True
+        elif pace.exists() and released(events):
             pace.unlink()
 
     cfg = LaunchConfig(
@@ -368,7 +380,7 @@ def _run(tmp: Path, name: str, shard_size: int | None, args: list[str], **kw: An
         pace.unlink(missing_ok=True)
 
 
-def _norms(job: Job) -> dict[int, str]:
+def _norms(job: Job | InProcess) -> dict[int, str]:
     """Each committed step's grad norm (repr), checked equal on every member."""
     out: dict[int, str] = {}
     for e in job.of("step_commit"):
@@ -377,11 +389,48 @@ def _norms(job: Job) -> dict[int, str]:
     return out
 
 
-def _hooks(job: Job) -> dict[int, str]:
+@dataclass
+class InProcess:
+    """A failure-free run of the script as one member in this process
+    (`run_in_process`), with what it printed (its log)."""
+
+    events: list[dict[str, Any]]
+    printed: str
+
+    def of(self, kind: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.events
+            if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())
+        ]
+
+
+def _in_process(run_dir: Path, args: list[str]) -> InProcess:
+    """The replicated failure-free run, one member trained in this process: its
+    gradients are the same exact float64 sums of the same micro-batch gradients as
+    any replicated job's, so its curve, norms, skips and hook inputs are a 4-member
+    replicated job's bit for bit."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the script's prints: its hook's lines
+        ref = run_in_process(SCRIPT, run_dir, STEPS, args)
+    assert check_same_state(ref.events) == []
+    led = check_exactly_once(ref.events, expected_ids)
+    assert led.violations == [] and led.committed_steps == STEPS
+    return InProcess(ref.events, out.getvalue())
+
+
+def _logs(run: Job | InProcess) -> list[tuple[str, str]]:
+    """(member, log) of every member of a job, or of the one in-process member."""
+    if isinstance(run, InProcess):
+        return [("w0", run.printed)]
+    return [(m, run.log(m)) for m in {e["member"] for e in run.of("worker_spawned")}]
+
+
+def _hooks(job: Job | InProcess) -> dict[int, str]:
     """What the hook saw per step, on every member that applied it."""
     out: dict[int, str] = {}
-    for m in {e["member"] for e in job.of("worker_spawned")}:
-        for step, rest in re.findall(r"^hook (\d+) (.*)$", job.log(m), re.M):
+    for m, log in _logs(job):
+        for step, rest in re.findall(r"^hook (\d+) (.*)$", log, re.M):
             # The number of parameters differs (a shard's vs the model's): not compared.
             seen = rest.rsplit(" ", 1)[0]
             assert out.setdefault(int(step), seen) == seen, (m, step, out[int(step)], seen)
@@ -389,13 +438,11 @@ def _hooks(job: Job) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def loop_ref(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    job = _run(tmp_path_factory.mktemp("loop"), "ref", None, LOOP)
-    assert job.result.status == "done", job.result.message
-    return job
+def loop_ref(tmp_path_factory: pytest.TempPathFactory) -> InProcess:
+    return _in_process(tmp_path_factory.mktemp("loop") / "ref", LOOP)
 
 
-def _assert_same(job: Job, ref: Job) -> None:
+def _assert_same(job: Job, ref: InProcess) -> None:
     assert job.result.status == "done", job.result.message
     assert check_same_state(job.events) == []
     led = check_exactly_once(job.events, expected_ids)
@@ -408,7 +455,7 @@ def _assert_same(job: Job, ref: Job) -> None:
     assert skipped == {(e["step"], e["reason"]) for e in ref.of("step_skipped")}
 
 
-def test_the_reference_loop_clips_skips_and_scales(loop_ref: Job) -> None:
+def test_the_reference_loop_clips_skips_and_scales(loop_ref: InProcess) -> None:
     """The replicated reference exercises what the sharded runs must equal: clipped
     steps, overflowed steps skipped (the scale backing off), the hook's skips."""
     hooks = _hooks(loop_ref)
@@ -420,13 +467,13 @@ def test_the_reference_loop_clips_skips_and_scales(loop_ref: Job) -> None:
 
 
 def test_two_by_two_runs_the_loop_exactly_as_the_replicated_job(
-    tmp_path: Path, loop_ref: Job
+    tmp_path: Path, loop_ref: InProcess
 ) -> None:
     _assert_same(_run(tmp_path, "2x2", 2, LOOP), loop_ref)
 
 
 def test_the_loop_through_a_kill_and_heal_is_the_failure_free_one(
-    tmp_path: Path, loop_ref: Job
+    tmp_path: Path, loop_ref: InProcess
 ) -> None:
     """Kill a rank of 2 x 2 at step 6: its group-mate is a shadow (it applies the
     clipped update from the gathered norm without computing), the replacement is
@@ -443,7 +490,9 @@ def test_the_loop_through_a_kill_and_heal_is_the_failure_free_one(
     assert job.of("heal_end", role="recv")
 
 
-def test_the_loop_through_a_reshard_is_the_failure_free_one(tmp_path: Path, loop_ref: Job) -> None:
+def test_the_loop_through_a_reshard_is_the_failure_free_one(
+    tmp_path: Path, loop_ref: InProcess
+) -> None:
     """2 x 2 -> 1 x 3 in memory (no replacement in time) and back: the norm does not
     depend on who holds which rows, so clipping and skips are the same."""
     job = _run(
@@ -506,7 +555,7 @@ def test_a_sharded_member_counts_the_jobs_flops_without_the_full_model() -> None
 
 
 def test_a_step_rolled_forward_is_clipped_and_scaled_as_where_it_committed(
-    tmp_path: Path, loop_ref: Job
+    tmp_path: Path, loop_ref: InProcess
 ) -> None:
     """Three members of 2 x 2 lose the answer of step 8's commit vote (one shard's
     twins both among them); the fourth commits it. The three apply the step they
@@ -532,10 +581,9 @@ def test_native_reductions_clip_within_1e_6_of_the_exact_run(tmp_path: Path) -> 
     float32 sums round differently), within 1e-6 (max abs) on the loss curve and
     1e-6 (relative) on every grad norm; the hook's decisions are the same."""
     args = ["--max-grad-norm", "0.05", "--hook"]
-    ref = _run(tmp_path, "exact", None, args)
+    ref = _in_process(tmp_path / "exact", args)
     job = _run(tmp_path, "native", 2, [*args, "--reduce-dtype", "native"])
-    for j in (ref, job):
-        assert j.result.status == "done", j.result.message
+    assert job.result.status == "done", job.result.message
     assert check_same_state(job.events) == []
     a, b = loss_curve(ref.events), loss_curve(job.events)
     diff = max(abs(a[s] - b[s]) for s in range(STEPS))

@@ -404,14 +404,29 @@ def test_sharded_evaluation_and_schedule_equal_the_replicated_jobs(
     assert {e["batches"] for e in ends} == {-(-batches // groups), batches // groups}
 
 
-def _held_until(pace: Path, seconds: str, released: Callable[[list[dict[str, Any]]], bool]) -> Any:
+def _held_until(
+    pace: Path,
+    seconds: str,
+    released: Callable[[list[dict[str, Any]]], bool],
+    from_fault: bool = False,
+) -> Any:
     """An on_status callback that holds the job's steps at `seconds` each (the pace
     file) until `released(events)` is true: a loaded machine starts a replacement
-    slowly, and the job must still be running when it arrives."""
-    pace.write_text(seconds)
+    slowly, and the job must still be running when it arrives. ``from_fault``: the
+    hold starts at the first status poll whose events show the job's fault (a
+    `fault_injected`) or a worker's exit, not at the job's start."""
+    held = not from_fault
+    if held:
+        pace.write_text(seconds)
 
     def watch(la: Any, st: dict[str, Any]) -> None:
-        if pace.exists() and released(read_events(Path(la.config.run_dir))):
+        nonlocal held
+        events = read_events(Path(la.config.run_dir))
+        if not held:
+            if any(e["kind"] in ("fault_injected", "worker_exited") for e in events):
+                pace.write_text(seconds)
+                held = True
+        elif pace.exists() and released(events):
             pace.unlink()
 
     return watch
@@ -431,6 +446,7 @@ def test_a_kill_during_an_evaluation_redoes_it_and_the_heal_carries_the_schedule
         pace,
         "2.0",
         lambda events: any(e["kind"] == "heal_end" and e.get("role") == "recv" for e in events),
+        from_fault=True,
     )
     job = _launch(
         run_job,

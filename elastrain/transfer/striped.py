@@ -580,6 +580,8 @@ def _heal(
     role = Role.of(rank, senders, receivers)
     sealing_key = tamper.sealing_key(key) if tamper is not None else key
 
+    # The most manifest bytes this rank accepts: the same in every pass.
+    limit = prepared.limit if prepared is not None else state.manifest_limit()
     trusted = list(senders)
     refused: list[int] = []
     keep_standbys = True  # only the first pass: a pass run again takes every rank
@@ -617,7 +619,6 @@ def _heal(
                 length = tamper.announced_length(length)
 
         # 1. announce: the length is judged by every rank alike, before allocating
-        limit = prepared.limit if prepared is not None else state.manifest_limit()
         ann = _announce(tx, root, length, active, limit, dl)
         standbys: list[int] = []
         if keep_standbys and ann.length <= ann.limit and 1 <= ann.active < len(trusted):

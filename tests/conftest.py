@@ -46,6 +46,34 @@ def load_benchmark(script: str) -> Any:
     return mod
 
 
+class FaultHold:
+    """Holds a job's steps at ``seconds`` each through its pace file (the scripts'
+    --pace-file, read every step) from its fault until ``released(events)`` is true:
+    a loaded machine starts a replacement slowly, and the job must still be running
+    when it arrives; before the fault and after the release it runs at full speed.
+    The hold begins at `begin` (a test's own fault, or the job's start) or at the
+    first `poll` whose events show a ``fault_injected`` or a worker's exit."""
+
+    def __init__(
+        self, pace: Path, seconds: str, released: Callable[[list[dict[str, Any]]], bool]
+    ) -> None:
+        self.pace, self.seconds, self.released = pace, seconds, released
+        self.held = False
+
+    def begin(self) -> None:
+        if not self.held:
+            self.pace.write_text(self.seconds)
+            self.held = True
+
+    def poll(self, events: list[dict[str, Any]]) -> None:
+        """One status poll's look at the job's events."""
+        if not self.held:
+            if any(e["kind"] in ("fault_injected", "worker_exited") for e in events):
+                self.begin()
+        elif self.pace.exists() and self.released(events):
+            self.pace.unlink()
+
+
 @dataclass
 class InProcessRun:
     run_dir: Path

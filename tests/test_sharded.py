@@ -31,7 +31,7 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
-from .conftest import ROOT, InProcessRun, Job, run_in_process
+from .conftest import ROOT, FaultHold, InProcessRun, Job, run_in_process
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -321,24 +321,18 @@ def _run_held(
     job's `fault_injected`) or a worker's exit."""
     pace = tmp / f"{name}.pace"
     run_dir = tmp / name
+    hold = FaultHold(pace, HOLD, released)
     acted = act is None
-    held = False
 
     def watch(st: dict[str, Any]) -> None:
-        nonlocal acted, held
+        nonlocal acted
         events = read_events(run_dir)
-        if not acted:
-            acted = bool(act(st, events))
-            if not acted:
-                return
-        if not held:
-            if act is not None or any(
-                e["kind"] in ("fault_injected", "worker_exited") for e in events
-            ):
-                pace.write_text(HOLD)
-                held = True
-        elif pace.exists() and released(events):
-            pace.unlink()
+        if acted:
+            hold.poll(events)
+            return
+        acted = bool(act(st, events))
+        if acted:
+            hold.begin()
 
     cfg = LaunchConfig(
         script=SHARDED,

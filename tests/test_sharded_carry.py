@@ -43,7 +43,7 @@ from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.trainer import ElasticTrainer
 from elastrain.transfer import TorchState
 
-from .conftest import ROOT, Job, run_in_process
+from .conftest import ROOT, FaultHold, Job, run_in_process
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from train_sharded import Net, Regression, loss_fn  # noqa: E402
@@ -411,23 +411,14 @@ def _held_until(
     from_fault: bool = False,
 ) -> Any:
     """An on_status callback that holds the job's steps at `seconds` each (the pace
-    file) until `released(events)` is true: a loaded machine starts a replacement
-    slowly, and the job must still be running when it arrives. ``from_fault``: the
-    hold starts at the first status poll whose events show the job's fault (a
-    `fault_injected`) or a worker's exit, not at the job's start."""
-    held = not from_fault
-    if held:
-        pace.write_text(seconds)
+    file) until `released(events)` is true (`FaultHold`): from the job's start, or
+    (``from_fault``) from the first status poll that shows its fault."""
+    hold = FaultHold(pace, seconds, released)
+    if not from_fault:
+        hold.begin()
 
     def watch(la: Any, st: dict[str, Any]) -> None:
-        nonlocal held
-        events = read_events(Path(la.config.run_dir))
-        if not held:
-            if any(e["kind"] in ("fault_injected", "worker_exited") for e in events):
-                pace.write_text(seconds)
-                held = True
-        elif pace.exists() and released(events):
-            pace.unlink()
+        hold.poll(read_events(Path(la.config.run_dir)))
 
     return watch
 

@@ -34,7 +34,7 @@ from elastrain.runtime.shard_step import NormRows, StepFinish, norm_and_finite
 from elastrain.runtime.sharded import shard_rows
 from elastrain.runtime.update import grad_norm
 
-from .conftest import ROOT, Job, run_in_process
+from .conftest import ROOT, FaultHold, Job, run_in_process
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_sharded_step.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -346,21 +346,14 @@ def _run(tmp: Path, name: str, shard_size: int | None, args: list[str], **kw: An
     released = kw.pop("released", None)
     pace = tmp / f"{name}.pace"
     run_dir = tmp / name
-    held = False
+    hold = None
     if released is not None:
         args = [*args, "--pace-file", str(pace)]
+        hold = FaultHold(pace, "1.0", released)
 
     def watch(st: dict[str, Any]) -> None:
-        nonlocal held
-        if released is None:
-            return
-        events = read_events(run_dir)
-        if not held:
-            if any(e["kind"] in ("fault_injected", "worker_exited") for e in events):
-                pace.write_text("1.0")
-                held = True
-        elif pace.exists() and released(events):
-            pace.unlink()
+        if hold is not None:
+            hold.poll(read_events(run_dir))
 
     cfg = LaunchConfig(
         script=SCRIPT,

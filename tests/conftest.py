@@ -46,6 +46,13 @@ def load_benchmark(script: str) -> Any:
     return mod
 
 
+REPLACE_AFTER_RESHARD_S = 3.0
+"""The replace delay of the reshard tests (2 x 2 -> 1 x 3 and back): their vacancy
+must outlast ``reshard_after_s`` (0.5 s) and the held step's boundary (1 s) before the
+replacement starts. A replacement forked from the warm prefork server starts in well
+under a second, so the delay is that margin, not the replacement's own start-up."""
+
+
 class FaultHold:
     """Holds a job's steps at ``seconds`` each through its pace file (the scripts'
     --pace-file, read every step) from its fault until ``released(events)`` is true:

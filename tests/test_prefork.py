@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys, time
     out = {"pid": os.getpid(), "sid": os.getsid(0), "argv": sys.argv, "cwd": os.getcwd(),
            "mine": os.environ.get("ONLY_MINE"), "torch": "torch" in sys.modules,
-           "umask": os.umask(0o22)}
+           "dynamo": "torch._dynamo" in sys.modules, "umask": os.umask(0o22)}
     print(json.dumps(out), flush=True)
     if sys.argv[1] == "wait":
         time.sleep(60)  # killed by the test
@@ -63,6 +65,7 @@ def test_a_forked_worker_runs_its_script_as_its_own_process_and_its_exit_is_repo
     assert out["argv"] == [str(tmp_path / "child.py"), "3"] and out["cwd"] == str(tmp_path)
     assert out["mine"] == "a" and first_line(tmp_path / "b.log")["mine"] == "b"
     assert out["torch"] is True  # imported once, by the server
+    assert out["dynamo"] is True  # what torch.optim imports at a first optimizer, too
     assert out["umask"] == 0o27
     assert os.getpid() != a.pid != b.pid
 
@@ -101,3 +104,61 @@ def test_a_dead_server_takes_its_workers_and_the_launcher_falls_back(
         raise AssertionError(f"worker {w.pid} outlived its prefork server")
     assert not server.serving
     assert server.spawn(["x.py"], dict(os.environ), str(tmp_path), tmp_path / "x.log", 0) is None
+
+
+ENDS = textwrap.dedent(
+    """
+    import atexit, sys, threading
+    from pathlib import Path
+    from elastrain.exitcodes import WorkerExit
+
+    out = Path(sys.argv[1])
+
+    class Held:  # finalized at the exit, its globals still set
+        def __del__(self) -> None:
+            (out / "freed").write_text("finalized")
+
+    held = Held()
+
+    def last_words() -> None:
+        threading.main_thread().join()  # runs on after the script returned
+        (out / "thread").write_text("joined")
+
+    threading.Thread(target=last_words).start()
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    print("printed, not flushed")
+    if sys.argv[2] == "leave":
+        raise WorkerExit(75, "left", "")
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["forked", "popen"])
+@pytest.mark.parametrize("end", ["return", "leave"])
+def test_a_worker_ends_as_an_interpreter_exit_would(
+    server: Preforker, tmp_path: Path, how: str, end: str
+) -> None:
+    """A worker whose script returned (or left with a `WorkerExit`) ends without the
+    interpreter's teardown (`end_process`), and yet what a normal exit does that
+    anyone can see happens: its non-daemon threads run to their end, its atexit
+    hooks run, its module-level objects are finalized, its output is flushed,
+    and its exit status is the script's."""
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS)
+    argv = [str(script), str(tmp_path), end]
+    log = tmp_path / "w.log"
+    if how == "forked":
+        proc = server.spawn(argv, dict(os.environ), str(tmp_path), log, 0o77)
+        assert proc is not None, (tmp_path / "prefork.log").read_text()
+        rc = proc.wait(60)
+    else:
+        with log.open("w") as f:
+            rc = subprocess.run(
+                [sys.executable, "-m", "elastrain.worker", *argv],
+                stdout=f, stderr=subprocess.STDOUT, timeout=60,
+            ).returncode  # fmt: skip
+    assert rc == (0 if end == "return" else 75), log.read_text()
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "freed").read_text() == "finalized"
+    assert "printed, not flushed" in log.read_text()

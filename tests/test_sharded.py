@@ -31,7 +31,7 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
-from .conftest import ROOT, FaultHold, InProcessRun, Job, run_in_process
+from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, InProcessRun, Job, run_in_process
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -484,7 +484,7 @@ def test_reshard_in_memory_2x2_to_1x3_and_back_keeps_the_loss_curve(
         "reshard",
         lambda events: any(e["kind"] == "reshard_end" and e["new_size"] == 2 for e in events),
         reshard_after_s=0.5,
-        replace_delay_s=1.0,  # it takes seconds more to start: the vacancy lasts
+        replace_delay_s=REPLACE_AFTER_RESHARD_S,
         faults=[parse_fault("kill@5:w1")],
     )
     _assert_job(job, replicated)

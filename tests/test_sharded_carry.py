@@ -43,7 +43,7 @@ from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.trainer import ElasticTrainer
 from elastrain.transfer import TorchState
 
-from .conftest import ROOT, FaultHold, Job, run_in_process
+from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, Job, run_in_process
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from train_sharded import Net, Regression, loss_fn  # noqa: E402
@@ -482,7 +482,7 @@ def test_a_reshard_2x2_to_1x3_carries_the_schedule(
         "reshard",
         shard_size=2,
         reshard_after_s=0.5,
-        replace_delay_s=1.0,
+        replace_delay_s=REPLACE_AFTER_RESHARD_S,
         faults=["kill@4:w1"],
         script_args=["--pace-file", str(pace)],
         on_status=watch,

@@ -34,7 +34,7 @@ from elastrain.runtime.shard_step import NormRows, StepFinish, norm_and_finite
 from elastrain.runtime.sharded import shard_rows
 from elastrain.runtime.update import grad_norm
 
-from .conftest import ROOT, FaultHold, Job, run_in_process
+from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, Job, run_in_process
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_sharded_step.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -495,7 +495,7 @@ def test_the_loop_through_a_reshard_is_the_failure_free_one(
         LOOP,
         faults=[parse_fault("kill@5:w1")],
         reshard_after_s=0.5,
-        replace_delay_s=1.0,
+        replace_delay_s=REPLACE_AFTER_RESHARD_S,
         released=lambda ev: any(e["kind"] == "reshard_end" and e["new_size"] == 2 for e in ev),
     )
     _assert_same(job, loop_ref)

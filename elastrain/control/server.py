@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from elastrain import env
-from elastrain.children import die_with_parent
+from elastrain.children import die_with_parent, end_process
 from elastrain.control import protocol as p
 from elastrain.control.config import CoordinatorConfig, parse_bytes
 from elastrain.control.http import (
@@ -866,4 +866,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -926,12 +926,18 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pr.kill()
                 pr.wait()
+        # The coordinator and the prefork server end side by side: each takes a
+        # moment to exit, and the job's end waits for both.
+        stopping = self.coordinator is not None and self.coordinator.poll() is None
+        if stopping:
+            assert self.coordinator is not None
+            # SIGINT: stop now. (SIGTERM would be a preemption notice to drain.)
+            self.coordinator.send_signal(signal.SIGINT)
         if self.prefork is not None:
             self.prefork.close()
             self.prefork = None
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            # SIGINT: stop now. (SIGTERM would be a preemption notice to drain.)
-            self.coordinator.send_signal(signal.SIGINT)
+        if stopping:
+            assert self.coordinator is not None
             try:
                 self.coordinator.wait(timeout=5)
             except subprocess.TimeoutExpired:

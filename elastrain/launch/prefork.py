@@ -39,6 +39,7 @@ session and environment are what a `Popen`'d one's would be.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import queue
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from elastrain.children import die_with, die_with_parent, spawn_env
 
@@ -234,6 +235,11 @@ def serve() -> dict[str, Any] | None:
     returns None in the server when the launcher closed its stdin."""
     import torch  # noqa: F401 - the point: children start with it imported
 
+    # torch.optim imports dynamo when the script builds its first optimizer: about
+    # 1.3 s of CPU, which every worker paid after its fork, on the survivors' cores.
+    # Its import starts no thread (the fork contract above).
+    import torch._dynamo  # noqa: F401
+
     import elastrain.runtime.trainer  # noqa: F401
     import elastrain.worker  # noqa: F401
 
@@ -266,6 +272,10 @@ def serve() -> dict[str, Any] | None:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            # What the imports created stays out of the children's garbage
+            # collections: a full one no longer walks torch's and dynamo's objects
+            # (0.15 s each), nor writes to their pages, which stay shared.
+            gc.freeze()
             try:
                 pid = os.fork()
             except OSError as e:
@@ -280,8 +290,8 @@ def serve() -> dict[str, Any] | None:
             _send({"spawned": pid})
 
 
-def become_worker(request: dict[str, Any], server: int) -> int:
-    """In a forked child: become the worker `request` describes; its exit status."""
+def become_worker(request: dict[str, Any], server: int) -> NoReturn:
+    """In a forked child: become the worker `request` describes, and end with it."""
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -299,7 +309,7 @@ def become_worker(request: dict[str, Any], server: int) -> int:
         sys.modules["numpy"].random.seed()
     from elastrain.worker import main
 
-    return main(list(request["argv"]))
+    main(list(request["argv"]))
 
 
 if __name__ == "__main__":
@@ -307,5 +317,8 @@ if __name__ == "__main__":
     server_pid = os.getpid()
     child_request = serve()
     if child_request is None:
-        sys.exit(0)
-    sys.exit(become_worker(child_request, server_pid))
+        # The server holds no state worth tearing down (no file but its pipes, no
+        # thread), and the job's end waits for it: 0.5-1 s of CPU saved.
+        sys.stdout.flush()
+        os._exit(0)
+    become_worker(child_request, server_pid)

@@ -237,3 +237,43 @@ def test_rendezvous_barrier_over_the_wire_and_a_bounded_waiting_message(
     assert got and got[0].status == "ready" and got[0].start_step == 3
     assert got[0].members == [f"w{i}" for i in range(n)] and got[0].committed["w1"] == 3
     c.close()
+
+
+def test_a_handoff_at_a_step_boundary_is_heard_at_once_by_the_old_generations_members(
+    make_server: Callable[..., CoordinatorServer],
+) -> None:
+    """A generation superseded at a step boundary (here: a member leaves) aborts
+    nobody's collectives, so its members' heartbeats do not say "changed". But a
+    member that can compute no step in it (a sharded generation without a complete
+    replica group) makes no quorum call, and learns of the next generation from its
+    heartbeat alone: "superseded", at once, not when its long poll runs out (a
+    member waiting so was expelled as not ready when the new generation's ready
+    timeout passed)."""
+    srv = make_server(target=2)
+    c = CoordinatorClient(srv.address, TOKEN)
+    for m in ("w0", "w1"):
+        c.register(p.RegisterRequest(m, 1, "h", SIG))
+    for m in ("w0", "w1"):
+        c.rendezvous(p.RendezvousRequest(m, 1, 0, 0, wait_s=0.0))
+    assert srv.coord.state.gen is not None and srv.coord.state.gen.gen == 1
+
+    beat: dict[str, p.HeartbeatResponse] = {}
+
+    def heartbeat() -> None:
+        cl = CoordinatorClient(srv.address, TOKEN)
+        beat["w1"] = cl.heartbeat(p.HeartbeatRequest("w1", 1, 1, wait_s=30.0))
+        cl.close()
+
+    t = threading.Thread(target=heartbeat)
+    t.start()
+    wait_until(lambda: len(srv.coord.changes.waiters) == 1)  # w1's poll is parked
+    r = c.quorum(p.QuorumRequest("w0", 1, 1, 1, leaving=True))
+    assert (r.verdict, r.gen) == (p.Verdict.REGROUP, 2)
+    assert not srv.coord.state.gen_interrupted(1)  # a clean handoff: nothing aborted
+    t.join(timeout=10)
+    assert not t.is_alive(), "the heartbeat waited out its long poll"
+    assert (beat["w1"].status, beat["w1"].gen) == (p.HeartbeatStatus.SUPERSEDED, 2)
+    # The next beat, of a member still in generation 1, is answered at once too.
+    hb = c.heartbeat(p.HeartbeatRequest("w1", 1, 1, wait_s=30.0))
+    assert (hb.status, hb.gen) == (p.HeartbeatStatus.SUPERSEDED, 2)
+    c.close()

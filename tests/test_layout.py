@@ -810,9 +810,10 @@ def test_the_coordinator_reshards_2x2_to_1x3_and_back_over_the_wire(tmp_path: Pa
         clock.t += 2
         q = c.quorum(p.QuorumRequest("w0", incs["w0"], r2.gen, 2))
         assert q.verdict == "regroup"
-        # Nobody's step in flight is broken: heartbeats do not say "changed".
+        # Nobody's step in flight is broken: heartbeats do not say "changed", but
+        # "superseded" (a member that can compute no step waits for exactly that).
         hb = c.heartbeat(p.HeartbeatRequest("w2", incs["w2"], r2.gen, 0.0))
-        assert hb.status == "ok"
+        assert (hb.status, hb.gen) == (p.HeartbeatStatus.SUPERSEDED, q.gen)
         r3 = ready(c, incs, r2.gen)
         assert (r3.reason, r3.shard_size, r3.members) == ("reshard", 3, ["w0", "w2", "w3"])
         assert Layout.from_wire(r3.slots, r3.shard_size).describe() == "1x3: r0=[w0,w2,w3]"

@@ -554,6 +554,10 @@ def test_a_rank_lost_in_each_group_waits_then_regroups_into_a_whole_group(
              and "-]" in e.get("layout", "")}  # fmt: skip
     assert stuck and not [e for e in job.of("step_contrib") if e["gen"] in stuck and e["samples"]]
     assert not job.of("reshard_end")  # each survivor kept its own shard
+    # The regroup is a handoff at a step boundary (no step can run in the stuck
+    # generation): the survivors hear of it from their heartbeats and join it, rather
+    # than sit until its ready timeout and be expelled as not ready.
+    assert not job.of("member_removed", reason="not_ready"), job.of("member_removed")
 
 
 def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(

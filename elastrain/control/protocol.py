@@ -461,7 +461,12 @@ class ExitRequest:
 class HeartbeatStatus(StrEnum):
     OK = "ok"
     CHANGED = "changed"
-    """A newer generation exists or the caller's broke."""
+    """The caller's generation broke, or was superseded in a way that aborts its
+    collectives: give it up now."""
+    SUPERSEDED = "superseded"
+    """A newer generation exists, formed at a step boundary (a join or a leave): the
+    caller's collectives go on and its next quorum call says so; a member waiting for
+    the next generation (one that can compute no step in its own) goes to it now."""
     EXPELLED = "expelled"
     UNKNOWN = "unknown"
     """This coordinator never saw the caller (it was restarted): register again."""
@@ -528,9 +533,11 @@ class RegisterResponse:
 @dataclass(frozen=True)
 class HeartbeatResponse:
     status: str
-    """"ok", "changed" (a newer generation exists or the caller's broke),
+    """"ok", "changed" (the caller's generation broke or was superseded: abort),
+    "superseded" (a newer generation formed at a step boundary: nothing to abort),
     "expelled", or "unknown" (this coordinator never saw the caller: it was
-    restarted; register again, reporting the generation you run)."""
+    restarted; register again, reporting the generation you run)
+    (`HeartbeatStatus`)."""
     gen: int
 
 

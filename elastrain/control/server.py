@@ -299,6 +299,11 @@ class Coordinator:
                 )
             if req.gen and self.state.gen_interrupted(req.gen):
                 return p.HeartbeatResponse(p.HeartbeatStatus.CHANGED, self._gen_id())
+            if req.gen and self._gen_id() > req.gen:
+                # A handoff at a step boundary: the members still stepping in the old
+                # generation learn it at their next quorum call, but one that can
+                # compute no step there makes none, and waits for exactly this.
+                return p.HeartbeatResponse(p.HeartbeatStatus.SUPERSEDED, self._gen_id())
             if now >= deadline:
                 return p.HeartbeatResponse(p.HeartbeatStatus.OK, self._gen_id())
             return None

@@ -174,7 +174,7 @@ class BetweenSteps:
             ctx, session = self.ctx, self.ctx.session
             log.warning("%s: %s", ctx.member, e)
             ctx.waiter.wait_until(
-                lambda: session.gen_broken(gen) or session.leaving or session.expelled
+                lambda: session.gen_over(gen) or session.leaving or session.expelled
             )
             raise Aborted(m.AbortPhase.SUPERSEDED, f"eval: {e}") from None
 

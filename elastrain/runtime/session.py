@@ -82,6 +82,8 @@ class MemberSession:
         self._committed = 0
         self._unreachable_since: float | None = None
         self._broken_gen = 0
+        self._newest_gen = 0
+        """The newest generation a heartbeat named (`HeartbeatStatus.SUPERSEDED`)."""
         self._expelled_inc = 0
         self._leave_reason: str | None = None
         self._leave_sent = False
@@ -248,6 +250,12 @@ class MemberSession:
         with self._lock:
             return gen != 0 and self._broken_gen >= gen
 
+    def gen_over(self, gen: int) -> bool:
+        """`gen` broke, or the coordinator formed a newer generation, at a step
+        boundary too (what a member that can compute no step in `gen` waits for)."""
+        with self._lock:
+            return gen != 0 and (self._broken_gen >= gen or self._newest_gen > gen)
+
     def confirm_hang(
         self, gen: int, step: int, waited_s: float, timeout_s: float
     ) -> tuple[str, ...]:
@@ -305,9 +313,16 @@ class MemberSession:
                 self._stop.wait(self.heartbeat_s)
                 continue
             self._note_reachable()
-            if r.status == "ok":
+            if r.status == p.HeartbeatStatus.OK:
                 continue
-            if r.status == "unknown":
+            if r.status == p.HeartbeatStatus.SUPERSEDED:
+                with self._lock:
+                    self._newest_gen = max(self._newest_gen, r.gen)
+                self.on_change()
+                # It answers at once until the training thread moves on: keep the lease.
+                self._stop.wait(self.heartbeat_s)
+                continue
+            if r.status == p.HeartbeatStatus.UNKNOWN:
                 # A restarted coordinator: register again, keep the generation.
                 try:
                     self.ensure_registered(inc)
@@ -316,7 +331,7 @@ class MemberSession:
                     self._stop.wait(self.heartbeat_s)
                 continue
             with self._lock:
-                if r.status == "expelled":
+                if r.status == p.HeartbeatStatus.EXPELLED:
                     self._expelled_inc = max(self._expelled_inc, inc)
                 if gen:
                     self._broken_gen = max(self._broken_gen, gen)

@@ -191,7 +191,7 @@ class StepRun:
             print(f"[{ctx.member}] waiting: {e}", flush=True)
             gen, session = ctx.proto.gen, ctx.session
             ctx.waiter.wait_until(
-                lambda: session.gen_broken(gen) or session.leaving or session.expelled
+                lambda: session.gen_over(gen) or session.leaving or session.expelled
             )
             return m.Superseded()
         except CollectiveAborted as e:

@@ -928,20 +928,20 @@ class Launcher:
                 pr.wait()
         # The coordinator and the prefork server end side by side: each takes a
         # moment to exit, and the job's end waits for both.
-        stopping = self.coordinator is not None and self.coordinator.poll() is None
-        if stopping:
-            assert self.coordinator is not None
+        coordinator = self.coordinator
+        if coordinator is not None and coordinator.poll() is not None:
+            coordinator = None  # already gone
+        if coordinator is not None:
             # SIGINT: stop now. (SIGTERM would be a preemption notice to drain.)
-            self.coordinator.send_signal(signal.SIGINT)
+            coordinator.send_signal(signal.SIGINT)
         if self.prefork is not None:
             self.prefork.close()
             self.prefork = None
-        if stopping:
-            assert self.coordinator is not None
+        if coordinator is not None:
             try:
-                self.coordinator.wait(timeout=5)
+                coordinator.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.coordinator.kill()
-                self.coordinator.wait()
+                coordinator.kill()
+                coordinator.wait()
         if self.client is not None:
             self.client.close()

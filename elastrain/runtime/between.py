@@ -173,9 +173,7 @@ class BetweenSteps:
         except CannotCompute as e:
             ctx, session = self.ctx, self.ctx.session
             log.warning("%s: %s", ctx.member, e)
-            ctx.waiter.wait_until(
-                lambda: session.gen_over(gen) or session.leaving or session.expelled
-            )
+            ctx.waiter.wait_until(lambda: session.moved_on_from(gen))
             raise Aborted(m.AbortPhase.SUPERSEDED, f"eval: {e}") from None
 
     def _compute(

@@ -250,11 +250,13 @@ class MemberSession:
         with self._lock:
             return gen != 0 and self._broken_gen >= gen
 
-    def gen_over(self, gen: int) -> bool:
-        """`gen` broke, or the coordinator formed a newer generation, at a step
-        boundary too (what a member that can compute no step in `gen` waits for)."""
+    def moved_on_from(self, gen: int) -> bool:
+        """What a member that can compute no step in `gen` waits for: `gen` broke,
+        the coordinator formed a newer generation (at a step boundary too), or this
+        member is leaving or was expelled."""
         with self._lock:
-            return gen != 0 and (self._broken_gen >= gen or self._newest_gen > gen)
+            over = gen != 0 and (self._broken_gen >= gen or self._newest_gen > gen)
+        return over or self.leaving or self.expelled
 
     def confirm_hang(
         self, gen: int, step: int, waited_s: float, timeout_s: float
@@ -315,13 +317,6 @@ class MemberSession:
             self._note_reachable()
             if r.status == p.HeartbeatStatus.OK:
                 continue
-            if r.status == p.HeartbeatStatus.SUPERSEDED:
-                with self._lock:
-                    self._newest_gen = max(self._newest_gen, r.gen)
-                self.on_change()
-                # It answers at once until the training thread moves on: keep the lease.
-                self._stop.wait(self.heartbeat_s)
-                continue
             if r.status == p.HeartbeatStatus.UNKNOWN:
                 # A restarted coordinator: register again, keep the generation.
                 try:
@@ -333,10 +328,13 @@ class MemberSession:
             with self._lock:
                 if r.status == p.HeartbeatStatus.EXPELLED:
                     self._expelled_inc = max(self._expelled_inc, inc)
-                if gen:
+                if r.status == p.HeartbeatStatus.SUPERSEDED:
+                    self._newest_gen = max(self._newest_gen, r.gen)  # nothing to abort
+                elif gen:
                     self._broken_gen = max(self._broken_gen, gen)
             self.on_change()
-            # Nothing more to learn until the training thread moves on; keep the lease.
+            # Nothing more to learn until the training thread moves on (the coordinator
+            # answers at once meanwhile); keep the lease.
             self._stop.wait(self.heartbeat_s)
 
     def close(self) -> None:

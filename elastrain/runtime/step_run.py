@@ -190,9 +190,7 @@ class StepRun:
             log.warning("%s: %s", ctx.member, e)
             print(f"[{ctx.member}] waiting: {e}", flush=True)
             gen, session = ctx.proto.gen, ctx.session
-            ctx.waiter.wait_until(
-                lambda: session.gen_over(gen) or session.leaving or session.expelled
-            )
+            ctx.waiter.wait_until(lambda: session.moved_on_from(gen))
             return m.Superseded()
         except CollectiveAborted as e:
             # The generation's exchange of held sums (sharded, first step) was given up.

@@ -347,9 +347,15 @@ def _finals(run_dir: Path) -> dict[str, tuple[str, np.ndarray[Any, Any]]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The failure-free 2 x 2 run's loss curve, checked against a plain JAX run's
-    (one process a replica: one member trained in this process, `run_in_process`;
-    float64 reductions, so a plain job of any size has its curve bit for bit) over
-    its first steps: equal bit for bit."""
+    (one process a replica: one member trained in this process, `run_in_process`)
+    over its first steps: equal to float32 rounding, the same data, keys and
+    updates. Not bit for bit: a replica's 2 processes compute each micro-batch's
+    gradient as one XLA program partitioned over the parameters' rows, whose
+    partial sums may round otherwise than the whole model's dot (the gradient
+    norm is compared the same way); on an AMD EPYC (AVX2) machine the curves
+    first differ at step 2, by 2e-8 relative. What the design does promise bit for
+    bit, a faulty run against the failure-free run of the same topology, the
+    fault tests assert."""
     import os
 
     from elastrain.launch.launcher import Launcher
@@ -395,11 +401,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
                 np.array_equal(v[0], v[1]) for v in by_shard.values()
             ), "twins' final parts differ"
     plain, ref = curves
-    assert all(plain[s] == ref[s] for s in plain), (plain, ref)
+    worst = max(abs(ref[s] - plain[s]) / abs(plain[s]) for s in plain)
+    assert worst < 1e-6, (worst, plain, ref)
     # The global gradient norm (what max_grad_norm clips by) over a replica's parts,
-    # summed with the vote, is the whole model's norm of the single-process run.
+    # summed with the vote, is the whole model's norm of the single-process run (to
+    # the same float32 rounding of the partitioned gradients).
     plain_norm, ref_norm = norms
-    assert all(ref_norm[s] == pytest.approx(n, rel=1e-12) for s, n in plain_norm.items())
+    assert all(ref_norm[s] == pytest.approx(n, rel=1e-6) for s, n in plain_norm.items()), (
+        plain_norm,
+        ref_norm,
+    )
     return ref
 
 

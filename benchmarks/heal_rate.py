@@ -38,8 +38,9 @@ machine's load hits all five alike):
   timed on the receiver from the
   barrier to the end of its call. It lands in a `LandingReserve` the receiver
   mapped and touched before the barrier (untimed: the trainer's joiner
-  prepares it while it waits to be admitted; its preparation time is
-  reported apart), from senders that flattened and laid out their state, the
+  prepares it while it waits to be admitted), where it laid out the layout it
+  expects (`PreparedReceive`, untimed: the replicated trainer's receiver does it
+  at the generation's connect; both preparations' time reported apart), from senders that flattened and laid out their state, the
   root (rank 0) also computing its state digest, before the barrier
   (`PreparedSend`, untimed: the replicated trainer's senders do it while the
   generation's group is built; the root's time reported apart);
@@ -188,6 +189,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "mac_payload": mac_payload,
         "outside": outside,
         "prepare_s": recv["prepare_s"],
+        "predicted": {k: (sum(v), len(v)) for k, v in recv["predicted"].items()},
         "root_prepare_s": ranks[0]["digest_prepare_s"],
     }
 
@@ -326,9 +328,10 @@ def main() -> int:
         "heal_auth=mac (every stripe sealed with Poly1305, checked on arrival); the receiver's state hash equals "
         "the senders' after the last round (checked). The heal lands in a LandingReserve "
         "the receiver mapped and touched before the barrier, sized by its "
-        "TorchState.landing_estimate() (what a joiner does while it waits to be admitted; "
-        "'reserve touched': that preparation's time, off the clock, median over rounds and "
-        "the first's), from senders that flattened and laid out their state, the root "
+        "TorchState.landing_estimate() (what a joiner does while it waits to be admitted), "
+        "where it laid out the layout it expects (PreparedReceive, what the replicated "
+        "trainer's receiver does at the generation's connect; 'reserve touched': both "
+        "preparations' time, off the clock, median over rounds and the first's), from senders that flattened and laid out their state, the root "
         "(rank 0) also computing its digest, before the barrier (PreparedSend, what the "
         "replicated trainer's senders do while the generation's group is built; 'root "
         "prepared': the root's time for it in digest mode, off the clock, median); the cold "
@@ -363,6 +366,13 @@ def main() -> int:
         + f"; {load.mean(t_wall0, time.time()):.1f} mean over the benchmark",
         f"logs {out_dir.relative_to(ROOT) if out_dir.is_relative_to(ROOT) else out_dir}",
     ]
+    notes.append(
+        "the receiver's manifest had the layout it laid out ahead (HealStats.predicted): "
+        + "; ".join(
+            f"{s} sender(s): " + ", ".join(f"{k} {n}/{of}" for k, (n, of) in r["predicted"].items())
+            for s, r in res.items()
+        )
+    )
     anomalies = [
         f"{s} sender(s): heal at {fmt(med(r['rates']['heal']) / med(r['rates']['warm']), 2)} "
         f"of the warm broadcast, below the {TARGET:.0%} target"

@@ -106,6 +106,10 @@ def test_kills_mid_step_and_mid_allreduce_follow_the_failure_free_run(run_job, r
     for e in faulty.of("heal_end", role="recv"):
         sends = faulty.of("heal_end", role="send", gen=e["gen"])
         assert sends and all(s["prepared"] for s in sends), sends
+    # Each receiver laid out the layout it expected and its landing then too, and
+    # the root's manifest had exactly that layout (`PreparedReceive`).
+    recvs = faulty.of("heal_end", role="recv")
+    assert recvs and all(e["prepared"] and e["predicted"] for e in recvs), recvs
     # The math does not depend on membership, to the last bit.
     assert sorted(loss_curve(ref.events)) == sorted(loss_curve(faulty.events)) == list(range(steps))
     assert_same_math(ref, faulty, steps)

@@ -30,7 +30,7 @@ from elastrain.jax.state import (  # noqa: E402
     state_hash,
 )
 from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_curve  # noqa: E402
-from elastrain.transfer import HealAuth, HealError, TorchState, heal  # noqa: E402
+from elastrain.transfer import HealAuth, HealError, PreparedReceive, TorchState, heal  # noqa: E402
 from elastrain.transfer.manifest import build_manifest, decode_manifest, encode_manifest  # noqa: E402
 from elastrain.transfer.tamper import Tamper  # noqa: E402
 
@@ -111,6 +111,32 @@ def test_heal_stripes_a_jax_state_from_two_senders() -> None:
     s0, s2 = res[0][1].bytes, res[2][1].bytes
     assert s0 > 0 and s2 > 0 and abs(s0 - s2) <= 1 and s0 + s2 == stats.bytes
     assert states[0].healed is None and states[2].healed is None
+
+
+def test_a_prepared_jax_receiver_expects_its_own_leaves_and_lands_where_it_laid_out() -> None:
+    """A JAX state's leaves all exist from the start: the layout a receiver expects
+    is the one its peers send (`PreparedReceive`), so the heal judges only the rest
+    of the manifest and lands where the receiver laid out, bit-identical."""
+    good, behind = _state(0), _state(5)
+    states = {0: JaxState(good), 1: JaxState(behind)}
+    prepared = PreparedReceive(states[1], in_place=False)
+    sent = states[0].flatten()
+    assert (
+        states[1].expected_layout() == build_manifest("jax", sent.tensors, {}, [0], {}, 1).entries
+    )
+
+    def fn(pg: Any, rank: int) -> Any:
+        return heal(
+            pg, rank, [0], [1], states[rank], {"committed": 7} if rank == 0 else None, 30.0,
+            key=KEY, prepared=prepared if rank == 1 else None,
+        )  # fmt: skip
+
+    res = _run_ranks(2, fn)
+    assert all(isinstance(r, tuple) for r in res), res
+    assert res[1][1].predicted and res[1][1].prepared
+    healed = states[1].healed
+    assert healed is not None
+    assert state_hash(named_leaves(healed), 7) == state_hash(named_leaves(good), 7)
 
 
 @pytest.mark.parametrize("auth", list(HealAuth))

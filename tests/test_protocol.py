@@ -9,6 +9,7 @@ tests (test_elastic.py, test_chaos.py, ...) check the same paths for real.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
@@ -333,8 +334,19 @@ class FakeFlat:
 
 
 class FakeState:
+    kind = "fake"
+
     def __init__(self, backend: FakeBackend) -> None:
         self.backend = backend
+
+    def steady(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def manifest_limit(self) -> int:
+        return 1 << 20
+
+    def expected_layout(self) -> None:
+        return None  # a receiver's preparation lays nothing out (`PreparedReceive`)
 
     def flatten(self) -> FakeFlat:
         return FakeFlat([("w", self.backend.w)], {})

@@ -25,8 +25,10 @@ every rank so that they start it together:
    over as many senders as give each stripe MIN_STRIPE bytes, `stripe_senders`,
    0: every sender) from the senders into the receiver, which lands the rest in a `LandingReserve`
    it prepared before the barrier (mapped
-   and touched, untimed: a joiner does it while it waits to be admitted) and
-   installs it; every sender flattened and laid out its state and the root
+   and touched, untimed: a joiner does it while it waits to be admitted), laid
+   out there for the layout it expects (`PreparedReceive`, untimed: the
+   replicated trainer's receiver does it while the generation's group is
+   built), and installs it; every sender flattened and laid out its state and the root
    (rank 0) also computed its digest before the barrier (`PreparedSend`,
    untimed: the replicated trainer's senders do it while the generation's
    group is built);
@@ -78,6 +80,7 @@ from elastrain.demo.gpt import GPT
 from elastrain.transfer import (
     HealAuth,
     LandingReserve,
+    PreparedReceive,
     PreparedSend,
     TorchState,
     heal,
@@ -140,21 +143,24 @@ def main() -> None:
     state = build(dim, layers, heads, rank < senders)
 
     payload_s: dict[str, list[float]] = {"heal": [], "mac": [], "cold": []}
+    predicted: dict[str, list[bool]] = {"heal": [], "mac": [], "cold": []}
+    """Per heal: the receiver's manifest had the layout it laid out (`HealStats.predicted`)."""
     prepare_s: list[float] = []
     digest_prepare_s: list[float] = []
     """The digest-mode preparations alone (on the root: flatten, layout and digest)."""
     reserve: LandingReserve | None = None
-    prepared: PreparedSend | None = None
+    prepared: PreparedSend | PreparedReceive | None = None
 
     def prepare(auth: HealAuth = HealAuth.DIGEST) -> None:
-        """Before the barrier (untimed): the receiver's landing, mapped and touched;
-        each sender's flatten and layout and, on the root in digest mode, its digest
-        (waited for)."""
+        """Before the barrier (untimed): the receiver's landing, mapped and touched, and
+        its expected layout laid out in it (`PreparedReceive`); each sender's flatten
+        and layout and, on the root in digest mode, its digest (waited for)."""
         nonlocal reserve, prepared
         t0 = time.perf_counter()
         if rank == receiver:
             reserve = LandingReserve(section_bytes(state.landing_estimate()))
             reserve.wait()
+            prepared = PreparedReceive(state, reserve)
         else:
             prepared = PreparedSend(state, auth, root=rank == 0)
             digesting = prepared.digesting()
@@ -174,6 +180,7 @@ def main() -> None:
         )  # fmt: skip
         reserve, prepared = None, None
         payload_s[kind].append(stats.payload_s)
+        predicted[kind].append(stats.predicted)
 
     def broadcast(t: torch.Tensor) -> None:
         if bcast is None:
@@ -267,6 +274,7 @@ def main() -> None:
                 "seconds": seconds,
                 "cpu": cpu,
                 "payload_s": payload_s,
+                "predicted": predicted,
                 "prepare_s": prepare_s,
                 "digest_prepare_s": digest_prepare_s,
                 "first": first,

@@ -70,7 +70,7 @@ from elastrain.runtime.topology import (
     StateLost,
     Turns,
 )
-from elastrain.transfer import Role
+from elastrain.transfer import LandingReserve, Role
 
 log = logging.getLogger("elastrain.jax.replicas")
 
@@ -134,7 +134,7 @@ class ReplicaTwins:
     def landing_estimate(self) -> list[tuple[str, int]]:
         return self.backend.state().landing_estimate()
 
-    def prepare_heal(self, a: m.Action) -> None:
+    def prepare_heal(self, a: m.Action, reserve: LandingReserve | None) -> None:
         """Nothing ahead: a process learns its twins (who heals its shard) only
         from the places exchanged at `connect`."""
 

@@ -32,7 +32,7 @@ import torch
 
 from elastrain.transfer.dtypes import byte_view, dtype_from_name
 from elastrain.transfer.errors import HealError
-from elastrain.transfer.manifest import Manifest
+from elastrain.transfer.manifest import Entry, Manifest, lay_out
 from elastrain.transfer.state import FlatState, manifest_limit
 
 Tree = Any
@@ -158,6 +158,17 @@ class JaxState:
         # Exact: every leaf (the optimizer's state included) exists from the start.
         return [(name, int(a.nbytes)) for name, a in self._leaves]
 
+    def expected_layout(self) -> tuple[Entry, ...] | None:
+        """Its own leaves (exact: they all exist from the start, as `check` demands);
+        None for a leaf whose dtype torch does not name."""
+        try:
+            return lay_out(
+                (name, f"torch.{a.dtype}", tuple(int(d) for d in a.shape))
+                for name, a in self._leaves
+            )
+        except KeyError:
+            return None
+
     def bound(self, m: Manifest) -> str | None:
         total = sum(int(a.nbytes) for _, a in self._leaves)
         if m.total_bytes > total or len(m.entries) > len(self._leaves):
@@ -165,7 +176,13 @@ class JaxState:
                 f"manifest claims {len(m.entries)} leaves of {m.total_bytes} bytes; this state "
                 f"has {len(self._leaves)} leaves of {total} bytes"
             )
+        return self.bound_section(m)
+
+    def bound_section(self, m: Manifest) -> str | None:
         return None if m.section == {} else "a JAX state manifest carries an empty section"
+
+    def check_section(self, m: Manifest) -> str | None:
+        return None  # the section is empty (`bound_section`): nothing of it to fit
 
     def check(self, m: Manifest) -> str | None:
         if len(m.entries) != len(self._leaves):

@@ -220,7 +220,12 @@ class StepEngine:
             where.resume_step,
         )
         self.rendezvous = Rendezvous(
-            ctx, self.topology, self.transport, groups, self.start.refresh_standby
+            ctx,
+            self.topology,
+            self.transport,
+            groups,
+            self.start.refresh_standby,
+            lambda a: self.healing.prepare_heal(a),
         )
         self.healing = Healing(
             ctx,

@@ -79,6 +79,11 @@ class Healing:
             self.reserve.nbytes / 1e6,
         )
 
+    def prepare_heal(self, a: m.Action) -> None:
+        """At a generation's connect: this member's share of the heal to come
+        (`Topology.prepare_heal`), a receiver's laid out in its landing reserve."""
+        self.topology.prepare_heal(a, self.reserve)
+
     def heal(self, a: m.Action) -> m.Observation:
         # The first heal after registration uses the landing reserve up, whatever
         # this member's role in it (a retry lands in fresh memory); what the heal

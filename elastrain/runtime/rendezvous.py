@@ -59,9 +59,13 @@ class Rendezvous:
         transport: TransportChoice,
         groups: GroupFactory | None,
         on_standby: Callable[[], None],
+        prepare_heal: Callable[[m.Action], None],
     ) -> None:
         self.ctx = ctx
         self.topology = topology
+        self.prepare_heal = prepare_heal
+        """Begins this member's share of the heal to come, at a generation's connect
+        (`Healing.prepare_heal`)."""
         self.transport = transport
         self.groups: GroupFactory = groups or self._gloo_group
         """Builds the generation's group (a seam for in-process tests)."""
@@ -234,8 +238,8 @@ class Rendezvous:
         # The heartbeats carry the generation being built (see `_build_until_superseded`).
         ctx.session.set_gen(a.gen, a.members, r.slots if r else None, r.shard_size if r else 0)
         try:
-            # A sender's share of the heal begins now, beside the wait for peers.
-            self.topology.prepare_heal(a)
+            # This member's share of the heal begins now, beside the wait for peers.
+            self.prepare_heal(a)
             links.pg = self._build_until_superseded(
                 a.gen, lambda: self.groups(a.gen, a.rank, len(a.members))
             )

@@ -40,7 +40,14 @@ from elastrain.runtime.topology import (
     Snapshots,
     Turns,
 )
-from elastrain.transfer import HealAuth, PreparedSend, Role, TorchState
+from elastrain.transfer import (
+    HealAuth,
+    LandingReserve,
+    PreparedReceive,
+    PreparedSend,
+    Role,
+    TorchState,
+)
 
 
 class Replicated:
@@ -81,18 +88,22 @@ class Replicated:
     def landing_estimate(self) -> list[tuple[str, int]]:
         return self.ctx.backend.state().landing_estimate()
 
-    def prepare_heal(self, a: m.Action) -> None:
+    def prepare_heal(self, a: m.Action, reserve: LandingReserve | None) -> None:
         """A sender of the heal to come flattens its state and lays it out while the
         group is built, and the root (its first sender) begins its digest: on this
         path they were the largest part of a heal that moves no bytes, and every
         round waits for the slowest sender (`PreparedSend`). Only the root digests:
-        the others' digests are never asked for unless a stripe fails."""
+        the others' digests are never asked for unless a stripe fails. A receiver
+        lays out the layout it expects and its landing for it, in ``reserve``
+        (`PreparedReceive`): they were its path's part before its first receive."""
         self._prepared = None
+        state = self.ctx.backend.state()
         if a.receivers and a.rank in a.senders:
             auth = HealAuth(self.ctx.config.heal_auth)
             root = a.senders[0] == a.rank
-            prepared = PreparedSend(self.ctx.backend.state(), auth, root=root)
-            self._prepared = PreparedHeal(a.step, prepared)
+            self._prepared = PreparedHeal(a.step, PreparedSend(state, auth, root=root))
+        elif a.rank in a.receivers:
+            self._prepared = PreparedHeal(a.step, PreparedReceive(state, reserve))
 
     def connect(self, links: Links) -> None:
         """Nothing besides the generation's own group."""

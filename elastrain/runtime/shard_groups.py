@@ -55,7 +55,7 @@ from elastrain.runtime.topology import (
     Unfillable,
 )
 from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
-from elastrain.transfer import HealAuth, PreparedSend
+from elastrain.transfer import HealAuth, LandingReserve, PreparedSend
 
 log = logging.getLogger("elastrain.shards")
 
@@ -90,10 +90,11 @@ class ShardedGroups:
         """The largest shard of the configured shard size (a joiner holds none yet)."""
         return self.backend.landing_estimate()
 
-    def prepare_heal(self, a: m.Action) -> None:
+    def prepare_heal(self, a: m.Action, reserve: LandingReserve | None) -> None:
         """The root of this member's twins' heal (`twins_heal_root`: the layout is in
         the ready answer) flattens its shard's state and begins its digest
-        (`PreparedSend`) beside the wait for peers."""
+        (`PreparedSend`) beside the wait for peers. A receiver prepares nothing: its
+        shard is placed (shaped for its slot) only in the heal."""
         self._prepared = None
         ready = self.ctx.links.ready
         if ready is not None and twins_heal_root(ready, self.ctx.member, self.backend):

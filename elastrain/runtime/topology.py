@@ -40,7 +40,7 @@ from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice
 from elastrain.runtime.context import Context, Links
 from elastrain.runtime.evaluate import EvalShare
-from elastrain.transfer import HealFn, LandingReserve, PreparedSend, Role
+from elastrain.transfer import HealFn, LandingReserve, PreparedReceive, PreparedSend, Role
 
 
 class StateLost(Exception):
@@ -79,16 +79,18 @@ class HealJob:
 
 @dataclass(frozen=True)
 class PreparedHeal:
-    """A sender's share of the heal to come, begun at connect (`Topology.prepare_heal`)."""
+    """A member's share of the heal to come, begun at connect (`Topology.prepare_heal`)."""
 
     committed: int
-    """The committed count of the state it describes."""
-    send: PreparedSend
+    """The committed count the heal was planned at (a sender's: of the state it describes)."""
+    share: PreparedSend | PreparedReceive
 
-    def for_heal(self, role: Role, committed: int) -> PreparedSend | None:
-        """What the heal hands on: the preparation if this member sends in it and its
-        state is still the one it describes, else None (the heal flattens afresh)."""
-        return self.send if role == Role.SEND and committed == self.committed else None
+    def for_heal(self, role: Role, committed: int) -> PreparedSend | PreparedReceive | None:
+        """What the heal hands on: the preparation if this member has the role it was
+        made for and the heal is the one planned, else None (the heal does its share
+        afresh)."""
+        made_for = Role.SEND if isinstance(self.share, PreparedSend) else Role.RECV
+        return self.share if role == made_for and committed == self.committed else None
 
 
 @dataclass(frozen=True)
@@ -176,11 +178,13 @@ class Topology(Protocol):
     def landing_estimate(self) -> list[tuple[str, int]]:
         """The sections a joiner's heal will land (for its landing reserve)."""
 
-    def prepare_heal(self, a: m.Action) -> None:
+    def prepare_heal(self, a: m.Action, reserve: LandingReserve | None) -> None:
         """At a generation's connect, before its groups are built (`a`: the CONNECT
-        action, with the heal's roles): a member that will send in the heal right
-        after may prepare its share now (`PreparedSend`), while it waits on peers.
-        Nothing writes the state between this and that heal."""
+        action, with the heal's roles): a member that will send or receive in the
+        heal right after may prepare its share now (`PreparedSend`,
+        `PreparedReceive`: a receiver lays its landing out in ``reserve``, the
+        joiner's, when it has one), while it waits on peers. Nothing writes the
+        state between this and that heal."""
 
     def connect(self, links: Links) -> None:
         """Build the generation's groups besides `links.pg` (blocks for peers)."""

@@ -15,7 +15,7 @@ from elastrain.transfer.auth import HealAuth, check_auth
 from elastrain.transfer.errors import HealError, TornHeal
 from elastrain.transfer.flatten import state_digest, state_hash
 from elastrain.transfer.landing import LandingReserve, section_bytes
-from elastrain.transfer.prepared import PreparedSend
+from elastrain.transfer.prepared import PreparedReceive, PreparedSend
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, NamedState
 from elastrain.transfer.striped import (
@@ -39,6 +39,7 @@ __all__ = [
     "HealTransport",
     "LandingReserve",
     "NamedState",
+    "PreparedReceive",
     "PreparedSend",
     "Role",
     "TorchState",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,18 @@ def plan_stripes(
     return tuple(stripes)
 
 
+def lay_out(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[Entry, ...]:
+    """Entries for ``(name, dtype name, shape)`` laid out back to back from byte 0
+    (KeyError for a dtype name `dtype_from_name` does not know)."""
+    entries = []
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * dtype_from_name(dtype).itemsize
+        entries.append(Entry(name, dtype, shape, offset, nbytes))
+        offset += nbytes
+    return tuple(entries)
+
+
 def build_manifest(
     kind: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
@@ -153,23 +165,19 @@ def build_manifest(
     auth: HealAuth = HealAuth.DIGEST,
     min_stripe_bytes: int = 0,
 ) -> Manifest:
-    """Lay the named tensors out back to back and stripe the result over ``senders``
-    (`plan_stripes`); ``auth`` as in `Manifest`."""
-    entries = []
-    offset = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        entries.append(
-            Entry(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape), offset, nbytes)
-        )
-        offset += nbytes
+    """Lay the named tensors out back to back (`lay_out`) and stripe the result over
+    ``senders`` (`plan_stripes`); ``auth`` as in `Manifest`."""
+    entries = lay_out(
+        (name, dtype_name(t.dtype), tuple(int(d) for d in t.shape)) for name, t in tensors
+    )
+    total = entries[-1].offset + entries[-1].nbytes if entries else 0
     return Manifest(
         version=VERSION,
         kind=kind,
         heal_id=heal_id,
-        entries=tuple(entries),
-        total_bytes=offset,
-        stripes=plan_stripes(offset, senders, min_stripe_bytes),
+        entries=entries,
+        total_bytes=total,
+        stripes=plan_stripes(total, senders, min_stripe_bytes),
         section=section,
         meta=meta,
         auth=auth,
@@ -209,6 +217,26 @@ def encode_entries(entries: Sequence[Entry]) -> bytes:
     ).encode()  # fmt: skip
 
 
+ENTRIES_HEAD = b'{"entries":'
+"""How every manifest's bytes begin: its entries come first, so that a receiver
+that expects a layout compares their bytes instead of parsing them (`Expected`)."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A layout a receiver expects (`NamedState.expected_layout`), with the bytes
+    a manifest of it begins with (`ENTRIES_HEAD`, `encode_entries`, a comma)."""
+
+    entries: tuple[Entry, ...]
+    head: bytes
+    total_bytes: int
+
+    @classmethod
+    def of(cls, entries: tuple[Entry, ...]) -> Expected:
+        total = entries[-1].offset + entries[-1].nbytes if entries else 0
+        return cls(entries, ENTRIES_HEAD + encode_entries(entries) + b",", total)
+
+
 def encode_manifest(m: Manifest, entries: bytes | None = None) -> bytes:
     """UTF-8 JSON bytes of ``m``. Raises TypeError/ValueError if meta is not JSON-able.
     ``entries``: `encode_entries` of ``m.entries``, encoded before (most of the
@@ -228,7 +256,7 @@ def encode_manifest(m: Manifest, entries: bytes | None = None) -> bytes:
     }  # fmt: skip
     rest = json.dumps(doc, separators=(",", ":")).encode()
     listed = encode_entries(m.entries) if entries is None else entries
-    return b'{"entries":' + listed + b"," + rest[1:]
+    return ENTRIES_HEAD + listed + b"," + rest[1:]
 
 
 def encode_error(message: str) -> bytes:
@@ -307,49 +335,79 @@ def decode_manifest(data: bytes) -> Manifest:
     An error manifest from senders[0] becomes a HealError carrying its message.
     Layout consistency is checked separately by `validate_manifest`.
     """
+    doc = _json_object(data)
+    try:
+        _check_version(doc)
+        entries = tuple(_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries")))
+        return _from_doc(doc, entries)
+    except KeyError as e:
+        raise HealError(f"malformed manifest: missing field {e}") from e
+
+
+def decode_expected(data: bytes, expected: Expected) -> Manifest | None:
+    """The manifest ``data`` if its entries are exactly ``expected``'s, else None (then
+    `decode_manifest` it). The entries are compared as bytes, not parsed: the
+    receiver's own prediction of them was laid out and judged before the heal.
+    Only the rest is parsed (HealError if it is malformed, as `decode_manifest`);
+    a manifest naming its entries twice is left to `decode_manifest`, so that
+    both read the same document."""
+    if not data.startswith(expected.head):
+        return None
+    doc = _json_object(b"{" + data[len(expected.head) :])
+    if "entries" in doc:
+        return None
+    try:
+        _check_version(doc)
+        return _from_doc(doc, expected.entries)
+    except KeyError as e:
+        raise HealError(f"malformed manifest: missing field {e}") from e
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data.decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise HealError(f"malformed manifest: not JSON ({e})") from e
-    doc = _dict(doc, "the manifest")
-    try:
-        version = _int(doc["version"], "version")
-        if version != VERSION:
-            raise HealError(f"manifest version {version} is not supported (expected {VERSION})")
-        if "error" in doc:
-            raise ManifestUnavailable(
-                f"the manifest root could not build the manifest: {doc['error']}"
+    return _dict(doc, "the manifest")
+
+
+def _check_version(doc: dict[str, Any]) -> None:
+    version = _int(doc["version"], "version")
+    if version != VERSION:
+        raise HealError(f"manifest version {version} is not supported (expected {VERSION})")
+    if "error" in doc:
+        raise ManifestUnavailable(f"the manifest root could not build the manifest: {doc['error']}")
+
+
+def _from_doc(doc: dict[str, Any], entries: tuple[Entry, ...]) -> Manifest:
+    """The manifest of a parsed document (its version checked), with ``entries``."""
+    stripes = []
+    for i, raw in enumerate(_list(doc["stripes"], "stripes")):
+        s = _dict(raw, f"stripes[{i}]")
+        stripes.append(
+            Stripe(
+                _nonneg(s["sender_rank"], f"stripes[{i}].sender_rank"),
+                _nonneg(s["offset"], f"stripes[{i}].offset"),
+                _nonneg(s["nbytes"], f"stripes[{i}].nbytes"),
             )
-        entries = [_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries"))]
-        stripes = []
-        for i, raw in enumerate(_list(doc["stripes"], "stripes")):
-            s = _dict(raw, f"stripes[{i}]")
-            stripes.append(
-                Stripe(
-                    _nonneg(s["sender_rank"], f"stripes[{i}].sender_rank"),
-                    _nonneg(s["offset"], f"stripes[{i}].offset"),
-                    _nonneg(s["nbytes"], f"stripes[{i}].nbytes"),
-                )
-            )
-        kind = doc["kind"]
-        if not isinstance(kind, str):
-            raise HealError("malformed manifest: kind is not a string")
-        auth = doc["auth"]
-        if auth not in tuple(HealAuth):
-            raise HealError(f"malformed manifest: auth is {auth!r}")
-        return Manifest(
-            version=version,
-            kind=kind,
-            heal_id=_nonneg(doc["heal_id"], "heal_id"),
-            entries=tuple(entries),
-            total_bytes=_nonneg(doc["total_bytes"], "total_bytes"),
-            stripes=tuple(stripes),
-            section=_dict(doc["section"], "section"),
-            meta=_dict(doc["meta"], "meta"),
-            auth=HealAuth(auth),
         )
-    except KeyError as e:
-        raise HealError(f"malformed manifest: missing field {e}") from e
+    kind = doc["kind"]
+    if not isinstance(kind, str):
+        raise HealError("malformed manifest: kind is not a string")
+    auth = doc["auth"]
+    if auth not in tuple(HealAuth):
+        raise HealError(f"malformed manifest: auth is {auth!r}")
+    return Manifest(
+        version=VERSION,
+        kind=kind,
+        heal_id=_nonneg(doc["heal_id"], "heal_id"),
+        entries=entries,
+        total_bytes=_nonneg(doc["total_bytes"], "total_bytes"),
+        stripes=tuple(stripes),
+        section=_dict(doc["section"], "section"),
+        meta=_dict(doc["meta"], "meta"),
+        auth=HealAuth(auth),
+    )
 
 
 def tensor_refs(value: Any) -> list[str]:
@@ -381,8 +439,8 @@ def validate_manifest(m: Manifest, senders: Sequence[int]) -> None:
     Entries: unique names, known dtypes, ``nbytes == numel * itemsize``,
     contiguous offsets from 0, ending at ``total_bytes``. Stripes: one per
     sender in ``senders`` order, tiling ``[0, total_bytes)`` with no gap and no
-    overlap. What the names and the section mean is the state's to judge
-    (`NamedState.bound`).
+    overlap (`validate_stripes`). What the names and the section mean is the
+    state's to judge (`NamedState.bound`).
     """
     seen: set[str] = set()
     offset = 0
@@ -410,6 +468,13 @@ def validate_manifest(m: Manifest, senders: Sequence[int]) -> None:
         raise HealError(
             f"manifest lies: entries cover {offset} bytes but total_bytes is {m.total_bytes}"
         )
+    validate_stripes(m, senders)
+
+
+def validate_stripes(m: Manifest, senders: Sequence[int]) -> None:
+    """`validate_manifest`'s check of the stripes alone: one per sender in
+    ``senders`` order, tiling ``[0, total_bytes)`` (for a manifest whose entries
+    a receiver laid out itself, `Expected`)."""
     ranks = [s.sender_rank for s in m.stripes]
     if ranks != list(senders):
         raise HealError(

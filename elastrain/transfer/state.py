@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from elastrain.transfer.manifest import Manifest
+    from elastrain.transfer.manifest import Entry, Manifest
 
 MANIFEST_BASE_BYTES = 16 * 1024 * 1024
 """Every state accepts a manifest of this many bytes plus `MANIFEST_ENTRY_BYTES`
@@ -95,6 +95,18 @@ class NamedState(Protocol):
         fresh memory, a long one gives the surplus back at the heal."""
         ...
 
+    def expected_layout(self) -> tuple[Entry, ...] | None:
+        """The entries a heal into this state will carry, exactly (names, dtypes,
+        shapes, laid out back to back in `flatten` order), or None where the kind
+        cannot say (state that appears only once training ran, of a kind it does
+        not know). A receiver lays its landing out for it before the heal
+        (`elastrain.transfer.prepared.PreparedReceive`) and, when the root's
+        manifest has exactly these entries, judges only the rest of it
+        (`bound_section`, `check_section`). So it must be what `bound` and `check`
+        accept of entries; only speed depends on it being right (a manifest with
+        other entries is judged whole, as without it)."""
+        ...
+
     def bound(self, m: Manifest) -> str | None:
         """None if a correct peer of this state could have sent ``m``, else why not.
 
@@ -106,6 +118,16 @@ class NamedState(Protocol):
 
     def check(self, m: Manifest) -> str | None:
         """None if ``m`` (already within `bound`) fits this state exactly, else why not."""
+        ...
+
+    def bound_section(self, m: Manifest) -> str | None:
+        """The part of `bound` its entries do not decide: for a manifest whose entries
+        are this state's `expected_layout`, judged instead of `bound`."""
+        ...
+
+    def check_section(self, m: Manifest) -> str | None:
+        """The part of `check` its entries do not decide: for a manifest whose entries
+        are this state's `expected_layout`, judged instead of `check`."""
         ...
 
     def live_targets(self, m: Manifest) -> dict[str, torch.Tensor]:

@@ -35,7 +35,11 @@ Every rank of the group calls it with the same ``senders`` and
 3. **verdict** -- every other rank checks the seal, parses and validates the
    manifest; receivers judge it against their own state (`bound` before any
    allocation, then `check`); other senders check that their state has the
-   same layout. One all-reduce of per-rank verdicts follows:
+   same layout. A receiver that laid out the entries it expects before the
+   heal (`PreparedReceive`) compares the manifest's entries with them as bytes
+   (`decode_expected`): the same, it judges only the rest (total, stripes,
+   `bound_section`, `check_section`) and lands where it laid out; else it
+   judges the whole, as above. One all-reduce of per-rank verdicts follows:
    - a manifest whose seal does not verify, that is not JSON, lies about sizes
      (entry bytes vs shape and dtype, offsets, total, stripes) or claims more
      than a receiver's state could hold is *malformed*: the root is refused,
@@ -110,15 +114,18 @@ from elastrain.transfer.errors import HealError, ManifestUnavailable, NoSenderLe
 from elastrain.transfer.landing import Landing, LandingReserve
 from elastrain.transfer.manifest import (
     STRIPE_MIN_BYTES,
+    Expected,
     Manifest,
     Stripe,
     build_manifest,
+    decode_expected,
     decode_manifest,
     encode_error,
     encode_manifest,
     for_heal,
     stripe_senders,
     validate_manifest,
+    validate_stripes,
 )
 from elastrain.transfer.payload import (
     CHECKS,
@@ -128,7 +135,7 @@ from elastrain.transfer.payload import (
     run_payload,
     stage,
 )
-from elastrain.transfer.prepared import Digesting, PreparedSend
+from elastrain.transfer.prepared import Digesting, PreparedReceive, PreparedSend
 from elastrain.transfer.rounds import Deadline, Flags
 from elastrain.transfer.seal import SEAL_BYTES, open_manifest, seal_manifest
 from elastrain.transfer.standby import Word, hear, tell
@@ -165,12 +172,15 @@ class HealStats:
     the outcome, any stripe sent again); the rest is the flatten, the manifest
     rounds (steps 1-3; the senders' staging of their stripes and the
     receivers' landing allocation overlap the verdict's) and the install.
-    prepared: this rank sent from a `PreparedSend` (its flatten and digest done
-    before the heal). rounds_s: the part of ``seconds`` before the payload: the
+    prepared: this rank's share was done before the heal (a sender's `PreparedSend`:
+    its flatten and digest; a receiver's `PreparedReceive`: its expected layout and
+    landing). rounds_s: the part of ``seconds`` before the payload: the
     flatten and the manifest rounds (steps 1-3, with the staging and the landing's
     allocation); what is left besides ``payload_s`` is the install. standby: this
     sender was kept in reserve (its manifest stripe empty) and sat the heal out,
     waiting for the root's word (`Word`): its ``seconds`` are that wait.
+    predicted: this receiver's manifest had exactly the layout it expected
+    (`PreparedReceive`): it judged only the rest and landed where it had laid out.
     """
 
     role: str
@@ -181,6 +191,7 @@ class HealStats:
     prepared: bool = False
     rounds_s: float = 0.0
     standby: bool = False
+    predicted: bool = False
 
     @property
     def rate_mb_s(self) -> float:
@@ -199,6 +210,7 @@ class HealStats:
             "prepared": self.prepared,
             "rounds_s": self.rounds_s,
             "standby": self.standby,
+            "predicted": self.predicted,
         }
 
 
@@ -214,12 +226,22 @@ class _Announcement:
     nonces: tuple[int, ...]
 
 
+STAR_FROM = 3
+"""Groups of at least this many ranks announce through the root (`Among`), not in
+the transport's own all-reduce: gloo's is a ring of ``2 (size - 1)`` hops, each
+waking a thread in another process, where the root's star is two. On members
+sharing cores each hop waits to be scheduled: with one standby beside the root
+and the receiver (3 ranks), the announcement took 4.5 ms on the receiver
+against 1.6 ms with 2 ranks (phase timers by hand, 2026-12-07)."""
+
+
 def _announce(
     tx: HealTransport, root: int, length: int, active: int, limit: int, dl: Deadline
 ) -> _Announcement:
     """All-reduce (max) of the root's manifest ``length`` and ``active`` count (both
     ignored elsewhere), minus every rank's limit (so the max is the smallest limit)
-    and every rank's nonce in its own slot (collective)."""
+    and every rank's nonce in its own slot (collective). ``tx``: the transport, or an
+    `Among` of every rank through the root (`STAR_FROM`)."""
     v = torch.zeros(3 + tx.size, dtype=torch.int64)
     if tx.rank == root:
         v[0], v[2] = length, active
@@ -292,10 +314,21 @@ def _local_problem(
     state: NamedState,
     auth: HealAuth,
     layout: Manifest | None = None,
+    expected: Expected | None = None,
 ) -> tuple[Verdict, HealError | None]:
-    """This rank's verdict on the manifest (not called on the root)."""
+    """This rank's verdict on the manifest (not called on the root). ``expected``: a
+    receiver's layout laid out ahead, which ``m``'s entries are (`decode_expected`):
+    they were judged then, and only the rest of ``m`` is judged here."""
     try:
-        validate_manifest(m, trusted)
+        if expected is None:
+            validate_manifest(m, trusted)
+        elif m.total_bytes != expected.total_bytes:
+            raise HealError(
+                f"manifest lies: entries cover {expected.total_bytes} bytes but total_bytes "
+                f"is {m.total_bytes}"
+            )
+        else:
+            validate_stripes(m, trusted)
         if not 1 <= m.heal_id <= MAX_HEAL_ID:
             raise HealError(f"manifest heal_id {m.heal_id} is outside [1, {MAX_HEAL_ID}]")
     except (HealError, TypeError, ValueError) as e:
@@ -314,14 +347,14 @@ def _local_problem(
         )
     if role == Role.RECV:  # only receivers allocate for the payload
         try:
-            why = state.bound(m)
+            why = state.bound(m) if expected is None else state.bound_section(m)
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             why = f"{type(e).__name__}: {e}"
         if why is not None:
             return Verdict.MALFORMED, HealError(f"manifest refused before allocation: {why}")
     try:
         if role == Role.RECV:
-            why = state.check(m)
+            why = state.check(m) if expected is None else state.check_section(m)
         else:
             assert flat is not None
             why = _sender_difference(m, flat, state.kind, trusted, layout)
@@ -348,6 +381,10 @@ def _sender_difference(
     return None
 
 
+Prepared = PreparedSend | PreparedReceive
+"""A member's share of a heal done ahead, by its role (`elastrain.transfer.prepared`)."""
+
+
 class HealFn(Protocol):
     """What the trainers call to heal over a generation's group: `heal_with(mode)`
     (the engine's), `heal`, or a test's or another wire's stand-in with its signature (see `heal`; the test seam
@@ -365,7 +402,7 @@ class HealFn(Protocol):
         *,
         key: bytes | None = None,
         reserve: LandingReserve | None = None,
-        prepared: PreparedSend | None = None,
+        prepared: Prepared | None = None,
     ) -> tuple[dict[str, Any], HealStats]: ...
 
 
@@ -384,7 +421,7 @@ def heal(
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
     min_stripe_bytes: int = 0,
-    prepared: PreparedSend | None = None,
+    prepared: Prepared | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over` the gloo group ``pg``, this rank being ``rank`` (`GlooHeal`): a `HealFn`
     (in digest mode; `heal_with` gives one for either mode).
@@ -428,7 +465,7 @@ def heal_with(
         *,
         key: bytes | None = None,
         reserve: LandingReserve | None = None,
-        prepared: PreparedSend | None = None,
+        prepared: Prepared | None = None,
     ) -> tuple[dict[str, Any], HealStats]:
         return heal(
             pg, rank, senders, receivers, state, meta, timeout_s,
@@ -453,7 +490,7 @@ def heal_over(
     auth: HealAuth = HealAuth.DIGEST,
     in_place: bool = False,
     min_stripe_bytes: int = 0,
-    prepared: PreparedSend | None = None,
+    prepared: Prepared | None = None,
 ) -> tuple[dict[str, Any], HealStats]:
     """Copy senders' ``state`` onto receivers, striped over the senders, checked in
     mode ``auth`` (`HealAuth`) under ``key``.
@@ -513,8 +550,10 @@ def heal_over(
     the heal runs again with them (the module docstring). Only the root's value
     counts (the announcement and the manifest carry its choice).
 
-    ``prepared``: a sender's flatten and digest done ahead (`PreparedSend`, of this
-    same ``state``); ignored on a rank that does not send or when its kind differs.
+    ``prepared``: this rank's share done ahead, of this same ``state``: a sender's
+    flatten and digest (`PreparedSend`), a receiver's expected layout and landing
+    (`PreparedReceive`, used when it was laid out for this heal's ``in_place``);
+    ignored on a rank of another role or when its kind differs.
 
     ``tamper`` is the test seam: this rank damages or forges what it sends (see `Tamper`).
     """
@@ -529,11 +568,20 @@ def heal_over(
         flat: FlatState | None = None
         flat_error: Exception | None = None
         digesting: dict[int, Digesting] = {}
-        if role != Role.SEND or (prepared is not None and prepared.kind != state.kind):
-            prepared = None
-        if prepared is not None:
-            flat, flat_error = prepared.flat, prepared.error
-            begun = prepared.digesting()
+        send: PreparedSend | None = None
+        receive: PreparedReceive | None = None
+        if prepared is not None and prepared.kind == state.kind:
+            if role == Role.SEND and isinstance(prepared, PreparedSend):
+                send = prepared
+            elif (
+                role == Role.RECV
+                and isinstance(prepared, PreparedReceive)
+                and prepared.in_place == in_place
+            ):
+                receive = prepared
+        if send is not None:
+            flat, flat_error = send.flat, send.error
+            begun = send.digesting()
             if begun is not None and check.auth == HealAuth.DIGEST:
                 digesting[rank] = begun
         elif role == Role.SEND:
@@ -544,8 +592,9 @@ def heal_over(
         try:
             out_meta, stats = _heal(tx, senders, receivers, state, meta, timeout_s, key,
                                     tamper, reserve, check, t0, flat, flat_error, digesting,
-                                    in_place, min_stripe_bytes, prepared)  # fmt: skip
-            return out_meta, dataclasses.replace(stats, prepared=prepared is not None)
+                                    in_place, min_stripe_bytes, send, receive)  # fmt: skip
+            done_ahead = send is not None or receive is not None
+            return out_meta, dataclasses.replace(stats, prepared=done_ahead)
         finally:
             for d in digesting.values():
                 d.join()
@@ -569,11 +618,13 @@ def _heal(
     in_place: bool,
     min_stripe_bytes: int,
     prepared: PreparedSend | None,
+    receive: PreparedReceive | None,
 ) -> tuple[dict[str, Any], HealStats]:
     """`heal_over`'s protocol, once its arguments are checked and its state flattened.
     ``digesting``: this rank's state digest once it is a root (digest mode), by rank.
     ``prepared``: this sender's flatten and layout (and, on a root, its manifest's
-    entries and messages) done ahead (`PreparedSend`)."""
+    entries and messages) done ahead (`PreparedSend`). ``receive``: this receiver's
+    expected layout and landing done ahead (`PreparedReceive`), for the first pass."""
     layout = prepared.layout if prepared is not None else None
     rank = tx.rank
     dl = Deadline(rank, timeout_s)
@@ -581,7 +632,9 @@ def _heal(
     sealing_key = tamper.sealing_key(key) if tamper is not None else key
 
     # The most manifest bytes this rank accepts: the same in every pass.
-    limit = prepared.limit if prepared is not None else state.manifest_limit()
+    ahead = prepared or receive
+    limit = ahead.limit if ahead is not None else state.manifest_limit()
+    predicted = False  # this receiver landed where its preparation laid out
     trusted = list(senders)
     refused: list[int] = []
     keep_standbys = True  # only the first pass: a pass run again takes every rank
@@ -590,6 +643,7 @@ def _heal(
     while True:
         root = trusted[0]
         code, problem = Verdict.OK, None
+        expected: Expected | None = None  # a receiver's manifest has its laid-out entries
         built: Exception | None = None
         data, length, active = b"", 0, len(trusted)
         if rank == root:
@@ -619,7 +673,8 @@ def _heal(
                 length = tamper.announced_length(length)
 
         # 1. announce: the length is judged by every rank alike, before allocating
-        ann = _announce(tx, root, length, active, limit, dl)
+        star = Among(tx, range(tx.size), root) if tx.size >= STAR_FROM else None
+        ann = _announce(star or tx, root, length, active, limit, dl)
         standbys: list[int] = []
         if keep_standbys and ann.length <= ann.limit and 1 <= ann.active < len(trusted):
             standbys = trusted[ann.active :]
@@ -642,7 +697,7 @@ def _heal(
         # the root's word, and no round waits for their processes to be scheduled.
         gx: HealTransport = tx
         if standbys:
-            gx = Among(tx, [r for r in range(tx.size) if r not in standbys], root)
+            gx = Among(tx, [r for r in range(tx.size) if r not in standbys], root, after=star)
         try:
             # 2. manifest, sealed by the root
             if ann.length > ann.limit:
@@ -666,8 +721,13 @@ def _heal(
             else:
                 sealed = _broadcast_bytes(gx, root, None, ann.length, dl)
                 seal = sealed[-SEAL_BYTES:]
+                expected = receive.expected if receive is not None else None
                 try:
-                    manifest = decode_manifest(open_manifest(key, ann.nonces, root, sealed))
+                    opened = open_manifest(key, ann.nonces, root, sealed)
+                    got = decode_expected(opened, expected) if expected is not None else None
+                    manifest = got if got is not None else decode_manifest(opened)
+                    if got is None:
+                        expected = None  # judged whole: its entries are not the ones laid out
                 except ManifestUnavailable:
                     raise
                 except HealError as e:
@@ -684,7 +744,7 @@ def _heal(
                         problem = HealError(f"cannot flatten this sender's state: {flat_error}")
                     else:
                         code, problem = _local_problem(
-                            manifest, role, trusted, flat, state, check.auth, layout
+                            manifest, role, trusted, flat, state, check.auth, layout, expected
                         )
 
             # 3. verdict. While the round completes, a sender stages its stripe (packed
@@ -701,8 +761,12 @@ def _heal(
                                        whole if s.nbytes == manifest.total_bytes else None)
                               for s in manifest.stripes if s.sender_rank == rank and s.nbytes}  # fmt: skip
                 elif code == Verdict.OK and role == Role.RECV:
-                    live = state.live_targets(manifest) if in_place else None
-                    landing = Landing.allocate(manifest.entries, reserve, live)  # within `bound`
+                    if receive is not None and receive.landing is not None and expected is not None:
+                        landing, predicted = receive.landing, True
+                    else:
+                        live = state.live_targets(manifest) if in_place else None
+                        landing = Landing.allocate(manifest.entries, reserve, live)  # in `bound`
+                    receive = None  # one pass lands in it: a pass run again allocates afresh
             except BaseException:
                 with contextlib.suppress(HealError):
                     verdict.result()  # the posted round completes; its peers go on to fail
@@ -779,7 +843,7 @@ def _heal(
 
     stats = HealStats(
         role, nbytes + moved, time.perf_counter() - t0, tuple(refused), payload_s,
-        rounds_s=t_payload - t0,
+        rounds_s=t_payload - t0, predicted=predicted,
     )  # fmt: skip
     out_meta = dict(meta or {}) if role == Role.SEND else manifest.meta
     return out_meta, stats

@@ -27,10 +27,13 @@ LIES = (
     "huge_length",
     "huge_entry",
     "huge_optim",
+    "section_ref",
 )
 """How `Tamper` makes a manifest lie: an entry claims 4 more or 1 fewer bytes
 than its shape holds, claims another dtype (of another item size) or an extra
-dimension, total_bytes is 8 too many, or the JSON is cut in half; or, with a
+dimension, total_bytes is 8 too many, the section refers to a tensor no entry
+holds (``section_ref``: its entries untouched, so a receiver that expects them,
+`PreparedReceive`, judges the rest), or the JSON is cut in half; or, with a
 self-consistent layout, it claims to be a 1 TiB manifest (``huge_length``: the
 announced length), an entry of 1 TiB (``huge_entry``) or an optimizer tensor
 of 256 GiB (``huge_optim``; an ``optim/`` entry where there is one)."""
@@ -39,6 +42,12 @@ TIB = 1 << 40
 """What ``huge_length`` and ``huge_entry`` claim."""
 HUGE_OPTIM_BYTES = 256 << 30
 """What ``huge_optim`` claims."""
+
+
+def _encode(doc: dict) -> bytes:
+    """A manifest document in the root's compact encoding: a lie that leaves the
+    entries alone leaves their bytes as the root wrote them."""
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _resize(doc: dict, index: int, nbytes: int) -> None:
@@ -117,7 +126,10 @@ class Tamper:
         doc = json.loads(data)
         if self.manifest == "total_bytes":
             doc["total_bytes"] += 8
-            return json.dumps(doc).encode()
+            return _encode(doc)
+        if self.manifest == "section_ref":
+            doc["section"]["lie"] = {"$tensor": "optim/no-such-entry"}
+            return _encode(doc)
         rng = random.Random(self.seed)
         if self.manifest in ("huge_entry", "huge_optim"):
             candidates = [i for i, e in enumerate(doc["entries"]) if e["nbytes"] > 0]
@@ -126,7 +138,7 @@ class Tamper:
                 _resize(doc, rng.choice(optim), HUGE_OPTIM_BYTES)
             else:
                 _resize(doc, rng.choice(candidates), TIB)
-            return json.dumps(doc).encode()
+            return _encode(doc)
         e = rng.choice([e for e in doc["entries"] if e["nbytes"] > 0])
         if self.manifest == "more_bytes":
             e["nbytes"] += 4
@@ -136,4 +148,4 @@ class Tamper:
             e["dtype"] = "torch.float64" if e["dtype"] != "torch.float64" else "torch.float32"
         else:  # shape
             e["shape"] = [*e["shape"], 2]
-        return json.dumps(doc).encode()
+        return _encode(doc)

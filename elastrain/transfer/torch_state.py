@@ -37,7 +37,7 @@ from elastrain.transfer.flatten import (
     flatten_state,
     optimizer_class,
 )
-from elastrain.transfer.manifest import Entry, Manifest, tensor_refs
+from elastrain.transfer.manifest import Entry, Manifest, lay_out, tensor_refs
 from elastrain.transfer.names import model_state
 from elastrain.transfer.signature import model_signature, signature_mismatch
 from elastrain.transfer.state import FlatState, manifest_limit
@@ -63,6 +63,27 @@ def fresh_entries(index: int, nbytes: int, tensors: int, step: bool) -> list[tup
     return out + [(f"{OPTIM_PREFIX}{index}/step", 8)] if step else out
 
 
+STEP_KEY = "step"
+"""The key of the 0-dim step counter in Adam's per-param state."""
+
+
+def fresh_param_keys(
+    cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
+) -> list[str] | None:
+    """The keys of one param's state after an optimizer's first step, in the order
+    torch's ``state_dict`` lists them, for the classes known here: Adam and AdamW
+    the step counter (`STEP_KEY`, 0-dim) then two moments (three with ``amsgrad``),
+    param-shaped; SGD a momentum buffer when ``momentum`` is set. None for any
+    other class: its state is not predicted. (tests/test_transfer.py checks this
+    against the optimizers themselves, so a torch that changes it is caught.)"""
+    if issubclass(cls, torch.optim.Adam | torch.optim.AdamW):
+        moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+        return [STEP_KEY, *moments]
+    if issubclass(cls, torch.optim.SGD):
+        return ["momentum_buffer"] if group.get("momentum") else []
+    return None
+
+
 class Owner(Enum):
     """What an optimizer tensor belongs to: a param's state or a param group's
     hyperparameters (each has its own bound)."""
@@ -75,15 +96,21 @@ def fresh_param_state(
     cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
 ) -> tuple[int, bool] | None:
     """What one param of ``group`` gets at an optimizer's first step (torch builds
-    the state then): ``(param-shaped tensors, whether a step counter too)``, for
-    the classes known here: Adam and AdamW two moments (three with ``amsgrad``)
-    and a step; SGD a momentum buffer when ``momentum`` is set. None for any other
-    class: its state is not estimated, and lands in fresh memory."""
-    if issubclass(cls, torch.optim.Adam | torch.optim.AdamW):
-        return (3 if group.get("amsgrad") else 2), True
-    if issubclass(cls, torch.optim.SGD):
-        return (1 if group.get("momentum") else 0), False
-    return None
+    the state then): ``(param-shaped tensors, whether a step counter too)``, from
+    `fresh_param_keys`; None for a class it does not know (that state is not
+    estimated, and lands in fresh memory)."""
+    keys = fresh_param_keys(cls, group)
+    if keys is None:
+        return None
+    return len([k for k in keys if k != STEP_KEY]), STEP_KEY in keys
+
+
+def _step_dtype(group: Mapping[str, Any]) -> torch.dtype:
+    """The dtype of a fresh Adam step counter: torch makes it float32, or float64
+    where that is the default dtype (a fused optimizer's is float32 always)."""
+    if not group.get("fused") and torch.get_default_dtype() == torch.float64:
+        return torch.float64
+    return torch.float32
 
 
 def _owner(name: str) -> tuple[Owner, int] | None:
@@ -184,6 +211,43 @@ class TorchState:
                 i += 1
         return out
 
+    def expected_layout(self) -> tuple[Entry, ...] | None:
+        """`NamedState.expected_layout`: this state's own layout, where every param the
+        optimizer holds no state for gets what its first step will give it
+        (`fresh_param_keys`), in `flatten`'s order. None when the optimizer's class
+        is not one whose first step is known and some param has no state yet."""
+        flat = self.flatten()
+        held: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        model, rest = [], []
+        for name, t in flat.tensors:
+            owner = _owner(name) if name.startswith(OPTIM_PREFIX) else None
+            if owner is not None and owner[0] is Owner.PARAM:
+                held.setdefault(owner[1], []).append((name, t))
+            elif name.startswith(MODEL_PREFIX):
+                model.append((name, t))
+            else:
+                rest.append((name, t))  # the groups' tensors and the objects', in order
+        laid: list[tuple[str, str, tuple[int, ...]]] = [
+            (n, dtype_name(t.dtype), tuple(t.shape)) for n, t in model
+        ]
+        i = 0
+        for group in self.optimizer.param_groups:
+            keys = fresh_param_keys(type(self.optimizer), group)
+            for p in group["params"]:
+                if i in held:
+                    laid += [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in held[i]]
+                elif keys is None:
+                    return None
+                else:
+                    for k in keys:
+                        dtype, shape = (
+                            (_step_dtype(group), ()) if k == STEP_KEY else (p.dtype, tuple(p.shape))
+                        )
+                        laid.append((f"{OPTIM_PREFIX}{i}/{k}", dtype_name(dtype), shape))
+                i += 1
+        laid += [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in rest]
+        return lay_out(laid)
+
     def payload_limit(self) -> int:
         """The most payload bytes this state accepts: its model's bytes plus
         `OPTIM_STATE_FACTOR` times its params' bytes (plus the 0-dim slack), plus
@@ -215,7 +279,7 @@ class TorchState:
                 return f"entry {e.name!r} comes after {order[at]} entries"
             at = kind
         why = (
-            self._bound_section(m)
+            self.bound_section(m)
             or self._bound_optim_entries([e for e in m.entries if e.name.startswith(OPTIM_PREFIX)])
             or self._bound_object_entries(
                 [e for e in m.entries if e.name.startswith(OBJECTS_PREFIX)]
@@ -229,7 +293,10 @@ class TorchState:
             )
         return why
 
-    def _bound_section(self, m: Manifest) -> str | None:
+    def bound_section(self, m: Manifest) -> str | None:
+        """`NamedState.bound_section`: the optimizer's and the objects' JSON are
+        well-formed, and their tensor references name exactly the manifest's
+        ``optim/`` and ``obj/`` entries."""
         section = m.section
         if not isinstance(section.get("class"), str):
             return "optimizer class is not a string"
@@ -314,6 +381,11 @@ class TorchState:
         problem = signature_mismatch(model_signature(self.model, self._model_state()), theirs)
         if problem is not None:
             return f"cannot heal into this model: {problem}"
+        return self.check_section(m)
+
+    def check_section(self, m: Manifest) -> str | None:
+        """`NamedState.check_section`: the optimizer's class and groups, and the
+        registered objects' names and tensors, are this member's."""
         return self._check_optimizer(m.section) or self._check_objects(m)
 
     def _check_objects(self, m: Manifest) -> str | None:

@@ -237,13 +237,17 @@ class Among:
     (`ROUND_TAGS`), consumed whole unless the round fails, after which the caller
     drops the group (the transport contract)."""
 
-    def __init__(self, tx: HealTransport, members: Sequence[int], hub: int) -> None:
+    def __init__(
+        self, tx: HealTransport, members: Sequence[int], hub: int, *, after: Among | None = None
+    ) -> None:
+        """``after``: an earlier `Among` of the same heal over the same ``tx``, whose
+        rounds' tags this one's follow (no tag is used twice in one heal)."""
         if hub not in members:
             raise ValueError(f"hub {hub} is not one of the members {list(members)}")
         if tx.rank not in members:
             raise ValueError(f"rank {tx.rank} is not one of the members {list(members)}")
         self.tx, self.members, self.hub = tx, sorted(set(members)), hub
-        self._rounds = 0
+        self._rounds: int = after._rounds if after is not None else 0
 
     @property
     def rank(self) -> int:

@@ -152,13 +152,15 @@ def test_heal_threads_a_prepared_receiver_lands_where_it_laid_out(
     master_store: TCPStore, monkeypatch: pytest.MonkeyPatch, reserve: bool
 ) -> None:
     """A receiver that prepared (what the replicated topology does at a generation's
-    connect) decodes no entry, allocates no landing and finds no live target at the
-    heal, lands its model in its live tensors, and ends bit-identical."""
+    connect) decodes no entry, allocates no landing, finds no live target and plans
+    no message at the heal, lands its model in its live tensors, and ends
+    bit-identical."""
     states = [trained(), fresh()]
     want = state_hash(*states[0])
     receiver = TorchState(*states[1])
     prepared = _prepared_receiver(receiver, reserve)
     assert prepared.landing is not None and prepared.landing.in_place
+    assert list(prepared.landing.planned) == [(0, prepared.expected.total_bytes)]
     params = [p.data_ptr() for p in states[1][0].parameters()]
     at_heal: list[str] = []
     for name in ("decode_manifest", "validate_manifest"):
@@ -189,6 +191,7 @@ def test_heal_threads_a_prepared_receiver_lands_where_it_laid_out(
     assert all(isinstance(r, tuple) for r in res), res
     assert state_hash(*states[1]) == want
     assert at_heal == []
+    assert prepared.landing.planned == {}  # its planned receives were the ones posted
     assert [p.data_ptr() for p in states[1][0].parameters()] == params  # landed in place
     st = res[1][1]
     assert st.predicted and st.prepared and not res[0][1].predicted

@@ -34,11 +34,12 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from elastrain.threads import LANDING, name_native_thread
+from elastrain.transfer.chunks import Chunk
 from elastrain.transfer.dtypes import byte_view, dtype_from_name
 from elastrain.transfer.manifest import Entry
 
@@ -230,6 +231,10 @@ class Landing:
     in_place: bool = False
     """Some entry lands in a live tensor of the receiver's state (`NamedState.live_targets`):
     once its receive is posted, a failed heal leaves that state torn."""
+    planned: dict[tuple[int, int], list[tuple[Chunk, torch.Tensor]]] = field(default_factory=dict)
+    """Receives laid out ahead, by payload range ``(offset, nbytes)``: each message of
+    that range (`plan_chunks`) with the buffer it lands in (`PreparedReceive`). Each is
+    taken by one receive of its range (`elastrain.transfer.payload.post_range`)."""
 
     @classmethod
     def allocate(

@@ -47,12 +47,19 @@ import torch
 import xxhash
 
 from elastrain.transfer.auth import HealAuth
-from elastrain.transfer.chunks import MAX_HEAL_ID, data_tag, plan_chunks, seal_tag, stripe_pieces
+from elastrain.transfer.chunks import (
+    MAX_HEAL_ID,
+    Chunk,
+    data_tag,
+    plan_chunks,
+    seal_tag,
+    stripe_pieces,
+)
 from elastrain.transfer.dtypes import cpu_bytes, dtype_from_name
 from elastrain.transfer.errors import HealError, NoSenderLeft
 from elastrain.transfer.flatten import digest_hasher
 from elastrain.transfer.landing import Landing, fresh_bytes
-from elastrain.transfer.manifest import Manifest, Stripe
+from elastrain.transfer.manifest import Entry, Manifest, Stripe
 from elastrain.transfer.rounds import Deadline, outcome, sum_flags
 from elastrain.transfer.seal import (
     CLAIM_BYTES,
@@ -163,6 +170,23 @@ class Posted:
     seal: tuple[torch.Tensor, Pending] | None
 
 
+def plan_receives(
+    entries: Sequence[Entry], landing: Landing, s: Stripe
+) -> list[tuple[Chunk, torch.Tensor]]:
+    """The messages of stripe ``s`` (`plan_chunks`), each with the buffer it lands in:
+    a packed one in fresh memory (unpacked once checked), any other straight in the
+    landing. Local."""
+    out = []
+    for chunk in plan_chunks(entries, s):
+        if chunk.packed:
+            buf = fresh_bytes(chunk.nbytes)
+        else:
+            p = chunk.pieces[0]
+            buf = landing.target(entries[p.entry], p.offset, p.nbytes)
+        out.append((chunk, buf))
+    return out
+
+
 def post_range(
     tx: HealTransport,
     dl: Deadline,
@@ -173,14 +197,12 @@ def post_range(
     tid: int,
     sealed: bool,
 ) -> Posted:
+    """Post the receives of stripe ``s`` into ``landing`` (those it laid out ahead for
+    that range, `Landing.planned`, else laid out now)."""
     what = f"receive from rank {s.sender_rank}"
     items = []
-    for i, chunk in enumerate(plan_chunks(m.entries, s)):
-        if chunk.packed:
-            buf = fresh_bytes(chunk.nbytes)
-        else:
-            p = chunk.pieces[0]
-            buf = landing.target(m.entries[p.entry], p.offset, p.nbytes)
+    ahead = landing.planned.pop((s.offset, s.nbytes), None)
+    for i, (chunk, buf) in enumerate(ahead or plan_receives(m.entries, landing, s)):
         work = dl.call(partial(tx.recv, buf, s.sender_rank, data_tag(tid, i)), what)
         items.append((chunk, buf, work))
     seal = None

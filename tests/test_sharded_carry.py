@@ -449,13 +449,19 @@ def test_a_kill_during_an_evaluation_redoes_it_and_the_heal_carries_the_schedule
     )
     got = _assert_same(job, reference)
     assert job.of("fault_injected", proc="w1", phase="eval")
-    redo = max(e["gen"] for e in job.of("eval_end", step=5))
-    assert all(e["gen"] == redo for e in job.of("eval_end", step=5))
+    ends = job.of("eval_end", step=5)
+    # One generation ran the evaluation's batches to its end: the redo (the killed
+    # generation's never ended).
+    (redo,) = {e["gen"] for e in ends if e["batches"] > 0}
     assert len({e["gen"] for e in job.of("eval_begin", step=5)}) >= 2, "evaluated once only"
     # The redo's shadow ran no batch and holds the same result as the others.
-    shadow = [e for e in job.of("eval_end", step=5) if e["batches"] == 0]
+    shadow = [e for e in ends if e["gen"] == redo and e["batches"] == 0]
     assert len(shadow) == 1 and shadow[0]["computed"]
-    assert len({json.dumps(e["sums"]) for e in job.of("eval_end", step=5)}) == 1
+    # A replacement admitted after the redo's end and before step 5 forms one more
+    # generation at that step (a fast start makes it possible): it ends the same
+    # evaluation again without running a batch, the result handed over (computed false).
+    assert all(e["batches"] == 0 and not e["computed"] for e in ends if e["gen"] > redo), ends
+    assert len({json.dumps(e["sums"]) for e in ends}) == 1
     healed = [e for e in job.events if e["kind"] == "heal_end" and e.get("role") == "recv"]
     (joiner,) = {e["proc"] for e in healed}
     assert joiner not in ("w0", "w1", "w2", "w3")

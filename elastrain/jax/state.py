@@ -158,14 +158,17 @@ class JaxState:
         # Exact: every leaf (the optimizer's state included) exists from the start.
         return [(name, int(a.nbytes)) for name, a in self._leaves]
 
+    def _layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, dtype name, shape)`` of each leaf: what `check` demands of a manifest."""
+        return [
+            (name, f"torch.{a.dtype}", tuple(int(d) for d in a.shape)) for name, a in self._leaves
+        ]
+
     def expected_layout(self) -> tuple[Entry, ...] | None:
         """Its own leaves (exact: they all exist from the start, as `check` demands);
         None for a leaf whose dtype torch does not name."""
         try:
-            return lay_out(
-                (name, f"torch.{a.dtype}", tuple(int(d) for d in a.shape))
-                for name, a in self._leaves
-            )
+            return lay_out(self._layout())
         except KeyError:
             return None
 
@@ -187,8 +190,8 @@ class JaxState:
     def check(self, m: Manifest) -> str | None:
         if len(m.entries) != len(self._leaves):
             return f"manifest has {len(m.entries)} leaves, the local state {len(self._leaves)}"
-        for e, (name, a) in zip(m.entries, self._leaves, strict=True):
-            want = [name, [int(d) for d in a.shape], f"torch.{a.dtype}"]
+        for e, (name, dtype, shape) in zip(m.entries, self._layout(), strict=True):
+            want = [name, list(shape), dtype]
             got = [e.name, list(e.shape), e.dtype]
             if got != want:
                 return f"cannot heal into this state: leaf {got} where the local state has {want}"

@@ -97,13 +97,15 @@ class Replicated:
         lays out the layout it expects and its landing for it, in ``reserve``
         (`PreparedReceive`): they were its path's part before its first receive."""
         self._prepared = None
-        state = self.ctx.backend.state()
+        share: PreparedSend | PreparedReceive | None = None
         if a.receivers and a.rank in a.senders:
             auth = HealAuth(self.ctx.config.heal_auth)
             root = a.senders[0] == a.rank
-            self._prepared = PreparedHeal(a.step, PreparedSend(state, auth, root=root))
+            share = PreparedSend(self.ctx.backend.state(), auth, root=root)
         elif a.rank in a.receivers:
-            self._prepared = PreparedHeal(a.step, PreparedReceive(state, reserve))
+            share = PreparedReceive(self.ctx.backend.state(), reserve)
+        if share is not None:
+            self._prepared = PreparedHeal(a.step, share)
 
     def connect(self, links: Links) -> None:
         """Nothing besides the generation's own group."""

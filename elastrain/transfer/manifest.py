@@ -154,6 +154,11 @@ def lay_out(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> tuple[Entry,
     return tuple(entries)
 
 
+def laid_bytes(entries: Sequence[Entry]) -> int:
+    """The payload bytes of entries laid out back to back (`lay_out`): where the last ends."""
+    return entries[-1].offset + entries[-1].nbytes if entries else 0
+
+
 def build_manifest(
     kind: str,
     tensors: Sequence[tuple[str, torch.Tensor]],
@@ -170,7 +175,7 @@ def build_manifest(
     entries = lay_out(
         (name, dtype_name(t.dtype), tuple(int(d) for d in t.shape)) for name, t in tensors
     )
-    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+    total = laid_bytes(entries)
     return Manifest(
         version=VERSION,
         kind=kind,
@@ -233,8 +238,8 @@ class Expected:
 
     @classmethod
     def of(cls, entries: tuple[Entry, ...]) -> Expected:
-        total = entries[-1].offset + entries[-1].nbytes if entries else 0
-        return cls(entries, ENTRIES_HEAD + encode_entries(entries) + b",", total)
+        head = ENTRIES_HEAD + encode_entries(entries) + b","
+        return cls(entries, head, laid_bytes(entries))
 
 
 def encode_manifest(m: Manifest, entries: bytes | None = None) -> bytes:
@@ -335,13 +340,7 @@ def decode_manifest(data: bytes) -> Manifest:
     An error manifest from senders[0] becomes a HealError carrying its message.
     Layout consistency is checked separately by `validate_manifest`.
     """
-    doc = _json_object(data)
-    try:
-        _check_version(doc)
-        entries = tuple(_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries")))
-        return _from_doc(doc, entries)
-    except KeyError as e:
-        raise HealError(f"malformed manifest: missing field {e}") from e
+    return _from_doc(_json_object(data), None)
 
 
 def decode_expected(data: bytes, expected: Expected) -> Manifest | None:
@@ -356,11 +355,7 @@ def decode_expected(data: bytes, expected: Expected) -> Manifest | None:
     doc = _json_object(b"{" + data[len(expected.head) :])
     if "entries" in doc:
         return None
-    try:
-        _check_version(doc)
-        return _from_doc(doc, expected.entries)
-    except KeyError as e:
-        raise HealError(f"malformed manifest: missing field {e}") from e
+    return _from_doc(doc, expected.entries)
 
 
 def _json_object(data: bytes) -> dict[str, Any]:
@@ -371,16 +366,24 @@ def _json_object(data: bytes) -> dict[str, Any]:
     return _dict(doc, "the manifest")
 
 
-def _check_version(doc: dict[str, Any]) -> None:
+def _from_doc(doc: dict[str, Any], entries: tuple[Entry, ...] | None) -> Manifest:
+    """The manifest of a parsed document, with ``entries`` (None: its own, parsed).
+    HealError for anything malformed or missing; `ManifestUnavailable` for the
+    root's error manifest."""
+    try:
+        return _fields(doc, entries)
+    except KeyError as e:
+        raise HealError(f"malformed manifest: missing field {e}") from e
+
+
+def _fields(doc: dict[str, Any], entries: tuple[Entry, ...] | None) -> Manifest:
     version = _int(doc["version"], "version")
     if version != VERSION:
         raise HealError(f"manifest version {version} is not supported (expected {VERSION})")
     if "error" in doc:
         raise ManifestUnavailable(f"the manifest root could not build the manifest: {doc['error']}")
-
-
-def _from_doc(doc: dict[str, Any], entries: tuple[Entry, ...]) -> Manifest:
-    """The manifest of a parsed document (its version checked), with ``entries``."""
+    if entries is None:
+        entries = tuple(_entry(i, raw) for i, raw in enumerate(_list(doc["entries"], "entries")))
     stripes = []
     for i, raw in enumerate(_list(doc["stripes"], "stripes")):
         s = _dict(raw, f"stripes[{i}]")

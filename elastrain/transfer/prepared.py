@@ -141,10 +141,11 @@ class PreparedReceive:
     per entry (about 3 ms for the 212 entries of a 39.7 MB model and AdamW on a
     quiet core, 6-8 ms beside the sender's threads), on the path every byte
     waits for; then it planned its 89 messages and their buffers (1.7 ms) while
-    the first bytes flowed, on the thread that hashes them. A member that knows it will receive (the generation's plan names
-    it) does it while the generation's group is being built; at the heal, a
-    manifest whose entries are exactly the expected ones (their bytes compared,
-    `decode_expected`) is judged on the rest alone and lands here.
+    the first bytes flowed, on the thread that hashes them. A member that knows
+    it will receive (the generation's plan names it) does it while the
+    generation's group is being built; at the heal, a manifest whose entries are
+    exactly the expected ones (their bytes compared, `decode_expected`) is judged
+    on the rest alone and lands here.
 
     Contract: the state's structure (its tensors, their shapes and dtypes) is not
     changed between this call and the heal, as for `PreparedSend`: the engine

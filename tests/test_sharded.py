@@ -308,6 +308,7 @@ def _run_held(
     released: Any,
     *,
     act: Any = None,
+    then: Any = None,
     args: tuple[str, ...] = (),
     steps: int = STEPS,
     **kw: Any,
@@ -318,17 +319,21 @@ def _run_held(
     full speed again. `act(status, events)`, if given, runs at every status poll
     until it returns True (a test's own fault, the hold starts then); without it,
     the hold starts at the first status poll whose events show the fault (the
-    job's `fault_injected`) or a worker's exit."""
+    job's `fault_injected`) or a worker's exit. `then(events)`, if given, runs at
+    every poll after `act` until it returns True (what a test does once the
+    fault's aftermath shows: open a replacement's gate, wake a stopped rank)."""
     pace = tmp / f"{name}.pace"
     run_dir = tmp / name
     hold = FaultHold(pace, HOLD, released)
-    acted = act is None
+    acted, done = act is None, then is None
 
     def watch(st: dict[str, Any]) -> None:
-        nonlocal acted
+        nonlocal acted, done
         events = read_events(run_dir)
         if acted:
             hold.poll(events)
+            if not done:
+                done = bool(then(events))
             return
         acted = bool(act(st, events))
         if acted:
@@ -356,6 +361,33 @@ def _received(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "heal_end" and e["role"] == "recv"]
 
 
+def _vacant(events: list[dict[str, Any]]) -> set[int]:
+    """The generations that formed with a slot empty (a `-` in their layout)."""
+    return {
+        e["gen"]
+        for e in events
+        if e["kind"] == "generation_ready" and re.search(r"[\[,]-[\],]", e.get("layout", ""))
+    }
+
+
+def _gated(tmp: Path, member: str) -> tuple[tuple[str, ...], Any]:
+    """Hold the replacement `member` before it joins until a step commits with the
+    dead rank's slot vacant (a shadow step): the script's arguments and `then`.
+    Without the gate a replacement forked from the warm prefork server can join
+    before the vacant generation's first step (seen on a loaded 2-core machine:
+    the window is a few tenths of a second) and the shadow step never happens."""
+    gate = tmp / f"{member}.gate"
+
+    def open_at_a_shadow_step(events: list[dict[str, Any]]) -> bool:
+        vacant = _vacant(events)
+        if not any(e["kind"] == "step_commit" and e["gen"] in vacant for e in events):
+            return False
+        gate.touch()
+        return True
+
+    return ("--gated-members", member, "--gate-file", str(gate)), open_at_a_shadow_step
+
+
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     tmp_path: Path, replicated: InProcessRun
 ) -> None:
@@ -369,12 +401,14 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     import json
 
     point = {"member": "w1", "step": 6, "phase": "compute", "action": "kill"}
+    gate, then = _gated(tmp_path, "w4")
     job = _run_held(
         tmp_path,
         "kill",
         _received,
+        then=then,
         fault_points=json.dumps([point]),
-        args=("--meta-members", "w4"),
+        args=("--meta-members", "w4", *gate),
     )
     _assert_job(job, replicated)
     # Step 6 after the kill: the healthy group held its 4 micro-batches (of 8) and
@@ -421,27 +455,59 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
 def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     tmp_path: Path, replicated: InProcessRun
 ) -> None:
-    """SIGSTOP one rank of a 2 x 2 job for 8 s: its group-mate, blocked inside FSDP2's
+    """SIGSTOP one rank of a 2 x 2 job at step 6 and wake it (SIGCONT) once the job
+    has committed a step without it: its group-mate, blocked inside FSDP2's
     collectives, gives up at the step watchdog's deadline (not the group's creation
     timeout), the job goes on without the hung rank, which rejoins its slot when it
-    wakes up and is healed; the loss curve is the replicated job's."""
-    job = _run_held(
-        tmp_path,
-        "hang",
-        _received,
-        faults=[parse_fault("hang@6:w1/8")],
-        args=("--hang-floor", "2"),
-    )
+    wakes up and is healed; the loss curve is the replicated job's.
+
+    The rank is woken by the job's progress, not after a fixed time: the watchdog's
+    deadline is 8 x the slowest recent all-reduce wait, which a loaded machine
+    stretches past any fixed hang (seen in CI with an 8 s hang: the rank woke before
+    its mate gave up, no step ran without it, and it had nothing to heal)."""
+    import os
+    import signal
+
+    stopped: list[int] = []
+
+    def stop_w1(st: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+        if int(st.get("step") or 0) < 6:
+            return False
+        (pid,) = [e["pid"] for e in events if e["kind"] == "worker_spawned" and e["member"] == "w1"]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+        return True
+
+    def wake_once_a_step_ran_without_w1(events: list[dict[str, Any]]) -> bool:
+        without = {
+            e["gen"] for e in events if e["kind"] == "generation_ready" and "w1" not in e["members"]
+        }
+        if not any(e["kind"] == "step_commit" and e["gen"] in without for e in events):
+            return False
+        os.kill(stopped[0], signal.SIGCONT)
+        return True
+
+    try:
+        job = _run_held(
+            tmp_path,
+            "hang",
+            _received,
+            act=stop_w1,
+            then=wake_once_a_step_ran_without_w1,
+            args=("--hang-floor", "2"),
+        )
+    finally:
+        for pid in stopped:  # a failed run must not leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     _assert_job(job, replicated)
+    # It was healed: the job went on without it (where w1 stopped decides whether its
+    # group-mate gave up inside FSDP2's collectives or in the step's all-reduce;
+    # either way it did), and it rejoined its own process.
     assert [e["proc"] for e in _received(job.events)] == ["w1"]
-    # The job went on without it (where w1 stopped decides whether its group-mate gave
-    # up inside FSDP2's collectives or in the step's all-reduce; either way it did).
-    without = {
-        e["gen"] for e in job.events if e["kind"] == "generation_ready" and "w1" not in e["members"]
-    }
-    assert any(e["gen"] in without for e in job.of("step_commit")), "no step without w1"
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
+    assert {e["pid"] for e in job.of("step_commit") if e["proc"] == "w1"} == {spawned["w1"]}
 
 
 def test_a_step_committed_by_one_member_is_rolled_forward_by_the_three_that_lost_its_vote(
@@ -914,12 +980,14 @@ def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
     run's. Measured: 6.4e-08 to 7.3e-08 in three runs (loaded 2-core machine;
     the kill lands elsewhere in the step each time). Not bit-exact: the float32
     sums' order changes with the layout. 85-125 s with its fixture (load)."""
+    gate, then = _gated(tmp_path, "w4")
     job = _run_held(
         tmp_path,
         "native-kill",
         _received,
+        then=then,
         faults=[parse_fault("kill@6:w1")],
-        args=NATIVE,
+        args=(*NATIVE, *gate),
         steps=NATIVE_STEPS,
     )
     diff = _assert_job(job, native_ref, NATIVE_STEPS, tol=NATIVE_TOL)
@@ -927,9 +995,5 @@ def test_native_2x2_with_a_killed_rank_keeps_the_loss_curve_within_1e_6(
     assert len(_received(job.events)) == 1
     # Steps committed with a shadow: one group computed every micro-batch (another
     # order of the float32 sums than the failure-free run's).
-    vacant = {
-        e["gen"]
-        for e in job.of("generation_ready")
-        if re.search(r"[\[,]-[\],]", e.get("layout", ""))
-    }
+    vacant = _vacant(job.events)
     assert any(e["gen"] in vacant for e in job.of("step_commit")), "no step with a shadow"

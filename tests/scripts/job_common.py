@@ -115,6 +115,13 @@ def sharded_arguments(ap: argparse.ArgumentParser, steps: int) -> None:
         help="a file holding a minimum step time in seconds, read every step (a test slows "
         "the job while it injects a fault and waits for the replacement)",
     )
+    ap.add_argument(
+        "--gated-members",
+        default="",
+        help="comma-separated member ids (replacements) that wait for --gate-file before they "
+        "join (see wait_at_gate)",
+    )
+    ap.add_argument("--gate-file", default=None, help="the file that opens the gate")
 
 
 def sharded_config(args: argparse.Namespace, **more: Any) -> TrainerConfig:
@@ -157,6 +164,25 @@ class Pace:
         if pace > 0:
             time.sleep(max(0.0, pace - (time.monotonic() - self.last)))
         self.last = time.monotonic()
+
+
+def wait_at_gate(args: argparse.Namespace, timeout_s: float = 600.0) -> None:
+    """Before joining: a member named in ``--gated-members`` waits until the test
+    creates ``--gate-file``. A test that needs an order between its fault's
+    aftermath and a replacement's arrival (a step committed with the dead rank's
+    slot vacant, before the replacement takes it) opens the gate when its events
+    show it; a replacement forked from the warm prefork server otherwise joins
+    within a fraction of a second and may close that window first."""
+    gated = [m for m in args.gated_members.split(",") if m]
+    if os.environ.get("ELASTRAIN_MEMBER_ID", "") not in gated:
+        return
+    if not args.gate_file:
+        raise SystemExit("--gated-members needs --gate-file")
+    end = time.monotonic() + timeout_s
+    while not Path(args.gate_file).exists():
+        if time.monotonic() > end:
+            raise SystemExit(f"the gate {args.gate_file} was not opened in {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 # ---- the JAX family -----------------------------------------------------------------

@@ -22,6 +22,7 @@ from job_common import (
     sharded_arguments,
     sharded_config,
     sharded_model,
+    wait_at_gate,
 )
 from torch import nn
 
@@ -62,6 +63,7 @@ def main() -> None:
         "mode, a no_grad forward over held-out batches, train mode again); 0: never",
     )
     args = ap.parse_args()
+    wait_at_gate(args)
     on_meta = os.environ.get("ELASTRAIN_MEMBER_ID", "") in args.meta_members.split(",")
     model, opt = sharded_model(on_meta)
     if on_meta:

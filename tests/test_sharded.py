@@ -439,6 +439,9 @@ def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(
     heals = [e for e in job.events if e["kind"] == "heal_end"]
     recv = [e for e in heals if e["role"] == "recv"]
     assert len(recv) == 1 and recv[0]["proc"] not in ("w0", "w2", "w3")
+    # It took its slot's rows at the connect and laid out its landing in them: the
+    # heal found the layout it expected (`ShardedGroups.prepare_heal`).
+    assert recv[0]["prepared"] and recv[0]["predicted"], recv
     slots = {e["proc"]: (e["replica"], e["shard"]) for e in job.of("generation_start", gen=1)}
     twin = [m for m, (_, s) in slots.items() if s == slots["w1"][1] and m != "w1"]
     assert [e["proc"] for e in heals if e["role"] == "send"] == twin
@@ -505,6 +508,8 @@ def test_a_hung_rank_fails_its_group_mates_compute_not_the_job(
     # group-mate gave up inside FSDP2's collectives or in the step's all-reduce;
     # either way it did), and it rejoined its own process.
     assert [e["proc"] for e in _received(job.events)] == ["w1"]
+    # Its own layout, stale by a few steps, was what it expected to receive.
+    assert all(e["prepared"] and e["predicted"] for e in _received(job.events))
     spawned = {e["member"]: e["pid"] for e in job.of("worker_spawned")}
     assert set(spawned) == {"w0", "w1", "w2", "w3"}  # nobody was replaced
     assert {e["pid"] for e in job.of("step_commit") if e["proc"] == "w1"} == {spawned["w1"]}
@@ -665,6 +670,7 @@ def test_a_hot_spare_takes_a_dead_ranks_slot_at_once_and_heals_only_its_shard(
     # Only the dead rank's shard moved, from its twin, to the spare.
     recv = _received(job.events)
     assert [e["proc"] for e in recv] == [spare]
+    assert recv[0]["prepared"] and recv[0]["predicted"], recv
     twin = [m for m, (_, sh) in slots.items() if sh == slots[victim][1] and m != victim]
     assert [e["proc"] for e in job.of("heal_end", role="send")] == twin
     # The twin prepared its share at the connect (`twins_heal_root`), as a root does.

@@ -27,6 +27,7 @@ from elastrain.checkpoint.sharded_parts import (
     shard_parts,
     writer_shard,
 )
+from elastrain.control.layout import Layout
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice, choose_transport
@@ -39,6 +40,7 @@ from elastrain.runtime.shard_member import (
     NoCompleteGroup,
     ShardedMember,
     ShardLost,
+    twins_heal_receiver,
     twins_heal_root,
 )
 from elastrain.runtime.sharded import MetaModelUnfilled, ShardedBackend
@@ -55,7 +57,7 @@ from elastrain.runtime.topology import (
     Unfillable,
 )
 from elastrain.runtime.watchdog import HANG_ASK_EVERY_S
-from elastrain.transfer import HealAuth, LandingReserve, PreparedSend
+from elastrain.transfer import HealAuth, LandingReserve, PreparedReceive, PreparedSend
 
 log = logging.getLogger("elastrain.shards")
 
@@ -91,16 +93,31 @@ class ShardedGroups:
         return self.backend.landing_estimate()
 
     def prepare_heal(self, a: m.Action, reserve: LandingReserve | None) -> None:
-        """The root of this member's twins' heal (`twins_heal_root`: the layout is in
-        the ready answer) flattens its shard's state and begins its digest
-        (`PreparedSend`) beside the wait for peers. A receiver prepares nothing: its
-        shard is placed (shaped for its slot) only in the heal."""
+        """Beside the wait for peers (the layout is in the ready answer): the root of
+        this member's twins' heal (`twins_heal_root`) flattens its shard's state and
+        begins its digest (`PreparedSend`); a receiver of a twins' heal
+        (`twins_heal_receiver`) takes its slot's rows now (`ShardedMember.place`, as
+        the heal would) and lays out the layout it expects and its landing in them
+        and in ``reserve`` (`PreparedReceive`). A member of a reshard prepares
+        nothing: its rows move by the reshard's plan."""
         self._prepared = None
-        ready = self.ctx.links.ready
-        if ready is not None and twins_heal_root(ready, self.ctx.member, self.backend):
+        ready, member = self.ctx.links.ready, self.ctx.member
+        if ready is None:
+            return
+        committed = ready.committed.get(member, 0)
+        if twins_heal_root(ready, member, self.backend):
             auth = HealAuth(self.ctx.config.heal_auth)
-            committed = ready.committed.get(self.ctx.member, 0)
             self._prepared = PreparedHeal(committed, PreparedSend(self.backend.state(), auth))
+        elif twins_heal_receiver(ready, member):
+            shard = Layout.from_wire(ready.slots, ready.shard_size).slots[member].shard
+            try:
+                self.shards.place(shard, ready.shard_size, receiving=True)
+            except Exception as e:  # noqa: BLE001 - the heal places again and reports it
+                # (a meta model with nothing to fill it: `Unfillable`; a checkpoint's
+                # rows that cannot be read: a failed heal), on the path that handles it.
+                log.info("%s: placing its rows at the connect failed (%s)", member, e)
+                return
+            self._prepared = PreparedHeal(committed, PreparedReceive(self.backend.state(), reserve))
 
     def connect(self, links: Links) -> None:
         """Read the generation's layout and build this member's twins' group."""

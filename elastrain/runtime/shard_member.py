@@ -138,6 +138,24 @@ def twins_heal_root(ready: p.RendezvousResponse, member: str, backend: ShardedBa
     return bool(receivers and senders and twins[senders[0]] == member)
 
 
+def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> bool:
+    """Whether ``member`` will receive its shard in its twins' heal in the generation
+    ``ready`` announces: it is behind, a twin of its slot is up to date, and no
+    reshard comes first (a reshard moves rows by plan, not by a twins' heal). Its
+    slot, hence its shard's shape, is then known before the heal. Reads only."""
+    if not ready.slots or member in ready.rolls_forward:
+        return False
+    layout = Layout.from_wire(ready.slots, ready.shard_size)
+    slot = layout.slots.get(member)
+    if slot is None or reshards(layout, held_by_senders(ready)):
+        return False
+    twins = tuple(layout.twins(slot.shard))
+    senders, receivers, _ = m.heal_roles(
+        twins, ready.committed, ready.commit_gens, ready.start_step
+    )
+    return bool(senders) and twins.index(member) in receivers
+
+
 class ShardedMember:
     """One member's sharded layout work, for the engine's training thread.
 
@@ -330,14 +348,6 @@ class ShardedMember:
         assert layout is not None
         slot = layout.slots[self.member]
         backend = self.backend
-        if backend.placed and (backend.shard_size, backend.shard) != (
-            layout.shard_size,
-            slot.shard,
-        ):
-            # A member that missed a reshard: its rows are stale and shaped for the
-            # old layout. Take the new slot's shape; its twins heal it (it is behind).
-            self._drop_held("its rows are reset")
-            backend.reset(slot.shard, layout.shard_size)
         mine: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         for shard in range(layout.shard_size):
             twins = tuple(layout.twins(shard))
@@ -355,12 +365,7 @@ class ShardedMember:
                 mine = (senders, receivers)
         senders, receivers = mine
         rank = layout.twins(slot.shard).index(self.member)
-        if backend.needs_fill and rank in receivers:
-            # Built on the meta device, nothing to resume from: its twins' heal is the
-            # state; hold zeroed rows of the slot's shape for it to land in.
-            self._drop_held("its rows are reset")
-            backend.reset(slot.shard, layout.shard_size)
-        backend.place(slot.shard, layout.shard_size)
+        self.place(slot.shard, layout.shard_size, receiving=rank in receivers)
         committed = ready.committed.get(self.member, 0)
         if not receivers:
             return HealOutcome(committed, False)
@@ -385,6 +390,21 @@ class ShardedMember:
             committed = load_meta(got)
         self.events.emit(EventKind.HEAL_END, gen=gen, **stats.event_fields())
         return HealOutcome(committed, received)
+
+    def place(self, shard: int, size: int, receiving: bool) -> None:
+        """Hold rows of ``shard`` of ``size`` for a twins' heal (no reshard): a member
+        that missed a reshard takes zeroed rows of the new slot's shape (its rows
+        are stale and shaped for the old layout; it is behind, its twins heal it),
+        as does a receiver built on the meta device with nothing to resume from
+        (its twins' heal is its state); any other is placed (`ShardedBackend.place`).
+        Idempotent: a receiver places at the connect (`ShardedGroups.prepare_heal`,
+        to lay out its landing in these rows) and the heal places again."""
+        backend = self.backend
+        stale = backend.placed and (backend.shard_size, backend.shard) != (size, shard)
+        if stale or (backend.needs_fill and receiving):
+            self._drop_held("its rows are reset")
+            backend.reset(shard, size)
+        backend.place(shard, size)
 
     def _reshard(
         self,

@@ -8,6 +8,7 @@ without importing torch.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -38,6 +39,20 @@ METER = "el-meter"
 
 WORKER_THREADS = (QUORUM, HEARTBEAT, COLLECTIVE_WAIT, HASH, METER, GRAVEYARD, LANDING)
 """Every name above: the worker's threads a per-thread CPU account tells apart."""
+
+
+def yield_cpu() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19), on Linux, where
+    a thread is a task of its own: for background work that must not take the CPU
+    from the recovery's critical path on a machine with fewer free cores than busy
+    threads. It still runs at once on an idle core, and whoever waits for it (a
+    future's result) frees the core it needs."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 def name_native_thread(name: str) -> None:

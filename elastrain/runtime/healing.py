@@ -26,7 +26,7 @@ from elastrain.runtime.device import is_poisoned
 from elastrain.runtime.leaving import announce_exit
 from elastrain.runtime.preflight import exit_misconfigured
 from elastrain.runtime.topology import HealJob, StateLost, Topology, Unfillable
-from elastrain.threads import HASH, name_native_thread
+from elastrain.threads import HASH, name_native_thread, yield_cpu
 from elastrain.transfer import HealError, HealFn, LandingReserve, TornHeal, section_bytes
 
 log = logging.getLogger("elastrain.engine")
@@ -54,9 +54,7 @@ class Healing:
         self.shutdown = shutdown
         self.reserve: LandingReserve | None = None
         """The landing a joiner prepared for its heal (`reserve_landing`)."""
-        self._hash_pool = concurrent.futures.ThreadPoolExecutor(
-            1, "elastrain-hash", name_native_thread, (HASH,)
-        )
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(1, "elastrain-hash", _hash_thread)
         self._hashing: concurrent.futures.Future[None] | None = None
 
     def reserve_landing(self, joined: bool) -> None:
@@ -176,3 +174,16 @@ class Healing:
 
     def close(self) -> None:
         self._hash_pool.shutdown(wait=False)
+
+
+def _hash_thread() -> None:
+    """The state-hash thread: named, and at the lowest CPU priority (`yield_cpu`).
+    A generation's members that take no part in its heal hash their state while
+    the heal's senders and receivers move bytes; on a machine with fewer free
+    cores than busy threads the hash took the heal's CPU (a sharded twins' heal
+    ran at a third of the loopback rate while the other pair hashed its shards).
+    Nothing waits longer for it in sum: the first step joins it before it writes
+    the state (`settle`), and while the training thread waits there the hash has
+    that core."""
+    name_native_thread(HASH)
+    yield_cpu()

@@ -432,19 +432,29 @@ def test_a_kill_during_an_evaluation_redoes_it_and_the_heal_carries_the_schedule
     others); the replacement is healed its shard from its twin, the scheduler's
     state with it. Every record, the replacement's included, is the replicated
     run's."""
-    pace = tmp_path / "pace"
-    watch = _held_until(
+    pace, gate = tmp_path / "pace", tmp_path / "w4.gate"
+    hold = _held_until(
         pace,
         "2.0",
         lambda events: any(e["kind"] == "heal_end" and e.get("role") == "recv" for e in events),
         from_fault=True,
     )
+
+    def watch(la: Any, st: dict[str, Any]) -> None:
+        # The replacement (w4) waits before it joins until the redo has ended: one
+        # forked from the warm prefork server registered 0.18 s after the redo's end
+        # here, and the redo with its shadow is what this test is about.
+        hold(la, st)
+        ends = read_events(Path(la.config.run_dir))
+        if any(e["kind"] == "eval_end" and e["gen"] > 1 and e["batches"] for e in ends):
+            gate.touch()
+
     job = _launch(
         run_job,
         "evalkill",
         shard_size=2,
         points=[{"member": "w1", "step": 4, "phase": "eval", "action": "kill"}],
-        script_args=["--pace-file", str(pace)],
+        script_args=["--pace-file", str(pace), "--gated-members", "w4", "--gate-file", str(gate)],
         on_status=watch,
     )
     got = _assert_same(job, reference)

@@ -31,6 +31,7 @@ from job_common import (  # tests/scripts: the script's own directory
     sharded_arguments,
     sharded_config,
     sharded_model,
+    wait_at_gate,
 )
 from torch import nn
 
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate after every K steps")
     ap.add_argument("--carry", choices=["register", "extra", "none"], default="register")
     args = ap.parse_args()
+    wait_at_gate(args)
     model, opt = sharded_model()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     extra: dict[str, Any] = {}

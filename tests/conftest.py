@@ -81,6 +81,30 @@ class FaultHold:
             self.pace.unlink()
 
 
+@dataclass(frozen=True)
+class JoinGate:
+    """A replacement held before it joins until the test opens ``file``: the
+    sharded scripts' ``--gated-members``/``--gate-file`` (`wait_at_gate` in
+    tests/scripts/job_common.py). For a test that needs what follows its fault (a
+    step or an evaluation run with the dead rank's slot vacant) to happen before a
+    replacement forked from the warm prefork server joins, a few tenths of a second
+    after the fault."""
+
+    file: Path
+    member: str
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The script's arguments that hold ``member`` at this gate."""
+        return ("--gated-members", self.member, "--gate-file", str(self.file))
+
+    def open_if(self, ready: bool) -> bool:
+        """Open the gate when ``ready``; returns ``ready``."""
+        if ready:
+            self.file.touch()
+        return ready
+
+
 @dataclass
 class InProcessRun:
     run_dir: Path

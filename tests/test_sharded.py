@@ -31,7 +31,15 @@ from elastrain.observe.ledger import check_exactly_once, check_same_state, loss_
 from elastrain.runtime.reshard import Piece, ShardLost, moved_bytes, plan_reshard
 from elastrain.runtime.sharded import shard_rows
 
-from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, InProcessRun, Job, run_in_process
+from .conftest import (
+    REPLACE_AFTER_RESHARD_S,
+    ROOT,
+    FaultHold,
+    InProcessRun,
+    Job,
+    JoinGate,
+    run_in_process,
+)
 
 SHARDED = str(ROOT / "tests" / "scripts" / "train_sharded.py")
 B, SEED, DATASET = 24, 5, 2048
@@ -376,16 +384,13 @@ def _gated(tmp: Path, member: str) -> tuple[tuple[str, ...], Any]:
     Without the gate a replacement forked from the warm prefork server can join
     before the vacant generation's first step (seen on a loaded 2-core machine:
     the window is a few tenths of a second) and the shadow step never happens."""
-    gate = tmp / f"{member}.gate"
+    gate = JoinGate(tmp / f"{member}.gate", member)
 
     def open_at_a_shadow_step(events: list[dict[str, Any]]) -> bool:
         vacant = _vacant(events)
-        if not any(e["kind"] == "step_commit" and e["gen"] in vacant for e in events):
-            return False
-        gate.touch()
-        return True
+        return gate.open_if(any(e["kind"] == "step_commit" and e["gen"] in vacant for e in events))
 
-    return ("--gated-members", member, "--gate-file", str(gate)), open_at_a_shadow_step
+    return gate.args, open_at_a_shadow_step
 
 
 def test_a_killed_rank_stops_one_rank_and_its_replacement_heals_only_its_shard(

@@ -43,7 +43,7 @@ from elastrain.runtime.sharded import ShardedBackend
 from elastrain.runtime.trainer import ElasticTrainer
 from elastrain.transfer import TorchState
 
-from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, Job, run_in_process
+from .conftest import REPLACE_AFTER_RESHARD_S, ROOT, FaultHold, Job, JoinGate, run_in_process
 
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 from train_sharded import Net, Regression, loss_fn  # noqa: E402
@@ -432,29 +432,27 @@ def test_a_kill_during_an_evaluation_redoes_it_and_the_heal_carries_the_schedule
     others); the replacement is healed its shard from its twin, the scheduler's
     state with it. Every record, the replacement's included, is the replicated
     run's."""
-    pace, gate = tmp_path / "pace", tmp_path / "w4.gate"
-    hold = _held_until(
+    pace, gate = tmp_path / "pace", JoinGate(tmp_path / "w4.gate", "w4")
+    hold = FaultHold(
         pace,
         "2.0",
         lambda events: any(e["kind"] == "heal_end" and e.get("role") == "recv" for e in events),
-        from_fault=True,
     )
 
     def watch(la: Any, st: dict[str, Any]) -> None:
+        events = read_events(Path(la.config.run_dir))
+        hold.poll(events)
         # The replacement (w4) waits before it joins until the redo has ended: one
         # forked from the warm prefork server registered 0.18 s after the redo's end
         # here, and the redo with its shadow is what this test is about.
-        hold(la, st)
-        ends = read_events(Path(la.config.run_dir))
-        if any(e["kind"] == "eval_end" and e["gen"] > 1 and e["batches"] for e in ends):
-            gate.touch()
+        gate.open_if(any(e["kind"] == "eval_end" and e["gen"] > 1 and e["batches"] for e in events))
 
     job = _launch(
         run_job,
         "evalkill",
         shard_size=2,
         points=[{"member": "w1", "step": 4, "phase": "eval", "action": "kill"}],
-        script_args=["--pace-file", str(pace), "--gated-members", "w4", "--gate-file", str(gate)],
+        script_args=["--pace-file", str(pace), *gate.args],
         on_status=watch,
     )
     got = _assert_same(job, reference)

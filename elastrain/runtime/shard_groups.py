@@ -27,7 +27,6 @@ from elastrain.checkpoint.sharded_parts import (
     shard_parts,
     writer_shard,
 )
-from elastrain.control.layout import Layout
 from elastrain.runtime import hooks
 from elastrain.runtime import member as m
 from elastrain.runtime.collectives import TransportChoice, choose_transport
@@ -108,8 +107,7 @@ class ShardedGroups:
         if twins_heal_root(ready, member, self.backend):
             auth = HealAuth(self.ctx.config.heal_auth)
             self._prepared = PreparedHeal(committed, PreparedSend(self.backend.state(), auth))
-        elif twins_heal_receiver(ready, member):
-            shard = Layout.from_wire(ready.slots, ready.shard_size).slots[member].shard
+        elif (shard := twins_heal_receiver(ready, member)) is not None:
             try:
                 self.shards.place(shard, ready.shard_size, receiving=True)
             except Exception as e:  # noqa: BLE001 - the heal places again and reports it

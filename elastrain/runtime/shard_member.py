@@ -138,22 +138,23 @@ def twins_heal_root(ready: p.RendezvousResponse, member: str, backend: ShardedBa
     return bool(receivers and senders and twins[senders[0]] == member)
 
 
-def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> bool:
-    """Whether ``member`` will receive its shard in its twins' heal in the generation
-    ``ready`` announces: it is behind, a twin of its slot is up to date, and no
-    reshard comes first (a reshard moves rows by plan, not by a twins' heal). Its
-    slot, hence its shard's shape, is then known before the heal. Reads only."""
+def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> int | None:
+    """The shard ``member`` will receive in its twins' heal in the generation
+    ``ready`` announces, or None: it is behind, a twin of its slot is up to date,
+    and no reshard comes first (a reshard moves rows by plan, not by a twins'
+    heal). Its slot, hence its shard's shape, is then known before the heal.
+    Reads only."""
     if not ready.slots or member in ready.rolls_forward:
-        return False
+        return None
     layout = Layout.from_wire(ready.slots, ready.shard_size)
     slot = layout.slots.get(member)
     if slot is None or reshards(layout, held_by_senders(ready)):
-        return False
+        return None
     twins = tuple(layout.twins(slot.shard))
     senders, receivers, _ = m.heal_roles(
         twins, ready.committed, ready.commit_gens, ready.start_step
     )
-    return bool(senders) and twins.index(member) in receivers
+    return slot.shard if senders and twins.index(member) in receivers else None
 
 
 class ShardedMember:

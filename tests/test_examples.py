@@ -97,6 +97,28 @@ def _fsdp_port(run_job: Callable[..., Job], name: str, **kw: Any) -> Job:
     return job
 
 
+def _first_difference(ref: list[dict[str, Any]], run: Job) -> str:
+    """Where `run`'s loss curve first leaves the reference's: that step's shares per
+    member (`step_contrib`: generation, sample ids, loss sum), the reference's, and how
+    the run's workers were started, so a failure names the member that differs."""
+    from elastrain.observe.ledger import loss_curve
+
+    want, got = loss_curve(ref), loss_curve(run.events)
+    step = next((s for s in sorted(want) if got.get(s) != want[s]), None)
+    if step is None:
+        return "the loss curves agree"
+
+    def shares(events: list[dict[str, Any]]) -> list[Any]:
+        return [(e.get("proc"), e["gen"], e["samples"], e.get("loss_sum"))
+                for e in events if e["kind"] == "step_contrib" and e["step"] == step]  # fmt: skip
+
+    started = [{k: v for k, v in e.items() if k not in ("t", "kind")}
+               for e in run.of("worker_spawned")]  # fmt: skip
+    return (f"{run.run_dir}: step {step} loss {got.get(step)!r}, reference {want[step]!r}\n"
+            f"run's shares: {shares(run.events)}\nreference's: {shares(ref)}\n"
+            f"generations: {run.of('generation_ready')[:2]}\nworkers: {started}")  # fmt: skip
+
+
 def test_the_fsdp_port_keeps_its_curve_through_a_kill_and_a_reshard(
     run_job: Callable[..., Job], tmp_path: Path
 ) -> None:
@@ -121,7 +143,7 @@ def test_the_fsdp_port_keeps_its_curve_through_a_kill_and_a_reshard(
     assert [s for s, _ in evals] == [20, 40]  # after 20 and 40 steps
 
     killed = _fsdp_port(run_job, "kill", faults=["kill@12:w1"])
-    assert seen(killed.events) == (curve, norms, evals)
+    assert seen(killed.events) == (curve, norms, evals), _first_difference(clean.events, killed)
     assert len(killed.of("worker_spawned")) == 5  # four, and w1's replacement
     log = "".join(f.read_text() for f in sorted((killed.run_dir / "logs").glob("w*.log")))
     # The evaluation after 20 steps comes with the next step's result (r.step 20).
@@ -137,7 +159,9 @@ def test_the_fsdp_port_keeps_its_curve_through_a_kill_and_a_reshard(
     resharded = _fsdp_port(
         run_job, "reshard", faults=["kill@12:w1"], reshard_after_s=0.0, replace=False
     )
-    assert seen(resharded.events) == (curve, norms, evals)
+    assert seen(resharded.events) == (curve, norms, evals), _first_difference(
+        clean.events, resharded
+    )
     sizes = {e.get("shard_size") for e in resharded.of("generation_ready")}
     assert 3 in sizes, sizes
 

@@ -289,13 +289,18 @@ class StepRun:
         assert st is not None
         s, gen = a.step, a.gen
         extras = ctx.backend.extras()
+        loss_sum = float(st.loss_sum)
         extras.copy_(
             torch.tensor(
-                [float(st.loss_sum), float(len(st.samples)), *self.ckpt.contribution()],
+                [loss_sum, float(len(st.samples)), *self.ckpt.contribution()],
                 dtype=extras.dtype,
             )
         )
-        ctx.events.emit(EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples)
+        # loss_sum: this member's share of the step's loss, so a curve that differs
+        # from a reference can be traced to the member (and samples) that differ.
+        ctx.events.emit(
+            EventKind.STEP_CONTRIB, step=s, gen=gen, samples=st.samples, loss_sum=loss_sum
+        )
         st.t_reduce = time.monotonic()
         # A sharded shadow (no turn, `Turns.waits_whole_step`) reaches its reduction
         # at once and waits there for the others' whole compute: it has no time of

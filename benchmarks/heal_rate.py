@@ -57,8 +57,9 @@ machine's load hits all five alike):
   target, no heal that authenticates its bytes can meet the target on this
   machine; "heal / floor" says how much of the floor the heal reaches;
 - dfloor: the digest floor, the least a heal checked by the state digest must
-  do once its root's digest is prepared: the same pieces sent unsealed, the
-  receiver hashing each (XXH3-128) as it lands; "heal / digest floor" says how
+  do once its root's digest is prepared: the payload in 1 MiB pieces (the
+  size of the heal's own messages of this state) sent unsealed, the receiver
+  hashing each (XXH3-128) as it lands; "heal / digest floor" says how
   much of it the heal reaches.
 
 Every process runs with MALLOC_MMAP_THRESHOLD_=131072 (glibc's default, pinned)
@@ -354,7 +355,8 @@ def main() -> int:
         "leaves the bytes where they landed (no install copy, no manifest, no per-tensor "
         "work), one sender; heal / floor: how much of that the heal reaches",
         "digest floor: the least a heal checked by the state digest must do with its root's "
-        "digest prepared: the same 4 MiB pieces sent unsealed, the receiver hashing each "
+        "digest prepared: the payload in 1 MiB pieces (the heal's own messages of this state "
+        "are at most that) sent unsealed, the receiver hashing each "
         "(XXH3-128) as it lands, one sender; heal / digest floor: how much of that the heal "
         "reaches",
         "first heal: the receiver process's first heal (one per sender count, timed from a "

@@ -42,6 +42,12 @@ def test_the_gpu_check_runs_on_the_cpu_and_its_checks_pass(tmp_path: Path) -> No
     assert float(plain) > 0 and float(elastic) > 0
     assert float(rows["4 processes: kill -> survivors' next commit (s)"]) > 0
     assert float(rows["4 processes: 4 s SIGSTOP -> next commit (s)"]) > 0
+    # Part 5: heal_rate.py's smoke run on this machine's cores, its figures read back.
+    head = "heal on the host's cores, 1 sender"
+    assert rows[head].endswith(" cores"), rows[head]
+    for figure in ("warm broadcast (MB/s)", "digest heal / warm broadcast (ratio)",
+                   "digest floor / warm broadcast (ratio)"):  # fmt: skip
+        assert float(rows[f"{head}: {figure}"]) > 0, (figure, text[-3000:])
 
 
 def test_a_failed_part_is_a_row_naming_its_error_and_the_other_parts_still_report() -> None:
@@ -58,6 +64,7 @@ def test_a_failed_part_is_a_row_naming_its_error_and_the_other_parts_still_repor
     got, err = g.attempt(broken, 7)
     assert got is None and err == "RuntimeError: index is on cpu (7)"
     assert g.part1_rows(None, err) == [["1 process", f"FAILED: {err}"]]
+    assert g.part5_rows(None, err) == [["heal on the host's cores, 1 sender", f"FAILED: {err}"]]
     assert g.part2_rows(None, err, 4.0) == [
         [f"4 processes: kill@{g.KILL_AT}:w1, then a 4 s SIGSTOP of w2", f"FAILED: {err}"]
     ]

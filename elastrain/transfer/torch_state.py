@@ -56,13 +56,6 @@ OPTIM_STATE_FACTOR = 8
 bfloat16 params with float32 master weights needs 6."""
 
 
-def fresh_entries(index: int, nbytes: int, tensors: int, step: bool) -> list[tuple[str, int]]:
-    """``(name, nbytes)`` of param ``index``'s first-step state (`fresh_param_state`)
-    for a param of ``nbytes`` bytes."""
-    out = [(f"{OPTIM_PREFIX}{index}/{k}", nbytes) for k in range(tensors)]
-    return out + [(f"{OPTIM_PREFIX}{index}/step", 8)] if step else out
-
-
 STEP_KEY = "step"
 """The key of the 0-dim step counter in Adam's per-param state."""
 
@@ -92,17 +85,20 @@ class Owner(Enum):
     GROUP = "group"
 
 
-def fresh_param_state(
-    cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
-) -> tuple[int, bool] | None:
-    """What one param of ``group`` gets at an optimizer's first step (torch builds
-    the state then): ``(param-shaped tensors, whether a step counter too)``, from
-    `fresh_param_keys`; None for a class it does not know (that state is not
-    estimated, and lands in fresh memory)."""
+def fresh_state_entries(
+    index: int, nbytes: int, cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
+) -> list[tuple[str, int]] | None:
+    """``(name, nbytes)`` of the state that param ``index`` (of ``nbytes`` bytes: the
+    param, or the rows of it a shard holds) gets at an optimizer's first step, named
+    as ``flatten`` names it: the keys of `fresh_param_keys` (which
+    `TorchState.expected_layout` lays out too), the step counter 0-dim of its dtype
+    (`_step_dtype`), the moments the param's size. None for a class whose first
+    step is not known (that state is not estimated, and lands in fresh memory)."""
     keys = fresh_param_keys(cls, group)
     if keys is None:
         return None
-    return len([k for k in keys if k != STEP_KEY]), STEP_KEY in keys
+    step = _step_dtype(group).itemsize
+    return [(f"{OPTIM_PREFIX}{index}/{k}", step if k == STEP_KEY else nbytes) for k in keys]
 
 
 def _step_dtype(group: Mapping[str, Any]) -> torch.dtype:
@@ -199,15 +195,15 @@ class TorchState:
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What the state holds now, plus for every param the optimizer has no
-        state for what its first step will give it (`fresh_param_state`; named as
+        state for what its first step will give it (`fresh_state_entries`; named as
         that step would name it, in the optimizer's section)."""
         out = [(name, t.numel() * t.element_size()) for name, t in self.flatten().tensors]
         held, i = self.optimizer.state, 0
         for group in self.optimizer.param_groups:
-            fresh = fresh_param_state(type(self.optimizer), group)
             for p in group["params"]:
-                if fresh is not None and p not in held:
-                    out += fresh_entries(i, p.numel() * p.element_size(), *fresh)
+                if p not in held:
+                    nbytes = p.numel() * p.element_size()
+                    out += fresh_state_entries(i, nbytes, type(self.optimizer), group) or []
                 i += 1
         return out
 

@@ -121,6 +121,59 @@ def test_every_member_raising_at_one_step_stops_and_trains_nothing_twice(tmp_pat
     assert ends[0]["t"] - sorted(e["t"] for e in _failed_exits(job.events))[1] < 30.0
 
 
+class _Ended:
+    """A worker process that has exited (what `Launcher` asks of its procs)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return 1
+
+
+def test_a_replacement_waits_until_every_exit_already_happening_is_read(
+    tmp_path: Path,
+) -> None:
+    """Every member raised at one step: the launcher read w0's exit and its
+    replacement comes due while the others' exits are still in the queue. The
+    whole-job-death rule is not asked until they are read (the same-error rule
+    names the bug at the second); it once stopped the job as a whole-job death
+    with no checkpoint, saying nothing of the error. An exit that never comes
+    does not hold a replacement past `EXIT_READ_WAIT_S`."""
+    from elastrain.launch import launcher as launcher_mod
+    from elastrain.launch.launcher import Worker
+
+    script = tmp_path / "job.py"
+    script.write_text("")
+    la = Launcher(LaunchConfig(script=str(script), workers=4, run_dir=str(tmp_path / "run")))
+    la.status = {"step": 5, "members": ["w0", "w1", "w2", "w3"]}
+    for i, m in enumerate(("w0", "w1", "w2", "w3")):
+        la.workers[m] = Worker(m, _Ended(101 + i), 0.0, replacement=False)
+    assert la._on_exit("w0", 101, 1) is None  # one failure: a replacement is due at once
+    assert [(what, arg) for _, _, what, arg in la._timers] == [("spawn", ("w0", 101))]
+    la._timers.clear()
+    la._on_timer("spawn", ("w0", 101))
+    assert not la._stop.is_set()  # held: no decision, no replacement
+    assert [(what, arg) for _, _, what, arg in la._timers] == [("spawn", ("w0", 101))]
+    # The others' exits are read (`_on_exit` takes them out of `workers`): only now
+    # is the job's death decided (here with no exit records: the job-death rule).
+    la._timers.clear()
+    la.workers.clear()
+    la._on_timer("spawn", ("w0", 101))
+    assert la._stop.is_set() and "every member died" in la._stop_reason[1]
+    # An unread exit holds a replacement for at most EXIT_READ_WAIT_S.
+    late = Launcher(LaunchConfig(script=str(script), workers=2, run_dir=str(tmp_path / "late")))
+    late.status = {"step": 5, "members": ["w0", "w1"]}
+    for i, m in enumerate(("w0", "w1")):
+        late.workers[m] = Worker(m, _Ended(300 + i), 0.0, replacement=False)
+    assert late._on_exit("w0", 300, 1) is None
+    late._on_timer("spawn", ("w0", 300))
+    assert not late._stop.is_set()
+    late._spawn_held[("w0", 300)] -= launcher_mod.EXIT_READ_WAIT_S
+    late._on_timer("spawn", ("w0", 300))
+    assert late._stop.is_set()
+
+
 def test_a_whole_job_death_after_committed_steps_without_a_checkpoint_stops(
     tmp_path: Path,
 ) -> None:

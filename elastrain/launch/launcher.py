@@ -69,6 +69,13 @@ from elastrain.observe.tensorboard import TensorBoardSink
 __all__ = ["CHECKPOINTS", "LaunchConfig", "Launcher", "RunResult"]
 
 
+EXIT_READ_POLL_S = 0.02
+"""How often a replacement's start held for unread exits asks again (`_hold_spawn`)."""
+EXIT_READ_WAIT_S = 2.0
+"""The longest a replacement's start waits for exits already happening to be read: a
+reaper queues a worker's exit as it dies, so this bound is never met but by a bug."""
+
+
 class _Failed(Exception):
     """The job cannot go on; the message says why and what to do."""
 
@@ -125,6 +132,8 @@ class Launcher:
         self._next_id = 0
         self._timers: list[tuple[float, int, str, Any]] = []
         self._seq = 0
+        self._spawn_held: dict[Any, float] = {}
+        """A replacement's start held for unread exits: since when (`_hold_spawn`)."""
         self._stop = threading.Event()
         self._fast_failures = 0
         self.failures = FailureWatch(
@@ -744,6 +753,24 @@ class Launcher:
         note = self._newest_checkpoint()
         return stop_text(stop, self.run_dir, None if note == NO_CHECKPOINT else note)
 
+    def _hold_spawn(self, arg: Any) -> bool:
+        """Whether a replacement's start waits (asked again in `EXIT_READ_POLL_S`, for
+        at most `EXIT_READ_WAIT_S`): a worker has died whose exit this thread has not
+        read yet (its reaper queues it as it dies). The failure watch must see every
+        exit before the whole-job-death rule is asked: four members raising the same
+        error at one step are a bug in the script, which the same-error rule names at
+        the second exit, not a whole-job death seen at the first (as it was when the
+        replacement's start came between them)."""
+        if not any(w.proc.poll() is not None for w in self.workers.values()):
+            self._spawn_held.pop(arg, None)
+            return False
+        since = self._spawn_held.setdefault(arg, time.monotonic())
+        if time.monotonic() - since >= EXIT_READ_WAIT_S:
+            self._spawn_held.pop(arg, None)
+            return False
+        self._at(EXIT_READ_POLL_S, "spawn", arg)
+        return True
+
     def _job_died(self) -> Stop | None:
         """Asked before a replacement starts: if no member holding the state is
         alive, the failure watch's whole-job-death rule decides (local jobs: an
@@ -831,6 +858,8 @@ class Launcher:
     def _on_timer(self, what: str, arg: Any) -> None:
         if what == "spawn":
             if not self.status.get("finished") and not self.done_members:
+                if self._hold_spawn(arg):
+                    return
                 stop = self._job_died()
                 if stop is not None:
                     self._stop_reason = ("failed", self._stop_text(stop))

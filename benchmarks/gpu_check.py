@@ -505,39 +505,21 @@ def nccl_rows(nccl: dict[str, Any] | None, err: str | None) -> list[list[str]]:
     ]  # fmt: skip
 
 
-HEAL_COLUMNS = {
-    "warm bcast MB/s": "warm",
-    "heal / warm": "heal",
-    "digest floor MB/s (/ warm)": "dfloor",
-}
-"""heal_rate.py's table columns that part 5 reports, by the key it reports them under."""
-
-
 def heal_on_host(quick: bool, out: Path) -> dict[str, Any]:
-    """Part 5: heal_rate.py with one sender, unrecorded; its table's figures (see
-    `HEAL_COLUMNS`) and the host's core count."""
-    cmd = [sys.executable, str(HERE / "heal_rate.py"), "--no-record", "--senders", "1",
-           "--runs-dir", str(out), *(["--quick"] if quick else ["--reps", "10"])]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if done.returncode not in (0, 1):  # 1: a target missed, the table is still there
-        tail = (done.stdout + done.stderr).strip().splitlines()
-        raise RuntimeError(f"heal_rate.py exited {done.returncode}: {tail[-1] if tail else ''}")
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("| ")]
-    if len(lines) < 2:
-        raise RuntimeError("heal_rate.py printed no table")
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    row = next((ln for ln in lines[1:] if ln.split("|")[1].strip() == "1"), None)
-    if row is None:
-        raise RuntimeError("heal_rate.py's table has no row for 1 sender")
-    cells = dict(zip(header, (c.strip() for c in row.strip("|").split("|")), strict=False))
-    got: dict[str, Any] = {"cores": os.cpu_count()}
-    for column, key in HEAL_COLUMNS.items():
-        if column not in cells:
-            raise RuntimeError(f"heal_rate.py's table has no column {column!r}")
-        # "4614 (0.76)": the ratio in brackets where there is one, else the number
-        value = cells[column].split("(")[-1].rstrip(")")
-        got[key] = float(value)
-    return got
+    """Part 5: heal_rate.py's run with one sender, unrecorded (`heal_rate.run_one`:
+    its job's processes, as the benchmark runs them; --quick: its smoke shape), and
+    from its rounds the medians of the warm broadcast, of the digest heal and of the
+    digest floor, the last two as fractions of the first; the host's core count."""
+    import heal_rate
+
+    base = heal_rate.QUICK if quick else heal_rate.FULL
+    shape = (int(base["dim"]), int(base["layers"]), int(base["heads"]))
+    reps = int(base["reps"]) if quick else 10
+    got = heal_rate.run_one(
+        1, shape, reps, out / "heal-rate", 60.0 + 20.0 * reps, heal_rate.STRIPE_MIN_BYTES
+    )
+    warm, heal, dfloor = (med(got["rates"][k]) for k in ("warm", "heal", "dfloor"))
+    return {"cores": os.cpu_count(), "warm": warm, "heal": heal / warm, "dfloor": dfloor / warm}
 
 
 def part5_rows(heal: dict[str, Any] | None, err: str | None) -> list[list[str]]:

@@ -253,7 +253,7 @@ HEADER = [
 
 
 def main() -> int:
-    bench = Bench("heal_rate.py", __doc__, quick="smoke run: 10 MB, 3 rounds", runs_dir=True)
+    bench = Bench("heal_rate.py", __doc__, quick="smoke run: 10 MB, 3 rounds")
     ap = bench.ap
     ap.add_argument("--senders", help="comma-separated sender counts (default 1,2)")
     ap.add_argument("--reps", type=int, help="timed rounds per sender count (default 20)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from enum import Enum
@@ -86,19 +87,41 @@ class Owner(Enum):
 
 
 def fresh_state_entries(
-    index: int, nbytes: int, cls: type[torch.optim.Optimizer], group: Mapping[str, Any]
-) -> list[tuple[str, int]] | None:
-    """``(name, nbytes)`` of the state that param ``index`` (of ``nbytes`` bytes: the
-    param, or the rows of it a shard holds) gets at an optimizer's first step, named
-    as ``flatten`` names it: the keys of `fresh_param_keys` (which
-    `TorchState.expected_layout` lays out too), the step counter 0-dim of its dtype
-    (`_step_dtype`), the moments the param's size. None for a class whose first
-    step is not known (that state is not estimated, and lands in fresh memory)."""
+    index: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    cls: type[torch.optim.Optimizer],
+    group: Mapping[str, Any],
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]] | None:
+    """``(name, dtype, shape)`` of the state that param ``index`` (of ``dtype`` and
+    ``shape``: the param's, or those of the rows of it a shard holds) gets at an
+    optimizer's first step, named as ``flatten`` names it: the keys of
+    `fresh_param_keys`, the step counter 0-dim of its own dtype (`_step_dtype`),
+    the moments like the param. None for a class whose first step is not known.
+    The one prediction behind the expected layout (`TorchState.expected_layout`)
+    and the landing estimates (`TorchState.landing_estimate`, the sharded
+    backend's)."""
     keys = fresh_param_keys(cls, group)
     if keys is None:
         return None
-    step = _step_dtype(group).itemsize
-    return [(f"{OPTIM_PREFIX}{index}/{k}", step if k == STEP_KEY else nbytes) for k in keys]
+    step: tuple[torch.dtype, tuple[int, ...]] = (_step_dtype(group), ())
+    return [
+        (f"{OPTIM_PREFIX}{index}/{k}", *(step if k == STEP_KEY else (dtype, shape))) for k in keys
+    ]
+
+
+def fresh_state_bytes(
+    index: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    cls: type[torch.optim.Optimizer],
+    group: Mapping[str, Any],
+) -> list[tuple[str, int]]:
+    """`fresh_state_entries` as ``(name, nbytes)``, for a landing estimate: nothing
+    for a class whose first step is not known (that state is not estimated, and
+    lands in fresh memory)."""
+    entries = fresh_state_entries(index, dtype, shape, cls, group) or []
+    return [(n, dt.itemsize * math.prod(sh)) for n, dt, sh in entries]
 
 
 def _step_dtype(group: Mapping[str, Any]) -> torch.dtype:
@@ -195,22 +218,22 @@ class TorchState:
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What the state holds now, plus for every param the optimizer has no
-        state for what its first step will give it (`fresh_state_entries`; named as
+        state for what its first step will give it (`fresh_state_bytes`; named as
         that step would name it, in the optimizer's section)."""
         out = [(name, t.numel() * t.element_size()) for name, t in self.flatten().tensors]
         held, i = self.optimizer.state, 0
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p not in held:
-                    nbytes = p.numel() * p.element_size()
-                    out += fresh_state_entries(i, nbytes, type(self.optimizer), group) or []
+                    cls = type(self.optimizer)
+                    out += fresh_state_bytes(i, p.dtype, tuple(p.shape), cls, group)
                 i += 1
         return out
 
     def expected_layout(self) -> tuple[Entry, ...] | None:
         """`NamedState.expected_layout`: this state's own layout, where every param the
         optimizer holds no state for gets what its first step will give it
-        (`fresh_param_keys`), in `flatten`'s order. None when the optimizer's class
+        (`fresh_state_entries`), in `flatten`'s order. None when the optimizer's class
         is not one whose first step is known and some param has no state yet."""
         flat = self.flatten()
         held: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -228,18 +251,15 @@ class TorchState:
         ]
         i = 0
         for group in self.optimizer.param_groups:
-            keys = fresh_param_keys(type(self.optimizer), group)
             for p in group["params"]:
                 if i in held:
                     laid += [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in held[i]]
-                elif keys is None:
-                    return None
                 else:
-                    for k in keys:
-                        dtype, shape = (
-                            (_step_dtype(group), ()) if k == STEP_KEY else (p.dtype, tuple(p.shape))
-                        )
-                        laid.append((f"{OPTIM_PREFIX}{i}/{k}", dtype_name(dtype), shape))
+                    cls = type(self.optimizer)
+                    fresh = fresh_state_entries(i, p.dtype, tuple(p.shape), cls, group)
+                    if fresh is None:
+                        return None
+                    laid += [(n, dtype_name(dt), sh) for n, dt, sh in fresh]
                 i += 1
         laid += [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in rest]
         return lay_out(laid)

@@ -118,32 +118,24 @@ def reshards(layout: Layout, held: dict[str, tuple[int, int]]) -> bool:
     return any(h != (layout.shard_size, layout.slots[w].shard) for w, h in held.items())
 
 
-def twins_heal_root(ready: p.RendezvousResponse, member: str, backend: ShardedBackend) -> bool:
-    """Whether ``member`` will be the root of its twins' heal in the generation
-    ``ready`` announces (its first up-to-date twin, while a twin is behind) with
-    nothing changing its rows before that heal: no reshard, no step of its own to
-    roll forward, its rows already in its slot. Reads only."""
-    if not ready.slots or member in ready.rolls_forward or not backend.placed:
-        return False
-    layout = Layout.from_wire(ready.slots, ready.shard_size)
-    slot = layout.slots.get(member)
-    if slot is None or (backend.shard_size, backend.shard) != (layout.shard_size, slot.shard):
-        return False
-    if reshards(layout, held_by_senders(ready)):
-        return False
-    twins = tuple(layout.twins(slot.shard))
-    senders, receivers, _ = m.heal_roles(
-        twins, ready.committed, ready.commit_gens, ready.start_step
-    )
-    return bool(receivers and senders and twins[senders[0]] == member)
+@dataclass(frozen=True)
+class TwinsHeal:
+    """The heal inside ``member``'s twins that the ready answer announces: its
+    slot's shard and size, its twins, and their heal's roles (indices into
+    ``twins``)."""
+
+    shard: int
+    size: int
+    twins: tuple[str, ...]
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
 
 
-def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> int | None:
-    """The shard ``member`` will receive in its twins' heal in the generation
-    ``ready`` announces, or None: it is behind, a twin of its slot is up to date,
-    and no reshard comes first (a reshard moves rows by plan, not by a twins'
-    heal). Its slot, hence its shard's shape, is then known before the heal.
-    Reads only."""
+def twins_heal(ready: p.RendezvousResponse, member: str) -> TwinsHeal | None:
+    """``member``'s twins' heal in the generation ``ready`` announces, known before
+    it begins; None where nothing of it is known yet: a member that rolls forward
+    (its state changes first), one with no slot, or a reshard first (it moves rows
+    by plan, not by a twins' heal). Reads only."""
     if not ready.slots or member in ready.rolls_forward:
         return None
     layout = Layout.from_wire(ready.slots, ready.shard_size)
@@ -154,7 +146,28 @@ def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> int | None:
     senders, receivers, _ = m.heal_roles(
         twins, ready.committed, ready.commit_gens, ready.start_step
     )
-    return slot.shard if senders and twins.index(member) in receivers else None
+    return TwinsHeal(slot.shard, layout.shard_size, twins, tuple(senders), tuple(receivers))
+
+
+def twins_heal_root(ready: p.RendezvousResponse, member: str, backend: ShardedBackend) -> bool:
+    """Whether ``member`` will be the root of its twins' heal (`twins_heal`: its first
+    up-to-date twin, while a twin is behind) with nothing changing its rows before
+    that heal: no reshard, no step of its own to roll forward, its rows already in
+    its slot. Reads only."""
+    heal = twins_heal(ready, member) if backend.placed else None
+    if heal is None or (backend.shard_size, backend.shard) != (heal.size, heal.shard):
+        return False
+    return bool(heal.receivers and heal.senders and heal.twins[heal.senders[0]] == member)
+
+
+def twins_heal_receiver(ready: p.RendezvousResponse, member: str) -> int | None:
+    """The shard ``member`` will receive in its twins' heal (`twins_heal`), or None:
+    it is behind and a twin of its slot is up to date. Its slot, hence its shard's
+    shape, is then known before the heal. Reads only."""
+    heal = twins_heal(ready, member)
+    if heal is None or not heal.senders or heal.twins.index(member) not in heal.receivers:
+        return None
+    return heal.shard
 
 
 class ShardedMember:

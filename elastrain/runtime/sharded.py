@@ -100,7 +100,7 @@ from elastrain.runtime.torch_backend import load_torch_meta, seed_micro_batch, t
 from elastrain.runtime.update import BeforeStep, scheduler_problems, schedulers_of
 from elastrain.transfer import NamedState, TorchState, model_signature, state_digest
 from elastrain.transfer.flatten import MODEL_PREFIX, Stateful
-from elastrain.transfer.torch_state import fresh_state_bytes
+from elastrain.transfer.torch_state import entry_bytes, fresh_state_entries
 
 log = logging.getLogger("elastrain.sharded")
 
@@ -472,7 +472,7 @@ class ShardedBackend:
         """What a heal of this member's shard is expected to bring, before it holds
         one (`NamedState.landing_estimate`): shard 0 of the configured shard size
         (it holds the most rows), each parameter's rows with its optimizer state's
-        first step (`fresh_state_bytes`, as `TorchState.landing_estimate`), and
+        first step (`fresh_state_entries`, as `TorchState.landing_estimate`), and
         every buffer."""
         group_of = {n: g for g in self._opt_groups for n in g["params"]}
         out: list[tuple[str, int]] = []
@@ -482,7 +482,8 @@ class ShardedBackend:
             rows = (hi - lo, *self._shapes[n][1:])
             out.append((MODEL_PREFIX + _local_name(n), math.prod(rows) * dtype.itemsize))
             if n in group_of:
-                out += fresh_state_bytes(i, dtype, rows, self._opt_class, group_of[n])
+                fresh = fresh_state_entries(i, dtype, rows, self._opt_class, group_of[n])
+                out += entry_bytes(fresh)
         out += [(MODEL_PREFIX + _local_name(n), b.nbytes) for n, b in self._buffers.items()]
         return out
 

@@ -110,18 +110,13 @@ def fresh_state_entries(
     ]
 
 
-def fresh_state_bytes(
-    index: int,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    cls: type[torch.optim.Optimizer],
-    group: Mapping[str, Any],
+def entry_bytes(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] | None,
 ) -> list[tuple[str, int]]:
     """`fresh_state_entries` as ``(name, nbytes)``, for a landing estimate: nothing
     for a class whose first step is not known (that state is not estimated, and
     lands in fresh memory)."""
-    entries = fresh_state_entries(index, dtype, shape, cls, group) or []
-    return [(n, dt.itemsize * math.prod(sh)) for n, dt, sh in entries]
+    return [(n, dt.itemsize * math.prod(sh)) for n, dt, sh in entries or []]
 
 
 def _step_dtype(group: Mapping[str, Any]) -> torch.dtype:
@@ -218,7 +213,7 @@ class TorchState:
 
     def landing_estimate(self) -> list[tuple[str, int]]:
         """What the state holds now, plus for every param the optimizer has no
-        state for what its first step will give it (`fresh_state_bytes`; named as
+        state for what its first step will give it (`fresh_state_entries`; named as
         that step would name it, in the optimizer's section)."""
         out = [(name, t.numel() * t.element_size()) for name, t in self.flatten().tensors]
         held, i = self.optimizer.state, 0
@@ -226,7 +221,7 @@ class TorchState:
             for p in group["params"]:
                 if p not in held:
                     cls = type(self.optimizer)
-                    out += fresh_state_bytes(i, p.dtype, tuple(p.shape), cls, group)
+                    out += entry_bytes(fresh_state_entries(i, p.dtype, tuple(p.shape), cls, group))
                 i += 1
         return out
 
